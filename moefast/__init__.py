@@ -1,0 +1,37 @@
+"""moefast: fast mixture-of-experts language-model training in JAX/Flax.
+
+The public API is importable from the top level; heavy modules load on first use, so
+``import moefast`` is cheap and leaves JAX's device setup (e.g. ``jax_num_cpu_devices``) open.
+
+Example::
+
+    import moefast
+    cfg = moefast.load_config(overrides=["train.steps=100"])
+    summary = moefast.Trainer(cfg, run_dir="runs/demo").run()
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_API = {
+    "ConfigError": "moefast.config",
+    "ExperimentConfig": "moefast.config",
+    "load_config": "moefast.config",
+    "Transformer": "moefast.model",
+    "build_model": "moefast.model",
+    "load_corpus": "moefast.data",
+    "ModelDef": "moefast.train",
+    "Trainer": "moefast.train",
+    "TrainSummary": "moefast.train",
+    "generate": "moefast.train",
+    "load_run_config": "moefast.train",
+}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name):
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'moefast' has no attribute {name!r}")

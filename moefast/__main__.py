@@ -1,0 +1,5 @@
+import sys
+
+from moefast.cli import main
+
+sys.exit(main())

@@ -1,0 +1,92 @@
+"""Command line: ``moefast train | eval | generate`` — a thin layer over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_CPU_DEVICES = 1
+
+
+def _set_cpu_devices(n: int | None) -> None:
+    """Sets the number of virtual CPU devices; must run before JAX initialises its backends."""
+    if n is None:
+        if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+            return  # the environment already chose
+        n = DEFAULT_CPU_DEVICES
+    if n < 1:
+        raise SystemExit(f"error: --cpu-devices must be >= 1, got {n}")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moefast", description="Train mixture-of-experts language models with JAX.")
+    sub = p.add_subparsers(dest="command", required=True)
+    dev_help = (f"number of virtual CPU devices (default {DEFAULT_CPU_DEVICES}, the fastest on a small "
+                "CPU; ignored on GPU)")
+
+    t = sub.add_parser("train", help="train (or resume) a run")
+    t.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
+    t.add_argument("--run-dir", default=None, help="run directory (default: runs/<config name>)")
+    t.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="config overrides, e.g. train.steps=200 moe.top_k=1")
+
+    e = sub.add_parser("eval", help="validation loss and bits per byte of a run's latest checkpoint")
+    e.add_argument("--run-dir", required=True)
+    e.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+
+    g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
+    g.add_argument("--run-dir", required=True)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _set_cpu_devices(args.cpu_devices)
+
+    from moefast.config import ConfigError, load_config
+    from moefast.data import DataError
+    from moefast.train import CheckpointError, Trainer, generate, load_run_config
+
+    try:
+        if args.command == "train":
+            cfg = load_config(args.config, args.overrides)
+            trainer = Trainer(cfg, args.run_dir, progress=not args.no_progress)
+            summary = trainer.run()
+            print(f"done: {summary.format()}")
+        elif args.command == "eval":
+            cfg = load_run_config(args.run_dir)
+            trainer = Trainer(cfg, args.run_dir, progress=False)
+            step, params = trainer.restore_params()
+            m = trainer.evaluate(params)
+            print(f"step {step} | eval loss {m['eval_loss']:.4f} | eval bits/byte {m['eval_bits_per_byte']:.4f}")
+        elif args.command == "generate":
+            if args.max_new_tokens < 1:
+                raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+            cfg = load_run_config(args.run_dir)
+            trainer = Trainer(cfg, args.run_dir, progress=False)
+            _, params = trainer.restore_params()
+            text = generate(trainer.model_def, params, trainer.corpus.tokenizer, args.prompt,
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+            print(args.prompt + text)
+    except (ConfigError, DataError, CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""Experiment configuration: frozen dataclasses, YAML files and ``section.key=value`` overrides.
+
+One :class:`ExperimentConfig` holds a section per part of the system (``model``, ``moe``, ``data``,
+``train``, ``mesh``, ``checkpoint``). Every section validates its own invariants in
+``__post_init__``; :class:`ExperimentConfig` validates the ones that span sections. Errors are
+:class:`ConfigError` (a ``ValueError``) with a message that names the key and what to change.
+
+Example::
+
+    cfg = load_config("configs/tiny.yaml", ["train.steps=200", "moe.top_k=1"])
+    cfg = cfg.replace(train=dataclasses.replace(cfg.train, steps=10))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "ExperimentConfig",
+    "MeshConfig",
+    "MoEConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "DEFAULT_CONFIG",
+    "load_config",
+    "parse_overrides",
+]
+
+DEFAULT_CAPACITY_FACTOR = 1.25
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or impossible."""
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer shape.
+
+    Attributes:
+      d_model: residual stream width D.
+      num_layers: number of transformer blocks.
+      num_heads: query heads H.
+      num_kv_heads: key/value heads (grouped-query attention); ``None`` means ``num_heads``.
+      head_dim: per-head width.
+      d_ff: hidden width F of each SwiGLU expert (and of dense feed-forward layers).
+      vocab_size: V; ``None`` means the tokenizer's vocabulary size.
+      max_seq_len: length of the positional (RoPE) table, in tokens; positions must be below it.
+      rope_base: RoPE wavelength base (Su et al. 2021, RoFormer eq. 15).
+      tie_embeddings: LM head reuses the token embedding matrix.
+      num_dense_layers: leading blocks with a dense feed-forward instead of MoE.
+      moe_every: after the leading dense layers, every ``moe_every``-th block is MoE, others dense.
+      dtype: compute dtype of activations and matmuls (parameters stay float32; the router is
+        always float32).
+      dropout: dropout rate on attention and feed-forward outputs (training only).
+      norm_eps: RMSNorm epsilon.
+      init_std: standard deviation of the normal initialiser of weight matrices.
+    """
+
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int = 64
+    d_ff: int = 512
+    vocab_size: int | None = None
+    max_seq_len: int = 1024
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    num_dense_layers: int = 0
+    moe_every: int = 1
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    dropout: float = 0.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for k in ("d_model", "num_layers", "num_heads", "head_dim", "d_ff", "max_seq_len", "moe_every"):
+            _require(getattr(self, k) >= 1, f"model.{k}", f"must be >= 1, got {getattr(self, k)}")
+        kv = self.kv_heads
+        _require(kv >= 1 and self.num_heads % kv == 0, "model.num_kv_heads",
+                 f"must divide model.num_heads={self.num_heads}, got {kv}")
+        _require(self.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {self.head_dim}")
+        _require(self.vocab_size is None or self.vocab_size >= 2, "model.vocab_size",
+                 f"must be >= 2 or null (= tokenizer's size), got {self.vocab_size}")
+        _require(0 <= self.num_dense_layers <= self.num_layers, "model.num_dense_layers",
+                 f"must be in [0, model.num_layers={self.num_layers}], got {self.num_dense_layers}")
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(self.rope_base > 1.0, "model.rope_base", f"must be > 1, got {self.rope_base}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) has an MoE feed-forward."""
+        if layer < self.num_dense_layers:
+            return False
+        return (layer - self.num_dense_layers) % self.moe_every == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts routing.
+
+    Attributes:
+      num_experts: E, experts per MoE layer.
+      top_k: K, experts chosen per token.
+      capacity_factor: dimensionless multiplier; capacity per expert is
+        ``ceil(capacity_factor * tokens * top_k / num_experts)`` clamped to ``[min_capacity, tokens]``
+        (GShard, Lepikhin et al. 2020, sec. 2.2), where ``tokens`` counts the tokens of one routing
+        group (the tokens on one device). ``None`` means the default, 1.25. Must be > 0; dropless routing is not implemented yet, so
+        0 is rejected rather than read as "unset".
+      min_capacity: lower bound of the capacity, in slots.
+      aux_loss_coef: weight of the load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4).
+      z_loss_coef: weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5).
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float | None = None
+    min_capacity: int = 4
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 1e-3
+
+    def __post_init__(self):
+        _require(self.num_experts >= 1, "moe.num_experts", f"must be >= 1, got {self.num_experts}")
+        _require(1 <= self.top_k <= self.num_experts, "moe.top_k",
+                 f"must be in [1, moe.num_experts={self.num_experts}], got {self.top_k}")
+        if self.capacity_factor is None:
+            object.__setattr__(self, "capacity_factor", DEFAULT_CAPACITY_FACTOR)
+        _require(self.capacity_factor != 0, "moe.capacity_factor",
+                 "0 would mean dropless routing, which is not implemented yet; use a value > 0 "
+                 "(e.g. 1.25), or a large value such as 8 so that nothing drops")
+        _require(self.capacity_factor > 0 and math.isfinite(self.capacity_factor), "moe.capacity_factor",
+                 f"must be a finite number > 0, got {self.capacity_factor}")
+        _require(self.min_capacity >= 1, "moe.min_capacity", f"must be >= 1, got {self.min_capacity}")
+        _require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", f"must be >= 0, got {self.aux_loss_coef}")
+        _require(self.z_loss_coef >= 0, "moe.z_loss_coef", f"must be >= 0, got {self.z_loss_coef}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Input pipeline.
+
+    Attributes:
+      source: ``"stdlib"`` (the running interpreter's standard-library ``.py`` files), a directory, a
+        glob of text files, a ``.jsonl`` file (or glob) or a ``.parquet`` file (or glob).
+      text_field: field holding the text in ``.jsonl`` / ``.parquet`` records.
+      tokenizer: ``"byte"`` (256 byte ids + BOS/EOS/PAD).
+      seq_len: tokens per packed row (T).
+      batch_size: global batch, in rows (B), summed over all processes and devices.
+      val_fraction: fraction of documents (by hash of their path/id) held out for validation.
+    """
+
+    source: str = "stdlib"
+    text_field: str = "text"
+    tokenizer: Literal["byte"] = "byte"
+    seq_len: int = 256
+    batch_size: int = 8
+    val_fraction: float = 0.02
+
+    def __post_init__(self):
+        _require(self.seq_len >= 2, "data.seq_len", f"must be >= 2, got {self.seq_len}")
+        _require(self.batch_size >= 1, "data.batch_size", f"must be >= 1, got {self.batch_size}")
+        _require(0.0 < self.val_fraction < 1.0, "data.val_fraction",
+                 f"must be in (0, 1), got {self.val_fraction}")
+        _require(bool(self.source), "data.source", "must not be empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and the training loop.
+
+    Attributes:
+      steps: total optimizer steps; the learning-rate schedule spans them.
+      stop_at: end the run at this step with a checkpoint (as a preemption would); ``None`` = steps.
+      seed: seed of parameter initialisation, data order and dropout keys.
+      learning_rate: peak AdamW learning rate.
+      warmup_steps: linear warm-up length, in steps.
+      min_lr_ratio: final learning rate of the cosine decay, as a fraction of the peak.
+      weight_decay: AdamW decoupled weight decay (matrices only).
+      b1, b2: AdamW moment decay rates.
+      grad_clip: global-norm clipping threshold; 0 disables clipping.
+      log_every: steps between training log records.
+      eval_every: steps between evaluations (0 = only at the end).
+      eval_batches: validation batches per evaluation.
+      checkpoint_every: steps between checkpoints (0 = only at the end).
+    """
+
+    steps: int = 600
+    stop_at: int | None = None
+    seed: int = 0
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    log_every: int = 25
+    eval_every: int = 200
+    eval_batches: int = 8
+    checkpoint_every: int = 200
+
+    def __post_init__(self):
+        _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
+        _require(self.stop_at is None or 1 <= self.stop_at <= self.steps, "train.stop_at",
+                 f"must be null or in [1, train.steps={self.steps}], got {self.stop_at}")
+        _require(self.learning_rate > 0, "train.learning_rate", f"must be > 0, got {self.learning_rate}")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio",
+                 f"must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "train.b1/train.b2", "must be in [0, 1)")
+        _require(self.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {self.grad_clip}")
+        _require(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
+        _require(self.eval_every >= 0, "train.eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(self.eval_batches >= 1, "train.eval_batches", f"must be >= 1, got {self.eval_batches}")
+        _require(self.checkpoint_every >= 0, "train.checkpoint_every",
+                 f"must be >= 0, got {self.checkpoint_every}")
+
+    @property
+    def last_step(self) -> int:
+        return self.steps if self.stop_at is None else self.stop_at
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh.
+
+    Attributes:
+      data: size of the ``data`` (batch) axis; ``-1`` means all devices.
+    """
+
+    data: int = -1
+
+    def __post_init__(self):
+        _require(self.data == -1 or self.data >= 1, "mesh.data", f"must be -1 (all devices) or >= 1, got {self.data}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpointing (orbax).
+
+    Attributes:
+      keep: number of most recent checkpoints kept on disk.
+      async_save: write checkpoints in a background thread while training continues.
+    """
+
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self):
+        _require(self.keep >= 1, "checkpoint.keep", f"must be >= 1, got {self.keep}")
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "mesh": MeshConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole experiment: one section per part of the system, plus a name (used for the run dir)."""
+
+    name: str = "tiny"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
+                 f"{self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                 "lower data.seq_len or raise model.max_seq_len")
+
+    def replace(self, **sections: Any) -> "ExperimentConfig":
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> "ExperimentConfig":
+        """Builds a config from nested dicts, rejecting unknown keys and wrong types."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: expected a mapping of sections, got {type(d).__name__}")
+        unknown = set(d) - set(_SECTIONS) - {"name"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown section(s) {sorted(unknown)}; "
+                              f"valid sections: {sorted(_SECTIONS)} and 'name'")
+        kwargs: dict[str, Any] = {}
+        if "name" in d:
+            kwargs["name"] = _coerce("name", d["name"], str)
+        for sec, typ in _SECTIONS.items():
+            body = d.get(sec) or {}
+            if not isinstance(body, dict):
+                raise ConfigError(f"{sec}: expected a mapping, got {body!r}")
+            kwargs[sec] = _build_section(sec, typ, body)
+        return cls(**kwargs)
+
+
+def _build_section(sec: str, typ: type, body: dict[str, Any]):
+    fields = {f.name: f for f in dataclasses.fields(typ)}
+    hints = typing.get_type_hints(typ)
+    for k in body:
+        if k not in fields:
+            raise ConfigError(f"{sec}.{k}: unknown key; valid keys of '{sec}': {sorted(fields)}")
+    vals = {k: _coerce(f"{sec}.{k}", v, hints[k]) for k, v in body.items()}
+    return typ(**vals)
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Checks ``value`` against a type annotation, converting int -> float where allowed."""
+    origin = typing.get_origin(typ)
+    if origin is Literal:
+        choices = typing.get_args(typ)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(typ)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: {value!r} does not fit {_type_name(typ)}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - guards new field types
+        raise ConfigError(f"{key}: unsupported field type {typ!r}")
+    raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r} ({type(value).__name__})")
+
+
+def _type_name(typ: Any) -> str:
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(typ))
+    return getattr(typ, "__name__", str(typ))
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """Parses ``section.key=value`` strings into nested dicts; values are read as YAML scalars.
+
+    Raises:
+      ConfigError: an override is not of the form ``section.key=value``.
+    """
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected section.key=value (e.g. train.steps=200)")
+        path, raw = item.split("=", 1)
+        parts = path.strip().split(".")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+        if parts == ["name"]:
+            out["name"] = value
+            continue
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"override {item!r}: expected section.key=value (e.g. train.steps=200); "
+                              f"sections: {sorted(_SECTIONS)}")
+        out.setdefault(parts[0], {})[parts[1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k].update(v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Loads a YAML config and applies ``section.key=value`` overrides.
+
+    Args:
+      path: YAML file; ``None`` loads ``configs/tiny.yaml``. The config's ``name`` defaults to the
+        file's stem.
+      overrides: e.g. ``["train.steps=200", "moe.top_k=1"]``.
+
+    Raises:
+      ConfigError: missing/unparsable file, unknown key, wrong type or impossible value.
+    """
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; shipped configs: "
+                          f"{sorted(p.name for p in CONFIG_DIR.glob('*.yaml'))}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    raw.setdefault("name", path.stem)
+    raw = _merge(raw, parse_overrides(list(overrides or [])))
+    return ExperimentConfig.from_dict(raw, where=str(path))

@@ -1,0 +1,28 @@
+"""Data: tokenizer, corpus sources, packing into rows, and the grain input pipeline.
+
+Depends on numpy, grain, pyarrow and the standard library only (no JAX).
+"""
+
+from moefast.data.errors import DataError
+from moefast.data.packing import ROW_KEYS, PackedRows, pack_documents
+from moefast.data.pipeline import Corpus, eval_batches, load_corpus, train_dataset
+from moefast.data.sources import Document, SourceStats, load_documents, split_documents
+from moefast.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "Corpus",
+    "DataError",
+    "Document",
+    "PackedRows",
+    "ROW_KEYS",
+    "SourceStats",
+    "Tokenizer",
+    "eval_batches",
+    "get_tokenizer",
+    "load_corpus",
+    "load_documents",
+    "pack_documents",
+    "split_documents",
+    "train_dataset",
+]

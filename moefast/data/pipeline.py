@@ -1,0 +1,182 @@
+"""From a :class:`~moefast.config.DataConfig` to batches: load -> split -> tokenize -> pack -> grain.
+
+Example::
+
+    corpus = load_corpus(cfg.data)
+    print(corpus.summary())
+    ds = train_dataset(corpus, cfg.data, seed=cfg.train.seed,
+                       process_index=jax.process_index(), process_count=jax.process_count())
+    it = iter(ds)
+    batch = next(it)                 # dict of np arrays [B / process_count, T]
+    state = it.get_state()           # JSON-serialisable; save with orbax JsonSave
+    it = iter(ds); it.set_state(state)   # resumes with the same batches
+    val = eval_batches(corpus, cfg.data, cfg.train.eval_batches)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import grain
+import numpy as np
+
+from moefast.data.errors import DataError
+from moefast.data.packing import ROW_KEYS, PackedRows, pack_documents
+from moefast.data.sources import SourceStats, load_documents, split_documents
+from moefast.data.tokenizer import Tokenizer, get_tokenizer
+
+if TYPE_CHECKING:
+    from moefast.config import DataConfig
+
+__all__ = ["Corpus", "eval_batches", "load_corpus", "train_dataset"]
+
+# Batches are cheap to build (a slice and a searchsorted per row): a couple of threads and a short
+# prefetch keep the accelerator fed without competing with the training step for host cores.
+_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+
+
+@dataclasses.dataclass
+class Corpus:
+    """A tokenized, split and packed corpus.
+
+    Attributes:
+      tokenizer: the tokenizer used (its ``vocab_size`` sizes the model's embedding).
+      train: training rows.
+      val: validation rows.
+      stats: what was read from the source.
+    """
+
+    tokenizer: Tokenizer
+    train: PackedRows
+    val: PackedRows
+    stats: SourceStats
+
+    def summary(self) -> str:
+        """One line for the console: documents, bytes, rows, tokens, skipped files."""
+        s = self.stats
+        skipped = f", {len(s.skipped_files)} unreadable files skipped" if s.skipped_files else ""
+        non_utf8 = f", {s.non_utf8_documents} non-UTF-8" if s.non_utf8_documents else ""
+        return (f"data {s.source!r}: {s.documents} documents ({s.bytes / 1e6:.2f} MB{non_utf8}); "
+                f"train {len(self.train)} rows / {self.train.num_tokens} tokens, "
+                f"val {len(self.val)} rows / {self.val.num_tokens} tokens, seq_len {self.train.seq_len}{skipped}")
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Loads, splits, tokenizes and packs the corpus named by ``cfg``.
+
+    Args:
+      cfg: ``source``, ``text_field``, ``tokenizer``, ``seq_len``, ``batch_size`` and
+        ``val_fraction`` are used.
+
+    Raises:
+      DataError: any error of :func:`load_documents` or :func:`get_tokenizer`; the validation split
+        yields no row; or the training split yields fewer rows than ``cfg.batch_size``.
+    """
+    tokenizer = get_tokenizer(cfg.tokenizer)
+    docs, stats = load_documents(cfg.source, cfg.text_field)
+    train_docs, val_docs = split_documents(docs, cfg.val_fraction)
+    specials = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    train = pack_documents([tokenizer.encode(d.data) for d in train_docs], cfg.seq_len, **specials)
+    val = pack_documents([tokenizer.encode(d.data) for d in val_docs], cfg.seq_len, **specials)
+    size = (f"data.source={cfg.source!r} has {stats.documents} documents ({stats.bytes} bytes): "
+            f"{len(train_docs)} train documents -> {len(train)} rows, {len(val_docs)} validation documents -> "
+            f"{len(val)} rows of data.seq_len={cfg.seq_len}")
+    if len(val) == 0:
+        raise DataError(f"{size}; the validation split is empty: use a larger corpus or raise data.val_fraction "
+                        f"(now {cfg.val_fraction})")
+    if len(train) < cfg.batch_size:
+        raise DataError(f"{size}; training needs at least data.batch_size={cfg.batch_size} rows: use a larger "
+                        f"corpus, or lower data.batch_size or data.seq_len")
+    return Corpus(tokenizer=tokenizer, train=train, val=val, stats=stats)
+
+
+def _check_processes(cfg: DataConfig, process_index: int, process_count: int) -> int:
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise DataError(f"process_index={process_index} must be in [0, process_count={process_count})")
+    if cfg.batch_size % process_count:
+        raise DataError(f"data.batch_size={cfg.batch_size} is not divisible by the {process_count} processes; "
+                        f"set data.batch_size to a multiple of {process_count}")
+    return cfg.batch_size // process_count
+
+
+def train_dataset(corpus: Corpus, cfg: DataConfig, *, seed: int, process_index: int = 0,
+                  process_count: int = 1) -> grain.IterDataset:
+    """An infinite, shuffled, per-process stream of training batches.
+
+    The training rows are cut to a multiple of ``process_count`` and process p takes rows
+    ``p, p + process_count, ...`` (disjoint shards of equal size). Each shard is shuffled with
+    ``seed``, batched with ``drop_remainder`` and repeated forever; grain folds the epoch number
+    into the shuffle seed, so every epoch has a different order (and drops different rows).
+
+    Args:
+      corpus: from :func:`load_corpus`.
+      cfg: ``batch_size`` (global, in rows) is used.
+      seed: shuffle seed, in [0, 2**32).
+      process_index: this process (``jax.process_index()``).
+      process_count: number of processes (``jax.process_count()``).
+
+    Returns:
+      A grain ``IterDataset``; ``iter(ds)`` yields dicts of numpy arrays, each
+      [B / process_count, T], keys as :class:`PackedRows`. Its iterator's ``get_state()`` is a
+      JSON-serialisable dict; ``set_state`` on a fresh iterator resumes with the same batches.
+
+    Raises:
+      DataError: ``batch_size`` is not divisible by ``process_count``, a bad process index or
+        seed, or a shard has fewer rows than the per-process batch.
+    """
+    local_batch = _check_processes(cfg, process_index, process_count)
+    if not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**32:
+        raise DataError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    rows = len(corpus.train)
+    shard_rows = rows // process_count
+    if shard_rows < local_batch:
+        raise DataError(f"{rows} training rows give {shard_rows} rows per process, fewer than the per-process batch "
+                        f"{local_batch} (data.batch_size={cfg.batch_size} / {process_count} processes); use a larger "
+                        f"corpus or lower data.batch_size")
+    ds = grain.MapDataset.source(corpus.train)
+    ds = ds[: shard_rows * process_count][process_index::process_count]
+    ds = ds.shuffle(seed=int(seed)).batch(local_batch, drop_remainder=True).repeat(None)
+    return ds.to_iter_dataset(read_options=_READ_OPTIONS)
+
+
+def eval_batches(corpus: Corpus, cfg: DataConfig, num_batches: int, *, process_index: int = 0,
+                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
+    """The first validation batches, in fixed order (no shuffle).
+
+    Global batch k holds validation rows ``k*B .. k*B + B - 1``; process p gets the contiguous
+    ``B / process_count`` rows starting at ``k*B + p*B/process_count``. When there are fewer than
+    ``num_batches * B`` rows, only ``ceil(rows / B)`` batches are returned (at least 1), the last
+    one filled up with all-padding rows (``loss_weight`` 0). Every process gets the same number of
+    batches.
+
+    Args:
+      corpus: from :func:`load_corpus`.
+      cfg: ``batch_size`` (global, in rows) is used.
+      num_batches: wanted number of batches (>= 1).
+      process_index: this process.
+      process_count: number of processes.
+
+    Returns:
+      A non-empty list of dicts of numpy arrays, each [B / process_count, T].
+
+    Raises:
+      DataError: ``num_batches < 1``, ``batch_size`` not divisible by ``process_count``, a bad
+        process index, or no validation rows.
+    """
+    local_batch = _check_processes(cfg, process_index, process_count)
+    if num_batches < 1:
+        raise DataError(f"eval batches: must be >= 1, got {num_batches}")
+    rows = corpus.val
+    if len(rows) == 0:
+        raise DataError("the validation split has no rows; use a larger corpus or raise data.val_fraction")
+    B = cfg.batch_size
+    n = min(num_batches, math.ceil(len(rows) / B))
+    pad = rows.padding_row()
+    out = []
+    for k in range(n):
+        first = k * B + process_index * local_batch
+        items = [rows[i] if i < len(rows) else pad for i in range(first, first + local_batch)]
+        out.append({key: np.stack([it[key] for it in items]) for key in ROW_KEYS})
+    return out

@@ -1,0 +1,307 @@
+"""Corpus sources: read documents from the stdlib, a directory, a glob, ``.jsonl`` or ``.parquet``.
+
+Every source yields :class:`Document` s in a deterministic (sorted) order, with ids that do not
+depend on where the corpus lives on disk (paths relative to the source root), so that
+:func:`split_documents` holds out the same documents on every machine.
+
+Files are dispatched by suffix wherever they come from (a directory, a glob or a single path):
+``.jsonl`` files hold one JSON object per line, ``.parquet`` files a text column, and every other
+file is one document of raw bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob as globlib
+import hashlib
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+from moefast.data.errors import DataError
+
+__all__ = [
+    "DataError",
+    "Document",
+    "SourceStats",
+    "load_documents",
+    "split_documents",
+]
+
+_STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+_GLOB_CHARS = frozenset("*?[")
+_SOURCE_HELP = ("set data.source to 'stdlib', a directory, a glob such as 'corpus/**/*.txt', "
+                "a .jsonl file (or glob) or a .parquet file (or glob)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One document of the corpus.
+
+    Attributes:
+      id: stable name: a path relative to the source root; ``path:line`` (1-based) for ``.jsonl``
+        records and ``path:row`` (0-based) for ``.parquet`` rows.
+      data: the raw bytes (UTF-8 when the source was text; need not be valid UTF-8).
+    """
+
+    id: str
+    data: bytes
+
+
+@dataclasses.dataclass
+class SourceStats:
+    """What :func:`load_documents` read.
+
+    Attributes:
+      documents: non-empty documents returned.
+      bytes: total bytes of those documents.
+      skipped_files: ``(path, reason)`` of files that could not be read and were left out.
+      non_utf8_documents: documents whose bytes are not valid UTF-8 (kept: the byte tokenizer
+        handles any bytes).
+      empty_documents: empty files / records (empty or null text), left out.
+      source: the ``data.source`` string that was read.
+    """
+
+    documents: int = 0
+    bytes: int = 0
+    skipped_files: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    non_utf8_documents: int = 0
+    empty_documents: int = 0
+    source: str = ""
+
+
+def load_documents(source: str, text_field: str = "text") -> tuple[list[Document], SourceStats]:
+    """Reads a corpus.
+
+    Args:
+      source: ``"stdlib"`` (the running interpreter's standard-library ``.py`` files, without
+        ``site-packages``/``dist-packages`` and without any directory named ``test``, ``tests`` or
+        ``idle_test``); a directory (every regular, non-hidden file below it); a glob (``**``
+        allowed); or a single file. ``.jsonl`` and ``.parquet`` files are read as records, other
+        files as one document each.
+      text_field: the JSON field / parquet column holding the text.
+
+    Returns:
+      ``(documents, stats)``: non-empty documents in sorted order of file, then line/row.
+
+    Raises:
+      DataError: nothing matches ``source``; a single named file cannot be read; a ``.jsonl`` line
+        is not a JSON object with a string ``text_field``; a ``.parquet`` file lacks the column or
+        is not parquet; every file was unreadable; or no document has any bytes. Files of a
+        directory, glob or the stdlib that cannot be read (permissions) are skipped and listed in
+        ``stats.skipped_files`` instead.
+    """
+    if not isinstance(source, str) or not source:
+        raise DataError(f"data.source: expected a non-empty string, got {source!r}; {_SOURCE_HELP}")
+    stats = SourceStats(source=source)
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = _walk(root, lambda rel: rel.suffix == ".py" and not (set(rel.parts[:-1]) & _STDLIB_EXCLUDED_DIRS))
+        if not files:
+            raise DataError(f"data.source='stdlib': found no .py files under {root} (is the standard library "
+                            f"zipped or stripped?); {_SOURCE_HELP}")
+        explicit = False
+    else:
+        expanded = os.path.expanduser(source)
+        path = Path(expanded)
+        if _GLOB_CHARS & set(expanded):
+            base = _glob_base(expanded)
+            files = [(Path(m), Path(os.path.relpath(m, base)).as_posix())
+                     for m in sorted(globlib.glob(expanded, recursive=True)) if os.path.isfile(m)]
+            if not files:
+                raise DataError(f"data.source={source!r}: the glob matches no files; {_SOURCE_HELP}")
+            explicit = False
+        elif path.is_dir():
+            files = _walk(path, lambda rel: True)
+            if not files:
+                raise DataError(f"data.source={source!r}: the directory {path} holds no regular non-hidden files; "
+                                f"{_SOURCE_HELP}")
+            explicit = False
+        elif path.is_file():
+            files = [(path, path.name)]
+            explicit = True
+        else:
+            raise DataError(f"data.source={source!r}: no such file or directory, and not 'stdlib' or a glob; "
+                            f"{_SOURCE_HELP}")
+
+    docs: list[Document] = []
+    for path, rel in files:
+        try:
+            if path.suffix == ".jsonl":
+                records = _read_jsonl(path, rel, text_field)
+            elif path.suffix == ".parquet":
+                records = _read_parquet(path, rel, text_field)
+            else:
+                records = [Document(rel, _read_bytes(path))]
+        except OSError as e:
+            reason = f"{type(e).__name__}: {e.strerror or e}"
+            if explicit:
+                raise DataError(f"{path}: cannot read ({reason}); fix its permissions or {_SOURCE_HELP}") from None
+            stats.skipped_files.append((str(path), reason))
+            continue
+        for doc in records:
+            if not doc.data:
+                stats.empty_documents += 1
+                continue
+            try:
+                doc.data.decode("utf-8")
+            except UnicodeDecodeError:
+                stats.non_utf8_documents += 1
+            docs.append(doc)
+            stats.documents += 1
+            stats.bytes += len(doc.data)
+
+    if not docs:
+        if stats.skipped_files and len(stats.skipped_files) == len(files):
+            first_path, first_reason = stats.skipped_files[0]
+            raise DataError(f"data.source={source!r}: all {len(files)} files are unreadable (first: {first_path}: "
+                            f"{first_reason}); fix their permissions or {_SOURCE_HELP}")
+        raise DataError(f"data.source={source!r}: the corpus is empty: {len(files)} file(s) "
+                        f"(first: {files[0][0]}) hold no document with any bytes "
+                        f"({stats.empty_documents} empty, {len(stats.skipped_files)} unreadable); "
+                        f"point data.source at non-empty files, or check data.text_field={text_field!r}")
+    return docs, stats
+
+
+def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+    """Splits documents into train and validation, identically on every machine.
+
+    A document goes to validation iff ``blake2b(id) / 2**64 < val_fraction`` (a fixed hash, not
+    Python's salted ``hash``), so the split depends only on the ids, not on order or machine.
+
+    Fallback: if that leaves either side empty (e.g. a corpus of one file), every document is cut
+    instead: its first ``floor(len * (1 - val_fraction))`` bytes (moved back to a UTF-8 character
+    boundary) go to train as ``id``, the rest to validation as ``id + "#val"``. Empty pieces are
+    dropped, so a side can still end up empty when documents are tiny.
+
+    Args:
+      docs: the corpus.
+      val_fraction: expected fraction held out, in (0, 1) (dimensionless).
+
+    Returns:
+      ``(train, val)``, each in the input order.
+
+    Raises:
+      DataError: ``val_fraction`` is not in (0, 1).
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"data.val_fraction: must be in (0, 1), got {val_fraction}")
+    train: list[Document] = []
+    val: list[Document] = []
+    for d in docs:
+        (val if _hash_fraction(d.id) < val_fraction else train).append(d)
+    if train and val:
+        return train, val
+    train, val = [], []
+    for d in docs:
+        cut = _utf8_boundary(d.data, int(len(d.data) * (1.0 - val_fraction)))
+        if cut > 0:
+            train.append(Document(d.id, d.data[:cut]))
+        if cut < len(d.data):
+            val.append(Document(d.id + "#val", d.data[cut:]))
+    return train, val
+
+
+def _hash_fraction(doc_id: str) -> float:
+    digest = hashlib.blake2b(doc_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+def _utf8_boundary(data: bytes, cut: int) -> int:
+    """Moves ``cut`` back over UTF-8 continuation bytes (at most 3) so a character is not split."""
+    for _ in range(3):
+        if 0 < cut < len(data) and (data[cut] & 0xC0) == 0x80:
+            cut -= 1
+    return cut
+
+
+def _walk(root: Path, keep) -> list[tuple[Path, str]]:
+    """Regular non-hidden files below ``root`` (hidden directories pruned), sorted by relative path."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            if name.startswith("."):
+                continue
+            full = Path(dirpath) / name
+            rel = full.relative_to(root)
+            if full.is_file() and keep(rel):
+                out.append((full, rel.as_posix()))
+    out.sort(key=lambda x: x[1])
+    return out
+
+
+def _glob_base(pattern: str) -> str:
+    """The directory part of ``pattern`` before its first glob character (ids are relative to it)."""
+    head = pattern
+    for i, ch in enumerate(pattern):
+        if ch in _GLOB_CHARS:
+            head = pattern[:i]
+            break
+    return os.path.dirname(head) or "."
+
+
+def _read_bytes(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_jsonl(path: Path, rel: str, text_field: str) -> list[Document]:
+    raw = _read_bytes(path)
+    docs = []
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            raise DataError(f"{where}: not valid JSON ({msg}); each line of a .jsonl file must be one JSON object "
+                            f"such as {{\"{text_field}\": \"...\"}}") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}; each line of a .jsonl "
+                            f"file must be one object such as {{\"{text_field}\": \"...\"}}")
+        if text_field not in record:
+            raise DataError(f"{where}: no field {text_field!r} (fields: {sorted(record)[:10]}); set data.text_field "
+                            "to the field that holds the text")
+        text = record[text_field]
+        if text is None:
+            text = ""
+        if not isinstance(text, str):
+            raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string; set "
+                            "data.text_field to the field that holds the text")
+        docs.append(Document(f"{rel}:{lineno}", text.encode("utf-8", "surrogatepass")))
+    return docs
+
+
+def _read_parquet(path: Path, rel: str, text_field: str) -> list[Document]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as f:  # raises PermissionError like any other file
+        try:
+            pf = pq.ParquetFile(f)
+            schema = pf.schema_arrow
+        except pa.ArrowException as e:
+            raise DataError(f"{path}: not a readable parquet file ({e}); rewrite it or remove it from "
+                            "data.source") from None
+        if text_field not in schema.names:
+            raise DataError(f"{path}: no column {text_field!r} (columns: {schema.names[:20]}); set data.text_field "
+                            "to the column that holds the text")
+        typ = schema.field(text_field).type
+        is_text = pa.types.is_string(typ) or pa.types.is_large_string(typ)
+        is_binary = pa.types.is_binary(typ) or pa.types.is_large_binary(typ)
+        if not (is_text or is_binary):
+            raise DataError(f"{path}: column {text_field!r} has type {typ}, expected string or binary; set "
+                            "data.text_field to the column that holds the text")
+        values = pf.read(columns=[text_field]).column(text_field).to_pylist()
+    docs = []
+    for row, value in enumerate(values):
+        if value is None:
+            value = b""
+        elif isinstance(value, str):
+            value = value.encode("utf-8", "surrogatepass")
+        docs.append(Document(f"{rel}:{row}", value))
+    return docs

@@ -1,0 +1,156 @@
+"""Tokenizers: the :class:`Tokenizer` interface and the byte-level :class:`ByteTokenizer`.
+
+A tokenizer maps bytes (or text, encoded as UTF-8) to int32 ids in ``[0, vocab_size)`` and back. It
+also reports how many bytes of text each id stands for (:attr:`Tokenizer.bytes_per_token`), which
+turns a per-token loss in nats into bits per byte::
+
+    bpb = sum(loss_nats) / (ln(2) * sum(bytes_per_token[targets]))
+
+Another tokenizer (SentencePiece, HF ``tokenizers``) plugs in by subclassing :class:`Tokenizer` and
+adding a name to :func:`get_tokenizer`.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+from moefast.data.errors import DataError
+
+__all__ = ["ByteTokenizer", "Tokenizer", "TOKENIZERS", "get_tokenizer"]
+
+
+class Tokenizer(abc.ABC):
+    """Maps bytes to token ids and back.
+
+    Ids are int32 in ``[0, vocab_size)``; ``pad_id``, ``bos_id`` and ``eos_id`` are three distinct
+    special ids that never come out of :meth:`encode`.
+    """
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """V: number of ids, specials included."""
+
+    @property
+    @abc.abstractmethod
+    def pad_id(self) -> int:
+        """Id that fills the tail of the last packed row; never a training target."""
+
+    @property
+    @abc.abstractmethod
+    def bos_id(self) -> int:
+        """Id put before every document."""
+
+    @property
+    @abc.abstractmethod
+    def eos_id(self) -> int:
+        """Id put after every document."""
+
+    @property
+    @abc.abstractmethod
+    def bytes_per_token(self) -> np.ndarray:
+        """int32 [V]: UTF-8 bytes of text each id stands for (0 for special ids)."""
+
+    @abc.abstractmethod
+    def encode(self, data: bytes | str) -> np.ndarray:
+        """Tokenizes one document.
+
+        Args:
+          data: raw bytes, or text (encoded as UTF-8 first).
+
+        Returns:
+          int32 [N] ids, without BOS/EOS.
+        """
+
+    @abc.abstractmethod
+    def decode(self, ids) -> str:
+        """Turns ids back into text.
+
+        Args:
+          ids: int array-like [N] of ids in ``[0, vocab_size)``.
+
+        Returns:
+          The text; special ids are skipped and bytes that are not valid UTF-8 become U+FFFD.
+
+        Raises:
+          DataError: an id is outside ``[0, vocab_size)``.
+        """
+
+    @property
+    def special_ids(self) -> tuple[int, int, int]:
+        """``(pad_id, bos_id, eos_id)``."""
+        return (self.pad_id, self.bos_id, self.eos_id)
+
+
+class ByteTokenizer(Tokenizer):
+    """One id per byte: ids 0..255 are the byte values, then PAD=256, BOS=257, EOS=258 (V=259).
+
+    Any byte string is representable, so files that are not valid UTF-8 need no special handling.
+    """
+
+    PAD = 256
+    BOS = 257
+    EOS = 258
+
+    def __init__(self):
+        bpt = np.zeros((259,), np.int32)
+        bpt[:256] = 1
+        bpt.setflags(write=False)
+        self._bytes_per_token = bpt
+
+    @property
+    def vocab_size(self) -> int:
+        return 259
+
+    @property
+    def pad_id(self) -> int:
+        return self.PAD
+
+    @property
+    def bos_id(self) -> int:
+        return self.BOS
+
+    @property
+    def eos_id(self) -> int:
+        return self.EOS
+
+    @property
+    def bytes_per_token(self) -> np.ndarray:
+        return self._bytes_per_token
+
+    def encode(self, data: bytes | str) -> np.ndarray:
+        if isinstance(data, str):
+            data = data.encode("utf-8", "surrogatepass")
+        elif not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"ByteTokenizer.encode expects bytes or str, got {type(data).__name__}")
+        return np.frombuffer(bytes(data), np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise DataError(f"ByteTokenizer.decode expects integer ids, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bad.any():
+            raise DataError(f"ByteTokenizer.decode: id {int(ids[bad][0])} is outside [0, {self.vocab_size})")
+        return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", "replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=259, pad=256, bos=257, eos=258)"
+
+
+TOKENIZERS = {"byte": ByteTokenizer}
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+    """Builds a tokenizer by name (``DataConfig.tokenizer``).
+
+    Raises:
+      DataError: unknown name; the message lists the valid ones.
+    """
+    try:
+        cls = TOKENIZERS[name]
+    except (KeyError, TypeError):
+        raise DataError(f"data.tokenizer: unknown tokenizer {name!r}; valid names: {sorted(TOKENIZERS)}") from None
+    return cls()

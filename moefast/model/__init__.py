@@ -1,0 +1,8 @@
+"""Flax NNX modules: positional tables, attention, MoE layer, transformer."""
+
+from moefast.model.moe import MoELayer, MoEStats
+from moefast.model.positional import apply_rope, rope_table
+from moefast.model.transformer import ModelOutput, Transformer, build_model, init_cache
+
+__all__ = ["MoELayer", "MoEStats", "ModelOutput", "Transformer", "apply_rope", "build_model",
+           "init_cache", "rope_table"]

@@ -1,0 +1,226 @@
+"""Decoder-only MoE transformer in Flax NNX.
+
+Dimension letters: B batch, T tokens (query length), S key length (cache), D d_model, H query heads,
+G key/value heads, Hd head_dim, F d_ff, V vocab, L layers, E experts.
+
+Block (pre-norm): ``x + Attn(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))`` where FFN is a
+:class:`~moefast.model.moe.MoELayer` or a dense SwiGLU. Attention is causal, grouped-query, with RoPE,
+and never crosses packed documents (segment ids).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moefast.config import ExperimentConfig
+from moefast.model.moe import MoELayer, MoEStats
+from moefast.model.positional import apply_rope, check_positions
+
+__all__ = ["KVCache", "ModelOutput", "Transformer", "build_model", "init_cache"]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+KVCache = list  # per layer: {"k": [B, S, G, Hd], "v": [B, S, G, Hd]}
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array  # [B, T, V] float32
+    moe: MoEStats | None  # fields stacked over MoE layers: [L_moe, E] / [L_moe]; None without MoE layers
+    cache: KVCache | None  # updated cache when one was passed
+
+
+def _dropout(x, rate: float, key, site: int):
+    if rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(jax.random.fold_in(key, site), 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention with RoPE (``jax.nn.dot_product_attention``)."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 max_seq_len: int, rope_base: float, dtype, init_std: float, out_std: float,
+                 rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.max_seq_len, self.rope_base, self.dtype = max_seq_len, rope_base, dtype
+        init = jax.nn.initializers.normal(init_std)
+        self.qkv = nnx.Param(init(rngs.params(), (d_model, (num_heads + 2 * num_kv_heads) * head_dim)))
+        self.out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * head_dim, d_model)))
+
+    def __call__(self, x_btd, positions_bt, mask_b1ts, cache: dict | None, cache_index):
+        b, t, _ = x_btd.shape
+        h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = x_btd @ self.qkv[...].astype(self.dtype)
+        q = qkv[..., : h * hd].reshape(b, t, h, hd)
+        k = qkv[..., h * hd: (h + g) * hd].reshape(b, t, g, hd)
+        v = qkv[..., (h + g) * hd:].reshape(b, t, g, hd)
+        q = apply_rope(q, positions_bt, self.max_seq_len, self.rope_base)
+        k = apply_rope(k, positions_bt, self.max_seq_len, self.rope_base)
+        new_cache = None
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1)
+            new_cache = {"k": k, "v": v}
+        o = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask_b1ts,
+                                         implementation="xla")
+        return o.reshape(b, t, h * hd) @ self.out[...].astype(self.dtype), new_cache
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU feed-forward (Shazeer 2020), gate and up projections fused into one [D, 2F] matrix."""
+
+    def __init__(self, d_model: int, d_ff: int, *, dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.w_in = nnx.Param(jax.nn.initializers.normal(init_std)(rngs.params(), (d_model, 2 * d_ff)))
+        self.w_out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (d_ff, d_model)))
+
+    def __call__(self, x_btd):
+        gate, up = jnp.split(x_btd @ self.w_in[...].astype(self.dtype), 2, axis=-1)
+        return (jax.nn.silu(gate) * up) @ self.w_out[...].astype(self.dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ExperimentConfig, layer: int, *, rngs: nnx.Rngs):
+        m = cfg.model
+        dtype = _DTYPES[m.dtype]
+        out_std = m.init_std / math.sqrt(2 * m.num_layers)
+        self.layer, self.dropout = layer, m.dropout
+        self.attn_norm = nnx.RMSNorm(m.d_model, epsilon=m.norm_eps, dtype=dtype, rngs=rngs)
+        self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, max_seq_len=m.max_seq_len,
+                              rope_base=m.rope_base, dtype=dtype, init_std=m.init_std, out_std=out_std,
+                              rngs=rngs)
+        self.ffn_norm = nnx.RMSNorm(m.d_model, epsilon=m.norm_eps, dtype=dtype, rngs=rngs)
+        self.is_moe = m.is_moe_layer(layer)
+        if self.is_moe:
+            self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe.num_experts, cfg.moe.top_k,
+                                capacity_factor=cfg.moe.capacity_factor, min_capacity=cfg.moe.min_capacity,
+                                dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+        else:
+            self.ffn = DenseMLP(m.d_model, m.d_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+
+    def __call__(self, x, positions, attn_mask, token_mask, *, cache, cache_index, dropout_key, drop_tokens):
+        a, new_cache = self.attn(self.attn_norm(x), positions, attn_mask, cache, cache_index)
+        x = x + _dropout(a, self.dropout, dropout_key, 2 * self.layer)
+        h = self.ffn_norm(x)
+        stats = None
+        if self.is_moe:
+            f, stats = self.ffn(h, token_mask, drop_tokens=drop_tokens)
+        else:
+            f = self.ffn(h)
+        x = x + _dropout(f, self.dropout, dropout_key, 2 * self.layer + 1)
+        return x, stats, new_cache
+
+
+class Transformer(nnx.Module):
+    """Decoder-only MoE language model.
+
+    Build with :func:`build_model`. Call with token ids, positions and segment ids; see
+    :meth:`__call__`.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, vocab_size: int, *, rngs: nnx.Rngs):
+        m = cfg.model
+        self.vocab_size, self.max_seq_len = vocab_size, m.max_seq_len
+        self.dtype = _DTYPES[m.dtype]
+        self.tie_embeddings = m.tie_embeddings
+        self.embed = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (vocab_size, m.d_model)))
+        self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)])
+        self.final_norm = nnx.RMSNorm(m.d_model, epsilon=m.norm_eps, dtype=self.dtype, rngs=rngs)
+        if not m.tie_embeddings:
+            self.lm_head = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (m.d_model, vocab_size)))
+
+    def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
+                 segment_ids_bt: jax.Array | None = None, *, cache: KVCache | None = None,
+                 cache_index: jax.Array | int = 0, dropout_key: jax.Array | None = None,
+                 drop_tokens: bool = True) -> ModelOutput:
+        """Forward pass.
+
+        Args:
+          tokens_bt: [B, T] int token ids in [0, V).
+          positions_bt: [B, T] int positions in [0, max_seq_len); ``None`` = ``arange(T)``
+            (plus ``cache_index`` when decoding).
+          segment_ids_bt: [B, T] int document ids of packed rows (0 = padding: never routed; padding
+            attends only to padding). ``None`` = one document. Ignored with a cache.
+          cache: per-layer KV cache from :func:`init_cache` (generation). Keys/values of these
+            tokens are written at ``cache_index`` and attention covers cache entries ``<=`` each
+            query's own index.
+          cache_index: [] int, where the first of these tokens goes in the cache.
+          dropout_key: PRNG key of this step (``fold_in(base_key, step)``); each layer and site
+            folds in its own id. ``None`` disables dropout (evaluation).
+          drop_tokens: MoE capacity dropping (training); False routes every token (evaluation,
+            generation), see :class:`MoELayer`.
+
+        Returns:
+          :class:`ModelOutput` with float32 logits [B, T, V].
+
+        Raises:
+          ValueError: T (or cache length) exceeds ``max_seq_len``, or concrete positions are out of
+            ``[0, max_seq_len)``.
+        """
+        b, t = tokens_bt.shape
+        if t > self.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.max_seq_len}; "
+                             "shorten the input or raise model.max_seq_len")
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None] + cache_index, (b, t))
+        check_positions(positions_bt, self.max_seq_len)
+        if cache is not None:
+            s = cache[0]["k"].shape[1]
+            if s > self.max_seq_len:
+                raise ValueError(f"cache length {s} exceeds model.max_seq_len={self.max_seq_len}")
+            q_idx = cache_index + jnp.arange(t)
+            attn_mask = (jnp.arange(s)[None, :] <= q_idx[:, None])[None, None]  # [1, 1, T, S]
+            token_mask = jnp.ones((b, t), bool)
+        else:
+            if segment_ids_bt is None:
+                segment_ids_bt = jnp.ones((b, t), jnp.int32)
+            causal = jnp.tril(jnp.ones((t, t), bool))
+            same_doc = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+            attn_mask = (same_doc & causal[None])[:, None]  # [B, 1, T, T], built once for all layers
+            token_mask = segment_ids_bt != 0
+
+        x = self.embed[...].astype(self.dtype)[tokens_bt]
+        stats, new_cache = [], [] if cache is not None else None
+        for i, block in enumerate(self.blocks):
+            x, s_i, c_i = block(x, positions_bt, attn_mask, token_mask,
+                                cache=None if cache is None else cache[i], cache_index=cache_index,
+                                dropout_key=dropout_key, drop_tokens=drop_tokens)
+            if s_i is not None:
+                stats.append(s_i)
+            if cache is not None:
+                new_cache.append(c_i)
+        x = self.final_norm(x)
+        head = self.embed[...].T if self.tie_embeddings else self.lm_head[...]
+        logits = (x @ head.astype(self.dtype)).astype(jnp.float32)
+        moe = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
+        return ModelOutput(logits=logits, moe=moe, cache=new_cache)
+
+
+def build_model(cfg: ExperimentConfig, vocab_size: int, *, seed: int | None = None) -> Transformer:
+    """Creates a :class:`Transformer` with freshly initialised parameters (float32).
+
+    Args:
+      cfg: experiment config (``model`` and ``moe`` sections are used).
+      vocab_size: V; must be >= the tokenizer's vocabulary.
+      seed: initialisation seed; ``None`` = ``cfg.train.seed``.
+    """
+    vocab = cfg.model.vocab_size or vocab_size
+    if vocab < vocab_size:
+        raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's {vocab_size} ids")
+    return Transformer(cfg, vocab, rngs=nnx.Rngs(cfg.train.seed if seed is None else seed))
+
+
+def init_cache(model: Transformer, batch: int, length: int, dtype: Any = None) -> KVCache:
+    """Zeroed KV cache: per layer ``{"k", "v"}`` of shape [B, S, G, Hd]."""
+    out = []
+    for block in model.blocks:
+        a = block.attn
+        shape = (batch, length, a.num_kv_heads, a.head_dim)
+        out.append({"k": jnp.zeros(shape, dtype or a.dtype), "v": jnp.zeros(shape, dtype or a.dtype)})
+    return out

@@ -1,0 +1,20 @@
+"""Pure array functions for MoE routing: capacity, top-k gates, slots, losses, dispatch/combine."""
+
+from moefast.routing.core import (
+    RouteOutput,
+    compute_capacity,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+)
+from moefast.routing.dispatch import combine, dispatch
+
+__all__ = [
+    "RouteOutput",
+    "combine",
+    "compute_capacity",
+    "dispatch",
+    "load_balancing_loss",
+    "route",
+    "router_z_loss",
+]

@@ -1,0 +1,60 @@
+"""Slot-indexed dispatch and combine: the data movement around the experts.
+
+Dimension letters: T tokens, E experts, K top_k, C capacity, D d_model.
+
+``dispatch`` builds an [E, C] table of token indices from the slots (a scatter of T*K ints, no
+one-hot [T, E, C] tensor) and gathers the tokens into per-expert buffers; ``combine`` gathers every
+assignment's expert output back and sums them weighted by the gates. Both are linear in T; gradients
+flow to the tokens through the gather and to the gates through the combine.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moefast.routing.core import RouteOutput
+
+__all__ = ["combine", "dispatch"]
+
+
+def dispatch(x_td: jax.Array, r: RouteOutput, num_experts: int, capacity: int) -> jax.Array:
+    """Gathers tokens into per-expert capacity buffers.
+
+    Args:
+      x_td: tokens [T, D], any dtype.
+      r: routing of these tokens (``r.slot`` [T, K] < capacity or -1).
+      num_experts: E.
+      capacity: C.
+
+    Returns:
+      [E, C, D] in ``x_td.dtype``; empty slots hold zeros.
+    """
+    num_tokens, top_k = r.slot.shape
+    token_id_tk = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], (num_tokens, top_k))
+    slot_tk = jnp.where(r.slot >= 0, r.slot, capacity)  # out of range -> dropped by the scatter
+    table_ec = jnp.full((num_experts, capacity), num_tokens, jnp.int32)  # index T = the zero row
+    table_ec = table_ec.at[r.expert_index.reshape(-1), slot_tk.reshape(-1)].set(
+        token_id_tk.reshape(-1), mode="drop", unique_indices=True)
+    x_pad = jnp.concatenate([x_td, jnp.zeros((1, x_td.shape[-1]), x_td.dtype)], axis=0)
+    return x_pad[table_ec]
+
+
+def combine(y_ecd: jax.Array, r: RouteOutput) -> jax.Array:
+    """Sums each token's expert outputs weighted by its gates.
+
+    Args:
+      y_ecd: expert outputs [E, C, D].
+      r: the routing used by :func:`dispatch`.
+
+    Returns:
+      [T, D] in ``y_ecd.dtype``; exactly 0 for tokens whose assignments were all dropped or masked.
+      The weighted sum is taken in float32.
+    """
+    num_experts, capacity, d = y_ecd.shape
+    kept_tk = r.slot >= 0
+    flat_tk = jnp.where(kept_tk, r.expert_index * capacity + r.slot, 0)
+    y_tkd = y_ecd.reshape(num_experts * capacity, d)[flat_tk]
+    w_tk = jnp.where(kept_tk, r.gates, 0.0)
+    out = jnp.sum(jnp.where(kept_tk[..., None], y_tkd.astype(jnp.float32) * w_tk[..., None], 0.0), axis=1)
+    return out.astype(y_ecd.dtype)

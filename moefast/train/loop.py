@@ -1,0 +1,284 @@
+"""The training loop: mesh, sharded step, evaluation, logging, checkpoints and exact resume.
+
+Typical use from a script or notebook::
+
+    from moefast import load_config, Trainer
+    cfg = load_config(overrides=["train.steps=100"])
+    summary = Trainer(cfg, run_dir="runs/demo").run()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moefast.config import ConfigError, ExperimentConfig, load_config
+from moefast.data import Corpus, eval_batches, load_corpus, train_dataset
+from moefast.train.checkpoint import Checkpointer, CheckpointError
+from moefast.train.metrics import MetricsWriter
+from moefast.train.step import BATCH_KEYS, LN2, ModelDef, eval_step, train_step
+
+__all__ = ["Trainer", "TrainSummary", "load_run_config", "make_mesh"]
+
+DATA_AXIS = "data"
+
+
+def make_mesh(cfg: ExperimentConfig, devices: list | None = None) -> jax.sharding.Mesh:
+    """A 1-D mesh with axis ``data`` over ``mesh.data`` devices (``-1`` = all).
+
+    Raises:
+      ConfigError: ``mesh.data`` does not fit the device count, or the global batch is not
+        divisible by it.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices) if cfg.mesh.data == -1 else cfg.mesh.data
+    if n > len(devices) or len(devices) % n:
+        raise ConfigError(f"mesh.data: {n} does not divide the {len(devices)} available devices; "
+                          f"use -1 (all) or a divisor of {len(devices)}")
+    if cfg.data.batch_size % n:
+        raise ConfigError(f"data.batch_size: {cfg.data.batch_size} is not divisible by the data axis "
+                          f"({n} devices); use a multiple of {n} or set mesh.data")
+    return jax.make_mesh((n,), (DATA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices[:n])
+
+
+def load_run_config(run_dir: str | Path) -> ExperimentConfig:
+    """The config a run was started with (``<run-dir>/config.yaml``).
+
+    Raises:
+      CheckpointError: the run directory or its config is missing.
+    """
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: {run_dir} is not a moefast run directory "
+                              "(start one with: moefast train --run-dir DIR)")
+    return ExperimentConfig.from_dict(yaml.safe_load(path.read_text()), where=str(path))
+
+
+@dataclasses.dataclass
+class TrainSummary:
+    steps: int  # optimizer steps completed in total
+    steps_this_run: int
+    final_loss: float | None  # training cross-entropy of the last step (nats/token)
+    eval_loss: float | None  # validation cross-entropy (nats/token)
+    eval_bits_per_byte: float | None
+    tokens_per_s: float | None  # training throughput after the first (compiling) step
+    first_step_s: float | None  # wall time to the first completed step (includes compilation)
+    wall_s: float
+    checkpoint: str | None
+
+    def format(self) -> str:
+        f = lambda v, spec: "n/a" if v is None else format(v, spec)
+        return (f"steps {self.steps} ({self.steps_this_run} this run) | train loss {f(self.final_loss, '.4f')} | "
+                f"val loss {f(self.eval_loss, '.4f')} | val bits/byte {f(self.eval_bits_per_byte, '.4f')} | "
+                f"{f(self.tokens_per_s, ',.0f')} tokens/s | first step {f(self.first_step_s, '.1f')} s | "
+                f"wall {self.wall_s:.1f} s | checkpoint {self.checkpoint or 'none'}")
+
+
+class Trainer:
+    """Owns a run: corpus, model definition, mesh, compiled steps, checkpoints and metrics.
+
+    Args:
+      cfg: the experiment.
+      run_dir: where checkpoints, ``metrics.jsonl``, TensorBoard events and ``config.yaml`` go;
+        ``None`` = ``runs/<cfg.name>``. An existing run dir with checkpoints is resumed.
+      log: console printer (``print``-like); ``None`` prints nothing.
+      progress: show a tqdm progress bar (only on a terminal).
+      corpus: reuse an already loaded corpus (tests, notebooks).
+    """
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: str | Path | None = None, *,
+                 log: Callable[[str], None] | None = print, progress: bool = True,
+                 corpus: Corpus | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir or Path("runs") / cfg.name)
+        self.is_main = jax.process_index() == 0
+        self._log = log if (log is not None and self.is_main) else (lambda s: None)
+        self.progress = progress and self.is_main
+        self.mesh = make_mesh(cfg)
+        self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
+        self.model_def = ModelDef(cfg, self.corpus.tokenizer.vocab_size)
+        self.replicated = NamedSharding(self.mesh, P())
+        self.batch_sharding = NamedSharding(self.mesh, P(DATA_AXIS))
+        self.trace_count = 0
+
+        def counted_step(state, batch, key):
+            self.trace_count += 1  # runs only while tracing: counts (re)compilations
+            return train_step(self.model_def, state, batch, key)
+
+        self._train_step = jax.jit(counted_step, donate_argnums=0,
+                                   in_shardings=(self.replicated, self.batch_sharding, self.replicated),
+                                   out_shardings=(self.replicated, self.replicated))
+        self._eval_step = jax.jit(
+            functools.partial(eval_step, self.model_def, bytes_per_token=self.corpus.tokenizer.bytes_per_token),
+            in_shardings=(self.replicated, self.batch_sharding), out_shardings=self.replicated)
+        self.base_key = jax.random.key(cfg.train.seed)
+        self._eval_data: list[dict[str, np.ndarray]] | None = None
+
+    # ------------------------------------------------------------------ state
+    def _put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))
+                for k in BATCH_KEYS}
+
+    def init_state(self) -> dict[str, Any]:
+        """Fresh train state, created directly with its (replicated) sharding."""
+        seed = self.cfg.train.seed
+        with jax.set_mesh(self.mesh):
+            return jax.jit(lambda: self.model_def.init_state(seed), out_shardings=self.replicated)()
+
+    def abstract_state(self) -> dict[str, Any]:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated),
+                            self.model_def.abstract_state())
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, params: dict) -> dict[str, float]:
+        """Validation loss (nats/token) and bits per byte over ``train.eval_batches`` batches."""
+        if self._eval_data is None:
+            self._eval_data = eval_batches(self.corpus, self.cfg.data, self.cfg.train.eval_batches,
+                                           process_index=jax.process_index(),
+                                           process_count=jax.process_count())
+        totals = None
+        with jax.set_mesh(self.mesh):
+            for batch in self._eval_data:
+                out = self._eval_step(params, self._put_batch(batch))
+                totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+        totals = jax.device_get(totals)
+        ce = float(totals["ce_sum"]) / max(float(totals["weight_sum"]), 1.0)
+        bpb = float(totals["ce_sum"]) / LN2 / max(float(totals["bytes"]), 1.0)
+        return {"eval_loss": ce, "eval_bits_per_byte": bpb}
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> TrainSummary:
+        """Trains from the latest checkpoint in the run dir (or from scratch) to ``train.stop_at``
+        (or ``train.steps``), evaluating, logging and checkpointing on the configured intervals."""
+        t_start = time.perf_counter()
+        cfg, tc = self.cfg, self.cfg.train
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                            async_save=cfg.checkpoint.async_save)
+        writer = MetricsWriter(self.run_dir, enabled=self.is_main)
+        data_iter = iter(train_dataset(self.corpus, cfg.data, seed=tc.seed,
+                                       process_index=jax.process_index(),
+                                       process_count=jax.process_count()))
+        self._log(f"corpus: {self.corpus.summary()}")
+        n_params = sum(x.size for x in jax.tree.leaves(self.model_def.abstract_params))
+        self._log(f"model: {n_params / 1e6:.2f}M parameters | mesh {dict(self.mesh.shape)} on "
+                  f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+
+        if ckpt.latest_step() is not None:
+            restored = ckpt.restore(self.abstract_state(), cfg)
+            state, start = restored.state, restored.step
+            data_iter.set_state(restored.data_state)
+            self._log(f"resuming from step {start} ({ckpt.directory / str(start)})")
+        else:
+            state, start = self.init_state(), 0
+        last = tc.last_step
+        if start >= last:
+            self._log(f"run is already at step {start} (train.stop_at/train.steps = {last}); nothing to train")
+
+        bar = None
+        if self.progress and last > start:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=last, initial=start, desc="train", unit="step", dynamic_ncols=True, leave=False)
+        say = bar.write if bar is not None else self._log
+        if bar is not None and self._log is not print:
+            say = self._log
+
+        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        first_step_s = tokens_per_s = final_loss = None
+        eval_metrics: dict[str, float] = {}
+        window_t, window_steps, t_first_done = None, 0, None
+        saved_step = None
+
+        def handle(step: int, metrics: dict[str, jax.Array]) -> None:
+            nonlocal first_step_s, window_t, window_steps, t_first_done, tokens_per_s, final_loss
+            m = jax.device_get(metrics)  # blocks on this step only; the next one is already queued
+            now = time.perf_counter()
+            final_loss = float(m["loss"])
+            if t_first_done is None:
+                t_first_done = window_t = now
+                first_step_s = now - t_start
+            else:
+                window_steps += 1
+            if bar is not None:
+                bar.update(1)
+            if step % tc.log_every == 0 or step == last:
+                rate = tokens_per_step * window_steps / (now - window_t) if window_steps else float("nan")
+                if window_steps:
+                    tokens_per_s = rate
+                rec = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in m.items()}
+                rec["tokens_per_s"] = rate
+                writer.write("train", step, rec)
+                drop = float(np.mean(m["dropped_fraction"])) if "dropped_fraction" in m else 0.0
+                say(f"step {step:>6} | loss {rec['loss']:.4f} | aux {rec['aux_loss']:.4f} | "
+                    f"z {rec['z_loss']:.3f} | dropped {drop:.3f} | lr {rec['learning_rate']:.2e} | "
+                    f"{rate:,.0f} tokens/s")
+                window_t, window_steps = now, 0
+
+        pending = None
+        with jax.set_mesh(self.mesh):
+            for step in range(start, last):
+                batch = self._put_batch(next(data_iter))
+                state, metrics = self._train_step(state, batch, self.base_key)
+                if pending is not None:
+                    handle(*pending)
+                pending = (step + 1, metrics)
+                done = step + 1
+                is_last = done == last
+                if (tc.checkpoint_every and done % tc.checkpoint_every == 0) or is_last:
+                    handle(*pending)
+                    pending = None
+                    ckpt.save(done, state, data_iter.get_state(), cfg, force=True)
+                    saved_step = done
+                if (tc.eval_every and done % tc.eval_every == 0) or is_last:
+                    if pending is not None:
+                        handle(*pending)
+                        pending = None
+                    t_eval = time.perf_counter()
+                    eval_metrics = self.evaluate(state["params"])
+                    writer.write("eval", done, eval_metrics)
+                    say(f"step {done:>6} | eval loss {eval_metrics['eval_loss']:.4f} | "
+                        f"eval bits/byte {eval_metrics['eval_bits_per_byte']:.4f}")
+                    if window_t is not None:  # keep evaluation time out of tokens/s
+                        window_t += time.perf_counter() - t_eval
+            if pending is not None:
+                handle(*pending)
+        if start >= last:
+            eval_metrics = self.evaluate(state["params"])
+        if bar is not None:
+            bar.close()
+        ckpt.close()
+        writer.close()
+        latest = ckpt.latest_step()
+        return TrainSummary(
+            steps=max(start, last), steps_this_run=max(last - start, 0),
+            final_loss=final_loss, eval_loss=eval_metrics.get("eval_loss"),
+            eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), tokens_per_s=tokens_per_s,
+            first_step_s=first_step_s, wall_s=time.perf_counter() - t_start,
+            checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None)
+
+    def restore_params(self) -> tuple[int, dict]:
+        """Parameters of the latest checkpoint in the run dir.
+
+        Raises:
+          CheckpointError: no checkpoint or an incompatible one.
+        """
+        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.cfg.checkpoint.keep, async_save=False)
+        try:
+            r = ckpt.restore(self.abstract_state(), self.cfg)
+        finally:
+            ckpt.close()
+        return r.step, r.state["params"]

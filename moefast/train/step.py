@@ -1,0 +1,164 @@
+"""The pure training and evaluation steps, the optimizer and the train state.
+
+The train state is a plain dict of arrays, ``{"params", "opt_state", "step"}``: ``params`` is the
+pure-dict form of the NNX model state (``nnx.to_pure_dict``), rebuilt into a module inside the step
+with ``nnx.merge(graphdef, params)``. Plain pytrees keep ``jax.jit`` cheap (no Python object-graph
+walk per call) and round-trip through orbax without structure drift.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from moefast.config import ExperimentConfig
+from moefast.model import ModelOutput, Transformer, build_model
+
+__all__ = [
+    "BATCH_KEYS",
+    "ModelDef",
+    "eval_step",
+    "learning_rate_schedule",
+    "make_optimizer",
+    "train_step",
+]
+
+BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_weight")
+LN2 = math.log(2.0)
+
+
+def learning_rate_schedule(cfg: ExperimentConfig) -> optax.Schedule:
+    """Linear warm-up from 0 to ``train.learning_rate``, then cosine decay to
+    ``min_lr_ratio * learning_rate`` at ``train.steps`` (Loshchilov & Hutter 2017, SGDR eq. 5)."""
+    t = cfg.train
+    warmup = min(t.warmup_steps, t.steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.learning_rate, warmup_steps=warmup,
+        decay_steps=max(t.steps, warmup + 1), end_value=t.learning_rate * t.min_lr_ratio)
+
+
+def make_optimizer(cfg: ExperimentConfig) -> optax.GradientTransformation:
+    """AdamW (decoupled weight decay on matrices only) after global-norm clipping."""
+    t = cfg.train
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=t.b1, b2=t.b2,
+                             weight_decay=t.weight_decay, mask=decay_mask))
+    return optax.chain(*parts)
+
+
+class ModelDef:
+    """A model's structure (NNX graphdef) without its parameters, plus helpers on pure params.
+
+    Args:
+      cfg: experiment config.
+      vocab_size: the tokenizer's vocabulary size.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, vocab_size: int):
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        abstract = nnx.eval_shape(lambda: build_model(cfg, vocab_size))
+        self.graphdef, abstract_state = nnx.split(abstract)
+        self.abstract_params = nnx.to_pure_dict(abstract_state)
+
+    def init_params(self, seed: int) -> dict:
+        """Fresh float32 parameters (pure dict)."""
+        return nnx.to_pure_dict(nnx.state(build_model(self.cfg, self.vocab_size, seed=seed)))
+
+    def module(self, params: dict) -> Transformer:
+        """The NNX module carrying ``params`` (cheap: no copy)."""
+        return nnx.merge(self.graphdef, params)
+
+    def init_state(self, seed: int) -> dict[str, Any]:
+        params = self.init_params(seed)
+        return {"params": params, "opt_state": make_optimizer(self.cfg).init(params),
+                "step": jnp.zeros((), jnp.int32)}
+
+    def abstract_state(self) -> dict[str, Any]:
+        return jax.eval_shape(lambda: self.init_state(0))
+
+
+def _loss_terms(out: ModelOutput, batch: dict[str, jax.Array], cfg: ExperimentConfig):
+    w = batch["loss_weight"].astype(jnp.float32)
+    ce_bt = optax.softmax_cross_entropy_with_integer_labels(out.logits, batch["targets"])
+    ce_sum = jnp.sum(jnp.where(w > 0, ce_bt * w, 0.0))
+    weight_sum = jnp.sum(w)
+    return ce_sum, weight_sum
+
+
+def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.Array],
+               base_key: jax.Array) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+    """One optimizer step. Pure: jit it with the state donated.
+
+    Args:
+      model_def: the model's structure (static).
+      state: ``{"params", "opt_state", "step"}``.
+      batch: arrays [B, T] keyed by :data:`BATCH_KEYS`.
+      base_key: PRNG key of the run; this step's dropout key is ``fold_in(base_key, step)``.
+
+    Returns:
+      ``(new_state, metrics)``; metrics are scalars plus ``tokens_per_expert`` [L_moe, E] and
+      ``dropped_fraction`` [L_moe].
+
+    The loss is the mean cross-entropy over tokens with non-zero ``loss_weight`` plus
+    ``aux_loss_coef`` times the load-balancing loss and ``z_loss_coef`` times the z-loss, each
+    averaged over MoE layers.
+    """
+    cfg = model_def.cfg
+    step_key = jax.random.fold_in(base_key, state["step"])
+    use_dropout = cfg.model.dropout > 0
+
+    def loss_fn(params):
+        out = model_def.module(params)(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                       dropout_key=step_key if use_dropout else None, drop_tokens=True)
+        ce_sum, weight_sum = _loss_terms(out, batch, cfg)
+        ce = ce_sum / jnp.maximum(weight_sum, 1.0)
+        if out.moe is not None:
+            aux, z = jnp.mean(out.moe.aux_loss), jnp.mean(out.moe.z_loss)
+        else:
+            aux = z = jnp.zeros((), jnp.float32)
+        loss = ce + cfg.moe.aux_loss_coef * aux + cfg.moe.z_loss_coef * z
+        return loss, (ce, aux, z, out.moe)
+
+    (loss, (ce, aux, z, moe)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    tx = make_optimizer(cfg)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {
+        "loss": ce,
+        "total_loss": loss,
+        "aux_loss": aux,
+        "z_loss": z,
+        "grad_norm": optax.global_norm(grads),
+        "learning_rate": learning_rate_schedule(cfg)(state["step"]),
+    }
+    if moe is not None:
+        metrics["tokens_per_expert"] = moe.tokens_per_expert
+        metrics["dropped_fraction"] = moe.dropped_fraction
+    new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+    return new_state, metrics
+
+
+def eval_step(model_def: ModelDef, params: dict, batch: dict[str, jax.Array],
+              bytes_per_token: np.ndarray) -> dict[str, jax.Array]:
+    """Summed validation cross-entropy (nats), weight and UTF-8 bytes of one batch.
+
+    No randomness and no capacity dropping, so each token's loss does not depend on the rest of
+    the batch.
+
+    Args:
+      bytes_per_token: int [V], text bytes each token id stands for (bits per byte).
+    """
+    out = model_def.module(params)(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                   drop_tokens=False)
+    ce_sum, weight_sum = _loss_terms(out, batch, model_def.cfg)
+    w = batch["loss_weight"].astype(jnp.float32)
+    nbytes = jnp.sum(jnp.asarray(bytes_per_token, jnp.float32)[batch["targets"]] * w)
+    return {"ce_sum": ce_sum, "weight_sum": weight_sum, "bytes": nbytes}
