@@ -136,7 +136,7 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
         "total_loss": loss,
         "aux_loss": aux,
         "z_loss": z,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree_utils.tree_norm(grads),
         "learning_rate": learning_rate_schedule(cfg)(state["step"]),
     }
     if moe is not None:

@@ -1,0 +1,103 @@
+"""Transformer: packed documents, causality, positional-table bounds, KV-cache generation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moefast.config import load_config
+from moefast.data import ByteTokenizer
+from moefast.model import build_model, rope_table
+from moefast.train import ModelDef, generate
+
+SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+         "model.head_dim=8", "model.d_ff=48", "model.max_seq_len=64", "data.seq_len=32",
+         "moe.num_experts=4", "moe.top_k=2"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    # capacity_factor 8: nothing drops, so a token's output cannot depend on other documents.
+    return build_model(load_config(None, SMALL + ["moe.capacity_factor=8"]), 259, seed=3)
+
+
+def test_packed_documents_do_not_interact(model):
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 256, 9), rng.integers(0, 256, 7)
+    tokens = np.concatenate([a, b])[None]
+    seg = np.array([[1] * 9 + [2] * 7])
+    pos = np.array([list(range(9)) + list(range(7))])
+    out = model(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg)).logits
+    tokens2 = tokens.copy()
+    tokens2[0, :9] = rng.integers(0, 256, 9)  # change document A only
+    out2 = model(jnp.asarray(tokens2), jnp.asarray(pos), jnp.asarray(seg)).logits
+    alone = model(jnp.asarray(b[None]), jnp.arange(7)[None], jnp.ones((1, 7), jnp.int32)).logits
+    np.testing.assert_allclose(np.asarray(out[0, 9:]), np.asarray(out2[0, 9:]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out[0, 9:]), np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(out[0, :9]), np.asarray(out2[0, :9]))
+
+
+def test_causality(model):
+    tokens = np.random.default_rng(1).integers(0, 256, (2, 20))
+    out = model(jnp.asarray(tokens)).logits
+    changed = tokens.copy()
+    changed[:, 12:] = (changed[:, 12:] + 1) % 256
+    out2 = model(jnp.asarray(changed)).logits
+    np.testing.assert_allclose(np.asarray(out[:, :12]), np.asarray(out2[:, :12]), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(out[:, 12:]), np.asarray(out2[:, 12:]))
+
+
+def test_sequence_longer_than_table_raises(model):
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(jnp.zeros((1, 65), jnp.int32))
+
+
+def test_positions_beyond_table_raise(model):
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(jnp.zeros((1, 4), jnp.int32), jnp.array([[0, 1, 2, 64]]))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(jnp.zeros((1, 4), jnp.int32), jnp.array([[-1, 0, 1, 2]]))
+
+
+def test_positions_beyond_table_under_jit_give_nan_not_clamped_values(model):
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    f = jax.jit(lambda st, pos: nnx.merge(graphdef, st)(jnp.zeros((1, 4), jnp.int32), pos).logits)
+    ok = f(state, jnp.array([[0, 1, 2, 63]]))
+    bad = f(state, jnp.array([[0, 1, 2, 64]]))
+    assert bool(jnp.all(jnp.isfinite(ok)))
+    assert bool(jnp.all(jnp.isnan(bad[0, 3])))
+
+
+def test_rope_table_matches_float64_reference():
+    cos, sin = rope_table(4096, 64, 10000.0)
+    p = np.arange(4096)[:, None]
+    phase = p * 10000.0 ** (-np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(cos, np.cos(phase), atol=1e-6)
+    np.testing.assert_allclose(sin, np.sin(phase), atol=1e-6)
+    assert rope_table(4096, 64, 10000.0)[0] is cos  # computed once
+
+
+def test_generate_with_kv_cache_matches_full_forward():
+    cfg = load_config(None, SMALL)
+    md = ModelDef(cfg, 259)
+    params = md.init_params(seed=5)
+    tok = ByteTokenizer()
+    text, logits = generate(md, params, tok, "def f(x):", max_new_tokens=12, temperature=0.0,
+                            return_logits=True)
+    prompt_ids = np.concatenate([[tok.bos_id], tok.encode("def f(x):")])
+    gen_ids = tok.encode(text)
+    assert len(logits) >= 1
+    full_ids = np.concatenate([prompt_ids, gen_ids])[None]
+    full = md.module(params)(jnp.asarray(full_ids), drop_tokens=False).logits[0]
+    n = len(prompt_ids)
+    for i in range(len(logits)):
+        np.testing.assert_allclose(logits[i], np.asarray(full[n - 1 + i]), rtol=1e-4, atol=1e-4)
+
+
+def test_generate_rejects_too_long_prompt():
+    cfg = load_config(None, SMALL)
+    md = ModelDef(cfg, 259)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        generate(md, md.init_params(0), ByteTokenizer(), "x" * 60, max_new_tokens=10)
