@@ -7,8 +7,14 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
+import shutil  # noqa: E402
+import sysconfig  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from moefast.config import load_config  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -18,3 +24,20 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, f"tests expect 8 virtual CPU devices, got {len(devs)}: set XLA_FLAGS before jax starts"
     return devs
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory):
+    """A small real-text corpus: 24 standard-library modules."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus")
+    for p in sorted(root.glob("[a-m]*.py"))[:24]:
+        shutil.copy(p, out / p.name)
+    return out
+
+
+@pytest.fixture
+def small_config(text_dir):
+    def make(*overrides):
+        return load_config(None, SMALL_MODEL + [f"data.source={text_dir}", *overrides])
+    return make

@@ -1,0 +1,72 @@
+"""The command line as a user runs it: a real subprocess per command."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.head_dim=16",
+         "model.d_ff=64", "model.max_seq_len=128", "moe.num_experts=4", "data.seq_len=32",
+         "train.warmup_steps=1", "train.eval_batches=1"]
+
+
+def moefast(*args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # let --cpu-devices decide
+    return subprocess.run([sys.executable, "-m", "moefast", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, text_dir):
+    run = tmp_path_factory.mktemp("cli") / "run"
+    p = moefast("train", "--run-dir", str(run), "--cpu-devices", "2", "--no-progress", *SMALL,
+                f"data.source={text_dir}", "train.steps=6", "train.log_every=3", "train.eval_every=3")
+    assert p.returncode == 0, p.stderr
+    return run, p.stdout
+
+
+def test_train_prints_logs_and_summary(trained_run):
+    run, out = trained_run
+    assert "step      3 | loss" in out and "tokens/s" in out
+    assert "eval bits/byte" in out
+    summary = [line for line in out.splitlines() if line.startswith("done:")]
+    assert summary and "steps 6" in summary[0] and "checkpoint" in summary[0] and "wall" in summary[0]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [3, 6] and all("tokens_per_s" in r for r in train)
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "6").is_dir()
+
+
+def test_generate_and_eval(trained_run):
+    run, _ = trained_run
+    g = moefast("generate", "--run-dir", str(run), "--prompt", "def ", "--max-new-tokens", "20", "--cpu-devices", "1")
+    assert g.returncode == 0, g.stderr
+    assert g.stdout.startswith("def ")
+    e = moefast("eval", "--run-dir", str(run), "--cpu-devices", "1")
+    assert e.returncode == 0, e.stderr
+    assert e.stdout.startswith("step 6 | eval loss")
+
+
+def test_restart_of_a_finished_run_trains_nothing(trained_run, text_dir):
+    run, _ = trained_run
+    p = moefast("train", "--run-dir", str(run), "--cpu-devices", "2", "--no-progress", *SMALL,
+                f"data.source={text_dir}", "train.steps=6", "train.log_every=3", "train.eval_every=3")
+    assert p.returncode == 0, p.stderr
+    assert "already at step 6" in p.stdout and "steps 6 (0 this run)" in p.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "train.stepz=3"], "train.stepz: unknown key"),
+    (["train", "moe.top_k=9"], "moe.top_k: must be in [1, moe.num_experts=8]"),
+    (["train", "--config", "nope.yaml"], "config file nope.yaml not found"),
+    (["train", "data.source=/nonexistent/dir"], "/nonexistent/dir"),
+    (["eval", "--run-dir", "/nonexistent/run"], "not a moefast run directory"),
+    (["generate", "--run-dir", "/nonexistent/run", "--prompt", "x"], "not a moefast run directory"),
+])
+def test_bad_input_gets_one_clear_error(args, message, tmp_path):
+    p = moefast(*args[:1], *(["--run-dir", str(tmp_path / "r")] if args[0] == "train" else []), *args[1:])
+    assert p.returncode == 2
+    assert message in p.stderr
+    assert "Traceback" not in p.stderr

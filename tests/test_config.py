@@ -1,0 +1,81 @@
+"""Config: every shipped YAML loads; typos, wrong types and impossible values fail clearly."""
+
+from pathlib import Path
+
+import pytest
+
+from moefast.config import CONFIG_DIR, ConfigError, ExperimentConfig, load_config
+
+CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+def test_configs_dir_is_not_empty():
+    assert CONFIGS, f"no YAML configs in {CONFIG_DIR}"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.name == path.stem
+    assert ExperimentConfig.from_dict(cfg.to_dict()) == cfg  # round-trips (run dirs store it)
+
+
+def test_tiny_is_the_default_and_matches_the_design():
+    cfg = load_config()
+    m, moe, d = cfg.model, cfg.moe, cfg.data
+    assert (m.d_model, m.num_layers, m.num_heads, m.head_dim, m.d_ff) == (256, 4, 4, 64, 512)
+    assert (moe.num_experts, moe.top_k) == (8, 2)
+    assert (d.tokenizer, d.seq_len, d.batch_size) == ("byte", 256, 8)
+
+
+def test_overrides_apply_and_parse_types():
+    cfg = load_config(None, ["train.steps=200", "moe.top_k=1", "train.learning_rate=1e-3",
+                             "model.tie_embeddings=false", "train.stop_at=null"])
+    assert (cfg.train.steps, cfg.moe.top_k, cfg.train.learning_rate) == (200, 1, 1e-3)
+    assert cfg.model.tie_embeddings is False and cfg.train.stop_at is None
+    assert load_config(None, ["moe.capacity_factor=null"]).moe.capacity_factor == 1.25
+    assert load_config(None, ["moe.capacity_factor=2"]).moe.capacity_factor == 2.0
+
+
+@pytest.mark.parametrize("override,match", [
+    ("train.stepz=1", r"train\.stepz: unknown key; valid keys of 'train': \[.*'steps'"),
+    ("trian.steps=1", r"unknown section.*'train'"),
+    ("train.steps=abc", r"train\.steps: expected int, got 'abc'"),
+    ("train.steps=1.5", r"train\.steps: expected int"),
+    ("model.tie_embeddings=3", r"model\.tie_embeddings: expected bool"),
+    ("model.dtype=float16", r"model\.dtype: 'float16' is not one of \['float32', 'bfloat16'\]"),
+    ("moe.top_k=9", r"moe\.top_k: must be in \[1, moe\.num_experts=8\]"),
+    ("moe.capacity_factor=0", r"moe\.capacity_factor: 0 would mean dropless"),
+    ("moe.capacity_factor=-1", r"moe\.capacity_factor: must be a finite number > 0"),
+    ("data.seq_len=2048", r"data\.seq_len: 2048 exceeds model\.max_seq_len=1024"),
+    ("model.num_kv_heads=3", r"model\.num_kv_heads: must divide model\.num_heads=4"),
+    ("train.stop_at=1000", r"train\.stop_at: must be null or in \[1, train\.steps=600\]"),
+    ("steps=3", r"expected section\.key=value"),
+    ("train.steps", r"expected section\.key=value"),
+])
+def test_bad_values_fail_with_the_key_named(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found; shipped configs: .*tiny.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("model:\n  d_modle: 3\n")
+    with pytest.raises(ConfigError, match=r"model\.d_modle: unknown key"):
+        load_config(wrong)
+
+
+def test_batch_not_divisible_by_data_axis(devices):
+    from moefast.train import make_mesh
+
+    with pytest.raises(ConfigError, match=r"data\.batch_size: 12 is not divisible by the data axis \(8 devices\)"):
+        make_mesh(load_config(None, ["data.batch_size=12"]))
+    with pytest.raises(ConfigError, match=r"mesh\.data: 3 does not divide the 8"):
+        make_mesh(load_config(None, ["mesh.data=3"]))
+    assert make_mesh(load_config(None, ["mesh.data=4"])).shape["data"] == 4
