@@ -72,7 +72,7 @@ class TrainSummary:
     final_loss: float | None  # training cross-entropy of the last step (nats/token)
     eval_loss: float | None  # validation cross-entropy (nats/token)
     eval_bits_per_byte: float | None
-    tokens_per_s: float | None  # training throughput after the first (compiling) step
+    tokens_per_s: float | None  # mean training throughput after the first (compiling) step, evaluation excluded
     first_step_s: float | None  # wall time to the first completed step (includes compilation)
     wall_s: float
     checkpoint: str | None
@@ -198,13 +198,14 @@ class Trainer:
             say = self._log
 
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        first_step_s = tokens_per_s = final_loss = None
+        first_step_s = final_loss = None
         eval_metrics: dict[str, float] = {}
         window_t, window_steps, t_first_done = None, 0, None
+        timed_steps, timed_s = 0, 0.0  # steps after the first (compiling) one, and their time
         saved_step = None
 
         def handle(step: int, metrics: dict[str, jax.Array]) -> None:
-            nonlocal first_step_s, window_t, window_steps, t_first_done, tokens_per_s, final_loss
+            nonlocal first_step_s, window_t, window_steps, t_first_done, final_loss, timed_steps, timed_s
             m = jax.device_get(metrics)  # blocks on this step only; the next one is already queued
             now = time.perf_counter()
             final_loss = float(m["loss"])
@@ -217,8 +218,7 @@ class Trainer:
                 bar.update(1)
             if step % tc.log_every == 0 or step == last:
                 rate = tokens_per_step * window_steps / (now - window_t) if window_steps else float("nan")
-                if window_steps:
-                    tokens_per_s = rate
+                timed_steps, timed_s = timed_steps + window_steps, timed_s + (now - window_t)
                 rec = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in m.items()}
                 rec["tokens_per_s"] = rate
                 writer.write("train", step, rec)
@@ -256,6 +256,9 @@ class Trainer:
                         window_t += time.perf_counter() - t_eval
             if pending is not None:
                 handle(*pending)
+        if window_steps:  # steps since the last log line
+            timed_steps, timed_s = timed_steps + window_steps, timed_s + (time.perf_counter() - window_t)
+        tokens_per_s = tokens_per_step * timed_steps / timed_s if timed_steps else None
         if start >= last:
             eval_metrics = self.evaluate(state["params"])
         if bar is not None:
