@@ -18,6 +18,11 @@ from moefast.config import load_config  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# A model small enough that a training step takes milliseconds on a CPU.
+SMALL_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.head_dim=16",
+               "model.d_ff=64", "model.max_seq_len=64", "moe.num_experts=4", "moe.top_k=2",
+               "data.seq_len=32", "data.batch_size=8", "train.warmup_steps=2", "train.eval_batches=2"]
+
 
 @pytest.fixture(scope="session")
 def devices():
