@@ -217,7 +217,7 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
             if step % tc.log_every == 0 or step == last:
-                rate = tokens_per_step * window_steps / (now - window_t) if window_steps else float("nan")
+                rate = tokens_per_step * window_steps / (now - window_t) if window_steps else None
                 timed_steps, timed_s = timed_steps + window_steps, timed_s + (now - window_t)
                 rec = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in m.items()}
                 rec["tokens_per_s"] = rate
@@ -225,7 +225,7 @@ class Trainer:
                 drop = float(np.mean(m["dropped_fraction"])) if "dropped_fraction" in m else 0.0
                 say(f"step {step:>6} | loss {rec['loss']:.4f} | aux {rec['aux_loss']:.4f} | "
                     f"z {rec['z_loss']:.3f} | dropped {drop:.3f} | lr {rec['learning_rate']:.2e} | "
-                    f"{rate:,.0f} tokens/s")
+                    + (f"{rate:,.0f} tokens/s" if rate is not None else "compiled"))
                 window_t, window_steps = now, 0
 
         pending = None
