@@ -33,6 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="run directory (default: runs/<config name>)")
     t.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process: address of process 0 (auto-detected under SLURM / Open MPI)")
+    t.add_argument("--num-processes", type=int, default=None, help="multi-process: number of processes")
+    t.add_argument("--process-id", type=int, default=None, help="multi-process: this process, 0-based")
+    t.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
+                   help="multi-process: seconds to wait for peers to join, and for a dead peer's "
+                        "heartbeat before stopping with an error (default 300)")
     t.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="config overrides, e.g. train.steps=200 moe.top_k=1")
 
@@ -53,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _set_cpu_devices(args.cpu_devices)
+    if args.command == "train":
+        from moefast.parallel.distributed import initialize
+
+        try:
+            initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.distributed_timeout)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     from moefast.config import ConfigError, load_config
     from moefast.data import DataError
@@ -63,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             trainer = Trainer(cfg, args.run_dir, progress=not args.no_progress)
             summary = trainer.run()
-            print(f"done: {summary.format()}")
+            if trainer.is_main:
+                print(f"done: {summary.format()}")
         elif args.command == "eval":
             cfg = load_run_config(args.run_dir)
             trainer = Trainer(cfg, args.run_dir, progress=False)

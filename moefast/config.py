@@ -244,16 +244,23 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh.
+    """Device mesh (see :mod:`moefast.parallel.mesh`). The product of the axes must equal the
+    number of devices; one axis may be ``-1``, meaning "the rest".
 
     Attributes:
-      data: size of the ``data`` (batch) axis; ``-1`` means all devices.
+      data: data-parallel axis (batch split, parameters replicated).
+      fsdp: fully-sharded data-parallel axis (batch split, parameters and optimizer state split).
+      expert: expert-parallel axis (batch split, experts split; must divide ``moe.num_experts``).
     """
 
     data: int = -1
+    fsdp: int = 1
+    expert: int = 1
 
     def __post_init__(self):
-        _require(self.data == -1 or self.data >= 1, "mesh.data", f"must be -1 (all devices) or >= 1, got {self.data}")
+        for k in ("data", "fsdp", "expert"):
+            v = getattr(self, k)
+            _require(v == -1 or v >= 1, f"mesh.{k}", f"must be -1 (the rest) or >= 1, got {v}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,11 +71,19 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(wrong)
 
 
-def test_batch_not_divisible_by_data_axis(devices):
-    from moefast.train import make_mesh
+def test_mesh_shapes(devices):
+    from moefast.parallel import make_mesh
 
-    with pytest.raises(ConfigError, match=r"data\.batch_size: 12 is not divisible by the data axis \(8 devices\)"):
+    with pytest.raises(ConfigError, match=r"data\.batch_size: 12 is not divisible by the 8 batch shards"):
         make_mesh(load_config(None, ["data.batch_size=12"]))
-    with pytest.raises(ConfigError, match=r"mesh\.data: 3 does not divide the 8"):
+    with pytest.raises(ConfigError, match=r"mesh: data×fsdp×expert = 3×1×1 = 3 must equal the 8 devices"):
         make_mesh(load_config(None, ["mesh.data=3"]))
-    assert make_mesh(load_config(None, ["mesh.data=4"])).shape["data"] == 4
+    with pytest.raises(ConfigError, match=r"mesh.expert: 4 does not divide moe.num_experts=6"):
+        make_mesh(load_config(None, ["moe.num_experts=6", "mesh.expert=4"]))
+    with pytest.raises(ConfigError, match=r"at most one axis may be -1"):
+        make_mesh(load_config(None, ["mesh.expert=-1"]))
+    with pytest.raises(ConfigError, match=r"cannot fill 8 devices"):
+        make_mesh(load_config(None, ["mesh.expert=3"]))
+    mesh = make_mesh(load_config(None, ["mesh.expert=4"]))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4}
+    assert dict(make_mesh(load_config(None, ["mesh.data=1", "mesh.fsdp=-1"])).shape) == {"data": 1, "fsdp": 8, "expert": 1}

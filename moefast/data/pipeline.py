@@ -105,10 +105,12 @@ def train_dataset(corpus: Corpus, cfg: DataConfig, *, seed: int, process_index: 
                   process_count: int = 1) -> grain.IterDataset:
     """An infinite, shuffled, per-process stream of training batches.
 
-    The training rows are cut to a multiple of ``process_count`` and process p takes rows
-    ``p, p + process_count, ...`` (disjoint shards of equal size). Each shard is shuffled with
-    ``seed``, batched with ``drop_remainder`` and repeated forever; grain folds the epoch number
-    into the shuffle seed, so every epoch has a different order (and drops different rows).
+    The global batch sequence does not depend on the number of processes: the training rows are
+    shuffled with ``seed``, batched into global batches of ``batch_size`` rows (``drop_remainder``)
+    and repeated forever (grain folds the epoch number into the shuffle seed, so every epoch has a
+    different order); process p keeps the contiguous rows ``[p·B/P, (p+1)·B/P)`` of each global
+    batch, which is the slice its devices hold in the global array. So 2 processes × 4 devices see
+    exactly the batches of 1 process × 8 devices.
 
     Args:
       corpus: from :func:`load_corpus`.
@@ -124,20 +126,21 @@ def train_dataset(corpus: Corpus, cfg: DataConfig, *, seed: int, process_index: 
 
     Raises:
       DataError: ``batch_size`` is not divisible by ``process_count``, a bad process index or
-        seed, or a shard has fewer rows than the per-process batch.
+        seed, or fewer training rows than one global batch.
     """
     local_batch = _check_processes(cfg, process_index, process_count)
     if not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**32:
         raise DataError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     rows = len(corpus.train)
-    shard_rows = rows // process_count
-    if shard_rows < local_batch:
-        raise DataError(f"{rows} training rows give {shard_rows} rows per process, fewer than the per-process batch "
-                        f"{local_batch} (data.batch_size={cfg.batch_size} / {process_count} processes); use a larger "
-                        f"corpus or lower data.batch_size")
+    if rows < cfg.batch_size:
+        raise DataError(f"{rows} training rows are fewer than one global batch (data.batch_size="
+                        f"{cfg.batch_size}, per-process batch {local_batch}); use a larger corpus or lower "
+                        "data.batch_size")
     ds = grain.MapDataset.source(corpus.train)
-    ds = ds[: shard_rows * process_count][process_index::process_count]
-    ds = ds.shuffle(seed=int(seed)).batch(local_batch, drop_remainder=True).repeat(None)
+    ds = ds.shuffle(seed=int(seed)).batch(cfg.batch_size, drop_remainder=True).repeat(None)
+    if process_count > 1:
+        lo, hi = process_index * local_batch, (process_index + 1) * local_batch
+        ds = ds.map(lambda batch: {k: v[lo:hi] for k, v in batch.items()})
     return ds.to_iter_dataset(read_options=_READ_OPTIONS)
 
 

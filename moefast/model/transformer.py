@@ -41,6 +41,10 @@ def _dropout(x, rate: float, key, site: int):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def _rms_norm(d_model: int, eps: float, dtype, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(d_model, epsilon=eps, dtype=dtype, scale_metadata={"logical_axes": ("norm",)}, rngs=rngs)
+
+
 class Attention(nnx.Module):
     """Causal grouped-query attention with RoPE (``jax.nn.dot_product_attention``)."""
 
@@ -50,8 +54,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_seq_len, self.rope_base, self.dtype = max_seq_len, rope_base, dtype
         init = jax.nn.initializers.normal(init_std)
-        self.qkv = nnx.Param(init(rngs.params(), (d_model, (num_heads + 2 * num_kv_heads) * head_dim)))
-        self.out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * head_dim, d_model)))
+        self.qkv = nnx.Param(init(rngs.params(), (d_model, (num_heads + 2 * num_kv_heads) * head_dim)),
+                             logical_axes=("embed", "heads"))
+        self.out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * head_dim, d_model)),
+                             logical_axes=("heads", "embed"))
 
     def __call__(self, x_btd, positions_bt, mask_b1ts, cache: dict | None, cache_index):
         b, t, _ = x_btd.shape
@@ -77,8 +83,10 @@ class DenseMLP(nnx.Module):
 
     def __init__(self, d_model: int, d_ff: int, *, dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
         self.dtype = dtype
-        self.w_in = nnx.Param(jax.nn.initializers.normal(init_std)(rngs.params(), (d_model, 2 * d_ff)))
-        self.w_out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (d_ff, d_model)))
+        self.w_in = nnx.Param(jax.nn.initializers.normal(init_std)(rngs.params(), (d_model, 2 * d_ff)),
+                              logical_axes=("embed", "mlp"))
+        self.w_out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (d_ff, d_model)),
+                               logical_axes=("mlp", "embed"))
 
     def __call__(self, x_btd):
         gate, up = jnp.split(x_btd @ self.w_in[...].astype(self.dtype), 2, axis=-1)
@@ -91,11 +99,11 @@ class Block(nnx.Module):
         dtype = _DTYPES[m.dtype]
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
         self.layer, self.dropout = layer, m.dropout
-        self.attn_norm = nnx.RMSNorm(m.d_model, epsilon=m.norm_eps, dtype=dtype, rngs=rngs)
+        self.attn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
         self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, max_seq_len=m.max_seq_len,
                               rope_base=m.rope_base, dtype=dtype, init_std=m.init_std, out_std=out_std,
                               rngs=rngs)
-        self.ffn_norm = nnx.RMSNorm(m.d_model, epsilon=m.norm_eps, dtype=dtype, rngs=rngs)
+        self.ffn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
         self.is_moe = m.is_moe_layer(layer)
         if self.is_moe:
             self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe.num_experts, cfg.moe.top_k,
@@ -129,11 +137,13 @@ class Transformer(nnx.Module):
         self.vocab_size, self.max_seq_len = vocab_size, m.max_seq_len
         self.dtype = _DTYPES[m.dtype]
         self.tie_embeddings = m.tie_embeddings
-        self.embed = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (vocab_size, m.d_model)))
+        self.embed = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (vocab_size, m.d_model)),
+                               logical_axes=("vocab", "embed"))
         self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)])
-        self.final_norm = nnx.RMSNorm(m.d_model, epsilon=m.norm_eps, dtype=self.dtype, rngs=rngs)
+        self.final_norm = _rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
         if not m.tie_embeddings:
-            self.lm_head = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (m.d_model, vocab_size)))
+            self.lm_head = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (m.d_model, vocab_size)),
+                                     logical_axes=("embed", "vocab"))
 
     def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                  segment_ids_bt: jax.Array | None = None, *, cache: KVCache | None = None,

@@ -19,37 +19,18 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moefast.config import ConfigError, ExperimentConfig, load_config
+from moefast import parallel
+from moefast.config import ExperimentConfig
 from moefast.data import Corpus, eval_batches, load_corpus, train_dataset
 from moefast.train.checkpoint import Checkpointer, CheckpointError
 from moefast.train.metrics import MetricsWriter
-from moefast.train.step import BATCH_KEYS, LN2, ModelDef, eval_step, train_step
+from moefast.train.step import BATCH_KEYS, LN2, ModelDef, eval_step, make_optimizer, train_step
 
-__all__ = ["Trainer", "TrainSummary", "load_run_config", "make_mesh"]
-
-DATA_AXIS = "data"
-
-
-def make_mesh(cfg: ExperimentConfig, devices: list | None = None) -> jax.sharding.Mesh:
-    """A 1-D mesh with axis ``data`` over ``mesh.data`` devices (``-1`` = all).
-
-    Raises:
-      ConfigError: ``mesh.data`` does not fit the device count, or the global batch is not
-        divisible by it.
-    """
-    devices = list(jax.devices() if devices is None else devices)
-    n = len(devices) if cfg.mesh.data == -1 else cfg.mesh.data
-    if n > len(devices) or len(devices) % n:
-        raise ConfigError(f"mesh.data: {n} does not divide the {len(devices)} available devices; "
-                          f"use -1 (all) or a divisor of {len(devices)}")
-    if cfg.data.batch_size % n:
-        raise ConfigError(f"data.batch_size: {cfg.data.batch_size} is not divisible by the data axis "
-                          f"({n} devices); use a multiple of {n} or set mesh.data")
-    return jax.make_mesh((n,), (DATA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=devices[:n])
+__all__ = ["Trainer", "TrainSummary", "load_run_config"]
 
 
 def load_run_config(run_dir: str | Path) -> ExperimentConfig:
@@ -76,13 +57,16 @@ class TrainSummary:
     first_step_s: float | None  # wall time to the first completed step (includes compilation)
     wall_s: float
     checkpoint: str | None
+    memory: dict[str, int] | None = None  # bytes per device, see Trainer.memory_per_device
 
     def format(self) -> str:
         f = lambda v, spec: "n/a" if v is None else format(v, spec)
         return (f"steps {self.steps} ({self.steps_this_run} this run) | train loss {f(self.final_loss, '.4f')} | "
                 f"val loss {f(self.eval_loss, '.4f')} | val bits/byte {f(self.eval_bits_per_byte, '.4f')} | "
                 f"{f(self.tokens_per_s, ',.0f')} tokens/s | first step {f(self.first_step_s, '.1f')} s | "
-                f"wall {self.wall_s:.1f} s | checkpoint {self.checkpoint or 'none'}")
+                f"wall {self.wall_s:.1f} s | checkpoint {self.checkpoint or 'none'}"
+                + ("" if not self.memory else f" | per device: params {self.memory['param_bytes'] / 2**20:.1f} MiB, "
+                   f"optimizer {self.memory['optimizer_bytes'] / 2**20:.1f} MiB"))
 
 
 class Trainer:
@@ -95,21 +79,23 @@ class Trainer:
       log: console printer (``print``-like); ``None`` prints nothing.
       progress: show a tqdm progress bar (only on a terminal).
       corpus: reuse an already loaded corpus (tests, notebooks).
+      devices: devices of the mesh (default: all devices of all processes).
     """
 
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path | None = None, *,
                  log: Callable[[str], None] | None = print, progress: bool = True,
-                 corpus: Corpus | None = None):
+                 corpus: Corpus | None = None, devices: list | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir or Path("runs") / cfg.name)
         self.is_main = jax.process_index() == 0
         self._log = log if (log is not None and self.is_main) else (lambda s: None)
         self.progress = progress and self.is_main
-        self.mesh = make_mesh(cfg)
+        self.mesh = parallel.make_mesh(cfg, devices)
         self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
         self.model_def = ModelDef(cfg, self.corpus.tokenizer.vocab_size)
         self.replicated = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P(DATA_AXIS))
+        self.batch_sharding = NamedSharding(self.mesh, parallel.batch_spec(self.mesh))
+        self.state_sharding = self._state_sharding()
         self.trace_count = 0
 
         def counted_step(state, batch, key):
@@ -117,12 +103,13 @@ class Trainer:
             return train_step(self.model_def, state, batch, key)
 
         self._train_step = jax.jit(counted_step, donate_argnums=0,
-                                   in_shardings=(self.replicated, self.batch_sharding, self.replicated),
-                                   out_shardings=(self.replicated, self.replicated))
+                                   in_shardings=(self.state_sharding, self.batch_sharding, self.replicated),
+                                   out_shardings=(self.state_sharding, self.replicated))
         self._eval_step = jax.jit(
             functools.partial(eval_step, self.model_def, bytes_per_token=self.corpus.tokenizer.bytes_per_token),
-            in_shardings=(self.replicated, self.batch_sharding), out_shardings=self.replicated)
+            in_shardings=(self.state_sharding["params"], self.batch_sharding), out_shardings=self.replicated)
         self.base_key = jax.random.key(cfg.train.seed)
+        self._compiled_step = None
         self._eval_data: list[dict[str, np.ndarray]] | None = None
 
     # ------------------------------------------------------------------ state
@@ -130,15 +117,60 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))
                 for k in BATCH_KEYS}
 
+    def _state_sharding(self) -> dict[str, Any]:
+        """Shardings of the train state: parameters by their logical axes (``fsdp`` splits
+        ``embed``, ``expert`` splits experts); optimizer moments like their parameter plus ``data``
+        on a free dimension (ZeRO-1); scalars replicated."""
+        mesh = self.mesh
+        param_spec = parallel.param_specs(self.model_def.abstract_model_state, mesh)
+        abstract = self.model_def.abstract_state()
+        opt_spec = optax.tree_utils.tree_map_params(
+            make_optimizer(self.cfg), lambda p, spec: parallel.optimizer_spec(spec, p.shape, mesh),
+            abstract["opt_state"], param_spec, transform_non_params=lambda _: P(),
+            is_leaf=lambda x: isinstance(x, P))
+        specs = {"params": param_spec, "opt_state": opt_spec, "step": P()}
+        return parallel.shardings(mesh, specs)
+
     def init_state(self) -> dict[str, Any]:
-        """Fresh train state, created directly with its (replicated) sharding."""
+        """Fresh train state, created directly in its shardings (no device holds a full copy of
+        a split parameter)."""
         seed = self.cfg.train.seed
         with jax.set_mesh(self.mesh):
-            return jax.jit(lambda: self.model_def.init_state(seed), out_shardings=self.replicated)()
+            return jax.jit(lambda: self.model_def.init_state(seed), out_shardings=self.state_sharding)()
 
     def abstract_state(self) -> dict[str, Any]:
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated),
-                            self.model_def.abstract_state())
+        """Shapes, dtypes and shardings of the train state (the restore target)."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self.model_def.abstract_state(), self.state_sharding)
+
+    def compiled_train_step(self):
+        """The train step compiled ahead of time for this run's exact shapes and shardings (traced
+        once; a batch of another shape or dtype is an error, never a silent recompilation)."""
+        if self._compiled_step is None:
+            batch = {k: jax.ShapeDtypeStruct((self.cfg.data.batch_size, self.cfg.data.seq_len),
+                                             np.float32 if k == "loss_weight" else np.int32,
+                                             sharding=self.batch_sharding)
+                     for k in BATCH_KEYS}
+            key = jax.ShapeDtypeStruct(self.base_key.shape, self.base_key.dtype, sharding=self.replicated)
+            with jax.set_mesh(self.mesh):
+                self._compiled_step = self._train_step.lower(self.abstract_state(), batch, key).compile()
+        return self._compiled_step
+
+    def memory_per_device(self) -> dict[str, int]:
+        """Bytes per device: parameters and optimizer state (from their shardings) and the compiled
+        train step's arguments and temporaries (``compiled.memory_analysis()``)."""
+        abstract = self.abstract_state()
+
+        def shard_bytes(tree):
+            return int(sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                           for a in jax.tree.leaves(tree)))
+
+        out = {"param_bytes": shard_bytes(abstract["params"]), "optimizer_bytes": shard_bytes(abstract["opt_state"])}
+        mem = self.compiled_train_step().memory_analysis()
+        if mem is not None:
+            out["compiled_argument_bytes"] = int(mem.argument_size_in_bytes)
+            out["compiled_temp_bytes"] = int(mem.temp_size_in_bytes)
+        return out
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, params: dict) -> dict[str, float]:
@@ -229,10 +261,15 @@ class Trainer:
                 window_t, window_steps = now, 0
 
         pending = None
+        step_fn = self.compiled_train_step() if last > start else None
+        memory = self.memory_per_device() if last > start else None
+        if memory:
+            self._log("per device: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.1f} MiB"
+                                                 for k, v in memory.items()))
         with jax.set_mesh(self.mesh):
             for step in range(start, last):
                 batch = self._put_batch(next(data_iter))
-                state, metrics = self._train_step(state, batch, self.base_key)
+                state, metrics = step_fn(state, batch, self.base_key)
                 if pending is not None:
                     handle(*pending)
                 pending = (step + 1, metrics)
@@ -271,7 +308,7 @@ class Trainer:
             final_loss=final_loss, eval_loss=eval_metrics.get("eval_loss"),
             eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), tokens_per_s=tokens_per_s,
             first_step_s=first_step_s, wall_s=time.perf_counter() - t_start,
-            checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None)
+            checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory)
 
     def restore_params(self) -> tuple[int, dict]:
         """Parameters of the latest checkpoint in the run dir.

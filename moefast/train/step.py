@@ -8,6 +8,7 @@ walk per call) and round-trip through orbax without structure drift.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "ModelDef",
     "eval_step",
     "learning_rate_schedule",
+    "loss_fn",
     "make_optimizer",
     "train_step",
 ]
@@ -65,8 +67,8 @@ class ModelDef:
         self.cfg = cfg
         self.vocab_size = vocab_size
         abstract = nnx.eval_shape(lambda: build_model(cfg, vocab_size))
-        self.graphdef, abstract_state = nnx.split(abstract)
-        self.abstract_params = nnx.to_pure_dict(abstract_state)
+        self.graphdef, self.abstract_model_state = nnx.split(abstract)  # keeps logical_axes metadata
+        self.abstract_params = nnx.to_pure_dict(self.abstract_model_state)
 
     def init_params(self, seed: int) -> dict:
         """Fresh float32 parameters (pure dict)."""
@@ -93,9 +95,36 @@ def _loss_terms(out: ModelOutput, batch: dict[str, jax.Array], cfg: ExperimentCo
     return ce_sum, weight_sum
 
 
+def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], dropout_key: jax.Array | None
+            ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, Any]]:
+    """Training loss: mean cross-entropy over tokens with non-zero ``loss_weight`` plus
+    ``aux_loss_coef`` times the load-balancing loss and ``z_loss_coef`` times the z-loss, each
+    averaged over MoE layers.
+
+    Args:
+      params: pure-dict parameters; batch: arrays [B, T] keyed by :data:`BATCH_KEYS`;
+      dropout_key: this step's key (``None``: no dropout).
+
+    Returns:
+      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats))``, float32 scalars; ``moe_stats`` is a
+      :class:`~moefast.model.MoEStats` stacked over MoE layers, or ``None``.
+    """
+    cfg = model_def.cfg
+    out = model_def.module(params)(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                   dropout_key=dropout_key, drop_tokens=True)
+    ce_sum, weight_sum = _loss_terms(out, batch, cfg)
+    ce = ce_sum / jnp.maximum(weight_sum, 1.0)
+    if out.moe is not None:
+        aux, z = jnp.mean(out.moe.aux_loss), jnp.mean(out.moe.z_loss)
+    else:
+        aux = z = jnp.zeros((), jnp.float32)
+    loss = ce + cfg.moe.aux_loss_coef * aux + cfg.moe.z_loss_coef * z
+    return loss, (ce, aux, z, out.moe)
+
+
 def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.Array],
                base_key: jax.Array) -> tuple[dict[str, Any], dict[str, jax.Array]]:
-    """One optimizer step. Pure: jit it with the state donated.
+    """One optimizer step on :func:`loss_fn`. Pure: jit it with the state donated.
 
     Args:
       model_def: the model's structure (static).
@@ -106,28 +135,11 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     Returns:
       ``(new_state, metrics)``; metrics are scalars plus ``tokens_per_expert`` [L_moe, E] and
       ``dropped_fraction`` [L_moe].
-
-    The loss is the mean cross-entropy over tokens with non-zero ``loss_weight`` plus
-    ``aux_loss_coef`` times the load-balancing loss and ``z_loss_coef`` times the z-loss, each
-    averaged over MoE layers.
     """
     cfg = model_def.cfg
-    step_key = jax.random.fold_in(base_key, state["step"])
-    use_dropout = cfg.model.dropout > 0
-
-    def loss_fn(params):
-        out = model_def.module(params)(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                       dropout_key=step_key if use_dropout else None, drop_tokens=True)
-        ce_sum, weight_sum = _loss_terms(out, batch, cfg)
-        ce = ce_sum / jnp.maximum(weight_sum, 1.0)
-        if out.moe is not None:
-            aux, z = jnp.mean(out.moe.aux_loss), jnp.mean(out.moe.z_loss)
-        else:
-            aux = z = jnp.zeros((), jnp.float32)
-        loss = ce + cfg.moe.aux_loss_coef * aux + cfg.moe.z_loss_coef * z
-        return loss, (ce, aux, z, out.moe)
-
-    (loss, (ce, aux, z, moe)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    step_key = jax.random.fold_in(base_key, state["step"]) if cfg.model.dropout > 0 else None
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, model_def), has_aux=True)
+    (loss, (ce, aux, z, moe)), grads = grad_fn(state["params"], batch, step_key)
     tx = make_optimizer(cfg)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)

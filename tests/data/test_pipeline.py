@@ -127,22 +127,23 @@ def test_exact_resume_through_json():
 
 
 @pytest.mark.parametrize("batch_size, process_count", [(4, 2), (6, 3), (4, 4)])
-def test_process_shards_disjoint_and_cover_an_epoch(batch_size, process_count):
+def test_process_slices_make_up_the_single_process_batches(batch_size, process_count):
     corpus = _synthetic_corpus(train_rows=24)
     cfg = DataConfig(seq_len=8, batch_size=batch_size)
     local = batch_size // process_count
-    steps = 24 // batch_size  # one epoch
-    shards = []
-    for p in range(process_count):
-        it = iter(train_dataset(corpus, cfg, seed=1, process_index=p, process_count=process_count))
-        batches = _take(it, steps)
-        assert all(bt["tokens"].shape == (local, 8) for bt in batches)
-        shards.append({r for bt in batches for r in _row_ids(corpus.train, bt)})
-    for i in range(process_count):
-        assert len(shards[i]) == 24 // process_count
-        for j in range(i):
-            assert shards[i].isdisjoint(shards[j])
-    assert set().union(*shards) == set(range(24))
+    steps = 24 // batch_size + 2  # more than one epoch
+    whole = _take(iter(train_dataset(corpus, cfg, seed=1)), steps)
+    parts = [_take(iter(train_dataset(corpus, cfg, seed=1, process_index=p, process_count=process_count)), steps)
+             for p in range(process_count)]
+    for k in range(steps):
+        assert all(parts[p][k]["tokens"].shape == (local, 8) for p in range(process_count))
+        for key in ROW_KEYS:
+            np.testing.assert_array_equal(np.concatenate([parts[p][k][key] for p in range(process_count)]),
+                                          whole[k][key])
+        shards = [set(_row_ids(corpus.train, parts[p][k])) for p in range(process_count)]
+        assert len(set().union(*shards)) == batch_size  # disjoint within a step
+    epoch = {r for bt in whole[: 24 // batch_size] for r in _row_ids(corpus.train, bt)}
+    assert epoch == set(range(24))
 
 
 def test_train_dataset_bad_arguments():
@@ -151,7 +152,7 @@ def test_train_dataset_bad_arguments():
         train_dataset(corpus, DataConfig(seq_len=8, batch_size=6), seed=0, process_count=4)
     with pytest.raises(DataError, match="process_index"):
         train_dataset(corpus, DataConfig(seq_len=8, batch_size=4), seed=0, process_index=2, process_count=2)
-    with pytest.raises(DataError, match="per-process batch"):
+    with pytest.raises(DataError, match="fewer than one global batch"):
         train_dataset(corpus, DataConfig(seq_len=8, batch_size=32), seed=0)
     with pytest.raises(DataError, match="seed"):
         train_dataset(corpus, DataConfig(seq_len=8, batch_size=4), seed=-1)

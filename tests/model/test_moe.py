@@ -9,7 +9,7 @@ from flax import nnx
 from moefast import routing
 from moefast.config import load_config
 from moefast.model import MoELayer, build_model
-from moefast.model import moe as moe_module
+from moefast.parallel import expert as expert_module
 from moefast.model.transformer import Block
 
 
@@ -174,7 +174,7 @@ def test_router_is_float32_in_bfloat16_model(monkeypatch):
         seen["gates"] = r.gates.dtype
         return r
 
-    monkeypatch.setattr(moe_module.routing, "route", spy)
+    monkeypatch.setattr(expert_module.routing, "route", spy)
     cfg = load_config(None, ["model.dtype=bfloat16", "model.num_layers=1", "model.d_model=32",
                              "model.num_heads=2", "model.head_dim=16", "model.d_ff=32", "moe.num_experts=4"])
     model = build_model(cfg, 259)

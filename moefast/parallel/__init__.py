@@ -1,0 +1,19 @@
+"""Meshes, logical-axis sharding rules, expert parallelism and multi-process launch."""
+
+from moefast.parallel.expert import MoEStats, expert_ffn, moe_ffn
+from moefast.parallel.mesh import (
+    BATCH_AXES,
+    LOGICAL_RULES,
+    MESH_AXES,
+    batch_spec,
+    logical_to_spec,
+    make_mesh,
+    mesh_shape,
+    optimizer_spec,
+    param_specs,
+    shardings,
+)
+
+__all__ = ["BATCH_AXES", "LOGICAL_RULES", "MESH_AXES", "MoEStats", "batch_spec", "expert_ffn",
+           "logical_to_spec", "make_mesh", "mesh_shape", "moe_ffn", "optimizer_spec", "param_specs",
+           "shardings"]

@@ -1,0 +1,151 @@
+"""Expert-parallel MoE feed-forward under ``jax.shard_map``.
+
+Dimension letters: B batch, T tokens, D d_model, F d_ff, E experts (El = E / expert-axis size local
+experts), K top_k, C capacity.
+
+Per device, on its own tokens (a routing group): route → pack an [E, C, D] send buffer by slot →
+``all_to_all`` over the ``expert`` axis (each device receives, for its El local experts, the
+buffers of every device: [El, ep·C, D]) → SwiGLU experts → ``all_to_all`` back → combine with the
+gates. Capacity and every buffer shape are static (from the config and the per-device token count),
+identical on every device and process, so collectives never see data-dependent shapes. With an
+expert axis of size 1 no collective is issued. Routing statistics are summed over every token axis,
+so the losses are those of the global batch whatever the mesh.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moefast import routing
+from moefast.parallel.mesh import BATCH_AXES
+
+__all__ = ["MoEStats", "expert_ffn", "moe_ffn"]
+
+EXPERT_AXIS = "expert"
+
+
+class MoEStats(NamedTuple):
+    """Routing statistics of one MoE layer over the whole (global) batch."""
+
+    tokens_per_expert: jax.Array  # [E] int32, assignments per expert before capacity
+    aux_loss: jax.Array  # [] float32, Switch load-balancing loss (before its coefficient)
+    z_loss: jax.Array  # [] float32, ST-MoE router z-loss (before its coefficient)
+    dropped_fraction: jax.Array  # [] float32, dropped assignments / routed assignments
+
+
+def expert_ffn(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, dtype) -> jax.Array:
+    """SwiGLU experts (Shazeer 2020) on per-expert buffers.
+
+    Args:
+      x_ecd: [E, C, D] tokens per expert.
+      w_in_edf: [E, D, 2F] fused gate|up projections.
+      w_out_efd: [E, F, D] down projections.
+      dtype: compute dtype.
+
+    Returns:
+      [E, C, D] in ``dtype``.
+    """
+    h_ecf = jnp.einsum("ecd,edf->ecf", x_ecd.astype(dtype), w_in_edf.astype(dtype))
+    gate_ecf, up_ecf = jnp.split(h_ecf, 2, axis=-1)
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate_ecf) * up_ecf, w_out_efd.astype(dtype))
+
+
+def _to_experts(x_ecd: jax.Array, ep: int) -> jax.Array:
+    """[E, C, D] by destination expert -> [El, ep·C, D]: local experts' tokens from every device."""
+    e, c, d = x_ecd.shape
+    x = x_ecd.reshape(ep, e // ep, c, d)
+    x = jax.lax.all_to_all(x, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep(src), El, C, D]
+    return x.transpose(1, 0, 2, 3).reshape(e // ep, ep * c, d)
+
+
+def _from_experts(y_lcd: jax.Array, ep: int) -> jax.Array:
+    """Inverse of :func:`_to_experts`: [El, ep·C, D] -> [E, C, D] back on the tokens' device."""
+    el, epc, d = y_lcd.shape
+    c = epc // ep
+    y = y_lcd.reshape(el, ep, c, d).transpose(1, 0, 2, 3)  # [ep(dst), El, C, D]
+    y = jax.lax.all_to_all(y, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep(owner), El, C, D]
+    return y.reshape(ep * el, c, d)
+
+
+def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, *, top_k, capacity_factor, min_capacity,
+               drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...]):
+    b, t, d = x_btd.shape
+    num_experts = router_de.shape[1]
+    x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
+    num_tokens = b * t
+    if drop_tokens:
+        capacity = routing.compute_capacity(num_tokens, num_experts, top_k, capacity_factor, min_capacity)
+    else:
+        capacity = num_tokens  # an expert receives each token at most once: nothing drops
+    logits_te = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
+    r = routing.route(logits_te, top_k=top_k, capacity=capacity, mask_t=mask_t)
+
+    x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
+    if ep > 1:
+        y_ecd = _from_experts(expert_ffn(_to_experts(x_ecd, ep), w_in_edf, w_out_efd, dtype), ep)
+    else:
+        y_ecd = expert_ffn(x_ecd, w_in_edf, w_out_efd, dtype)
+    y_td = routing.combine(y_ecd, r)
+
+    sums = (r.tokens_per_expert, r.prob_sum, r.z_sum, r.num_tokens, r.num_dropped)
+    if reduce_axes:
+        sums = jax.lax.psum(sums, reduce_axes)
+    tokens_per_expert, prob_sum, z_sum, n, dropped = sums
+    stats = MoEStats(
+        tokens_per_expert=tokens_per_expert,
+        aux_loss=routing.load_balancing_loss(tokens_per_expert, prob_sum, n, top_k),
+        z_loss=routing.router_z_loss(z_sum, n),
+        dropped_fraction=dropped.astype(jnp.float32) / jnp.maximum(n * top_k, 1.0),
+    )
+    return y_td.reshape(b, t, d).astype(x_btd.dtype), stats
+
+
+def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf: jax.Array,
+            w_out_efd: jax.Array, *, top_k: int, capacity_factor: float, min_capacity: int,
+            drop_tokens: bool = True, dtype=jnp.float32) -> tuple[jax.Array, MoEStats]:
+    """Routed SwiGLU experts, expert-parallel when a mesh is set (``jax.set_mesh``).
+
+    Args:
+      x_btd: [B, T, D] normalised hidden states; B split over the mesh's token axes.
+      mask_bt: [B, T] bool, False for padding (never routed, counted nowhere).
+      router_de: [D, E] router weights (used in float32).
+      w_in_edf: [E, D, 2F]; w_out_efd: [E, F, D] — split over ``expert`` under a mesh.
+      top_k: K.
+      capacity_factor: see :func:`moefast.routing.compute_capacity`; the token count is the
+        tokens of one device.
+      min_capacity: lower bound of the capacity, in slots.
+      drop_tokens: False sets capacity = tokens per device, so nothing drops (evaluation,
+        generation).
+      dtype: compute dtype of the experts.
+
+    Returns:
+      ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` (exactly 0 for dropped/masked tokens) and
+      :class:`MoEStats` over the global batch.
+
+    Raises:
+      ValueError: the expert axis does not divide E, or the batch is not divisible by the token
+        shards.
+    """
+    kw = dict(top_k=top_k, capacity_factor=capacity_factor, min_capacity=min_capacity,
+              drop_tokens=drop_tokens, dtype=dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, ep=1, reduce_axes=(), **kw)
+    token_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    ep = mesh.shape.get(EXPERT_AXIS, 1)
+    num_experts = router_de.shape[1]
+    if num_experts % ep:
+        raise ValueError(f"the expert axis ({ep}) must divide num_experts={num_experts}")
+    shards = 1
+    for a in token_axes:
+        shards *= mesh.shape[a]
+    if x_btd.shape[0] % shards:
+        raise ValueError(f"batch {x_btd.shape[0]} is not divisible by the {shards} token shards {token_axes}")
+    w_spec = P(EXPERT_AXIS) if ep > 1 else P()
+    fn = lambda x, m, r, wi, wo: _moe_local(x, m, r, wi, wo, ep=ep, reduce_axes=token_axes, **kw)
+    return jax.shard_map(fn, in_specs=(P(token_axes), P(token_axes), P(), w_spec, w_spec),
+                         out_specs=(P(token_axes), P()))(x_btd, mask_bt, router_de, w_in_edf, w_out_efd)

@@ -1,0 +1,164 @@
+"""Device mesh and logical-axis sharding rules.
+
+Mesh axes (all ``AxisType.Auto``):
+  * ``data``   — data parallelism: batch split, parameters replicated.
+  * ``fsdp``   — fully-sharded data parallelism (ZeRO-3): batch split *and* parameters/optimizer
+    state split along their ``embed`` dimension; gathered for use by the partitioner.
+  * ``expert`` — expert parallelism: batch split, experts' weights split along ``expert``; tokens
+    travel to their experts with ``all_to_all`` (see :mod:`moefast.parallel.expert`).
+
+Tokens are split over all three axes. Parameters carry logical axis names (``nnx.Param(...,
+logical_axes=(...))``) which :data:`LOGICAL_RULES` maps to mesh axes; a name without a rule fails at
+start. The optimizer state is additionally split over ``data`` where a dimension allows (ZeRO-1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moefast.config import ConfigError, ExperimentConfig
+
+__all__ = [
+    "BATCH_AXES",
+    "LOGICAL_RULES",
+    "MESH_AXES",
+    "batch_spec",
+    "logical_to_spec",
+    "make_mesh",
+    "mesh_shape",
+    "optimizer_spec",
+    "param_specs",
+]
+
+MESH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = ("data", "fsdp", "expert")  # tokens are split over every axis
+
+# Logical axis name -> mesh axis (or None: replicated). One table for the whole model.
+LOGICAL_RULES: dict[str, str | None] = {
+    "vocab": None,
+    "embed": "fsdp",
+    "heads": None,  # fused q/k/v (or attention output) features
+    "mlp": None,
+    "expert": "expert",
+    "router": None,  # the router's expert dimension: every device routes over all experts
+    "norm": None,
+}
+
+
+def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
+    """Sizes of (data, fsdp, expert) from ``mesh.*`` with ``-1`` meaning "the rest".
+
+    Raises:
+      ConfigError: more than one ``-1``, a product that differs from the device count, an expert
+        axis that does not divide ``moe.num_experts``, or a global batch that the token axes do
+        not divide.
+    """
+    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    rest = [a for a, s in sizes.items() if s == -1]
+    if len(rest) > 1:
+        raise ConfigError(f"mesh: at most one axis may be -1 (\"the rest\"), got {rest}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if rest:
+        if num_devices % known:
+            raise ConfigError(f"mesh: {dict(sizes)} cannot fill {num_devices} devices "
+                              f"({num_devices} is not divisible by {known})")
+        sizes[rest[0]] = num_devices // known
+    if math.prod(sizes.values()) != num_devices:
+        raise ConfigError(f"mesh: data×fsdp×expert = {sizes['data']}×{sizes['fsdp']}×{sizes['expert']} = "
+                          f"{math.prod(sizes.values())} must equal the {num_devices} devices; set one axis "
+                          "to -1 to take the rest")
+    if cfg.moe.num_experts % sizes["expert"]:
+        raise ConfigError(f"mesh.expert: {sizes['expert']} does not divide moe.num_experts="
+                          f"{cfg.moe.num_experts}; use a divisor of {cfg.moe.num_experts}")
+    shards = math.prod(sizes[a] for a in BATCH_AXES)
+    if cfg.data.batch_size % shards:
+        raise ConfigError(f"data.batch_size: {cfg.data.batch_size} is not divisible by the "
+                          f"{shards} batch shards (data×fsdp×expert); use a multiple of {shards}")
+    return sizes
+
+
+def make_mesh(cfg: ExperimentConfig, devices: list | None = None) -> jax.sharding.Mesh:
+    """The (data, fsdp, expert) mesh over ``devices`` (default: all devices, every process)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_shape(cfg, len(devices))
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def batch_spec(mesh: jax.sharding.Mesh) -> P:
+    """Leading (batch) dimension split over every token axis of ``mesh``."""
+    return P(tuple(a for a in BATCH_AXES if a in mesh.axis_names))
+
+
+def logical_to_spec(names: tuple[str | None, ...], shape: tuple[int, ...], mesh: jax.sharding.Mesh,
+                    *, where: str = "parameter") -> P:
+    """Maps logical axis names to a ``PartitionSpec`` through :data:`LOGICAL_RULES`.
+
+    Raises:
+      ValueError: a name has no rule, the names do not match the rank, or a dimension is not
+        divisible by the mesh axis it is split over.
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"{where}: logical axes {names} do not match shape {shape}")
+    spec = []
+    for name, dim in zip(names, shape):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in LOGICAL_RULES:
+            raise ValueError(f"{where}: logical axis {name!r} has no mesh rule; known: {sorted(LOGICAL_RULES)} "
+                             "(add it to moefast.parallel.mesh.LOGICAL_RULES)")
+        axis = LOGICAL_RULES[name]
+        if axis is not None and axis in mesh.axis_names and mesh.shape[axis] > 1:
+            if dim % mesh.shape[axis]:
+                raise ValueError(f"{where}: dimension {name!r} of size {dim} is not divisible by mesh axis "
+                                 f"{axis!r} of size {mesh.shape[axis]}; change the model size or mesh.{axis}")
+            spec.append(axis)
+        else:
+            spec.append(None)
+    return P(*spec)
+
+
+def param_specs(abstract_model_state: nnx.State, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """Pure dict (same structure as the parameters) of ``PartitionSpec``s from ``logical_axes``.
+
+    Raises:
+      ValueError: a parameter without ``logical_axes`` metadata, or any error of
+        :func:`logical_to_spec`.
+    """
+    def spec(path, v):
+        where = "/".join(str(getattr(k, "key", k)) for k in path)
+        names = v.get_metadata().get("logical_axes")
+        if names is None:
+            raise ValueError(f"parameter {where} has no logical_axes annotation")
+        return logical_to_spec(tuple(names), v.shape, mesh, where=where)
+
+    specs = jax.tree_util.tree_map_with_path(spec, abstract_model_state,
+                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(specs)
+
+
+def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
+    """A parameter's spec with ``data`` added on its first free dimension divisible by it (ZeRO-1).
+
+    Scalars and leaves with no such dimension keep the parameter's spec.
+    """
+    n = mesh.shape.get("data", 1)
+    if n == 1 or not shape:
+        return spec
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (p, d) in enumerate(zip(parts, shape)):
+        if p is None and d % n == 0:
+            parts[i] = "data"
+            return P(*parts)
+    return spec
+
+
+def shardings(mesh: jax.sharding.Mesh, specs: Any) -> Any:
+    """``NamedSharding`` tree for a tree of ``PartitionSpec``s."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))

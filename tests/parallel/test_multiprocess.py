@@ -1,0 +1,115 @@
+"""Multi-process training on localhost (2 processes × 4 CPU devices, gloo collectives) and
+restoring checkpoints onto other meshes and device counts."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from moefast.train import Checkpointer, Trainer
+
+SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.head_dim=16", "model.d_ff=32",
+         "model.max_seq_len=64", "moe.num_experts=8", "data.seq_len=32", "data.batch_size=8",
+         "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
+         "train.eval_batches=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(run_dir, *extra, cpu_devices=8, process=None, port=None, timeout_s=30):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    args = [sys.executable, "-m", "moefast", "train", "--run-dir", str(run_dir), "--no-progress",
+            "--cpu-devices", str(cpu_devices), *SMALL, *extra]
+    if process is not None:
+        args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process),
+                 "--distributed-timeout", str(timeout_s)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def losses(run_dir):
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if r["kind"] == "train"]
+
+
+def test_two_processes_match_one_process(tmp_path, text_dir):
+    common = [f"data.source={text_dir}", "train.steps=3", "mesh.expert=2"]
+    single = launch(tmp_path / "single", *common)
+    out, err = single.communicate(timeout=240)
+    assert single.returncode == 0, err
+    port = free_port()
+    procs = [launch(tmp_path / "multi", *common, cpu_devices=4, process=i, port=port) for i in range(2)]
+    results = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err
+    assert "done:" in results[0][0] and "done:" not in results[1][0]  # process 0 logs
+    assert "mesh {'data': 4, 'fsdp': 1, 'expert': 2} on 8 cpu device(s)" in results[0][0]
+    np.testing.assert_allclose(losses(tmp_path / "multi"), losses(tmp_path / "single"), rtol=1e-5)
+    assert (tmp_path / "multi" / "checkpoints" / "3").is_dir()
+
+
+def test_dead_peer_stops_the_other_process(tmp_path, text_dir):
+    port = free_port()
+    common = [f"data.source={text_dir}", "train.steps=100000"]
+    procs = [launch(tmp_path / "run", *common, cpu_devices=4, process=i, port=port, timeout_s=10) for i in range(2)]
+    try:
+        deadline = time.time() + 120
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # both are training
+            assert time.time() < deadline, "training did not start"
+            assert procs[0].poll() is None, procs[0].communicate()[1]
+            time.sleep(0.5)
+        procs[1].kill()
+        t0 = time.time()
+        _, err = procs[0].communicate(timeout=120)
+        assert procs[0].returncode != 0
+        assert time.time() - t0 < 120
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def test_restore_onto_other_meshes_and_device_counts(tmp_path, small_config, devices):
+    common = ["train.steps=4", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
+              "moe.num_experts=8"]
+    first = Trainer(small_config(*common, "train.stop_at=2", "mesh.data=2", "mesh.expert=4"), tmp_path,
+                    log=None, progress=False)
+    assert first.run().steps == 2
+    saved = Checkpointer(tmp_path / "checkpoints").restore(first.abstract_state(), first.cfg)
+    for overrides, devs in [(["mesh.data=1", "mesh.expert=8"], devices), (["mesh.fsdp=2", "mesh.expert=2"], devices[:4])]:
+        target = Trainer(small_config(*common, *overrides), tmp_path, log=None, progress=False, devices=devs)
+        restored = Checkpointer(tmp_path / "checkpoints").restore(target.abstract_state(), target.cfg)
+        for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(saved.state)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        w_in = restored.state["params"]["blocks"][0]["ffn"]["w_in"]
+        assert w_in.sharding == target.state_sharding["params"]["blocks"][0]["ffn"]["w_in"]
+        assert len(w_in.sharding.device_set) == len(devs)
+    # ... and training continues on 4 devices.
+    last = Trainer(small_config(*common, "mesh.fsdp=2", "mesh.expert=2"), tmp_path, log=None, progress=False,
+                   devices=devices[:4])
+    summary = last.run()
+    assert summary.steps == 4 and summary.steps_this_run == 2 and np.isfinite(summary.final_loss)
+
+
+def test_optimizer_bytes_fall_as_fsdp_grows(small_config, devices):
+    sizes = {}
+    for fsdp in (1, 2, 4, 8):
+        t = Trainer(small_config("mesh.data=1", f"mesh.fsdp={fsdp}"), None, log=None, progress=False,
+                    devices=devices[:fsdp])
+        sizes[fsdp] = t.memory_per_device()
+    opt = [sizes[f]["optimizer_bytes"] for f in (1, 2, 4, 8)]
+    par = [sizes[f]["param_bytes"] for f in (1, 2, 4, 8)]
+    assert opt[0] > opt[1] > opt[2] > opt[3], opt
+    assert par[0] > par[1] > par[2] > par[3], par
+    assert all(s["compiled_argument_bytes"] > 0 for s in sizes.values())
