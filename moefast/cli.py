@@ -9,12 +9,16 @@ import sys
 DEFAULT_CPU_DEVICES = 1
 
 
-def _set_cpu_devices(n: int | None) -> None:
-    """Sets the number of virtual CPU devices; must run before JAX initialises its backends."""
+def _set_cpu_devices(n: int | None, mesh_devices: int = 1) -> None:
+    """Sets the number of virtual CPU devices; must run before JAX initialises its backends.
+
+    Without ``--cpu-devices``: the product of the mesh axes the config fixes (``-1`` axes count as
+    1), so ``moefast train mesh.expert=4`` gets 4 devices, else :data:`DEFAULT_CPU_DEVICES`.
+    """
     if n is None:
         if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
             return  # the environment already chose
-        n = DEFAULT_CPU_DEVICES
+        n = max(DEFAULT_CPU_DEVICES, mesh_devices)
     if n < 1:
         raise SystemExit(f"error: --cpu-devices must be >= 1, got {n}")
     import jax
@@ -22,11 +26,19 @@ def _set_cpu_devices(n: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def _inference_config(cfg):
+    """A run's config for eval/generate on whatever devices this process has: the checkpoint is
+    restored into a plain data-parallel mesh, whatever mesh it was trained on."""
+    from moefast.config import MeshConfig
+
+    return cfg.replace(mesh=MeshConfig())
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moefast", description="Train mixture-of-experts language models with JAX.")
     sub = p.add_subparsers(dest="command", required=True)
-    dev_help = (f"number of virtual CPU devices (default {DEFAULT_CPU_DEVICES}, the fastest on a small "
-                "CPU; ignored on GPU)")
+    dev_help = ("number of virtual CPU devices (default: what the config's mesh fixes, else "
+                f"{DEFAULT_CPU_DEVICES}, the fastest on a small CPU; ignored on GPU)")
 
     t = sub.add_parser("train", help="train (or resume) a run")
     t.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
@@ -59,7 +71,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _set_cpu_devices(args.cpu_devices)
+    from moefast.config import ConfigError, load_config
+
+    cfg = None
+    if args.command == "train":
+        try:
+            cfg = load_config(args.config, args.overrides)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    mesh_devices = 1
+    if cfg is not None:
+        for size in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert):
+            mesh_devices *= max(size, 1)
+    _set_cpu_devices(args.cpu_devices, mesh_devices)
     if args.command == "train":
         from moefast.parallel.distributed import initialize
 
@@ -69,19 +94,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
-    from moefast.config import ConfigError, load_config
     from moefast.data import DataError
     from moefast.train import CheckpointError, Trainer, generate, load_run_config
 
     try:
         if args.command == "train":
-            cfg = load_config(args.config, args.overrides)
             trainer = Trainer(cfg, args.run_dir, progress=not args.no_progress)
             summary = trainer.run()
             if trainer.is_main:
                 print(f"done: {summary.format()}")
         elif args.command == "eval":
-            cfg = load_run_config(args.run_dir)
+            cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)
             step, params = trainer.restore_params()
             m = trainer.evaluate(params)
@@ -89,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             if args.max_new_tokens < 1:
                 raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-            cfg = load_run_config(args.run_dir)
+            cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)
             _, params = trainer.restore_params()
             text = generate(trainer.model_def, params, trainer.corpus.tokenizer, args.prompt,
