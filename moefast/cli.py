@@ -19,8 +19,6 @@ def _set_cpu_devices(n: int | None, mesh_devices: int = 1) -> None:
         if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
             return  # the environment already chose
         n = max(DEFAULT_CPU_DEVICES, mesh_devices)
-    if n < 1:
-        raise SystemExit(f"error: --cpu-devices must be >= 1, got {n}")
     import jax
 
     jax.config.update("jax_num_cpu_devices", n)
@@ -53,24 +51,38 @@ def _parser() -> argparse.ArgumentParser:
                    help="multi-process: seconds to wait for peers to join, and for a dead peer's "
                         "heartbeat before stopping with an error (default 300)")
     t.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="config overrides, e.g. train.steps=200 moe.top_k=1")
+                   help="config overrides, e.g. train.steps=200 moe.top_k=1; the keys are the fields "
+                        "of configs/tiny.yaml (a typo is rejected with the valid keys)")
 
     e = sub.add_parser("eval", help="validation loss and bits per byte of a run's latest checkpoint")
-    e.add_argument("--run-dir", required=True)
+    e.add_argument("--run-dir", required=True, help="run directory written by moefast train")
     e.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
 
     g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
-    g.add_argument("--run-dir", required=True)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--run-dir", required=True, help="run directory written by moefast train")
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample at most (default 200)")
+    g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature, 0 = greedy (default 0.8)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may sit anywhere among the options: argparse leaves the ones after an option here.
+    strays = [a for a in extra if args.command != "train" or a.startswith("-") or "=" not in a]
+    if strays:
+        parser.error(f"unrecognized arguments: {' '.join(strays)}")
+    if args.command == "train":
+        args.overrides = [*args.overrides, *extra]
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        print(f"error: --cpu-devices must be >= 1, got {args.cpu_devices}", file=sys.stderr)
+        return 2
+    if args.command == "generate" and args.temperature < 0:
+        print(f"error: --temperature must be >= 0 (0 = greedy), got {args.temperature}", file=sys.stderr)
+        return 2
     from moefast.config import ConfigError, load_config
 
     cfg = None
@@ -118,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             text = generate(trainer.model_def, params, trainer.corpus.tokenizer, args.prompt,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
             print(args.prompt + text)
-    except (ConfigError, DataError, CheckpointError, ValueError) as e:
+    except (ConfigError, DataError, CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

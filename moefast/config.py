@@ -14,6 +14,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib.resources
 import math
 import types
 import typing
@@ -37,12 +39,17 @@ __all__ = [
 ]
 
 DEFAULT_CAPACITY_FACTOR = 1.25
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(str(importlib.resources.files("moefast.configs")))  # the repo's configs/, installed as moefast.configs
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or impossible."""
+
+
+def _suggest(name: str, valid) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _require(cond: bool, key: str, msg: str) -> None:
@@ -224,6 +231,7 @@ class TrainConfig:
         _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
         _require(self.stop_at is None or 1 <= self.stop_at <= self.steps, "train.stop_at",
                  f"must be null or in [1, train.steps={self.steps}], got {self.stop_at}")
+        _require(0 <= self.seed < 2**32, "train.seed", f"must be in [0, 2**32), got {self.seed}")
         _require(self.learning_rate > 0, "train.learning_rate", f"must be > 0, got {self.learning_rate}")
         _require(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio",
@@ -317,9 +325,9 @@ class ExperimentConfig:
         """Builds a config from nested dicts, rejecting unknown keys and wrong types."""
         if not isinstance(d, dict):
             raise ConfigError(f"{where}: expected a mapping of sections, got {type(d).__name__}")
-        unknown = set(d) - set(_SECTIONS) - {"name"}
+        unknown = sorted(set(d) - set(_SECTIONS) - {"name"})
         if unknown:
-            raise ConfigError(f"{where}: unknown section(s) {sorted(unknown)}; "
+            raise ConfigError(f"{where}: unknown section '{unknown[0]}'{_suggest(unknown[0], _SECTIONS)}; "
                               f"valid sections: {sorted(_SECTIONS)} and 'name'")
         kwargs: dict[str, Any] = {}
         if "name" in d:
@@ -337,7 +345,7 @@ def _build_section(sec: str, typ: type, body: dict[str, Any]):
     hints = typing.get_type_hints(typ)
     for k in body:
         if k not in fields:
-            raise ConfigError(f"{sec}.{k}: unknown key; valid keys of '{sec}': {sorted(fields)}")
+            raise ConfigError(f"{sec}.{k}: unknown key{_suggest(k, fields)}; valid keys of '{sec}': {sorted(fields)}")
     vals = {k: _coerce(f"{sec}.{k}", v, hints[k]) for k, v in body.items()}
     return typ(**vals)
 
@@ -413,6 +421,9 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
         if len(parts) != 2 or not all(parts):
             raise ConfigError(f"override {item!r}: expected section.key=value (e.g. train.steps=200); "
                               f"sections: {sorted(_SECTIONS)}")
+        if parts[0] not in _SECTIONS:
+            raise ConfigError(f"override {item!r}: unknown section '{parts[0]}'{_suggest(parts[0], _SECTIONS)}; "
+                              f"valid sections: {sorted(_SECTIONS)}")
         out.setdefault(parts[0], {})[parts[1]] = value
     return out
 

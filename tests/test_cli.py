@@ -57,7 +57,28 @@ def test_restart_of_a_finished_run_trains_nothing(trained_run, text_dir):
     assert "already at step 6" in p.stdout and "steps 6 (0 this run)" in p.stdout
 
 
+def test_failed_resume_leaves_the_run_usable(trained_run, text_dir):
+    run, _ = trained_run
+    before = (run / "config.yaml").read_text()
+    p = moefast("train", "--run-dir", str(run), "--cpu-devices", "2", "--no-progress", *SMALL,
+                f"data.source={text_dir}", "train.steps=6", "moe.num_experts=8")
+    assert p.returncode == 2 and "different 'moe' config" in p.stderr
+    assert (run / "config.yaml").read_text() == before
+    e = moefast("eval", "--run-dir", str(run), "--cpu-devices", "1")
+    assert e.returncode == 0, e.stderr
+
+
+def test_overrides_may_sit_among_options_and_steps_change_is_reported(trained_run, text_dir):
+    run, _ = trained_run
+    p = moefast("train", *SMALL[:5], "--run-dir", str(run), *SMALL[5:], "--cpu-devices", "2", "--no-progress",
+                f"data.source={text_dir}", "train.steps=7", "train.log_every=3", "train.eval_every=3")
+    assert p.returncode == 0, p.stderr
+    assert "train.steps changed from 6 to 7" in p.stdout and "steps 7 (1 this run)" in p.stdout
+
+
 @pytest.mark.parametrize("args,message", [
+    (["train", "trian.steps=3"], "unknown section 'trian' (did you mean 'train'?)"),
+    (["train", "--cpu-devices", "0"], "--cpu-devices must be >= 1"),
     (["train", "train.stepz=3"], "train.stepz: unknown key"),
     (["train", "moe.top_k=9"], "moe.top_k: must be in [1, moe.num_experts=8]"),
     (["train", "--config", "nope.yaml"], "config file nope.yaml not found"),
@@ -67,6 +88,16 @@ def test_restart_of_a_finished_run_trains_nothing(trained_run, text_dir):
 ])
 def test_bad_input_gets_one_clear_error(args, message, tmp_path):
     p = moefast(*args[:1], *(["--run-dir", str(tmp_path / "r")] if args[0] == "train" else []), *args[1:])
-    assert p.returncode == 2
+    assert p.returncode == 2, p.stderr
     assert message in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_run_dir_that_is_a_file(tmp_path, text_dir):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    p = moefast("train", "--run-dir", str(f), "--cpu-devices", "1", *SMALL, f"data.source={text_dir}")
+    assert p.returncode == 2
+    assert "exists and is not a directory" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert f.read_text() == "x"

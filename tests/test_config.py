@@ -38,8 +38,10 @@ def test_overrides_apply_and_parse_types():
 
 
 @pytest.mark.parametrize("override,match", [
-    ("train.stepz=1", r"train\.stepz: unknown key; valid keys of 'train': \[.*'steps'"),
-    ("trian.steps=1", r"unknown section.*'train'"),
+    ("train.stepz=1", r"train\.stepz: unknown key \(did you mean 'steps'\?\); valid keys of 'train': \[.*'steps'"),
+    ("trian.steps=1", r"override 'trian.steps=1': unknown section 'trian' \(did you mean 'train'\?\)"),
+    ("train.step=1", r"train\.step: unknown key \(did you mean 'steps'\?\)"),
+    ("train.seed=-1", r"train\.seed: must be in \[0, 2\*\*32\)"),
     ("train.steps=abc", r"train\.steps: expected int, got 'abc'"),
     ("train.steps=1.5", r"train\.steps: expected int"),
     ("model.tie_embeddings=3", r"model\.tie_embeddings: expected bool"),

@@ -58,9 +58,13 @@ class Corpus:
         s = self.stats
         skipped = f", {len(s.skipped_files)} unreadable files skipped" if s.skipped_files else ""
         non_utf8 = f", {s.non_utf8_documents} non-UTF-8" if s.non_utf8_documents else ""
-        return (f"data {s.source!r}: {s.documents} documents ({s.bytes / 1e6:.2f} MB{non_utf8}); "
+        return (f"data {s.source!r}: {_plural(s.documents, 'document')} ({s.bytes / 1e6:.2f} MB{non_utf8}); "
                 f"train {len(self.train)} rows / {self.train.num_tokens} tokens, "
                 f"val {len(self.val)} rows / {self.val.num_tokens} tokens, seq_len {self.train.seq_len}{skipped}")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
@@ -80,7 +84,7 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     specials = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     train = pack_documents([tokenizer.encode(d.data) for d in train_docs], cfg.seq_len, **specials)
     val = pack_documents([tokenizer.encode(d.data) for d in val_docs], cfg.seq_len, **specials)
-    size = (f"data.source={cfg.source!r} has {stats.documents} documents ({stats.bytes} bytes): "
+    size = (f"data.source={cfg.source!r} has {_plural(stats.documents, 'document')} ({stats.bytes} bytes): "
             f"{len(train_docs)} train documents -> {len(train)} rows, {len(val_docs)} validation documents -> "
             f"{len(val)} rows of data.seq_len={cfg.seq_len}")
     if len(val) == 0:

@@ -77,7 +77,7 @@ class Trainer:
       run_dir: where checkpoints, ``metrics.jsonl``, TensorBoard events and ``config.yaml`` go;
         ``None`` = ``runs/<cfg.name>``. An existing run dir with checkpoints is resumed.
       log: console printer (``print``-like); ``None`` prints nothing.
-      progress: show a tqdm progress bar (only on a terminal).
+      progress: show a tqdm progress bar (only when the output is a terminal).
       corpus: reuse an already loaded corpus (tests, notebooks).
       devices: devices of the mesh (default: all devices of all processes).
     """
@@ -195,12 +195,11 @@ class Trainer:
         (or ``train.steps``), evaluating, logging and checkpointing on the configured intervals."""
         t_start = time.perf_counter()
         cfg, tc = self.cfg, self.cfg.train
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise CheckpointError(f"--run-dir {self.run_dir} exists and is not a directory; choose another path")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.is_main:
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                             async_save=cfg.checkpoint.async_save)
-        writer = MetricsWriter(self.run_dir, enabled=self.is_main)
         data_iter = iter(train_dataset(self.corpus, cfg.data, seed=tc.seed,
                                        process_index=jax.process_index(),
                                        process_count=jax.process_count()))
@@ -210,12 +209,20 @@ class Trainer:
                   f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
 
         if ckpt.latest_step() is not None:
-            restored = ckpt.restore(self.abstract_state(), cfg)
+            restored = ckpt.restore(self.abstract_state(), cfg)  # fails before anything is written
             state, start = restored.state, restored.step
             data_iter.set_state(restored.data_state)
             self._log(f"resuming from step {start} ({ckpt.directory / str(start)})")
+            saved_steps = restored.meta.get("config", {}).get("train", {}).get("steps")
+            if saved_steps is not None and saved_steps != tc.steps:
+                self._log(f"note: train.steps changed from {saved_steps} to {tc.steps}: the learning-rate "
+                          f"schedule now spans {tc.steps} steps, so this run is not a resume of the original "
+                          "schedule")
         else:
             state, start = self.init_state(), 0
+        if self.is_main:  # only once the config is known to fit the run dir's checkpoints
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        writer = MetricsWriter(self.run_dir, enabled=self.is_main)
         last = tc.last_step
         if start >= last:
             self._log(f"run is already at step {start} (train.stop_at/train.steps = {last}); nothing to train")
@@ -224,8 +231,9 @@ class Trainer:
         if self.progress and last > start:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=last, initial=start, desc="train", unit="step", dynamic_ncols=True, leave=False)
-        say = bar.write if bar is not None else self._log
+            bar = tqdm(total=last, initial=start, desc="train", unit="step", dynamic_ncols=True, leave=False,
+                       disable=None)  # None: no bar when the output is not a terminal
+        say = bar.write if bar is not None and not bar.disable else self._log
         if bar is not None and self._log is not print:
             say = self._log
 

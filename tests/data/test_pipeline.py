@@ -69,7 +69,7 @@ def test_load_corpus_small_directory(tmp_path):
 
 def test_load_corpus_too_small(tmp_path, monkeypatch):
     (tmp_path / "tiny.txt").write_text("just a few bytes")
-    with pytest.raises(DataError, match=r"1 documents.*data.batch_size=64"):
+    with pytest.raises(DataError, match=r"1 document .*data.batch_size=64"):
         load_corpus(DataConfig(source=str(tmp_path), seq_len=16, batch_size=64))
     monkeypatch.setattr(pipeline_mod, "split_documents", lambda docs, f: (docs, []))
     with pytest.raises(DataError, match="validation split is empty.*data.val_fraction"):
