@@ -1,7 +1,7 @@
 """Pure array functions for MoE routing: capacity, top-k gates, slots, losses, dispatch/combine."""
 
 from moefast.routing.core import (
-    RouteOutput,
+    RoutingResult,
     compute_capacity,
     load_balancing_loss,
     route,
@@ -10,7 +10,7 @@ from moefast.routing.core import (
 from moefast.routing.dispatch import combine, dispatch
 
 __all__ = [
-    "RouteOutput",
+    "RoutingResult",
     "combine",
     "compute_capacity",
     "dispatch",

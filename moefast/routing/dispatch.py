@@ -13,12 +13,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moefast.routing.core import RouteOutput
+from moefast.routing.core import RoutingResult
 
 __all__ = ["combine", "dispatch"]
 
 
-def dispatch(x_td: jax.Array, r: RouteOutput, num_experts: int, capacity: int) -> jax.Array:
+def dispatch(x_td: jax.Array, r: RoutingResult, num_experts: int, capacity: int) -> jax.Array:
     """Gathers tokens into per-expert capacity buffers.
 
     Args:
@@ -40,7 +40,7 @@ def dispatch(x_td: jax.Array, r: RouteOutput, num_experts: int, capacity: int) -
     return x_pad[table_ec]
 
 
-def combine(y_ecd: jax.Array, r: RouteOutput) -> jax.Array:
+def combine(y_ecd: jax.Array, r: RoutingResult) -> jax.Array:
     """Sums each token's expert outputs weighted by its gates.
 
     Args:
