@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature, 0 = greedy (default 0.8)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
+    b.add_argument("target", choices=["routing"], help="routing: routing + dispatch + combine, forward+backward")
+    b.add_argument("--quick", action="store_true", help="a subset (including 16k tokens x 64 experts), ~2 min on CPU")
+    b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
+    b.add_argument("--repeats", type=int, default=5, help="timed runs per point; the median is reported")
+    b.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     return p
 
 
@@ -118,17 +124,22 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "eval":
             cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)
-            step, params = trainer.restore_params()
-            m = trainer.evaluate(params)
+            step, params, routing_state = trainer.restore_params()
+            m = trainer.evaluate(params, routing_state)
             print(f"step {step} | eval loss {m['eval_loss']:.4f} | eval bits/byte {m['eval_bits_per_byte']:.4f}")
+        elif args.command == "bench":
+            from moefast.bench.routing import run_cli
+
+            return run_cli(quick=args.quick, json_out=args.json, repeats=args.repeats)
         elif args.command == "generate":
             if args.max_new_tokens < 1:
                 raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
             cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)
-            _, params = trainer.restore_params()
+            _, params, routing_state = trainer.restore_params()
             text = generate(trainer.model_def, params, trainer.corpus.tokenizer, args.prompt,
-                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                            routing_state=routing_state)
             print(args.prompt + text)
     except (ConfigError, DataError, CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

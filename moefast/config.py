@@ -133,9 +133,26 @@ class MoEConfig:
       capacity_factor: dimensionless multiplier; capacity per expert is
         ``ceil(capacity_factor * tokens * top_k / num_experts)`` clamped to ``[min_capacity, tokens]``
         (GShard, Lepikhin et al. 2020, sec. 2.2), where ``tokens`` counts the tokens of one routing
-        group (the tokens on one device). ``None`` means the default, 1.25. Must be > 0; dropless routing is not implemented yet, so
-        0 is rejected rather than read as "unset".
+        group (the tokens on one device). ``None`` means the default, 1.25. **0 means dropless**:
+        every assignment is computed (a sort-free permutation by expert plus grouped matmuls,
+        ``jax.lax.ragged_dot``; with an expert axis > 1, buffers padded to the group's tokens).
+        On CPU ``ragged_dot`` does dense work (≈ E× the FLOPs): dropless is for accelerators.
       min_capacity: lower bound of the capacity, in slots.
+      routing_policy: which assignments keep their slots when an expert is over capacity:
+        ``"position"`` (GShard order: earlier choices and earlier tokens first) or ``"priority"``
+        (largest router probability first; batch-prioritised routing, V-MoE sec. 3.3).
+      routing_impl: implementation of the routing kernel (``moefast.kernels.routing``): ``"auto"``
+        picks the fastest available (the compiled kernel on GPU, the jnp reference on CPU).
+      capacity_mode: ``"static"``, or ``"dynamic"``: the buffer is sized by ``capacity_factor_max``
+        and each expert's slots are limited to ``capacity_factor * tokens * top_k * ema_e`` clamped
+        to the capacities of ``capacity_factor_min`` and ``capacity_factor_max``, where ``ema_e`` is
+        an exponential moving average (decay ``load_ema_decay``) of expert e's share of the routed
+        assignments, kept in the train state and checkpointed.
+      capacity_factor_min, capacity_factor_max: bounds of the dynamic capacity (capacity factors).
+      load_ema_decay: decay per step of the load average (dynamic capacity).
+      aux_free_bias_rate: aux-loss-free balancing (DeepSeek-V3, Liu et al. 2024, sec. 2.1.2): a
+        per-expert bias added to the routing scores for selection only, updated after every step
+        by ``bias += rate * sign(mean_load - load)`` outside the optimizer; 0 disables it.
       aux_loss_coef: weight of the load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4).
       z_loss_coef: weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5).
     """
@@ -144,8 +161,19 @@ class MoEConfig:
     top_k: int = 2
     capacity_factor: float | None = None
     min_capacity: int = 4
+    routing_policy: Literal["position", "priority"] = "position"
+    routing_impl: Literal["auto", "reference", "pallas"] = "auto"
+    capacity_mode: Literal["static", "dynamic"] = "static"
+    capacity_factor_min: float = 0.5
+    capacity_factor_max: float = 2.0
+    load_ema_decay: float = 0.99
+    aux_free_bias_rate: float = 0.0
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 1e-3
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor == 0
 
     def __post_init__(self):
         _require(self.num_experts >= 1, "moe.num_experts", f"must be >= 1, got {self.num_experts}")
@@ -153,11 +181,19 @@ class MoEConfig:
                  f"must be in [1, moe.num_experts={self.num_experts}], got {self.top_k}")
         if self.capacity_factor is None:
             object.__setattr__(self, "capacity_factor", DEFAULT_CAPACITY_FACTOR)
-        _require(self.capacity_factor != 0, "moe.capacity_factor",
-                 "0 would mean dropless routing, which is not implemented yet; use a value > 0 "
-                 "(e.g. 1.25), or a large value such as 8 so that nothing drops")
-        _require(self.capacity_factor > 0 and math.isfinite(self.capacity_factor), "moe.capacity_factor",
-                 f"must be a finite number > 0, got {self.capacity_factor}")
+        _require(self.capacity_factor >= 0 and math.isfinite(self.capacity_factor), "moe.capacity_factor",
+                 f"must be a finite number > 0, or 0 for dropless routing; got {self.capacity_factor}")
+        if self.capacity_mode == "dynamic":
+            _require(not self.dropless, "moe.capacity_mode",
+                     "dynamic capacity needs a capacity (moe.capacity_factor > 0); dropless has none")
+            _require(0 < self.capacity_factor_min <= self.capacity_factor <= self.capacity_factor_max,
+                     "moe.capacity_factor_min/max",
+                     f"need 0 < capacity_factor_min ({self.capacity_factor_min}) <= capacity_factor "
+                     f"({self.capacity_factor}) <= capacity_factor_max ({self.capacity_factor_max})")
+        _require(0.0 <= self.load_ema_decay < 1.0, "moe.load_ema_decay",
+                 f"must be in [0, 1), got {self.load_ema_decay}")
+        _require(self.aux_free_bias_rate >= 0, "moe.aux_free_bias_rate",
+                 f"must be >= 0, got {self.aux_free_bias_rate}")
         _require(self.min_capacity >= 1, "moe.min_capacity", f"must be >= 1, got {self.min_capacity}")
         _require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", f"must be >= 0, got {self.aux_loss_coef}")
         _require(self.z_loss_coef >= 0, "moe.z_loss_coef", f"must be >= 0, got {self.z_loss_coef}")

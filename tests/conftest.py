@@ -1,6 +1,9 @@
 """Test setup: 8 virtual CPU devices (set before JAX initialises) and strict rank promotion."""
 
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))  # shared helpers such as moe_reference.py
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"

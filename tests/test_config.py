@@ -47,8 +47,9 @@ def test_overrides_apply_and_parse_types():
     ("model.tie_embeddings=3", r"model\.tie_embeddings: expected bool"),
     ("model.dtype=float16", r"model\.dtype: 'float16' is not one of \['float32', 'bfloat16'\]"),
     ("moe.top_k=9", r"moe\.top_k: must be in \[1, moe\.num_experts=8\]"),
-    ("moe.capacity_factor=0", r"moe\.capacity_factor: 0 would mean dropless"),
-    ("moe.capacity_factor=-1", r"moe\.capacity_factor: must be a finite number > 0"),
+    ("moe.capacity_factor=-1", r"moe\.capacity_factor: must be a finite number > 0, or 0 for dropless"),
+    ("moe.routing_policy=random", r"moe\.routing_policy: 'random' is not one of \['position', 'priority'\]"),
+    ("moe.load_ema_decay=1", r"moe\.load_ema_decay: must be in \[0, 1\)"),
     ("data.seq_len=2048", r"data\.seq_len: 2048 exceeds model\.max_seq_len=1024"),
     ("model.num_kv_heads=3", r"model\.num_kv_heads: must divide model\.num_heads=4"),
     ("train.stop_at=1000", r"train\.stop_at: must be null or in \[1, train\.steps=600\]"),
@@ -58,6 +59,14 @@ def test_overrides_apply_and_parse_types():
 def test_bad_values_fail_with_the_key_named(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
+
+
+def test_routing_options():
+    assert load_config(None, ["moe.capacity_factor=0"]).moe.dropless
+    with pytest.raises(ConfigError, match=r"moe\.capacity_mode: dynamic capacity needs a capacity"):
+        load_config(None, ["moe.capacity_factor=0", "moe.capacity_mode=dynamic"])
+    with pytest.raises(ConfigError, match=r"moe\.capacity_factor_min/max"):
+        load_config(None, ["moe.capacity_mode=dynamic", "moe.capacity_factor_max=1.0"])
 
 
 def test_missing_and_malformed_files(tmp_path):

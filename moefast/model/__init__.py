@@ -2,7 +2,7 @@
 
 from moefast.model.moe import MoELayer, MoEStats
 from moefast.model.positional import apply_rope, rope_table
-from moefast.model.transformer import ModelOutput, Transformer, build_model, init_cache
+from moefast.model.transformer import ModelOutput, Transformer, build_model, init_cache, init_routing_state
 
 __all__ = ["MoELayer", "MoEStats", "ModelOutput", "Transformer", "apply_rope", "build_model",
-           "init_cache", "rope_table"]
+           "init_cache", "init_routing_state", "rope_table"]

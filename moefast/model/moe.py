@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moefast.parallel.expert import MoEStats, moe_ffn
+from moefast.parallel.expert import MoEStats, RoutingSpec, moe_ffn
 
 __all__ = ["MoELayer", "MoEStats"]
 
@@ -27,10 +27,14 @@ class MoELayer(nnx.Module):
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *,
-                 capacity_factor: float, min_capacity: int, dtype=jnp.float32,
-                 init_std: float = 0.02, out_std: float | None = None, rngs: nnx.Rngs):
+                 capacity_factor: float, min_capacity: int, policy: str = "position", impl: str = "auto",
+                 capacity_mode: str = "static", capacity_factor_min: float = 0.5,
+                 capacity_factor_max: float = 2.0, dtype=jnp.float32, init_std: float = 0.02,
+                 out_std: float | None = None, rngs: nnx.Rngs):
         self.num_experts, self.top_k, self.d_ff = num_experts, top_k, d_ff
-        self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
+        self.spec = RoutingSpec(top_k=top_k, capacity_factor=capacity_factor, min_capacity=min_capacity,
+                                policy=policy, impl=impl, capacity_mode=capacity_mode,
+                                capacity_factor_min=capacity_factor_min, capacity_factor_max=capacity_factor_max)
         self.dtype = dtype
         init = jax.nn.initializers.normal(init_std)
         out_init = jax.nn.initializers.normal(out_std or init_std)
@@ -40,7 +44,8 @@ class MoELayer(nnx.Module):
         self.w_out = nnx.Param(out_init(rngs.params(), (num_experts, d_ff, d_model)),
                                logical_axes=("expert", "mlp", "embed"))
 
-    def __call__(self, x_btd: jax.Array, mask_bt: jax.Array, *, drop_tokens: bool = True
+    def __call__(self, x_btd: jax.Array, mask_bt: jax.Array, *, drop_tokens: bool = True,
+                 bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None
                  ) -> tuple[jax.Array, MoEStats]:
         """Applies the experts.
 
@@ -51,10 +56,11 @@ class MoELayer(nnx.Module):
           drop_tokens: True: capacity from ``capacity_factor`` (assignments beyond it are dropped and
             give exactly 0). False: capacity = tokens per device, so nothing drops and each token's
             output does not depend on the rest of the batch (evaluation, generation).
+          bias_e: [E] float32 aux-loss-free selection bias of this layer (train state).
+          load_ema_e: [E] float32 load average of this layer (dynamic capacity; train state).
 
         Returns:
           ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` and :class:`MoEStats`.
         """
-        return moe_ffn(x_btd, mask_bt, self.router[...], self.w_in[...], self.w_out[...], top_k=self.top_k,
-                       capacity_factor=self.capacity_factor, min_capacity=self.min_capacity,
-                       drop_tokens=drop_tokens, dtype=self.dtype)
+        return moe_ffn(x_btd, mask_bt, self.router[...], self.w_in[...], self.w_out[...], self.spec,
+                       drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e)

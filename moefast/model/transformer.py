@@ -21,7 +21,7 @@ from moefast.config import ExperimentConfig
 from moefast.model.moe import MoELayer, MoEStats
 from moefast.model.positional import apply_rope, check_positions
 
-__all__ = ["KVCache", "ModelOutput", "Transformer", "build_model", "init_cache"]
+__all__ = ["KVCache", "ModelOutput", "Transformer", "build_model", "init_cache", "init_routing_state"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -106,19 +106,26 @@ class Block(nnx.Module):
         self.ffn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
         self.is_moe = m.is_moe_layer(layer)
         if self.is_moe:
-            self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe.num_experts, cfg.moe.top_k,
-                                capacity_factor=cfg.moe.capacity_factor, min_capacity=cfg.moe.min_capacity,
+            moe = cfg.moe
+            self.ffn = MoELayer(m.d_model, m.d_ff, moe.num_experts, moe.top_k,
+                                capacity_factor=moe.capacity_factor, min_capacity=moe.min_capacity,
+                                policy=moe.routing_policy, impl=moe.routing_impl, capacity_mode=moe.capacity_mode,
+                                capacity_factor_min=moe.capacity_factor_min,
+                                capacity_factor_max=moe.capacity_factor_max,
                                 dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
         else:
             self.ffn = DenseMLP(m.d_model, m.d_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
 
-    def __call__(self, x, positions, attn_mask, token_mask, *, cache, cache_index, dropout_key, drop_tokens):
+    def __call__(self, x, positions, attn_mask, token_mask, *, cache, cache_index, dropout_key, drop_tokens,
+                 routing_state=None):
         a, new_cache = self.attn(self.attn_norm(x), positions, attn_mask, cache, cache_index)
         x = x + _dropout(a, self.dropout, dropout_key, 2 * self.layer)
         h = self.ffn_norm(x)
         stats = None
         if self.is_moe:
-            f, stats = self.ffn(h, token_mask, drop_tokens=drop_tokens)
+            rs = routing_state or {}
+            f, stats = self.ffn(h, token_mask, drop_tokens=drop_tokens, bias_e=rs.get("bias"),
+                                load_ema_e=rs.get("load_ema"))
         else:
             f = self.ffn(h)
         x = x + _dropout(f, self.dropout, dropout_key, 2 * self.layer + 1)
@@ -148,7 +155,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                  segment_ids_bt: jax.Array | None = None, *, cache: KVCache | None = None,
                  cache_index: jax.Array | int = 0, dropout_key: jax.Array | None = None,
-                 drop_tokens: bool = True) -> ModelOutput:
+                 drop_tokens: bool = True, routing_state: dict[str, jax.Array] | None = None) -> ModelOutput:
         """Forward pass.
 
         Args:
@@ -165,6 +172,9 @@ class Transformer(nnx.Module):
             folds in its own id. ``None`` disables dropout (evaluation).
           drop_tokens: MoE capacity dropping (training); False routes every token (evaluation,
             generation), see :class:`MoELayer`.
+          routing_state: non-trainable routing state from the train state (see
+            :func:`init_routing_state`): ``{"bias": [L_moe, E], "load_ema": [L_moe, E]}`` float32;
+            row j belongs to the j-th MoE layer. ``None``: no bias, uniform load.
 
         Returns:
           :class:`ModelOutput` with float32 logits [B, T, V].
@@ -198,9 +208,12 @@ class Transformer(nnx.Module):
         x = self.embed[...].astype(self.dtype)[tokens_bt]
         stats, new_cache = [], [] if cache is not None else None
         for i, block in enumerate(self.blocks):
+            rs = None
+            if routing_state is not None and block.is_moe:
+                rs = {k: v[len(stats)] for k, v in routing_state.items()}
             x, s_i, c_i = block(x, positions_bt, attn_mask, token_mask,
                                 cache=None if cache is None else cache[i], cache_index=cache_index,
-                                dropout_key=dropout_key, drop_tokens=drop_tokens)
+                                dropout_key=dropout_key, drop_tokens=drop_tokens, routing_state=rs)
             if s_i is not None:
                 stats.append(s_i)
             if cache is not None:
@@ -224,6 +237,17 @@ def build_model(cfg: ExperimentConfig, vocab_size: int, *, seed: int | None = No
     if vocab < vocab_size:
         raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's {vocab_size} ids")
     return Transformer(cfg, vocab, rngs=nnx.Rngs(cfg.train.seed if seed is None else seed))
+
+
+def init_routing_state(cfg: ExperimentConfig) -> dict[str, jax.Array]:
+    """Non-trainable routing state, one row per MoE layer: the aux-loss-free selection ``bias``
+    (zeros) and the ``load_ema`` of each expert's share of assignments (uniform), float32 [L_moe, E].
+    Empty when the model has no MoE layer."""
+    n = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    if n == 0:
+        return {}
+    e = cfg.moe.num_experts
+    return {"bias": jnp.zeros((n, e), jnp.float32), "load_ema": jnp.full((n, e), 1.0 / e, jnp.float32)}
 
 
 def init_cache(model: Transformer, batch: int, length: int, dtype: Any = None) -> KVCache:

@@ -14,6 +14,7 @@ so the losses are those of the global batch whatever the mesh.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -23,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from moefast import routing
 from moefast.parallel.mesh import BATCH_AXES
 
-__all__ = ["MoEStats", "expert_ffn", "moe_ffn"]
+__all__ = ["MoEStats", "RoutingSpec", "expert_ffn", "moe_ffn"]
 
 EXPERT_AXIS = "expert"
 
@@ -71,25 +72,71 @@ def _from_experts(y_lcd: jax.Array, ep: int) -> jax.Array:
     return y.reshape(ep * el, c, d)
 
 
-def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, *, top_k, capacity_factor, min_capacity,
+@dataclasses.dataclass(frozen=True)
+class RoutingSpec:
+    """Static routing configuration of an MoE layer (hashable; see :class:`moefast.config.MoEConfig`)."""
+
+    top_k: int
+    capacity_factor: float  # 0: dropless
+    min_capacity: int = 1
+    policy: str = "position"
+    impl: str = "auto"
+    capacity_mode: str = "static"  # or "dynamic"
+    capacity_factor_min: float = 0.5
+    capacity_factor_max: float = 2.0
+
+
+def _capacity(spec: RoutingSpec, num_tokens: int, num_experts: int, load_ema, drop_tokens: bool):
+    """Buffer capacity (static int) and the optional dynamic per-expert limit [E] int32."""
+    if not drop_tokens or spec.capacity_factor == 0:
+        return num_tokens, None  # an expert receives each token at most once: nothing drops
+    cap = lambda cf: routing.compute_capacity(num_tokens, num_experts, spec.top_k, cf, spec.min_capacity)
+    if spec.capacity_mode == "static" or load_ema is None:
+        return cap(spec.capacity_factor), None
+    c_max, c_min = cap(spec.capacity_factor_max), cap(spec.capacity_factor_min)
+    want = jnp.ceil(spec.capacity_factor * num_tokens * spec.top_k * load_ema)
+    return c_max, jnp.clip(want, c_min, c_max).astype(jnp.int32)
+
+
+def _dropless_ragged(x_td, r, w_in_edf, w_out_efd, dtype):
+    """Dropless experts without capacity padding: tokens permuted by expert with the
+    position-order slots (no sort), grouped matmuls (``jax.lax.ragged_dot``), permuted back."""
+    t, d = x_td.shape
+    k = r.expert_index.shape[1]
+    counts = r.tokens_per_expert
+    offsets = jnp.cumsum(counts) - counts
+    dest_tk = jnp.where(r.slot >= 0, offsets[r.expert_index] + r.slot, t * k)  # t*k: masked, dropped
+    src = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
+    x_sorted = jnp.zeros((t * k, d), dtype).at[dest_tk.reshape(-1)].set(
+        x_td[src.reshape(-1)].astype(dtype), mode="drop", unique_indices=True)
+    h = jax.lax.ragged_dot(x_sorted, w_in_edf.astype(dtype), counts)
+    gate, up = jnp.split(h, 2, axis=-1)
+    y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_out_efd.astype(dtype), counts)
+    kept = r.slot >= 0
+    y_tkd = y_sorted[jnp.where(kept, dest_tk, 0)]
+    out = jnp.sum(jnp.where(kept[..., None], y_tkd.astype(jnp.float32) * r.gates[..., None], 0.0), axis=1)
+    return out.astype(dtype)
+
+
+def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, *, spec: RoutingSpec,
                drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...]):
     b, t, d = x_btd.shape
     num_experts = router_de.shape[1]
     x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
-    num_tokens = b * t
-    if drop_tokens:
-        capacity = routing.compute_capacity(num_tokens, num_experts, top_k, capacity_factor, min_capacity)
-    else:
-        capacity = num_tokens  # an expert receives each token at most once: nothing drops
+    capacity, limit = _capacity(spec, b * t, num_experts, load_ema_e, drop_tokens)
     logits_te = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
-    r = routing.route(logits_te, top_k=top_k, capacity=capacity, mask_t=mask_t)
+    r = routing.route(logits_te, top_k=spec.top_k, capacity=capacity, mask_t=mask_t, policy=spec.policy,
+                      impl=spec.impl, bias=bias_e, capacity_limit=limit)
 
-    x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
-    if ep > 1:
-        y_ecd = _from_experts(expert_ffn(_to_experts(x_ecd, ep), w_in_edf, w_out_efd, dtype), ep)
+    if spec.capacity_factor == 0 and ep == 1:
+        y_td = _dropless_ragged(x_td, r, w_in_edf, w_out_efd, dtype)
     else:
-        y_ecd = expert_ffn(x_ecd, w_in_edf, w_out_efd, dtype)
-    y_td = routing.combine(y_ecd, r)
+        x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
+        if ep > 1:
+            y_ecd = _from_experts(expert_ffn(_to_experts(x_ecd, ep), w_in_edf, w_out_efd, dtype), ep)
+        else:
+            y_ecd = expert_ffn(x_ecd, w_in_edf, w_out_efd, dtype)
+        y_td = routing.combine(y_ecd, r)
 
     sums = (r.tokens_per_expert, r.prob_sum, r.z_sum, r.num_tokens, r.num_dropped)
     if reduce_axes:
@@ -97,16 +144,17 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, *, top_k, capacit
     tokens_per_expert, prob_sum, z_sum, n, dropped = sums
     stats = MoEStats(
         tokens_per_expert=tokens_per_expert,
-        aux_loss=routing.load_balancing_loss(tokens_per_expert, prob_sum, n, top_k),
+        aux_loss=routing.load_balancing_loss(tokens_per_expert, prob_sum, n, spec.top_k),
         z_loss=routing.router_z_loss(z_sum, n),
-        dropped_fraction=dropped.astype(jnp.float32) / jnp.maximum(n * top_k, 1.0),
+        dropped_fraction=dropped.astype(jnp.float32) / jnp.maximum(n * spec.top_k, 1.0),
     )
     return y_td.reshape(b, t, d).astype(x_btd.dtype), stats
 
 
 def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf: jax.Array,
-            w_out_efd: jax.Array, *, top_k: int, capacity_factor: float, min_capacity: int,
-            drop_tokens: bool = True, dtype=jnp.float32) -> tuple[jax.Array, MoEStats]:
+            w_out_efd: jax.Array, spec: RoutingSpec, *, drop_tokens: bool = True, dtype=jnp.float32,
+            bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None
+            ) -> tuple[jax.Array, MoEStats]:
     """Routed SwiGLU experts, expert-parallel when a mesh is set (``jax.set_mesh``).
 
     Args:
@@ -114,13 +162,12 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
       mask_bt: [B, T] bool, False for padding (never routed, counted nowhere).
       router_de: [D, E] router weights (used in float32).
       w_in_edf: [E, D, 2F]; w_out_efd: [E, F, D] — split over ``expert`` under a mesh.
-      top_k: K.
-      capacity_factor: see :func:`moefast.routing.compute_capacity`; the token count is the
-        tokens of one device.
-      min_capacity: lower bound of the capacity, in slots.
+      spec: static routing configuration; capacities count the tokens of one device.
       drop_tokens: False sets capacity = tokens per device, so nothing drops (evaluation,
         generation).
       dtype: compute dtype of the experts.
+      bias_e: [E] float32 selection bias (aux-loss-free balancing); ``None``: none.
+      load_ema_e: [E] float32 average share of assignments per expert (dynamic capacity).
 
     Returns:
       ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` (exactly 0 for dropped/masked tokens) and
@@ -130,14 +177,18 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
       ValueError: the expert axis does not divide E, or the batch is not divisible by the token
         shards.
     """
-    kw = dict(top_k=top_k, capacity_factor=capacity_factor, min_capacity=min_capacity,
-              drop_tokens=drop_tokens, dtype=dtype)
+    num_experts = router_de.shape[1]
+    if bias_e is None:
+        bias_e = jnp.zeros((num_experts,), jnp.float32)
+    if load_ema_e is None:
+        load_ema_e = jnp.full((num_experts,), 1.0 / num_experts, jnp.float32)
+    kw = dict(spec=spec, drop_tokens=drop_tokens, dtype=dtype)
+    args = (x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, ep=1, reduce_axes=(), **kw)
+        return _moe_local(*args, ep=1, reduce_axes=(), **kw)
     token_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
     ep = mesh.shape.get(EXPERT_AXIS, 1)
-    num_experts = router_de.shape[1]
     if num_experts % ep:
         raise ValueError(f"the expert axis ({ep}) must divide num_experts={num_experts}")
     shards = 1
@@ -146,6 +197,6 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
     if x_btd.shape[0] % shards:
         raise ValueError(f"batch {x_btd.shape[0]} is not divisible by the {shards} token shards {token_axes}")
     w_spec = P(EXPERT_AXIS) if ep > 1 else P()
-    fn = lambda x, m, r, wi, wo: _moe_local(x, m, r, wi, wo, ep=ep, reduce_axes=token_axes, **kw)
-    return jax.shard_map(fn, in_specs=(P(token_axes), P(token_axes), P(), w_spec, w_spec),
-                         out_specs=(P(token_axes), P()))(x_btd, mask_bt, router_de, w_in_edf, w_out_efd)
+    fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=token_axes, **kw)
+    return jax.shard_map(fn, in_specs=(P(token_axes), P(token_axes), P(), w_spec, w_spec, P(), P()),
+                         out_specs=(P(token_axes), P()))(*args)

@@ -24,7 +24,7 @@ def _round_up(n: int, m: int) -> int:
 
 def generate(model_def: ModelDef, params: dict, tokenizer: Tokenizer, prompt: str, *,
              max_new_tokens: int = 200, temperature: float = 0.8, seed: int = 0,
-             return_logits: bool = False):
+             routing_state: dict | None = None, return_logits: bool = False):
     """Samples a continuation of ``prompt``.
 
     Args:
@@ -34,6 +34,7 @@ def generate(model_def: ModelDef, params: dict, tokenizer: Tokenizer, prompt: st
       max_new_tokens: tokens to sample at most (stops early at EOS).
       temperature: softmax temperature (> 0); 0 means greedy (argmax).
       seed: sampling seed.
+      routing_state: the run's routing state (selection bias), from the checkpoint.
       return_logits: also return the float32 [steps, V] next-token logits used at each step.
 
     Returns:
@@ -61,12 +62,14 @@ def generate(model_def: ModelDef, params: dict, tokenizer: Tokenizer, prompt: st
 
     @jax.jit
     def prefill(params, cache, tokens):
-        out = model_def.module(params)(tokens, cache=cache, cache_index=0, drop_tokens=False)
+        out = model_def.module(params)(tokens, cache=cache, cache_index=0, drop_tokens=False,
+                                       routing_state=routing_state)
         return out.logits[:, -1], out.cache
 
     @jax.jit
     def decode(params, cache, token, index):
-        out = model_def.module(params)(token[None, None], cache=cache, cache_index=index, drop_tokens=False)
+        out = model_def.module(params)(token[None, None], cache=cache, cache_index=index, drop_tokens=False,
+                                       routing_state=routing_state)
         return out.logits[:, -1], out.cache
 
     @jax.jit

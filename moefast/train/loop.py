@@ -107,7 +107,8 @@ class Trainer:
                                    out_shardings=(self.state_sharding, self.replicated))
         self._eval_step = jax.jit(
             functools.partial(eval_step, self.model_def, bytes_per_token=self.corpus.tokenizer.bytes_per_token),
-            in_shardings=(self.state_sharding["params"], self.batch_sharding), out_shardings=self.replicated)
+            in_shardings=(self.state_sharding["params"], self.state_sharding["routing"], self.batch_sharding),
+            out_shardings=self.replicated)
         self.base_key = jax.random.key(cfg.train.seed)
         self._compiled_step = None
         self._eval_data: list[dict[str, np.ndarray]] | None = None
@@ -128,7 +129,8 @@ class Trainer:
             make_optimizer(self.cfg), lambda p, spec: parallel.optimizer_spec(spec, p.shape, mesh),
             abstract["opt_state"], param_spec, transform_non_params=lambda _: P(),
             is_leaf=lambda x: isinstance(x, P))
-        specs = {"params": param_spec, "opt_state": opt_spec, "step": P()}
+        specs = {"params": param_spec, "opt_state": opt_spec, "step": P(),
+                 "routing": jax.tree.map(lambda _: P(), abstract["routing"])}
         return parallel.shardings(mesh, specs)
 
     def init_state(self) -> dict[str, Any]:
@@ -173,7 +175,7 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, params: dict) -> dict[str, float]:
+    def evaluate(self, params: dict, routing_state: dict) -> dict[str, float]:
         """Validation loss (nats/token) and bits per byte over ``train.eval_batches`` batches."""
         if self._eval_data is None:
             self._eval_data = eval_batches(self.corpus, self.cfg.data, self.cfg.train.eval_batches,
@@ -182,7 +184,7 @@ class Trainer:
         totals = None
         with jax.set_mesh(self.mesh):
             for batch in self._eval_data:
-                out = self._eval_step(params, self._put_batch(batch))
+                out = self._eval_step(params, routing_state, self._put_batch(batch))
                 totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
         totals = jax.device_get(totals)
         ce = float(totals["ce_sum"]) / max(float(totals["weight_sum"]), 1.0)
@@ -293,7 +295,7 @@ class Trainer:
                         handle(*pending)
                         pending = None
                     t_eval = time.perf_counter()
-                    eval_metrics = self.evaluate(state["params"])
+                    eval_metrics = self.evaluate(state["params"], state["routing"])
                     writer.write("eval", done, eval_metrics)
                     say(f"step {done:>6} | eval loss {eval_metrics['eval_loss']:.4f} | "
                         f"eval bits/byte {eval_metrics['eval_bits_per_byte']:.4f}")
@@ -305,7 +307,7 @@ class Trainer:
             timed_steps, timed_s = timed_steps + window_steps, timed_s + (time.perf_counter() - window_t)
         tokens_per_s = tokens_per_step * timed_steps / timed_s if timed_steps else None
         if start >= last:
-            eval_metrics = self.evaluate(state["params"])
+            eval_metrics = self.evaluate(state["params"], state["routing"])
         if bar is not None:
             bar.close()
         ckpt.close()
@@ -318,8 +320,8 @@ class Trainer:
             first_step_s=first_step_s, wall_s=time.perf_counter() - t_start,
             checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory)
 
-    def restore_params(self) -> tuple[int, dict]:
-        """Parameters of the latest checkpoint in the run dir.
+    def restore_params(self) -> tuple[int, dict, dict]:
+        """Step, parameters and routing state of the latest checkpoint in the run dir.
 
         Raises:
           CheckpointError: no checkpoint or an incompatible one.
@@ -329,4 +331,4 @@ class Trainer:
             r = ckpt.restore(self.abstract_state(), self.cfg)
         finally:
             ckpt.close()
-        return r.step, r.state["params"]
+        return r.step, r.state["params"], r.state["routing"]

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from moefast.config import ExperimentConfig
-from moefast.model import ModelOutput, Transformer, build_model
+from moefast.model import ModelOutput, Transformer, build_model, init_routing_state
 
 __all__ = [
     "BATCH_KEYS",
@@ -29,6 +29,7 @@ __all__ = [
     "loss_fn",
     "make_optimizer",
     "train_step",
+    "update_routing_state",
 ]
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_weight")
@@ -79,9 +80,11 @@ class ModelDef:
         return nnx.merge(self.graphdef, params)
 
     def init_state(self, seed: int) -> dict[str, Any]:
+        """``{"params", "opt_state", "routing", "step"}``; ``routing`` is the non-trainable routing
+        state (:func:`~moefast.model.init_routing_state`), which the optimizer never sees."""
         params = self.init_params(seed)
         return {"params": params, "opt_state": make_optimizer(self.cfg).init(params),
-                "step": jnp.zeros((), jnp.int32)}
+                "routing": init_routing_state(self.cfg), "step": jnp.zeros((), jnp.int32)}
 
     def abstract_state(self) -> dict[str, Any]:
         return jax.eval_shape(lambda: self.init_state(0))
@@ -95,7 +98,8 @@ def _loss_terms(out: ModelOutput, batch: dict[str, jax.Array], cfg: ExperimentCo
     return ce_sum, weight_sum
 
 
-def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], dropout_key: jax.Array | None
+def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], dropout_key: jax.Array | None,
+            routing_state: dict[str, jax.Array] | None = None
             ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, Any]]:
     """Training loss: mean cross-entropy over tokens with non-zero ``loss_weight`` plus
     ``aux_loss_coef`` times the load-balancing loss and ``z_loss_coef`` times the z-loss, each
@@ -103,7 +107,8 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], drop
 
     Args:
       params: pure-dict parameters; batch: arrays [B, T] keyed by :data:`BATCH_KEYS`;
-      dropout_key: this step's key (``None``: no dropout).
+      dropout_key: this step's key (``None``: no dropout);
+      routing_state: the train state's ``routing`` entry (``None``: no bias, uniform load).
 
     Returns:
       ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats))``, float32 scalars; ``moe_stats`` is a
@@ -111,7 +116,7 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], drop
     """
     cfg = model_def.cfg
     out = model_def.module(params)(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                   dropout_key=dropout_key, drop_tokens=True)
+                                   dropout_key=dropout_key, drop_tokens=True, routing_state=routing_state)
     ce_sum, weight_sum = _loss_terms(out, batch, cfg)
     ce = ce_sum / jnp.maximum(weight_sum, 1.0)
     if out.moe is not None:
@@ -139,7 +144,7 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     cfg = model_def.cfg
     step_key = jax.random.fold_in(base_key, state["step"]) if cfg.model.dropout > 0 else None
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, model_def), has_aux=True)
-    (loss, (ce, aux, z, moe)), grads = grad_fn(state["params"], batch, step_key)
+    (loss, (ce, aux, z, moe)), grads = grad_fn(state["params"], batch, step_key, state["routing"])
     tx = make_optimizer(cfg)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
@@ -154,11 +159,34 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     if moe is not None:
         metrics["tokens_per_expert"] = moe.tokens_per_expert
         metrics["dropped_fraction"] = moe.dropped_fraction
-    new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+    new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
+                 "routing": update_routing_state(cfg, state["routing"], moe)}
     return new_state, metrics
 
 
-def eval_step(model_def: ModelDef, params: dict, batch: dict[str, jax.Array],
+def update_routing_state(cfg: ExperimentConfig, routing_state: dict[str, jax.Array], moe) -> dict[str, jax.Array]:
+    """After a step, outside the optimizer: ``load_ema <- d * load_ema + (1 - d) * share`` (share of
+    assignments per expert) and, for aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2),
+    ``bias <- bias + rate * sign(mean_load - load)``.
+
+    Args:
+      routing_state: ``{"bias", "load_ema"}`` float32 [L_moe, E] (empty without MoE layers).
+      moe: this step's :class:`~moefast.model.MoEStats` stacked over MoE layers (or ``None``).
+    """
+    if not routing_state or moe is None:
+        return routing_state
+    load = moe.tokens_per_expert.astype(jnp.float32)  # [L_moe, E]
+    share = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)
+    d = cfg.moe.load_ema_decay
+    new = dict(routing_state)
+    new["load_ema"] = d * routing_state["load_ema"] + (1.0 - d) * share
+    if cfg.moe.aux_free_bias_rate > 0:
+        mean = jnp.mean(load, axis=-1, keepdims=True)
+        new["bias"] = routing_state["bias"] + cfg.moe.aux_free_bias_rate * jnp.sign(mean - load)
+    return new
+
+
+def eval_step(model_def: ModelDef, params: dict, routing_state: dict, batch: dict[str, jax.Array],
               bytes_per_token: np.ndarray) -> dict[str, jax.Array]:
     """Summed validation cross-entropy (nats), weight and UTF-8 bytes of one batch.
 
@@ -169,7 +197,7 @@ def eval_step(model_def: ModelDef, params: dict, batch: dict[str, jax.Array],
       bytes_per_token: int [V], text bytes each token id stands for (bits per byte).
     """
     out = model_def.module(params)(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                   drop_tokens=False)
+                                   drop_tokens=False, routing_state=routing_state)
     ce_sum, weight_sum = _loss_terms(out, batch, model_def.cfg)
     w = batch["loss_weight"].astype(jnp.float32)
     nbytes = jnp.sum(jnp.asarray(bytes_per_token, jnp.float32)[batch["targets"]] * w)

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moefast.config import load_config
-from moefast.parallel import MESH_AXES, make_mesh, moe_ffn
+from moefast.parallel import MESH_AXES, RoutingSpec, make_mesh, moe_ffn
 from moefast.train import ModelDef
 from moefast.train.step import loss_fn
 
@@ -36,8 +36,8 @@ def inputs(seed=1, batch=8, t=6):
 
 
 def layer_loss(x, mask, router, w_in, w_out, *, drop_tokens, capacity_factor=1.0):
-    y, s = moe_ffn(x, mask, router, w_in, w_out, top_k=K, capacity_factor=capacity_factor, min_capacity=1,
-                   drop_tokens=drop_tokens)
+    spec = RoutingSpec(top_k=K, capacity_factor=capacity_factor, min_capacity=1)
+    y, s = moe_ffn(x, mask, router, w_in, w_out, spec, drop_tokens=drop_tokens)
     loss = jnp.sum(jnp.sin(y)) + s.aux_loss + 0.1 * s.z_loss
     return loss, (y, s)
 

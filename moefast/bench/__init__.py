@@ -1,0 +1,1 @@
+"""Benchmarks behind ``moefast bench ...``: speed and memory targets live here, not in unit tests."""
