@@ -48,6 +48,7 @@ class RoutingBenchRecord:
     capacity: int
     time_ms: float | None  # median forward+backward, milliseconds
     temp_bytes: int | None  # compiled temporary memory, bytes
+    runs: int = 0  # timed runs behind the median
     skipped: str | None = None  # why it did not run
 
 
@@ -105,15 +106,17 @@ def _fwd_bwd(fn):
 
 def bench_routing(grid=QUICK_GRID, impls=IMPLS, *, top_k: int = 2, d_model: int = 256,
                   capacity_factor: float = 1.25, repeats: int = 5, onehot_max_bytes: float = 4e9,
-                  log: Callable[[str], None] | None = print) -> list[RoutingBenchRecord]:
+                  time_budget_s: float = 10.0, log: Callable[[str], None] | None = print
+                  ) -> list[RoutingBenchRecord]:
     """Runs the benchmark grid.
 
     Args:
       grid: (tokens, experts) pairs.
       impls: subset of :data:`IMPLS`.
       top_k, d_model, capacity_factor: workload.
-      repeats: timed runs per point (the median is reported).
-      onehot_max_bytes: skip ``onehot`` when its [T, E, C] float32 tensors would exceed this (they
+      repeats: timed runs per point (the median is reported); fewer (at least 1) when one run
+        takes more than ``time_budget_s / repeats`` seconds.
+        onehot_max_bytes: skip ``onehot`` when its [T, E, C] float32 tensors would exceed this (they
         grow quadratically in tokens).
       log: progress printer.
 
@@ -137,13 +140,15 @@ def bench_routing(grid=QUICK_GRID, impls=IMPLS, *, top_k: int = 2, d_model: int 
             compiled = step.lower(x, logits).compile()
             mem = compiled.memory_analysis()
             rec.temp_bytes = int(mem.temp_size_in_bytes) if mem is not None else None
+            t0 = time.perf_counter()
             jax.block_until_ready(compiled(x, logits))  # warm-up
+            warm = time.perf_counter() - t0
             times = []
-            for _ in range(repeats):
+            for _ in range(max(1, min(repeats, int(time_budget_s / max(warm, 1e-9))))):
                 t0 = time.perf_counter()
                 jax.block_until_ready(compiled(x, logits))
                 times.append(time.perf_counter() - t0)
-            rec.time_ms = 1e3 * statistics.median(times)
+            rec.time_ms, rec.runs = 1e3 * statistics.median(times), len(times)
             out.append(rec)
             if log:
                 log(f"{impl:>6} tokens={tokens:>6} experts={experts:>3}: {rec.time_ms:9.2f} ms, "
@@ -206,7 +211,8 @@ def run_cli(*, quick: bool, json_out: str | None, repeats: int) -> int:
     records = bench_routing(QUICK_GRID if quick else FULL_GRID, repeats=repeats)
     table = format_table(records)
     print(f"\nrouting + dispatch + combine, forward+backward, top_k 2, d_model 256, capacity factor 1.25, "
-          f"{jax.devices()[0].platform} ({jax.device_count()} device(s)), median of {repeats}\n")
+          f"{jax.devices()[0].platform} ({jax.device_count()} device(s)), median of up to {repeats} runs "
+          "(fewer for runs over 2 s)\n")
     print(table)
     if json_out:
         with open(json_out, "w") as f:
