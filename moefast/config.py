@@ -141,8 +141,10 @@ class MoEConfig:
       routing_policy: which assignments keep their slots when an expert is over capacity:
         ``"position"`` (GShard order: earlier choices and earlier tokens first) or ``"priority"``
         (largest router probability first; batch-prioritised routing, V-MoE sec. 3.3).
-      routing_impl: implementation of the routing kernel (``moefast.kernels.routing``): ``"auto"``
-        picks the fastest available (the compiled kernel on GPU, the jnp reference on CPU).
+      routing_impl: implementation of the routing kernel (``moefast.kernels.routing``):
+        ``"reference"`` (jnp), ``"pallas"`` (the fused kernel; interpreted on CPU, so slow there, and
+        not usable under a multi-device mesh on CPU), or ``"auto"`` (currently the reference
+        everywhere, until the compiled kernel has been checked on a GPU with scripts/gpu_check.py).
       capacity_mode: ``"static"``, or ``"dynamic"``: the buffer is sized by ``capacity_factor_max``
         and each expert's slots are limited to ``capacity_factor * tokens * top_k * ema_e`` clamped
         to the capacities of ``capacity_factor_min`` and ``capacity_factor_max``, where ``ema_e`` is
@@ -151,7 +153,7 @@ class MoEConfig:
       capacity_factor_min, capacity_factor_max: bounds of the dynamic capacity (capacity factors).
       load_ema_decay: decay per step of the load average (dynamic capacity).
       aux_free_bias_rate: aux-loss-free balancing (DeepSeek-V3, Liu et al. 2024, sec. 2.1.2): a
-        per-expert bias added to the routing scores for selection only, updated after every step
+        per-expert bias added to the router logits for selection only, updated after every step
         by ``bias += rate * sign(mean_load - load)`` outside the optimizer; 0 disables it.
       aux_loss_coef: weight of the load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4).
       z_loss_coef: weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5).

@@ -4,25 +4,35 @@
 Implementations (``impl``) share one contract, checked bitwise on indices, slots and counts:
 
 * ``"reference"`` — plain jnp (:mod:`.reference`), the truth.
-* ``"auto"`` — the fastest available on the current backend.
+* ``"pallas"`` — a Pallas kernel (:mod:`.pallas`, wrapped by :mod:`.ops`): one pass over the logits
+  in token blocks, ranks from block counts without a sort. Compiled through the Pallas Triton
+  backend on GPU; on CPU it runs in the Pallas interpreter (correct but slow: tests only).
+* ``"auto"`` — ``"reference"`` for now on every backend: the compiled Pallas kernel has been
+  checked only by lowering it for CUDA from a CPU; ``scripts/gpu_check.py`` checks it against the
+  reference and times both on a GPU, and ``auto`` will pick it there once that check has passed.
+
+Every impl supports ``jax.grad``/``jax.vjp``, ``jax.vmap`` and ``jax.shard_map`` (the Pallas
+interpreter only with ``check_vma=False``); ``jax.jvp`` only ``"reference"`` (the kernel has a
+custom VJP).
 """
 
 from __future__ import annotations
 
 import jax
 
+from .ops import route_pallas
 from .reference import POLICIES, RoutingResult, route_reference
 
 __all__ = ["IMPLS", "POLICIES", "RoutingResult", "route"]
 
-IMPLS = ("reference", "auto")
+IMPLS = ("reference", "pallas", "auto")
 
 
 def _resolve(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
     if impl == "auto":
-        return "reference"
+        return "reference"  # see the module docstring: pallas on GPU once scripts/gpu_check.py passes
     return impl
 
 
@@ -49,5 +59,8 @@ def route(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "positi
       ValueError: bad shapes, top_k, capacity, policy or impl (at trace time).
     """
     impl = _resolve(impl)
+    if impl == "pallas":
+        return route_pallas(logits, top_k=top_k, capacity=capacity, policy=policy, mask=mask, bias=bias,
+                            capacity_limit=capacity_limit)
     return route_reference(logits, top_k=top_k, capacity=capacity, policy=policy, mask=mask, bias=bias,
                            capacity_limit=capacity_limit)

@@ -5,9 +5,11 @@ Dimension letters: T tokens, E experts, K top_k.
 Conventions (identical in every implementation):
   * Math in float32 whatever the logits' dtype.
   * Probabilities are the softmax over all E experts. The K experts with the largest
-    ``probs + bias`` are chosen (``bias`` is the aux-loss-free selection bias, zero by default;
-    ties: the lower expert index wins); their gates are the chosen *probabilities* (without bias)
-    renormalised to sum to 1 (Mixtral / ST-MoE convention; DeepSeek-V3 sec. 2.1.2 for the bias).
+    ``logits + bias`` are chosen — the same order as the probabilities when ``bias`` is zero, and
+    computed with one exact float add, so every implementation chooses bitwise the same experts
+    (``bias`` is the aux-loss-free selection bias in logit units, zero by default; ties: the lower
+    expert index wins). Their gates are the chosen *probabilities* (without bias) renormalised to
+    sum to 1 (Mixtral / ST-MoE convention; DeepSeek-V3 sec. 2.1.2 for a selection-only bias).
   * ``policy="position"``: slots follow GShard's position order (Lepikhin et al. 2020): all first
     choices in token order, then all second choices, ...; a token's k-th choice never displaces
     another token's earlier choice.
@@ -73,9 +75,9 @@ def validate(logits, top_k: int, capacity: int, policy: str, mask, bias, capacit
 
 
 def select_topk(logits, top_k: int, bias=None):
-    """Expert choice: indices [T, K] int32 of the K largest ``softmax(logits) + bias``."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    score = probs if bias is None else probs + bias.astype(jnp.float32)[None, :]
+    """Expert choice: indices [T, K] int32 of the K largest ``logits + bias`` (float32)."""
+    b = jnp.zeros(logits.shape[-1:], jnp.float32) if bias is None else bias.astype(jnp.float32)
+    score = logits + b[None, :]  # adding 0 also turns -0.0 into +0.0, as the kernels do
     _, index = jax.lax.top_k(score, top_k)  # stable: lower index first among equal scores
     return index.astype(jnp.int32)
 

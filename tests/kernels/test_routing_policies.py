@@ -62,9 +62,9 @@ def test_capacity_limit_masks_slots_per_expert():
 def test_bias_changes_selection_not_gates():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.2]], jnp.float32))
     plain = route(logits, top_k=1, capacity=1, impl="reference")
-    biased = route(logits, top_k=1, capacity=1, bias=jnp.asarray([0.0, 0.0, 0.4]), impl="reference")
+    biased = route(logits, top_k=1, capacity=1, bias=jnp.asarray([0.0, 0.0, 1.0]), impl="reference")
     assert int(plain.expert_index[0, 0]) == 0 and int(biased.expert_index[0, 0]) == 2
-    two = route(logits, top_k=2, capacity=1, bias=jnp.asarray([0.0, 0.0, 0.4]), impl="reference")
+    two = route(logits, top_k=2, capacity=1, bias=jnp.asarray([0.0, 0.0, 1.0]), impl="reference")
     np.testing.assert_array_equal(np.asarray(two.expert_index[0]), [2, 0])
     np.testing.assert_allclose(np.asarray(two.gates[0]), [0.2 / 0.7, 0.5 / 0.7], rtol=1e-6)
 

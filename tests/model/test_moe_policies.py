@@ -127,3 +127,19 @@ def test_routing_state_is_not_trained():
     assert st["routing"]["bias"].shape == (1, 8) and st["routing"]["load_ema"].shape == (1, 8)
     opt_leaves = {tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(st["opt_state"])[0]}
     assert not any("routing" in str(p) or "bias" in str(p) for p in opt_leaves)
+
+
+@pytest.mark.parametrize("policy", ["position", "priority"])
+def test_layer_with_pallas_kernel_equals_reference(policy):
+    x = jax.random.normal(jax.random.key(5), (2, 9, 16))
+    mask = jnp.ones((2, 9), bool).at[1, 7:].set(False)
+    outs = {}
+    for impl in ("reference", "pallas"):
+        layer = layer_with(e=4, k=2, cf=0.75, policy=policy, impl=impl)
+        outs[impl] = apply(layer, x, mask, bias_e=jnp.asarray([0.0, 0.1, 0.0, -0.2]))
+    (y1, s1, g1), (y2, s2, g2) = outs["reference"], outs["pallas"]
+    np.testing.assert_array_equal(np.asarray(s1.tokens_per_expert), np.asarray(s2.tokens_per_expert))
+    assert float(s1.dropped_fraction) == float(s2.dropped_fraction) > 0
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

@@ -1,0 +1,438 @@
+#!/usr/bin/env python
+"""One-shot GPU check of the routing kernels: correctness of the compiled kernel, timings, roofline.
+
+Run on an NVIDIA GPU (written for an H200 with jax 0.11.2; budget ~8 minutes)::
+
+    python scripts/gpu_check.py --out gpu_check.json
+
+and on a CPU, tiny and in the Pallas interpreter, to check the script itself::
+
+    python scripts/gpu_check.py --cpu-smoke --out /tmp/gpu_check_smoke.json
+
+Checks, in order (each a function registered with :func:`register_check`; add train-step or MFU
+checks the same way, see ``train_step_hook_example`` at the bottom):
+
+0. ``lowering`` — the kernel lowers to a Triton custom call; deprecation warnings are recorded.
+1. ``correctness`` — the compiled Pallas kernel (``impl="pallas"``) against the reference on a few
+   shapes: expert_index, slot, tokens_per_expert, num_dropped bitwise; gates, prob_sum, z_sum and
+   the logits gradient to float32 tolerance. Mismatching elements are counted, not just flagged.
+2. ``bandwidth`` — device memory bandwidth from a large elementwise copy (read + write).
+3. ``kernel`` — the routing kernel alone (``routing_blocks``) over block sizes / warps, against the
+   memory floor: (logits read once + kernel outputs written once) / measured bandwidth.
+4. ``route`` — ``route(impl=...)`` forward and forward+backward for every impl and policy.
+
+Every row goes into one markdown table per check on stdout and into the JSON file (``--out``).
+Timings are medians of ``--runs`` runs after a warm-up, each ended with ``block_until_ready``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- Context and check registry --------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Context:
+    """What every check gets: parsed arguments, the deadline and shared measurements."""
+
+    args: argparse.Namespace
+    deadline: float  # time.monotonic() value after which checks skip remaining work
+    interpret: bool  # Pallas interpreter (CPU smoke) instead of compiled kernels
+    shared: dict = dataclasses.field(default_factory=dict)  # e.g. "bandwidth_gbs"
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+CHECKS: list[tuple[str, Callable[[Context], list[dict]]]] = []
+
+
+def register_check(name: str):
+    """Decorator: ``fn(ctx) -> list of row dicts`` runs (in registration order) as check ``name``."""
+    def wrap(fn):
+        CHECKS.append((name, fn))
+        return fn
+    return wrap
+
+
+# --- Measurement helpers (reusable by added checks) -------------------------------------------------
+
+def time_fn(fn: Callable, *args, runs: int, warmup: int = 2) -> dict:
+    """Median / min wall time in ms of ``fn(*args)`` (already compiled), ended by block_until_ready."""
+    import jax
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": runs}
+
+
+def compile_fn(fn: Callable, *args):
+    """jit + lower + compile, returning (compiled, compile seconds)."""
+    import jax
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def mfu(flops: float, seconds: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the device peak (dimensionless)."""
+    return flops / seconds / peak_flops
+
+
+def floor_ms(nbytes: float, bandwidth_gbs: float | None) -> float | None:
+    return None if not bandwidth_gbs else nbytes / (bandwidth_gbs * 1e9) * 1e3
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"16384x64x2,65536x256x8"`` -> [(T, E, K), ...]."""
+    out = []
+    for item in text.split(","):
+        t, e, k = (int(v) for v in item.lower().split("x"))
+        out.append((t, e, k))
+    return out
+
+
+def error_row(**fields) -> dict:
+    exc = sys.exc_info()[1]
+    return {**fields, "status": "error", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+
+
+def make_inputs(t: int, e: int, dtype: str, kind: str = "normal", seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+    key = jax.random.key(seed)
+    if kind == "integer":  # many exact ties
+        x = jax.random.randint(key, (t, e), -2, 3).astype(jnp.float32)
+    else:
+        x = 2.0 * jax.random.normal(key, (t, e))
+    mask = jax.random.bernoulli(jax.random.key(seed + 1), 0.9, (t,))
+    return x.astype(dtype), mask
+
+
+def capacity_for(t: int, e: int, k: int, factor: float) -> int:
+    return max(1, math.ceil(factor * t * k / e))
+
+
+# --- Checks -----------------------------------------------------------------------------------------
+
+@register_check("lowering")
+def check_lowering(ctx: Context) -> list[dict]:
+    """Which GPU backend the kernel lowers to (a Triton custom call expected) and its warnings."""
+    import jax
+    import jax.numpy as jnp
+    from kernels.routing.ops import route_pallas
+
+    t, e, k = 4096, 64, 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            text = jax.jit(functools.partial(route_pallas, top_k=k, capacity=256, interpret=False)).trace(
+                jax.ShapeDtypeStruct((t, e), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+            row = {"status": "ok", "triton_custom_call": "xla.gpu.triton" in text,
+                   "mosaic_gpu_custom_call": "mosaic_gpu" in text}
+        except Exception:
+            row = error_row()
+    row["warnings"] = sorted({f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught})
+    return [row]
+
+
+@register_check("correctness")
+def check_correctness(ctx: Context) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from kernels.routing import route
+    from kernels.routing.ops import route_pallas
+
+    rows = []
+    for (t, e, k) in parse_shapes(ctx.args.check_shapes):
+        for policy, kind, method in (("position", "normal", "cumsum"), ("position", "integer", "cumsum"),
+                                     ("priority", "normal", "cumsum"), ("priority", "integer", "cumsum"),
+                                     ("position", "integer", "matmul")):
+            row = {"shape": f"{t}x{e}x{k}", "policy": policy, "logits": kind, "rank_method": method}
+            if ctx.time_left() < 30:
+                rows.append({**row, "status": "skipped (budget)"})
+                continue
+            try:
+                logits, mask = make_inputs(t, e, ctx.args.dtype, kind, seed=t + e + k)
+                kw = dict(top_k=k, capacity=capacity_for(t, e, k, 1.0), policy=policy, mask=mask)
+
+                def both(lg):
+                    def loss(fn):
+                        def f(x):
+                            r = fn(x)
+                            w = jnp.arange(1.0, k + 1.0)[None, :]
+                            return jnp.sum(r.gates * w) + jnp.sum(r.prob_sum * jnp.arange(e)) + 1e-3 * r.z_sum, r
+                        return jax.value_and_grad(f, has_aux=True)(lg)
+                    return (loss(lambda x: route_pallas(x, interpret=ctx.interpret, rank_method=method, **kw)),
+                            loss(lambda x: route(x, impl="reference", **kw)))
+
+                ((_, got), g_got), ((_, want), g_want) = jax.jit(both)(logits)
+                for name in ("expert_index", "slot", "tokens_per_expert", "num_dropped"):
+                    a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+                    row[f"{name}_mismatches"] = int(np.sum(a != b))
+                for name in ("gates", "prob_sum", "z_sum"):
+                    a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+                    row[f"{name}_max_rel_err"] = float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-6)))
+                a, b = np.asarray(g_got, np.float32), np.asarray(g_want, np.float32)
+                row["grad_max_abs_err"] = float(np.max(np.abs(a - b)))
+                row["grad_max_abs"] = float(np.max(np.abs(b)))
+                bitwise = all(row[f"{n}_mismatches"] == 0 for n in
+                              ("expert_index", "slot", "tokens_per_expert", "num_dropped"))
+                close = (row["gates_max_rel_err"] < 1e-5
+                         and max(row["prob_sum_max_rel_err"], row["z_sum_max_rel_err"]) < 1e-4
+                         and row["grad_max_abs_err"] <= 1e-5 * max(1.0, row["grad_max_abs"]))
+                near_tie = False
+                if row["expert_index_mismatches"]:
+                    # Different choices are legitimate only between scores equal to rounding: the
+                    # kernel's softmax rounds differently from XLA's (see kernels/routing/pallas.py).
+                    score = np.asarray(jax.nn.softmax(logits.astype(jnp.float32), axis=-1))
+                    gi, wi = np.asarray(got.expert_index), np.asarray(want.expert_index)
+                    tt = np.nonzero(gi != wi)[0]
+                    pick = functools.partial(np.take_along_axis, score[tt], axis=1)
+                    gap = np.abs(pick(gi[tt]) - pick(wi[tt]))
+                    row["choice_max_rel_gap"] = float(np.max(gap / np.max(score[tt], axis=1, keepdims=True)))
+                    near_tie = row["choice_max_rel_gap"] < 1e-6
+                row["status"] = ("ok" if bitwise and close else
+                                 "near-tie" if near_tie and close else "MISMATCH")
+            except Exception:
+                row = error_row(**row)
+            rows.append(row)
+    ctx.shared["correct"] = all(r.get("status") == "ok" for r in rows)
+    return rows
+
+
+@register_check("bandwidth")
+def check_bandwidth(ctx: Context) -> list[dict]:
+    import jax.numpy as jnp
+    nbytes = int(ctx.args.copy_mib * 2**20)
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    compiled, _ = compile_fn(lambda a: a + 1.0, x)  # reads and writes nbytes
+    t = time_fn(compiled, x, runs=ctx.args.runs)
+    gbs = 2 * nbytes / (t["median_ms"] * 1e-3) / 1e9
+    ctx.shared["bandwidth_gbs"] = gbs
+    return [{"bytes_moved": 2 * nbytes, **t, "bandwidth_GBs": gbs}]
+
+
+def kernel_io_bytes(t: int, e: int, k: int, block_tokens: int, itemsize: int, rank_method: str) -> int:
+    """Bytes the routing kernel must move: logits and mask in, [T, K] outputs and block stats out."""
+    from kernels.routing.pallas import next_power_of_2
+    nb, ep, kp = -(-t // block_tokens), next_power_of_2(e), next_power_of_2(k)
+    ep = max(ep, 16) if rank_method == "matmul" else ep
+    tp = nb * block_tokens
+    return (tp * ep * itemsize + tp * 4 + ep * 4  # logits, mask, bias
+            + 3 * tp * kp * 4  # expert_index, gates, block_rank
+            + nb * (kp * ep + ep + 1) * 4)  # counts, prob_sum, z_sum
+
+
+@register_check("kernel")
+def check_kernel(ctx: Context) -> list[dict]:
+    import jax.numpy as jnp
+    from kernels.routing.pallas import routing_blocks
+
+    rows = []
+    gbs = ctx.shared.get("bandwidth_gbs")
+    for (t, e, k) in parse_shapes(ctx.args.shapes):
+        logits, mask = make_inputs(t, e, ctx.args.dtype)
+        bias = jnp.zeros((e,), jnp.float32)
+        for bt, method, nw in itertools.product([int(v) for v in ctx.args.block_tokens.split(",")],
+                                                ctx.args.rank_methods.split(","),
+                                                [int(v) for v in ctx.args.num_warps.split(",")]):
+            row = {"shape": f"{t}x{e}x{k}", "block_tokens": bt, "rank_method": method, "num_warps": nw}
+            if ctx.time_left() < 20:
+                rows.append({**row, "status": "skipped (budget)"})
+                continue
+            try:
+                fn = functools.partial(routing_blocks, top_k=k, block_tokens=bt, interpret=ctx.interpret,
+                                       rank_method=method, num_warps=None if ctx.interpret else nw)
+                compiled, secs = compile_fn(fn, logits, mask, bias)
+                tm = time_fn(compiled, logits, mask, bias, runs=ctx.args.runs)
+                nbytes = kernel_io_bytes(t, e, k, bt, logits.dtype.itemsize, method)
+                fl = floor_ms(nbytes, gbs)
+                rows.append({**row, "status": "ok", "compile_s": secs, **tm, "io_bytes": nbytes,
+                             "floor_ms": fl, "x_floor": tm["median_ms"] / fl if fl else None})
+            except Exception:
+                rows.append(error_row(**row))
+    ok = [r for r in rows if r.get("status") == "ok"]
+    for shape in {r["shape"] for r in ok}:
+        best = min((r for r in ok if r["shape"] == shape), key=lambda r: r["median_ms"])
+        best["best"] = True
+    return rows
+
+
+@register_check("route")
+def check_route(ctx: Context) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from kernels.routing import IMPLS, route
+
+    impls = [i for i in ctx.args.impls.split(",") if i]
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown:
+        raise SystemExit(f"--impls: {unknown} not in {IMPLS}")
+    gbs = ctx.shared.get("bandwidth_gbs")
+    rows = []
+    for (t, e, k) in parse_shapes(ctx.args.shapes):
+        logits, mask = make_inputs(t, e, ctx.args.dtype)
+        itemsize = logits.dtype.itemsize
+        out_bytes = t * k * 12 + e * 8 + 16  # expert_index, gates, slot; tokens_per_expert, prob_sum; scalars
+        for policy in ctx.args.policies.split(","):
+            for impl in impls:
+                kw = dict(top_k=k, capacity=capacity_for(t, e, k, ctx.args.capacity_factor), policy=policy,
+                          impl=impl, mask=mask)
+
+                def fwd(lg, kw=kw):
+                    return route(lg, **kw)
+
+                def loss(lg, kw=kw):  # the result is returned too, so no output is dead code
+                    r = route(lg, **kw)
+                    return jnp.sum(r.gates) + 1e-2 * jnp.sum(r.prob_sum) + 1e-3 * r.z_sum, r
+
+                for mode, fn, nbytes in (
+                        ("fwd", fwd, t * e * itemsize + t + out_bytes),
+                        ("fwd+bwd", jax.value_and_grad(loss, has_aux=True), 3 * t * e * itemsize + t + out_bytes)):
+                    row = {"shape": f"{t}x{e}x{k}", "policy": policy, "impl": impl, "mode": mode}
+                    if ctx.time_left() < 20:
+                        rows.append({**row, "status": "skipped (budget)"})
+                        continue
+                    try:
+                        compiled, secs = compile_fn(fn, logits)
+                        tm = time_fn(compiled, logits, runs=ctx.args.runs)
+                        fl = floor_ms(nbytes, gbs)
+                        rows.append({**row, "status": "ok", "compile_s": secs, **tm, "floor_ms": fl,
+                                     "x_floor": tm["median_ms"] / fl if fl else None,
+                                     "tokens_per_s": t / (tm["median_ms"] * 1e-3)})
+                    except Exception:
+                        rows.append(error_row(**row))
+    return rows
+
+
+# --- Hook example for the lead (not registered) -----------------------------------------------------
+
+def train_step_hook_example(ctx: Context) -> list[dict]:
+    """How to add a train-step / MFU check: build a step, compile it, time it, report MFU.
+
+    Register with ``register_check("train_step")(train_step_hook_example)`` or write a new function
+    with ``@register_check``; rows may hold any JSON-serialisable fields, ``status`` is conventional.
+    ``ctx.args.peak_tflops`` (H200 dense bf16: ~989) is the MFU denominator.
+    """
+    import jax.numpy as jnp
+    a = jnp.ones((4096, 4096), jnp.bfloat16)
+    compiled, secs = compile_fn(lambda x: x @ x, a)
+    tm = time_fn(compiled, a, runs=ctx.args.runs)
+    flops = 2 * 4096 ** 3
+    return [{"status": "ok", "what": "bf16 4096^3 matmul", "compile_s": secs, **tm,
+             "mfu": mfu(flops, tm["median_ms"] * 1e-3, ctx.args.peak_tflops * 1e12)}]
+
+
+# --- Driver -----------------------------------------------------------------------------------------
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)"
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r if c not in cols and c != "warnings"]
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "" if v is None else str(v).replace("|", "/")
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="gpu_check.json", help="JSON results path")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes on CPU in the Pallas interpreter (checks the script, times nothing useful)")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="seconds after which remaining work is skipped (the whole run must stay under 8 min)")
+    p.add_argument("--shapes", default="16384x64x2,65536x256x8", help="timed shapes TxExK")
+    p.add_argument("--check-shapes", default="1x8x1,4099x7x2,16384x64x2,65536x256x8",
+                   help="correctness shapes TxExK")
+    p.add_argument("--impls", default="reference,pallas", help="route impls to time")
+    p.add_argument("--policies", default="position,priority", help="policies to time")
+    p.add_argument("--dtype", default="float32", help="logits dtype")
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--block-tokens", default="16,32,64,128", help="kernel block sizes to sweep")
+    p.add_argument("--num-warps", default="4,8", help="Triton warps to sweep")
+    p.add_argument("--rank-methods", default="cumsum,matmul", help="kernel within-block rank methods to sweep")
+    p.add_argument("--runs", type=int, default=20, help="timed runs per measurement (median)")
+    p.add_argument("--copy-mib", type=float, default=2048, help="size of the bandwidth copy, MiB")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU hooks, TFLOP/s")
+    p.add_argument("--only", default="", help="comma-separated subset of checks to run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cpu_smoke:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        args.shapes, args.check_shapes = "256x8x2,130x64x4", "13x7x2,64x8x2"
+        args.block_tokens, args.num_warps, args.runs, args.copy_mib = "32,128", "4", 3, 64
+    sys.path.insert(0, REPO)  # kernels/ imports only jax; no install needed
+    import jax
+
+    if not args.cpu_smoke and jax.default_backend() != "gpu":
+        print(f"gpu_check: the default backend is {jax.default_backend()!r}, not a GPU; "
+              "use --cpu-smoke to check the script on CPU", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    ctx = Context(args=args, deadline=start + args.budget_s, interpret=args.cpu_smoke)
+    env = {"jax": jax.__version__, "backend": jax.default_backend(),
+           "devices": [d.device_kind for d in jax.devices()], "python": platform.python_version(),
+           "argv": sys.argv[1:], "cpu_smoke": args.cpu_smoke}
+    print(f"# gpu_check\n\n{json.dumps(env)}\n")
+    only = {c for c in args.only.split(",") if c}
+    results: dict[str, Any] = {"env": env, "checks": {}}
+    for name, fn in CHECKS:
+        if only and name not in only:
+            continue
+        t0 = time.monotonic()
+        try:
+            rows = fn(ctx)
+        except Exception:
+            rows = [error_row(check=name, traceback=traceback.format_exc()[-2000:])]
+        results["checks"][name] = {"seconds": time.monotonic() - t0, "rows": rows}
+        print(f"## {name} ({time.monotonic() - t0:.1f} s)\n\n{markdown_table(rows)}\n", flush=True)
+        for r in rows:
+            for w in r.get("warnings", []):
+                print(f"warning: {w}")
+    results["total_seconds"] = time.monotonic() - start
+    results["shared"] = ctx.shared
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    failed = [n for n, c in results["checks"].items()
+              if any(r.get("status") in ("error", "MISMATCH") for r in c["rows"])]
+    print(f"total {results['total_seconds']:.1f} s; wrote {args.out}; "
+          f"{'problems in: ' + ', '.join(failed) if failed else 'no errors or mismatches'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
