@@ -24,7 +24,7 @@ import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moefast import parallel
-from moefast.config import ExperimentConfig
+from moefast.config import ConfigError, ExperimentConfig
 from moefast.data import Corpus, eval_batches, load_corpus, train_dataset
 from moefast.train.checkpoint import Checkpointer, CheckpointError
 from moefast.train.metrics import MetricsWriter
@@ -91,6 +91,10 @@ class Trainer:
         self._log = log if (log is not None and self.is_main) else (lambda s: None)
         self.progress = progress and self.is_main
         self.mesh = parallel.make_mesh(cfg, devices)
+        if cfg.moe.routing_impl == "pallas" and jax.default_backend() == "cpu" and self.mesh.size > 1:
+            raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
+                              f"inside the expert-parallel shard_map over {self.mesh.size} devices; use "
+                              "'reference' or 'auto' here, or one CPU device (--cpu-devices 1)")
         self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
         self.model_def = ModelDef(cfg, self.corpus.tokenizer.vocab_size)
         self.replicated = NamedSharding(self.mesh, P())
