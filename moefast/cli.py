@@ -146,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        import jax
+
+        if jax.process_count() > 1:
+            # Leave at once: a normal exit waits in jax.distributed's shutdown barrier for peers that
+            # are still training; they are stopped by the coordination service's heartbeat timeout.
+            sys.stderr.flush()
+            os._exit(130)
         return 130
     return 0
 

@@ -79,6 +79,12 @@ def test_overrides_may_sit_among_options_and_steps_change_is_reported(trained_ru
 @pytest.mark.parametrize("args,message", [
     (["train", "trian.steps=3"], "unknown section 'trian' (did you mean 'train'?)"),
     (["train", "--cpu-devices", "0"], "--cpu-devices must be >= 1"),
+    (["train", "--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator must be HOST:PORT"),
+    (["train", "--coordinator", "localhost:1", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes must be >= 1"),
+    (["train", "--distributed-timeout", "0"], "--distributed-timeout must be >= 1"),
+    (["train", "--num-processes", "2"], "must be given together"),
     (["train", "--cpu-devices", "2", "moe.routing_impl=pallas"], "moe.routing_impl: 'pallas' runs in the Pallas interpreter"),
     (["train", "train.stepz=3"], "train.stepz: unknown key"),
     (["train", "moe.top_k=9"], "moe.top_k: must be in [1, moe.num_experts=8]"),

@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
-__all__ = ["cluster_detected", "initialize"]
-
-# Environment variables that JAX's cluster auto-detection reads, with the size variable that says
-# whether the job has more than one process.
-_CLUSTERS = {"SLURM": "SLURM_NTASKS", "Open MPI": "OMPI_COMM_WORLD_SIZE"}
+__all__ = ["assert_same_config", "cluster_detected", "initialize"]
 
 
 def cluster_detected() -> str | None:
-    """Name of the multi-process launcher found in the environment (SLURM, Open MPI, or an explicit
-    ``JAX_COORDINATOR_ADDRESS``), or ``None`` for a single process."""
-    for name, var in _CLUSTERS.items():
+    """Name of the multi-process launcher found in the environment, or ``None``.
+
+    SLURM counts only inside an ``srun`` step of more than one task (``SLURM_STEP_NODELIST`` set,
+    ``SLURM_STEP_NUM_TASKS`` > 1); Open MPI when ``OMPI_COMM_WORLD_SIZE`` > 1. JAX reads the rest of
+    the job's layout from these launchers' environments.
+    """
+    def count(var: str) -> int:
         try:
-            if int(os.environ.get(var, "1")) > 1:
-                return name
+            return int(os.environ.get(var, "1"))
         except ValueError:
-            continue
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        return "JAX_COORDINATOR_ADDRESS"
+            return 1
+
+    if os.environ.get("SLURM_STEP_NODELIST") and count("SLURM_STEP_NUM_TASKS") > 1:
+        return "SLURM"
+    if count("OMPI_COMM_WORLD_SIZE") > 1:
+        return "Open MPI"
     return None
 
 
@@ -30,15 +34,16 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     """Joins a multi-process job when launched as one of several processes.
 
     With ``coordinator``/``num_processes``/``process_id`` given, uses them; otherwise lets JAX
-    auto-detect the cluster (SLURM, Open MPI, Kubernetes via ``JAX_COORDINATOR_ADDRESS``) when
-    :func:`cluster_detected` finds one. Must run before any JAX computation.
+    auto-detect the job when :func:`cluster_detected` finds a launcher (SLURM ``srun``, Open MPI
+    ``mpirun``). Must run before any JAX computation.
 
     Args:
       coordinator: ``HOST:PORT`` of process 0's coordination service.
-      num_processes: processes in the job.
+      num_processes: processes in the job (>= 1).
       process_id: this process, in ``[0, num_processes)``.
-      timeout_s: seconds to wait for all processes to join, and heartbeat timeout after which a
-        process whose peer died stops with an error instead of hanging.
+      timeout_s: seconds (>= 1) to wait for all processes to join, and the heartbeat timeout after
+        which JAX's coordination service stops a process whose peer died (it aborts the process
+        with exit code 134 and a log naming the missing task) instead of letting it hang.
 
     Returns:
       True when a multi-process job was joined.
@@ -48,11 +53,18 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     """
     import jax
 
+    if timeout_s < 1:
+        raise ValueError(f"--distributed-timeout must be >= 1 second, got {timeout_s}")
     explicit = (coordinator, num_processes, process_id)
     if any(a is not None for a in explicit):
         if any(a is None for a in explicit):
             raise ValueError("--coordinator, --num-processes and --process-id must be given together")
-        if num_processes < 1 or not 0 <= process_id < num_processes:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--coordinator must be HOST:PORT (e.g. node-a:12355), got {coordinator!r}")
+        if num_processes < 1:
+            raise ValueError(f"--num-processes must be >= 1, got {num_processes}")
+        if not 0 <= process_id < num_processes:
             raise ValueError(f"--process-id {process_id} must be in [0, --num-processes={num_processes})")
         if num_processes == 1:
             return False
@@ -64,3 +76,26 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return False
     jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s)
     return True
+
+
+def assert_same_config(config: dict) -> None:
+    """Checks that every process of a multi-process job runs the same config (a mismatch would
+    deadlock the collectives later, e.g. processes stopping at different steps).
+
+    Raises:
+      ValueError: the processes' configs differ (on every process).
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).digest()[:8]
+    mine = np.frombuffer(digest, np.int32)
+    try:
+        multihost_utils.assert_equal(mine, "config differs")
+    except AssertionError:
+        raise ValueError(f"process {jax.process_index()}: the {jax.process_count()} processes were started with "
+                         "different configs or overrides; start every process with the same --config and "
+                         "section.key=value overrides") from None

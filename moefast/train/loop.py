@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moefast import parallel
 from moefast.config import ConfigError, ExperimentConfig
 from moefast.data import Corpus, eval_batches, load_corpus, train_dataset
+from moefast.parallel.distributed import assert_same_config
 from moefast.train.checkpoint import Checkpointer, CheckpointError
 from moefast.train.metrics import MetricsWriter
 from moefast.train.step import BATCH_KEYS, LN2, ModelDef, eval_step, make_optimizer, train_step
@@ -90,6 +91,7 @@ class Trainer:
         self.is_main = jax.process_index() == 0
         self._log = log if (log is not None and self.is_main) else (lambda s: None)
         self.progress = progress and self.is_main
+        assert_same_config(cfg.to_dict())
         self.mesh = parallel.make_mesh(cfg, devices)
         if cfg.moe.routing_impl == "pallas" and jax.default_backend() == "cpu" and self.mesh.size > 1:
             raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
@@ -219,6 +221,11 @@ class Trainer:
             state, start = restored.state, restored.step
             data_iter.set_state(restored.data_state)
             self._log(f"resuming from step {start} ({ckpt.directory / str(start)})")
+            saved_mesh = restored.meta.get("config", {}).get("mesh")
+            if saved_mesh is not None and saved_mesh != cfg.to_dict()["mesh"]:
+                self._log(f"note: mesh changed from {saved_mesh} to {cfg.to_dict()['mesh']}: the state was restored "
+                          "into the new shardings; routing groups (tokens per device) differ, so losses will not "
+                          "match the old mesh bit for bit")
             saved_steps = restored.meta.get("config", {}).get("train", {}).get("steps")
             if saved_steps is not None and saved_steps != tc.steps:
                 self._log(f"note: train.steps changed from {saved_steps} to {tc.steps}: the learning-rate "
