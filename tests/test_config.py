@@ -1,6 +1,5 @@
 """Config: every shipped YAML loads; typos, wrong types and impossible values fail clearly."""
 
-from pathlib import Path
 
 import pytest
 

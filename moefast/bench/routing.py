@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moefast import routing
 

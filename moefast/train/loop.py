@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -255,7 +254,6 @@ class Trainer:
         eval_metrics: dict[str, float] = {}
         window_t, window_steps, t_first_done = None, 0, None
         timed_steps, timed_s = 0, 0.0  # steps after the first (compiling) one, and their time
-        saved_step = None
 
         def handle(step: int, metrics: dict[str, jax.Array]) -> None:
             nonlocal first_step_s, window_t, window_steps, t_first_done, final_loss, timed_steps, timed_s
@@ -300,7 +298,6 @@ class Trainer:
                     handle(*pending)
                     pending = None
                     ckpt.save(done, state, data_iter.get_state(), cfg, force=True)
-                    saved_step = done
                 if (tc.eval_every and done % tc.eval_every == 0) or is_last:
                     if pending is not None:
                         handle(*pending)

@@ -8,7 +8,7 @@ from flax import nnx
 
 from moefast import routing
 from moefast.config import load_config
-from moefast.model import MoELayer, build_model
+from moefast.model import build_model
 from moefast.parallel import expert as expert_module
 from moefast.model.transformer import Block
 from moe_reference import loop_reference, make_layer  # tests/moe_reference.py

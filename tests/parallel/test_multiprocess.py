@@ -10,7 +10,6 @@ import time
 
 import jax
 import numpy as np
-import pytest
 
 from moefast.train import Checkpointer, Trainer
 
