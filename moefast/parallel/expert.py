@@ -112,10 +112,7 @@ def _dropless_ragged(x_td, r, w_in_edf, w_out_efd, dtype):
     h = jax.lax.ragged_dot(x_sorted, w_in_edf.astype(dtype), counts)
     gate, up = jnp.split(h, 2, axis=-1)
     y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_out_efd.astype(dtype), counts)
-    kept = r.slot >= 0
-    y_tkd = y_sorted[jnp.where(kept, dest_tk, 0)]
-    out = jnp.sum(jnp.where(kept[..., None], y_tkd.astype(jnp.float32) * r.gates[..., None], 0.0), axis=1)
-    return out.astype(dtype)
+    return routing.combine_rows(y_sorted, dest_tk, r)
 
 
 def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, *, spec: RoutingSpec,

@@ -7,11 +7,12 @@ from moefast.routing.core import (
     route,
     router_z_loss,
 )
-from moefast.routing.dispatch import combine, dispatch
+from moefast.routing.dispatch import combine, combine_rows, dispatch
 
 __all__ = [
     "RoutingResult",
     "combine",
+    "combine_rows",
     "compute_capacity",
     "dispatch",
     "load_balancing_loss",

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from moefast.routing.core import RoutingResult
 
-__all__ = ["combine", "dispatch"]
+__all__ = ["combine", "combine_rows", "dispatch"]
 
 
 def dispatch(x_td: jax.Array, r: RoutingResult, num_experts: int, capacity: int) -> jax.Array:
@@ -52,9 +52,22 @@ def combine(y_ecd: jax.Array, r: RoutingResult) -> jax.Array:
       The weighted sum is taken in float32.
     """
     num_experts, capacity, d = y_ecd.shape
+    return combine_rows(y_ecd.reshape(num_experts * capacity, d), r.expert_index * capacity + r.slot, r)
+
+
+def combine_rows(y_nd: jax.Array, row_tk: jax.Array, r: RoutingResult) -> jax.Array:
+    """Gate-weighted sum of each token's output rows.
+
+    Args:
+      y_nd: expert outputs, one row per routed assignment, [N, D].
+      row_tk: [T, K] int, the row of each assignment (ignored where ``r.slot`` is -1).
+      r: the routing (``slot`` -1 marks dropped or masked assignments, which contribute exactly 0).
+
+    Returns:
+      [T, D] in ``y_nd.dtype``, summed in float32.
+    """
     kept_tk = r.slot >= 0
-    flat_tk = jnp.where(kept_tk, r.expert_index * capacity + r.slot, 0)
-    y_tkd = y_ecd.reshape(num_experts * capacity, d)[flat_tk]
+    y_tkd = y_nd[jnp.where(kept_tk, row_tk, 0)]
     w_tk = jnp.where(kept_tk, r.gates, 0.0)
     out = jnp.sum(jnp.where(kept_tk[..., None], y_tkd.astype(jnp.float32) * w_tk[..., None], 0.0), axis=1)
-    return out.astype(y_ecd.dtype)
+    return out.astype(y_nd.dtype)
