@@ -1,4 +1,4 @@
-"""Command line: ``moefast train | eval | generate`` — a thin layer over the Python API."""
+"""Command line: ``moefast train | eval | generate | bench`` — a thin layer over the Python API."""
 
 from __future__ import annotations
 
@@ -66,10 +66,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
-    b.add_argument("target", choices=["routing"], help="routing: routing + dispatch + combine, forward+backward")
-    b.add_argument("--quick", action="store_true", help="a subset (including 16k tokens x 64 experts), ~2 min on CPU")
+    b.add_argument("target", choices=["routing", "cache"],
+                   help="routing: routing + dispatch + combine, forward+backward; cache: step time with "
+                        "cached tables on vs off and time to first step with a cold vs warm compilation cache")
+    b.add_argument("--quick", action="store_true",
+                   help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
-    b.add_argument("--repeats", type=int, default=5, help="timed runs per point; the median is reported")
+    b.add_argument("--repeats", type=int, default=5, help="routing: timed runs per point; the median is reported")
+    b.add_argument("--steps", type=int, default=10, help="cache: timed train steps per variant (default 10)")
+    b.add_argument("--pairs", type=int, default=2, help="cache: cold/warm process pairs (default 2)")
     b.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     return p
 
@@ -127,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
             step, params, routing_state = trainer.restore_params()
             m = trainer.evaluate(params, routing_state)
             print(f"step {step} | eval loss {m['eval_loss']:.4f} | eval bits/byte {m['eval_bits_per_byte']:.4f}")
+        elif args.command == "bench" and args.target == "cache":
+            from moefast.bench import cache
+
+            if args.steps < 1 or args.pairs < 1:
+                raise ConfigError(f"--steps and --pairs must be >= 1, got {args.steps} and {args.pairs}")
+            return cache.run_cli(json_out=args.json, steps=args.steps, pairs=args.pairs)
         elif args.command == "bench":
             from moefast.bench.routing import run_cli
 

@@ -1,7 +1,7 @@
 """Experiment configuration: frozen dataclasses, YAML files and ``section.key=value`` overrides.
 
 One :class:`ExperimentConfig` holds a section per part of the system (``model``, ``moe``, ``data``,
-``train``, ``mesh``, ``checkpoint``). Every section validates its own invariants in
+``train``, ``mesh``, ``checkpoint``, ``cache``). Every section validates its own invariants in
 ``__post_init__``; :class:`ExperimentConfig` validates the ones that span sections. Errors are
 :class:`ConfigError` (a ``ValueError``) with a message that names the key and what to change.
 
@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 
 __all__ = [
+    "CacheConfig",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -69,7 +70,10 @@ class ModelConfig:
       head_dim: per-head width.
       d_ff: hidden width F of each SwiGLU expert (and of dense feed-forward layers).
       vocab_size: V; ``None`` means the tokenizer's vocabulary size.
-      max_seq_len: length of the positional (RoPE) table, in tokens; positions must be below it.
+      max_seq_len: length of the positional tables, in tokens; positions must be below it.
+      position_encoding: ``"rope"`` (rotary, applied to queries and keys; Su et al. 2021, RoFormer
+        sec. 3.4) or ``"sinusoidal"`` (absolute encodings added to the token embeddings; Vaswani et
+        al. 2017, sec. 3.5).
       rope_base: RoPE wavelength base (Su et al. 2021, RoFormer eq. 15).
       tie_embeddings: LM head reuses the token embedding matrix.
       num_dense_layers: leading blocks with a dense feed-forward instead of MoE.
@@ -89,6 +93,7 @@ class ModelConfig:
     d_ff: int = 512
     vocab_size: int | None = None
     max_seq_len: int = 1024
+    position_encoding: Literal["rope", "sinusoidal"] = "rope"
     rope_base: float = 10000.0
     tie_embeddings: bool = True
     num_dense_layers: int = 0
@@ -111,6 +116,8 @@ class ModelConfig:
                  f"must be in [0, model.num_layers={self.num_layers}], got {self.num_dense_layers}")
         _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
         _require(self.rope_base > 1.0, "model.rope_base", f"must be > 1, got {self.rope_base}")
+        _require(self.position_encoding != "sinusoidal" or self.d_model % 2 == 0, "model.d_model",
+                 f"must be even for sinusoidal position encodings, got {self.d_model}")
 
     @property
     def kv_heads(self) -> int:
@@ -325,6 +332,31 @@ class CheckpointConfig:
         _require(self.keep >= 1, "checkpoint.keep", f"must be >= 1, got {self.keep}")
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The caching lever: work that does not change between steps is done once.
+
+    Attributes:
+      tables: True: positional tables (RoPE cos/sin, sinusoidal encodings) are computed once per
+        (length, width, base, dtype) with NumPy in float64 and folded into the compiled step as
+        constants, gathered by position once per step for all layers, and the attention mask is
+        built once per step for all layers. False: every layer computes its phases, sines and
+        cosines (float32) and its own mask inside the step — the baseline that
+        ``moefast bench cache`` measures against. Numerics agree to float32 rounding.
+      compile_dir: XLA's persistent compilation cache: a restart with the same program skips
+        XLA compilation. ``"auto"`` = ``$XDG_CACHE_HOME/moefast/xla`` (``~/.cache/moefast/xla``);
+        a path; or ``null`` to turn it off. Small programs are cached too (the minimum compile
+        time for caching is lowered to 0 s).
+    """
+
+    tables: bool = True
+    compile_dir: str | None = "auto"
+
+    def __post_init__(self):
+        _require(self.compile_dir is None or bool(str(self.compile_dir).strip()), "cache.compile_dir",
+                 "must be 'auto', a directory, or null (off); got an empty string")
+
+
 _SECTIONS = {
     "model": ModelConfig,
     "moe": MoEConfig,
@@ -332,6 +364,7 @@ _SECTIONS = {
     "train": TrainConfig,
     "mesh": MeshConfig,
     "checkpoint": CheckpointConfig,
+    "cache": CacheConfig,
 }
 
 
@@ -346,6 +379,7 @@ class ExperimentConfig:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
 
     def __post_init__(self):
         _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",

@@ -1,16 +1,22 @@
 """Test setup: 8 virtual CPU devices (set before JAX initialises) and strict rank promotion."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))  # shared helpers such as moe_reference.py
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The persistent compilation cache (cache.compile_dir=auto) of this test session, shared by the
+# in-process runs and the CLI subprocesses, never the user's own ~/.cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="moefast-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
-import shutil  # noqa: E402
 import sysconfig  # noqa: E402
 from pathlib import Path  # noqa: E402
 

@@ -29,3 +29,17 @@ def test_onehot_is_skipped_when_too_big():
     assert recs[0].skipped and recs[0].time_ms is None
     assert "skipped" in bench.format_table(recs)
     assert dataclasses.asdict(recs[0])["skipped"]
+
+
+def test_cache_bench_writes_the_promised_json(tmp_path, text_dir):
+    from conftest import SMALL_MODEL
+    from moefast.bench import cache
+
+    out = tmp_path / "cache.json"
+    overrides = SMALL_MODEL + [f"data.source={text_dir}"]
+    assert cache.run_cli(json_out=str(out), steps=2, pairs=1, overrides=overrides) == 0
+    rec = json.loads(out.read_text())
+    for k in ("step_time_on_s", "step_time_off_s", "first_step_cold_s", "first_step_warm_s"):
+        assert rec[k] > 0, k
+    assert rec["step_runs"] == 2 and rec["launch_pairs"] == 1
+    assert "time to first step" in (tmp_path / "cache.md").read_text()

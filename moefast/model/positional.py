@@ -1,24 +1,132 @@
-"""Rotary position embeddings (RoPE; Su et al. 2021, RoFormer sec. 3.4.2).
+"""Positional tables: rotary embeddings (RoPE) and sinusoidal absolute encodings.
 
-The cos/sin table is computed once per (max_seq_len, head_dim, base) in float64 with NumPy and
-returned as a NumPy constant: under ``jit`` it is folded into the program, so no step computes a
-sine or cosine for positions, and every layer shares the one table.
+Dimension letters: B batch, T tokens, S table length (``max_seq_len``), F = head_dim / 2
+frequencies, D d_model.
+
+Cached path (``cache.tables=True``, the default): each table is computed once per
+(kind, width, base, dtype) with NumPy, the phase ``position * frequency`` in float64, and kept in
+:data:`TABLES`, a byte-budgeted LRU cache. Under ``jit`` the table is a NumPy constant, so it is
+folded into the compiled program: no step computes a sine or cosine for positions. The model
+gathers rows by position once per step and every layer uses them.
+
+Uncached path (``cache.tables=False``, the baseline of ``moefast bench cache``): the phase, its sine
+and cosine are computed inside the step in float32, by every layer that needs them.
+
+Neither path ever computes a phase in bfloat16: at position 4095 a bf16 phase is off by up to
+8 radians (bf16 keeps 8 significant bits), which scrambles the rotation.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import threading
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["apply_rope", "check_positions", "rope_table"]
+__all__ = [
+    "TABLES",
+    "TableCache",
+    "apply_rope",
+    "check_positions",
+    "rope_cos_sin",
+    "rope_table",
+    "sinusoidal_encoding",
+    "sinusoidal_table",
+]
 
 
-@functools.lru_cache(maxsize=16)
+class TableCache:
+    """LRU cache of read-only NumPy tables whose rows depend only on the position.
+
+    Entries are keyed by ``(kind, width, dtype, params)``; the length is the leading dimension.
+    Because row ``p`` of a table does not depend on its length, a request for a length at most
+    the cached one is served as a read-only prefix view of the cached table, and a request for a
+    longer one replaces the shorter entry: the cache never holds two copies of the same rows.
+    When the bytes held exceed ``budget_bytes``, least recently used entries are evicted; a
+    table larger than the whole budget is returned without being kept.
+
+    Args:
+      budget_bytes: most bytes held at once.
+    """
+
+    def __init__(self, budget_bytes: int = 256 * 2**20):
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._entries: collections.OrderedDict[tuple, np.ndarray] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        return sum(a.nbytes for a in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[tuple]:
+        """Entry keys, least recently used first."""
+        return list(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+
+    def get(self, kind: str, length: int, width: int, dtype, params: tuple,
+            build: Callable[[int], np.ndarray]) -> np.ndarray:
+        """The table ``build(length)`` of shape [length, ...], from the cache when possible.
+
+        Args:
+          kind: table family, e.g. ``"rope"``.
+          length: rows wanted (positions ``0..length-1``).
+          width: size of the feature dimension (part of the key).
+          dtype: dtype of the returned table (part of the key).
+          params: further hashable parameters the rows depend on (e.g. the RoPE base).
+          build: computes the table for a given length; it must return ``length`` rows of dtype
+            ``dtype``.
+
+        Returns:
+          A read-only array whose first dimension is ``length``.
+        """
+        if length < 1:
+            raise ValueError(f"table length must be >= 1, got {length}")
+        key = (kind, int(width), np.dtype(dtype).name, tuple(params))
+        with self._lock:
+            cached = self._entries.get(key)
+            if cached is not None and cached.shape[0] >= length:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return cached[:length]
+            self.misses += 1
+        table = np.ascontiguousarray(build(length))
+        if table.shape[0] != length or table.dtype != np.dtype(dtype):
+            raise AssertionError(f"table builder for {key} returned {table.shape} {table.dtype}")
+        table.flags.writeable = False
+        with self._lock:
+            self._entries.pop(key, None)  # a shorter copy of the same rows
+            if table.nbytes <= self.budget_bytes:
+                self._entries[key] = table
+                while sum(a.nbytes for a in self._entries.values()) > self.budget_bytes:
+                    self._entries.popitem(last=False)
+        return table
+
+
+TABLES = TableCache()
+"""The process-wide table cache used by the model."""
+
+
+def _rope_inv_freq(head_dim: int, base: float, dtype=np.float64) -> np.ndarray:
+    return (base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(dtype)
+
+
 def rope_table(max_seq_len: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of ``position * base**(-2i/head_dim)``.
+    """cos and sin of ``position * base**(-2i/head_dim)`` (RoFormer eq. 15), from :data:`TABLES`.
 
     Args:
       max_seq_len: S, positions 0..S-1.
@@ -26,25 +134,51 @@ def rope_table(max_seq_len: int, head_dim: int, base: float) -> tuple[np.ndarray
       base: wavelength base (10000 in RoFormer).
 
     Returns:
-      ``(cos, sin)``, each float32 [S, head_dim // 2]; the phase is computed in float64. The arrays
-      are read-only (they are shared).
+      ``(cos, sin)``, each float32 [S, F]; the phase is computed in float64. Read-only views of one
+      cached [S, 2, F] table.
+
+    Raises:
+      ValueError: ``head_dim`` is odd.
     """
     if head_dim % 2:
         raise ValueError(f"head_dim={head_dim} must be even for RoPE")
-    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    phase = np.arange(max_seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
-    cos, sin = np.cos(phase).astype(np.float32), np.sin(phase).astype(np.float32)
-    cos.flags.writeable = False
-    sin.flags.writeable = False
-    return cos, sin
+
+    def build(n: int) -> np.ndarray:
+        phase = np.arange(n, dtype=np.float64)[:, None] * _rope_inv_freq(head_dim, base)[None, :]
+        return np.stack([np.cos(phase), np.sin(phase)], axis=1).astype(np.float32)
+
+    table = TABLES.get("rope", max_seq_len, head_dim, np.float32, (float(base),), build)
+    return table[:, 0], table[:, 1]
+
+
+def sinusoidal_table(max_seq_len: int, d_model: int, dtype=np.float32) -> np.ndarray:
+    """Absolute sinusoidal encodings (Vaswani et al. 2017, sec. 3.5), from :data:`TABLES`:
+    ``PE[p, 2i] = sin(p / 10000^(2i/D))``, ``PE[p, 2i+1] = cos(p / 10000^(2i/D))``.
+
+    Returns:
+      Read-only [S, D] table in ``dtype``; phases in float64, rounded once to ``dtype``.
+
+    Raises:
+      ValueError: ``d_model`` is odd.
+    """
+    if d_model % 2:
+        raise ValueError(f"d_model={d_model} must be even for sinusoidal encodings")
+
+    def build(n: int) -> np.ndarray:
+        phase = np.arange(n, dtype=np.float64)[:, None] * _rope_inv_freq(d_model, 10000.0)[None, :]
+        out = np.empty((n, d_model), np.float64)
+        out[:, 0::2], out[:, 1::2] = np.sin(phase), np.cos(phase)
+        return out.astype(dtype)
+
+    return TABLES.get("sinusoidal", max_seq_len, d_model, dtype, (10000.0,), build)
 
 
 def check_positions(positions, max_seq_len: int) -> None:
     """Raises ``ValueError`` when concrete positions fall outside ``[0, max_seq_len)``.
 
     JAX gathers clamp out-of-range indices silently; this check makes the mistake loud for eager
-    calls. Under ``jit`` (traced positions) :func:`apply_rope` instead yields NaN for such positions,
-    so the loss becomes NaN rather than silently wrong.
+    calls. Under ``jit`` (traced positions) the encodings are NaN for such positions instead, so
+    the loss becomes NaN rather than silently wrong.
     """
     if isinstance(positions, jax.core.Tracer):
         return
@@ -54,23 +188,65 @@ def check_positions(positions, max_seq_len: int) -> None:
                          f"[{p.min()}, {p.max()}]; raise model.max_seq_len or shorten the sequence")
 
 
-def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, max_seq_len: int, base: float) -> jax.Array:
+def _gather_rows(table: np.ndarray, positions_bt: jax.Array) -> jax.Array:
+    return jnp.take(table, positions_bt, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def _phase_f32(positions_bt: jax.Array, width: int, base: float, max_seq_len: int) -> jax.Array:
+    """[B, T, width/2] float32 phases computed in the step (uncached path); NaN out of range."""
+    valid = (positions_bt >= 0) & (positions_bt < max_seq_len)
+    inv_freq = jnp.exp(jnp.arange(0, width, 2, dtype=jnp.float32) * (-np.log(base) / width))
+    phase = positions_bt.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+    return jnp.where(valid[..., None], phase, jnp.nan)
+
+
+def rope_cos_sin(positions_bt: jax.Array, max_seq_len: int, head_dim: int, base: float, *,
+                 cached: bool = True) -> tuple[jax.Array, jax.Array]:
+    """cos and sin for each token's position, ready for :func:`apply_rope`.
+
+    Args:
+      positions_bt: [B, T] int positions in [0, max_seq_len).
+      cached: gather from the constant :func:`rope_table` (True) or compute in the step (False).
+
+    Returns:
+      ``(cos, sin)``, float32 [B, T, 1, F]; NaN rows for out-of-range positions.
+    """
+    if cached:
+        cos, sin = rope_table(max_seq_len, head_dim, float(base))
+        cos_btf, sin_btf = _gather_rows(cos, positions_bt), _gather_rows(sin, positions_bt)
+    else:
+        phase = _phase_f32(positions_bt, head_dim, float(base), max_seq_len)
+        cos_btf, sin_btf = jnp.cos(phase), jnp.sin(phase)
+    return cos_btf[:, :, None, :], sin_btf[:, :, None, :]
+
+
+def apply_rope(x_bthd: jax.Array, cos_bt1f: jax.Array, sin_bt1f: jax.Array) -> jax.Array:
     """Rotates query/key features by their positions (rotate-half layout).
 
     Args:
       x_bthd: [B, T, H, head_dim] queries or keys, any float dtype.
-      positions_bt: [B, T] int, in [0, max_seq_len).
-      max_seq_len: length of the table.
-      base: RoPE base.
+      cos_bt1f, sin_bt1f: float32 [B, T, 1, head_dim/2] from :func:`rope_cos_sin`.
 
     Returns:
-      [B, T, H, head_dim] in ``x_bthd.dtype`` (the rotation is computed in float32). Positions out of
-      range give NaN (see :func:`check_positions`).
+      [B, T, H, head_dim] in ``x_bthd.dtype``; the rotation is computed in float32.
     """
-    cos, sin = rope_table(max_seq_len, x_bthd.shape[-1], float(base))
-    cos_btf = jnp.take(cos, positions_bt, axis=0, mode="fill", fill_value=jnp.nan)[:, :, None, :]
-    sin_btf = jnp.take(sin, positions_bt, axis=0, mode="fill", fill_value=jnp.nan)[:, :, None, :]
     x = x_bthd.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos_btf - x2 * sin_btf, x2 * cos_btf + x1 * sin_btf], axis=-1)
+    out = jnp.concatenate([x1 * cos_bt1f - x2 * sin_bt1f, x2 * cos_bt1f + x1 * sin_bt1f], axis=-1)
     return out.astype(x_bthd.dtype)
+
+
+def sinusoidal_encoding(positions_bt: jax.Array, max_seq_len: int, d_model: int, dtype, *,
+                        cached: bool = True) -> jax.Array:
+    """[B, T, D] absolute encodings of the positions, in ``dtype``.
+
+    Args:
+      positions_bt: [B, T] int positions in [0, max_seq_len).
+      cached: gather from the constant :func:`sinusoidal_table` (True) or compute in the step in
+        float32 (False).
+    """
+    if cached:
+        return _gather_rows(sinusoidal_table(max_seq_len, d_model, np.dtype(dtype)), positions_bt)
+    phase = _phase_f32(positions_bt, d_model, 10000.0, max_seq_len)
+    b, t, f = phase.shape
+    return jnp.stack([jnp.sin(phase), jnp.cos(phase)], axis=-1).reshape(b, t, 2 * f).astype(dtype)

@@ -4,8 +4,15 @@ Dimension letters: B batch, T tokens (query length), S key length (cache), D d_m
 G key/value heads, Hd head_dim, F d_ff, V vocab, L layers, E experts.
 
 Block (pre-norm): ``x + Attn(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))`` where FFN is a
-:class:`~moefast.model.moe.MoELayer` or a dense SwiGLU. Attention is causal, grouped-query, with RoPE,
-and never crosses packed documents (segment ids).
+:class:`~moefast.model.moe.MoELayer` or a dense SwiGLU. Attention is causal, grouped-query, with RoPE
+(or sinusoidal absolute encodings), and never crosses packed documents (segment ids).
+
+Caching (``cache.tables``): the positional rows (gathered from constant tables, see
+:mod:`moefast.model.positional`) and the attention mask are computed once per forward pass and
+shared by every layer; with ``cache.tables=False`` every layer recomputes both.
+
+Randomness: dropout keys are ``fold_in(step_key, site)`` with site ``2 * layer`` (attention output)
+and ``2 * layer + 1`` (feed-forward output); no key is split or carried between calls.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from flax import nnx
 
 from moefast.config import ExperimentConfig
 from moefast.model.moe import MoELayer, MoEStats
-from moefast.model.positional import apply_rope, check_positions
+from moefast.model.positional import apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
 
 __all__ = ["KVCache", "ModelOutput", "Transformer", "build_model", "init_cache", "init_routing_state"]
 
@@ -35,6 +42,7 @@ class ModelOutput(NamedTuple):
 
 
 def _dropout(x, rate: float, key, site: int):
+    """Inverted dropout with the mask drawn from ``fold_in(key, site)``; identity without a key."""
     if rate == 0.0 or key is None:
         return x
     keep = jax.random.bernoulli(jax.random.fold_in(key, site), 1.0 - rate, x.shape)
@@ -49,25 +57,27 @@ class Attention(nnx.Module):
     """Causal grouped-query attention with RoPE (``jax.nn.dot_product_attention``)."""
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 max_seq_len: int, rope_base: float, dtype, init_std: float, out_std: float,
-                 rngs: nnx.Rngs):
+                 dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.max_seq_len, self.rope_base, self.dtype = max_seq_len, rope_base, dtype
+        self.dtype = dtype
         init = jax.nn.initializers.normal(init_std)
         self.qkv = nnx.Param(init(rngs.params(), (d_model, (num_heads + 2 * num_kv_heads) * head_dim)),
                              logical_axes=("embed", "heads"))
         self.out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * head_dim, d_model)),
                              logical_axes=("heads", "embed"))
 
-    def __call__(self, x_btd, positions_bt, mask_b1ts, cache: dict | None, cache_index):
+    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
+        """``rope``: ``(cos, sin)`` float32 [B, T, 1, Hd/2] from :func:`rope_cos_sin`, or ``None``
+        (no rotation: sinusoidal encodings were added to the embeddings); ``mask_b1ts``: bool
+        [B or 1, 1, T, S], True where a query may attend to a key."""
         b, t, _ = x_btd.shape
         h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = x_btd @ self.qkv[...].astype(self.dtype)
         q = qkv[..., : h * hd].reshape(b, t, h, hd)
         k = qkv[..., h * hd: (h + g) * hd].reshape(b, t, g, hd)
         v = qkv[..., (h + g) * hd:].reshape(b, t, g, hd)
-        q = apply_rope(q, positions_bt, self.max_seq_len, self.rope_base)
-        k = apply_rope(k, positions_bt, self.max_seq_len, self.rope_base)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         new_cache = None
         if cache is not None:
             k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1)
@@ -100,9 +110,8 @@ class Block(nnx.Module):
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
         self.layer, self.dropout = layer, m.dropout
         self.attn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
-        self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, max_seq_len=m.max_seq_len,
-                              rope_base=m.rope_base, dtype=dtype, init_std=m.init_std, out_std=out_std,
-                              rngs=rngs)
+        self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, dtype=dtype,
+                              init_std=m.init_std, out_std=out_std, rngs=rngs)
         self.ffn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
         self.is_moe = m.is_moe_layer(layer)
         if self.is_moe:
@@ -116,9 +125,9 @@ class Block(nnx.Module):
         else:
             self.ffn = DenseMLP(m.d_model, m.d_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
 
-    def __call__(self, x, positions, attn_mask, token_mask, *, cache, cache_index, dropout_key, drop_tokens,
+    def __call__(self, x, rope, attn_mask, token_mask, *, cache, cache_index, dropout_key, drop_tokens,
                  routing_state=None):
-        a, new_cache = self.attn(self.attn_norm(x), positions, attn_mask, cache, cache_index)
+        a, new_cache = self.attn(self.attn_norm(x), rope, attn_mask, cache, cache_index)
         x = x + _dropout(a, self.dropout, dropout_key, 2 * self.layer)
         h = self.ffn_norm(x)
         stats = None
@@ -142,6 +151,8 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ExperimentConfig, vocab_size: int, *, rngs: nnx.Rngs):
         m = cfg.model
         self.vocab_size, self.max_seq_len = vocab_size, m.max_seq_len
+        self.position_encoding, self.rope_base, self.head_dim = m.position_encoding, m.rope_base, m.head_dim
+        self.cache_tables = cfg.cache.tables
         self.dtype = _DTYPES[m.dtype]
         self.tie_embeddings = m.tie_embeddings
         self.embed = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (vocab_size, m.d_model)),
@@ -194,24 +205,44 @@ class Transformer(nnx.Module):
             s = cache[0]["k"].shape[1]
             if s > self.max_seq_len:
                 raise ValueError(f"cache length {s} exceeds model.max_seq_len={self.max_seq_len}")
-            q_idx = cache_index + jnp.arange(t)
-            attn_mask = (jnp.arange(s)[None, :] <= q_idx[:, None])[None, None]  # [1, 1, T, S]
+
+            def make_mask():  # [1, 1, T, S]: each query sees the cache up to its own index
+                q_idx = cache_index + jnp.arange(t)
+                return (jnp.arange(s)[None, :] <= q_idx[:, None])[None, None]
+
             token_mask = jnp.ones((b, t), bool)
         else:
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones((b, t), jnp.int32)
-            causal = jnp.tril(jnp.ones((t, t), bool))
-            same_doc = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-            attn_mask = (same_doc & causal[None])[:, None]  # [B, 1, T, T], built once for all layers
+
+            def make_mask():  # [B, 1, T, T]: causal and inside the same packed document
+                causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+                same_doc = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+                return (same_doc & causal[None])[:, None]
+
             token_mask = segment_ids_bt != 0
 
+        def make_rope():  # (cos, sin) [B, T, 1, Hd/2], or None with sinusoidal encodings
+            if self.position_encoding != "rope":
+                return None
+            return rope_cos_sin(positions_bt, self.max_seq_len, self.head_dim, self.rope_base,
+                                cached=self.cache_tables)
+
+        if self.cache_tables:  # once per forward pass, shared by every layer
+            attn_mask, rope = make_mask(), make_rope()
+
         x = self.embed[...].astype(self.dtype)[tokens_bt]
+        if self.position_encoding == "sinusoidal":
+            x = x + sinusoidal_encoding(positions_bt, self.max_seq_len, x.shape[-1], self.dtype,
+                                        cached=self.cache_tables)
         stats, new_cache = [], [] if cache is not None else None
         for i, block in enumerate(self.blocks):
+            if not self.cache_tables:  # the baseline: every layer rebuilds them
+                attn_mask, rope = make_mask(), make_rope()
             rs = None
             if routing_state is not None and block.is_moe:
                 rs = {k: v[len(stats)] for k, v in routing_state.items()}
-            x, s_i, c_i = block(x, positions_bt, attn_mask, token_mask,
+            x, s_i, c_i = block(x, rope, attn_mask, token_mask,
                                 cache=None if cache is None else cache[i], cache_index=cache_index,
                                 dropout_key=dropout_key, drop_tokens=drop_tokens, routing_state=rs)
             if s_i is not None:

@@ -27,6 +27,7 @@ from moefast.config import ConfigError, ExperimentConfig
 from moefast.data import Corpus, eval_batches, load_corpus, train_dataset
 from moefast.parallel.distributed import assert_same_config
 from moefast.train.checkpoint import Checkpointer, CheckpointError
+from moefast.train.compile_cache import configure_compilation_cache
 from moefast.train.metrics import MetricsWriter
 from moefast.train.step import BATCH_KEYS, LN2, ModelDef, eval_step, make_optimizer, train_step
 
@@ -54,7 +55,8 @@ class TrainSummary:
     eval_loss: float | None  # validation cross-entropy (nats/token)
     eval_bits_per_byte: float | None
     tokens_per_s: float | None  # mean training throughput after the first (compiling) step, evaluation excluded
-    first_step_s: float | None  # wall time to the first completed step (includes compilation)
+    first_step_s: float | None  # time to first step: from the start of run() to the first completed
+    # step (state init or restore, tracing, compilation or a compilation-cache hit, the step itself)
     wall_s: float
     checkpoint: str | None
     memory: dict[str, int] | None = None  # bytes per device, see Trainer.memory_per_device
@@ -63,7 +65,7 @@ class TrainSummary:
         f = lambda v, spec: "n/a" if v is None else format(v, spec)
         return (f"steps {self.steps} ({self.steps_this_run} this run) | train loss {f(self.final_loss, '.4f')} | "
                 f"val loss {f(self.eval_loss, '.4f')} | val bits/byte {f(self.eval_bits_per_byte, '.4f')} | "
-                f"{f(self.tokens_per_s, ',.0f')} tokens/s | first step {f(self.first_step_s, '.1f')} s | "
+                f"{f(self.tokens_per_s, ',.0f')} tokens/s | time to first step {f(self.first_step_s, '.2f')} s | "
                 f"wall {self.wall_s:.1f} s | checkpoint {self.checkpoint or 'none'}"
                 + ("" if not self.memory else f" | per device: params {self.memory['param_bytes'] / 2**20:.1f} MiB, "
                    f"optimizer {self.memory['optimizer_bytes'] / 2**20:.1f} MiB"))
@@ -91,6 +93,7 @@ class Trainer:
         self._log = log if (log is not None and self.is_main) else (lambda s: None)
         self.progress = progress and self.is_main
         assert_same_config(cfg.to_dict())
+        self.compile_cache_dir = configure_compilation_cache(cfg.cache.compile_dir)
         self.mesh = parallel.make_mesh(cfg, devices)
         if cfg.moe.routing_impl == "pallas" and jax.default_backend() == "cpu" and self.mesh.size > 1:
             raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
@@ -119,7 +122,9 @@ class Trainer:
         self._eval_data: list[dict[str, np.ndarray]] | None = None
 
     # ------------------------------------------------------------------ state
-    def _put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows of a global batch (arrays [B_local, T] keyed by ``BATCH_KEYS``) as
+        global arrays in the batch sharding."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))
                 for k in BATCH_KEYS}
 
@@ -189,7 +194,7 @@ class Trainer:
         totals = None
         with jax.set_mesh(self.mesh):
             for batch in self._eval_data:
-                out = self._eval_step(params, routing_state, self._put_batch(batch))
+                out = self._eval_step(params, routing_state, self.put_batch(batch))
                 totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
         totals = jax.device_get(totals)
         ce = float(totals["ce_sum"]) / max(float(totals["weight_sum"]), 1.0)
@@ -213,7 +218,8 @@ class Trainer:
         self._log(f"corpus: {self.corpus.summary()}")
         n_params = sum(x.size for x in jax.tree.leaves(self.model_def.abstract_params))
         self._log(f"model: {n_params / 1e6:.2f}M parameters | mesh {dict(self.mesh.shape)} on "
-                  f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+                  f"{jax.device_count()} {jax.devices()[0].platform} device(s) | compilation cache "
+                  f"{self.compile_cache_dir or 'off'}")
 
         if ckpt.latest_step() is not None:
             restored = ckpt.restore(self.abstract_state(), cfg)  # fails before anything is written
@@ -287,7 +293,7 @@ class Trainer:
                                                  for k, v in memory.items()))
         with jax.set_mesh(self.mesh):
             for step in range(start, last):
-                batch = self._put_batch(next(data_iter))
+                batch = self.put_batch(next(data_iter))
                 state, metrics = step_fn(state, batch, self.base_key)
                 if pending is not None:
                     handle(*pending)
@@ -319,14 +325,17 @@ class Trainer:
         if bar is not None:
             bar.close()
         ckpt.close()
-        writer.close()
         latest = ckpt.latest_step()
-        return TrainSummary(
+        summary = TrainSummary(
             steps=max(start, last), steps_this_run=max(last - start, 0),
             final_loss=final_loss, eval_loss=eval_metrics.get("eval_loss"),
             eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), tokens_per_s=tokens_per_s,
             first_step_s=first_step_s, wall_s=time.perf_counter() - t_start,
             checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory)
+        writer.write("summary", summary.steps, {k: v for k, v in dataclasses.asdict(summary).items()
+                                                if k not in ("steps", "memory")})
+        writer.close()
+        return summary
 
     def restore_params(self) -> tuple[int, dict, dict]:
         """Step, parameters and routing state of the latest checkpoint in the run dir.

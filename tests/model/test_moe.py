@@ -8,7 +8,7 @@ from flax import nnx
 
 from moefast import routing
 from moefast.config import load_config
-from moefast.model import build_model
+from moefast.model import build_model, rope_cos_sin
 from moefast.parallel import expert as expert_module
 from moefast.model.transformer import Block
 from moe_reference import loop_reference, make_layer  # tests/moe_reference.py
@@ -72,11 +72,11 @@ def test_block_output_equals_residual_for_dropped_tokens():
     block.ffn.router[...] = jnp.asarray(router)
     block.ffn_norm.scale[...] = jnp.ones(16)
     x = jnp.asarray(np.abs(np.random.default_rng(1).normal(size=(1, 8, 16))).astype(np.float32) + 1.0)
-    pos = jnp.arange(8)[None]
+    rope = rope_cos_sin(jnp.arange(8)[None], 64, 8, 10000.0)
     mask = jnp.tril(jnp.ones((8, 8), bool))[None, None]
-    out, stats, _ = block(x, pos, mask, jnp.ones((1, 8), bool), cache=None, cache_index=0,
+    out, stats, _ = block(x, rope, mask, jnp.ones((1, 8), bool), cache=None, cache_index=0,
                           dropout_key=None, drop_tokens=True)
-    attn, _ = block.attn(block.attn_norm(x), pos, mask, None, 0)
+    attn, _ = block.attn(block.attn_norm(x), rope, mask, None, 0)
     residual = x + attn
     assert int(stats.tokens_per_expert[0]) == 8
     np.testing.assert_array_equal(np.asarray(out[0, 1:]), np.asarray(residual[0, 1:]))

@@ -33,9 +33,11 @@ def test_train_step_is_traced_once(small_config, tmp_path):
     assert (tmp_path / "tensorboard").is_dir()
 
 
-def test_resume_is_exact(small_config, tmp_path):
-    """A run of 2N steps equals a run stopped at N and restarted to 2N, bit for bit."""
-    common = ["train.steps=8", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0"]
+@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1"]], ids=["no-dropout", "dropout"])
+def test_resume_is_exact(small_config, tmp_path, extra):
+    """A run of 2N steps equals a run stopped at N and restarted to 2N, bit for bit (with dropout:
+    the step's dropout keys are derived from the seed and the restored step, so they repeat)."""
+    common = ["train.steps=8", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0", *extra]
     corpus = load_corpus(small_config(*common).data)
     full, split = tmp_path / "full", tmp_path / "split"
     Trainer(small_config(*common), full, log=None, progress=False, corpus=corpus).run()
@@ -75,3 +77,30 @@ def test_loss_falls_on_default_corpus(small_config, tmp_path):
     assert np.mean(losses[:3]) > 5.0  # ~ln(259) at initialisation
     assert np.mean(losses[-5:]) < np.mean(losses[:3]) - 2.0, losses
     assert summary.eval_bits_per_byte < 6.0
+
+
+def test_persistent_compilation_cache_is_written_and_hit(small_config, tmp_path):
+    from jax import monitoring
+
+    from moefast.train.compile_cache import configure_compilation_cache
+
+    events = []
+    monitoring.register_event_listener(lambda name, **kw: events.append(name))
+    cache_dir = tmp_path / "xla"
+    common = ["train.steps=2", "train.eval_every=0", f"cache.compile_dir={cache_dir}"]
+    corpus = load_corpus(small_config().data)
+    try:
+        Trainer(small_config(*common), tmp_path / "a", log=None, progress=False, corpus=corpus).run()
+        assert any(p.name.startswith("jit_counted_step-") for p in cache_dir.iterdir()), \
+            "the train step was not written to the compilation cache"
+        events.clear()
+        Trainer(small_config(*common), tmp_path / "b", log=None, progress=False, corpus=corpus).run()
+        assert "/jax/compilation_cache/cache_hits" in events  # the new Trainer's step was loaded from disk
+        events.clear()
+        off = Trainer(small_config("train.steps=1", "train.eval_every=0", "cache.compile_dir=null"),
+                      tmp_path / "c", log=None, progress=False, corpus=corpus)
+        assert off.compile_cache_dir is None
+        off.run()
+        assert "/jax/compilation_cache/cache_hits" not in events
+    finally:
+        configure_compilation_cache("auto")  # back to the suite's cache (conftest)
