@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     from moefast.data import DataError
-    from moefast.train import CheckpointError, Trainer, generate, load_run_config
+    from moefast.train import CheckpointError, Trainer, TrainingError, generate, load_run_config
 
     try:
         if args.command == "train":
@@ -126,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             summary = trainer.run()
             if trainer.is_main:
                 print(f"done: {summary.format()}")
+                if summary.stopped_by:
+                    import shlex
+
+                    print(f"stopped by {summary.stopped_by} after step {summary.steps}; resume with: "
+                          + shlex.join(["moefast", "train", "--run-dir", str(trainer.run_dir)]
+                                       + (["--config", args.config] if args.config else []) + args.overrides))
         elif args.command == "eval":
             cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)
@@ -155,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         import jax

@@ -1,7 +1,7 @@
 """Experiment configuration: frozen dataclasses, YAML files and ``section.key=value`` overrides.
 
 One :class:`ExperimentConfig` holds a section per part of the system (``model``, ``moe``, ``data``,
-``train``, ``mesh``, ``checkpoint``, ``cache``). Every section validates its own invariants in
+``train``, ``mesh``, ``checkpoint``, ``cache``, ``monitor``). Every section validates its own invariants in
 ``__post_init__``; :class:`ExperimentConfig` validates the ones that span sections. Errors are
 :class:`ConfigError` (a ``ValueError``) with a message that names the key and what to change.
 
@@ -33,6 +33,7 @@ __all__ = [
     "MeshConfig",
     "MoEConfig",
     "ModelConfig",
+    "MonitorConfig",
     "TrainConfig",
     "DEFAULT_CONFIG",
     "load_config",
@@ -164,6 +165,17 @@ class MoEConfig:
         by ``bias += rate * sign(mean_load - load)`` outside the optimizer; 0 disables it.
       aux_loss_coef: weight of the load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4).
       z_loss_coef: weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5).
+      warmup_steps: expert warm-up: for the first ``warmup_steps`` optimizer steps routing is
+        randomised (``warmup_routing``) so every expert sees data; 0 disables it. Evaluation and
+        generation are never randomised.
+      warmup_routing: ``"noise"``: Gaussian noise of std ``warmup_noise`` added to the router
+        logits (noisy top-k gating, Shazeer et al. 2017, eq. 3-5, without the learned noise
+        scale); ``"uniform"``: experts chosen uniformly at random per token with equal gates (the
+        router logits are replaced by ``1e-3 * Gumbel`` noise, so the router gets no gradient
+        during warm-up).
+      warmup_noise: noise std, in logit units (``"noise"`` warm-up).
+      aux_loss_coef_start: if set, the load-balancing coefficient starts at this value and decays
+        linearly to ``aux_loss_coef`` at ``warmup_steps`` (needs ``warmup_steps > 0``).
     """
 
     num_experts: int = 8
@@ -179,6 +191,10 @@ class MoEConfig:
     aux_free_bias_rate: float = 0.0
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 1e-3
+    warmup_steps: int = 0
+    warmup_routing: Literal["noise", "uniform"] = "noise"
+    warmup_noise: float = 1.0
+    aux_loss_coef_start: float | None = None
 
     @property
     def dropless(self) -> bool:
@@ -206,6 +222,11 @@ class MoEConfig:
         _require(self.min_capacity >= 1, "moe.min_capacity", f"must be >= 1, got {self.min_capacity}")
         _require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", f"must be >= 0, got {self.aux_loss_coef}")
         _require(self.z_loss_coef >= 0, "moe.z_loss_coef", f"must be >= 0, got {self.z_loss_coef}")
+        _require(self.warmup_steps >= 0, "moe.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(self.warmup_noise >= 0, "moe.warmup_noise", f"must be >= 0, got {self.warmup_noise}")
+        _require(self.aux_loss_coef_start is None or (self.aux_loss_coef_start >= 0 and self.warmup_steps > 0),
+                 "moe.aux_loss_coef_start", "needs moe.warmup_steps > 0 (the decay length) and a value >= 0; "
+                 f"got {self.aux_loss_coef_start} with warmup_steps={self.warmup_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +276,9 @@ class TrainConfig:
       eval_every: steps between evaluations (0 = only at the end).
       eval_batches: validation batches per evaluation.
       checkpoint_every: steps between checkpoints (0 = only at the end).
+      max_consecutive_nonfinite: a step whose loss or gradients are not finite is skipped
+        (parameters, optimizer and routing state unchanged) and logged; after this many skipped
+        steps in a row the run stops with an error naming the last good checkpoint.
     """
 
     steps: int = 600
@@ -271,6 +295,7 @@ class TrainConfig:
     eval_every: int = 200
     eval_batches: int = 8
     checkpoint_every: int = 200
+    max_consecutive_nonfinite: int = 5
 
     def __post_init__(self):
         _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
@@ -289,6 +314,8 @@ class TrainConfig:
         _require(self.eval_batches >= 1, "train.eval_batches", f"must be >= 1, got {self.eval_batches}")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every",
                  f"must be >= 0, got {self.checkpoint_every}")
+        _require(self.max_consecutive_nonfinite >= 1, "train.max_consecutive_nonfinite",
+                 f"must be >= 1, got {self.max_consecutive_nonfinite}")
 
     @property
     def last_step(self) -> int:
@@ -357,6 +384,28 @@ class CacheConfig:
                  "must be 'auto', a directory, or null (off); got an empty string")
 
 
+@dataclasses.dataclass(frozen=True)
+class MonitorConfig:
+    """Expert-load monitoring (every ``train.log_every`` steps, per MoE layer, on that step's batch).
+
+    Attributes:
+      max_load_ratio: alert when an MoE layer's busiest expert gets more than this multiple of the
+        mean assignments per expert (max/mean load; at most ``num_experts / top_k``) ...
+      patience: ... for this many consecutive log intervals; also alert when an expert gets no
+        tokens for that many intervals. An alert is a warning line in the console and an
+        ``alert`` record in ``metrics.jsonl``; it repeats every ``patience`` intervals while the
+        condition lasts.
+    """
+
+    max_load_ratio: float = 3.0
+    patience: int = 3
+
+    def __post_init__(self):
+        _require(self.max_load_ratio > 1.0, "monitor.max_load_ratio",
+                 f"must be > 1 (1 = perfectly balanced), got {self.max_load_ratio}")
+        _require(self.patience >= 1, "monitor.patience", f"must be >= 1, got {self.patience}")
+
+
 _SECTIONS = {
     "model": ModelConfig,
     "moe": MoEConfig,
@@ -365,6 +414,7 @@ _SECTIONS = {
     "mesh": MeshConfig,
     "checkpoint": CheckpointConfig,
     "cache": CacheConfig,
+    "monitor": MonitorConfig,
 }
 
 
@@ -380,6 +430,7 @@ class ExperimentConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
 
     def __post_init__(self):
         _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",

@@ -57,13 +57,19 @@ def test_restart_of_a_finished_run_trains_nothing(trained_run, text_dir):
     assert "already at step 6" in p.stdout and "steps 6 (0 this run)" in p.stdout
 
 
+def _files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def test_failed_resume_leaves_the_run_usable(trained_run, text_dir):
     run, _ = trained_run
     before = (run / "config.yaml").read_text()
+    checkpoints = _files(run / "checkpoints")
     p = moefast("train", "--run-dir", str(run), "--cpu-devices", "2", "--no-progress", *SMALL,
                 f"data.source={text_dir}", "train.steps=6", "moe.num_experts=8")
     assert p.returncode == 2 and "different 'moe' config" in p.stderr
     assert (run / "config.yaml").read_text() == before
+    assert _files(run / "checkpoints") == checkpoints  # nothing on disk damaged
     e = moefast("eval", "--run-dir", str(run), "--cpu-devices", "1")
     assert e.returncode == 0, e.stderr
 
@@ -92,12 +98,22 @@ def test_overrides_may_sit_among_options_and_steps_change_is_reported(trained_ru
     (["train", "data.source=/nonexistent/dir"], "/nonexistent/dir"),
     (["eval", "--run-dir", "/nonexistent/run"], "not a moefast run directory"),
     (["generate", "--run-dir", "/nonexistent/run", "--prompt", "x"], "not a moefast run directory"),
+    (["train", "mesh.expert=3"], "mesh.expert: 3 does not divide moe.num_experts=8; use a divisor of 8"),
+    (["train", "--cpu-devices", "3", "mesh.data=3"], "not divisible by the 3 batch shards"),
+    (["train", "cache.tables=maybe"], "cache.tables: expected bool"),
+    (["train", "monitor.patience=0"], "monitor.patience: must be >= 1"),
+    (["train", "data.source={empty}"], "holds no regular non-hidden files"),
+    (["train", "data.source={corrupt}"], "a.jsonl:2: not valid JSON"),
 ])
 def test_bad_input_gets_one_clear_error(args, message, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{not json\n')
+    args = [a.format(empty=tmp_path / "empty", corrupt=tmp_path / "a.jsonl") for a in args]
     p = moefast(*args[:1], *(["--run-dir", str(tmp_path / "r")] if args[0] == "train" else []), *args[1:])
     assert p.returncode == 2, p.stderr
     assert message in p.stderr
     assert "Traceback" not in p.stderr
+    assert len([line for line in p.stderr.splitlines() if line.strip()]) == 1, p.stderr
 
 
 def test_run_dir_that_is_a_file(tmp_path, text_dir):

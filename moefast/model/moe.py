@@ -29,12 +29,14 @@ class MoELayer(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *,
                  capacity_factor: float, min_capacity: int, policy: str = "position", impl: str = "auto",
                  capacity_mode: str = "static", capacity_factor_min: float = 0.5,
-                 capacity_factor_max: float = 2.0, dtype=jnp.float32, init_std: float = 0.02,
+                 capacity_factor_max: float = 2.0, warmup_routing: str = "noise", warmup_noise: float = 1.0,
+                 dtype=jnp.float32, init_std: float = 0.02,
                  out_std: float | None = None, rngs: nnx.Rngs):
         self.num_experts, self.top_k, self.d_ff = num_experts, top_k, d_ff
         self.spec = RoutingSpec(top_k=top_k, capacity_factor=capacity_factor, min_capacity=min_capacity,
                                 policy=policy, impl=impl, capacity_mode=capacity_mode,
-                                capacity_factor_min=capacity_factor_min, capacity_factor_max=capacity_factor_max)
+                                capacity_factor_min=capacity_factor_min, capacity_factor_max=capacity_factor_max,
+                                warmup_routing=warmup_routing, warmup_noise=warmup_noise)
         self.dtype = dtype
         init = jax.nn.initializers.normal(init_std)
         out_init = jax.nn.initializers.normal(out_std or init_std)
@@ -45,7 +47,8 @@ class MoELayer(nnx.Module):
                                logical_axes=("expert", "mlp", "embed"))
 
     def __call__(self, x_btd: jax.Array, mask_bt: jax.Array, *, drop_tokens: bool = True,
-                 bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None
+                 bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None,
+                 warmup_key: jax.Array | None = None, warmup_active: jax.Array | None = None
                  ) -> tuple[jax.Array, MoEStats]:
         """Applies the experts.
 
@@ -58,9 +61,12 @@ class MoELayer(nnx.Module):
             output does not depend on the rest of the batch (evaluation, generation).
           bias_e: [E] float32 aux-loss-free selection bias of this layer (train state).
           load_ema_e: [E] float32 load average of this layer (dynamic capacity; train state).
+          warmup_key, warmup_active: expert warm-up noise key of this layer and [] bool flag (see
+            :func:`~moefast.parallel.expert.moe_ffn`); ``None``: no warm-up.
 
         Returns:
           ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` and :class:`MoEStats`.
         """
         return moe_ffn(x_btd, mask_bt, self.router[...], self.w_in[...], self.w_out[...], self.spec,
-                       drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e)
+                       drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e,
+                       warmup_key=warmup_key, warmup_active=warmup_active)

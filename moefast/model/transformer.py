@@ -11,8 +11,9 @@ Caching (``cache.tables``): the positional rows (gathered from constant tables, 
 :mod:`moefast.model.positional`) and the attention mask are computed once per forward pass and
 shared by every layer; with ``cache.tables=False`` every layer recomputes both.
 
-Randomness: dropout keys are ``fold_in(step_key, site)`` with site ``2 * layer`` (attention output)
-and ``2 * layer + 1`` (feed-forward output); no key is split or carried between calls.
+Randomness: every random draw uses ``fold_in(step_key, site)`` with site ``3 * layer`` (dropout of
+the attention output), ``3 * layer + 1`` (dropout of the feed-forward output) and ``3 * layer + 2``
+(expert warm-up routing noise); no key is split or carried between calls.
 """
 
 from __future__ import annotations
@@ -121,23 +122,26 @@ class Block(nnx.Module):
                                 policy=moe.routing_policy, impl=moe.routing_impl, capacity_mode=moe.capacity_mode,
                                 capacity_factor_min=moe.capacity_factor_min,
                                 capacity_factor_max=moe.capacity_factor_max,
-                                dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+                                warmup_routing=moe.warmup_routing, warmup_noise=moe.warmup_noise, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
         else:
             self.ffn = DenseMLP(m.d_model, m.d_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
 
-    def __call__(self, x, rope, attn_mask, token_mask, *, cache, cache_index, dropout_key, drop_tokens,
-                 routing_state=None):
+    def __call__(self, x, rope, attn_mask, token_mask, *, cache, cache_index, step_key, drop_tokens,
+                 routing_state=None, routing_warmup=None):
         a, new_cache = self.attn(self.attn_norm(x), rope, attn_mask, cache, cache_index)
-        x = x + _dropout(a, self.dropout, dropout_key, 2 * self.layer)
+        x = x + _dropout(a, self.dropout, step_key, 3 * self.layer)
         h = self.ffn_norm(x)
         stats = None
         if self.is_moe:
             rs = routing_state or {}
+            warm = step_key is not None and routing_warmup is not None
             f, stats = self.ffn(h, token_mask, drop_tokens=drop_tokens, bias_e=rs.get("bias"),
-                                load_ema_e=rs.get("load_ema"))
+                                load_ema_e=rs.get("load_ema"),
+                                warmup_key=jax.random.fold_in(step_key, 3 * self.layer + 2) if warm else None,
+                                warmup_active=routing_warmup if warm else None)
         else:
             f = self.ffn(h)
-        x = x + _dropout(f, self.dropout, dropout_key, 2 * self.layer + 1)
+        x = x + _dropout(f, self.dropout, step_key, 3 * self.layer + 1)
         return x, stats, new_cache
 
 
@@ -165,8 +169,9 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                  segment_ids_bt: jax.Array | None = None, *, cache: KVCache | None = None,
-                 cache_index: jax.Array | int = 0, dropout_key: jax.Array | None = None,
-                 drop_tokens: bool = True, routing_state: dict[str, jax.Array] | None = None) -> ModelOutput:
+                 cache_index: jax.Array | int = 0, step_key: jax.Array | None = None,
+                 drop_tokens: bool = True, routing_state: dict[str, jax.Array] | None = None,
+                 routing_warmup: jax.Array | None = None) -> ModelOutput:
         """Forward pass.
 
         Args:
@@ -179,13 +184,15 @@ class Transformer(nnx.Module):
             tokens are written at ``cache_index`` and attention covers cache entries ``<=`` each
             query's own index.
           cache_index: [] int, where the first of these tokens goes in the cache.
-          dropout_key: PRNG key of this step (``fold_in(base_key, step)``); each layer and site
+          step_key: PRNG key of this step (``fold_in(base_key, step)``); each layer and site
             folds in its own id. ``None`` disables dropout (evaluation).
           drop_tokens: MoE capacity dropping (training); False routes every token (evaluation,
             generation), see :class:`MoELayer`.
           routing_state: non-trainable routing state from the train state (see
             :func:`init_routing_state`): ``{"bias": [L_moe, E], "load_ema": [L_moe, E]}`` float32;
             row j belongs to the j-th MoE layer. ``None``: no bias, uniform load.
+          routing_warmup: [] bool, True during expert warm-up (``moe.warmup_steps``): routing is
+            randomised with keys folded from ``step_key``. Ignored without a ``step_key``.
 
         Returns:
           :class:`ModelOutput` with float32 logits [B, T, V].
@@ -244,7 +251,8 @@ class Transformer(nnx.Module):
                 rs = {k: v[len(stats)] for k, v in routing_state.items()}
             x, s_i, c_i = block(x, rope, attn_mask, token_mask,
                                 cache=None if cache is None else cache[i], cache_index=cache_index,
-                                dropout_key=dropout_key, drop_tokens=drop_tokens, routing_state=rs)
+                                step_key=step_key, drop_tokens=drop_tokens, routing_state=rs,
+                                routing_warmup=routing_warmup)
             if s_i is not None:
                 stats.append(s_i)
             if cache is not None:

@@ -36,6 +36,7 @@ class MoEStats(NamedTuple):
     aux_loss: jax.Array  # [] float32, Switch load-balancing loss (before its coefficient)
     z_loss: jax.Array  # [] float32, ST-MoE router z-loss (before its coefficient)
     dropped_fraction: jax.Array  # [] float32, dropped assignments / routed assignments
+    router_entropy: jax.Array  # [] float32, mean over tokens of the router softmax's entropy (nats)
 
 
 def expert_ffn(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, dtype) -> jax.Array:
@@ -84,6 +85,28 @@ class RoutingSpec:
     capacity_mode: str = "static"  # or "dynamic"
     capacity_factor_min: float = 0.5
     capacity_factor_max: float = 2.0
+    warmup_routing: str = "noise"  # or "uniform"; applied only while the step's warm-up flag is on
+    warmup_noise: float = 1.0
+
+
+def _shard_index(axes: tuple[str, ...]) -> jax.Array:
+    """This device's linear index over the mesh ``axes`` (inside ``shard_map``)."""
+    idx = jnp.zeros((), jnp.int32)
+    for a in axes:
+        idx = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return idx
+
+
+def _warmup_logits(logits_te, key, active, spec: RoutingSpec, token_axes: tuple[str, ...]):
+    """Router logits randomised for expert warm-up (see ``MoEConfig.warmup_routing``) where
+    ``active``; each token shard draws its own noise."""
+    if token_axes:
+        key = jax.random.fold_in(key, _shard_index(token_axes))
+    if spec.warmup_routing == "uniform":
+        noisy = 1e-3 * jax.random.gumbel(key, logits_te.shape, jnp.float32)
+    else:
+        noisy = logits_te + spec.warmup_noise * jax.random.normal(key, logits_te.shape, jnp.float32)
+    return jnp.where(active, noisy, logits_te)
 
 
 def _capacity(spec: RoutingSpec, num_tokens: int, num_experts: int, load_ema, drop_tokens: bool):
@@ -115,13 +138,15 @@ def _dropless_ragged(x_td, r, w_in_edf, w_out_efd, dtype):
     return routing.combine_rows(y_sorted, dest_tk, r)
 
 
-def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, *, spec: RoutingSpec,
+def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, *warmup, spec: RoutingSpec,
                drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...]):
     b, t, d = x_btd.shape
     num_experts = router_de.shape[1]
     x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
     capacity, limit = _capacity(spec, b * t, num_experts, load_ema_e, drop_tokens)
     logits_te = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
+    if warmup:  # (key, active)
+        logits_te = _warmup_logits(logits_te, *warmup, spec, reduce_axes)
     r = routing.route(logits_te, top_k=spec.top_k, capacity=capacity, mask_t=mask_t, policy=spec.policy,
                       impl=spec.impl, bias=bias_e, capacity_limit=limit)
 
@@ -135,22 +160,26 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
             y_ecd = expert_ffn(x_ecd, w_in_edf, w_out_efd, dtype)
         y_td = routing.combine(y_ecd, r)
 
-    sums = (r.tokens_per_expert, r.prob_sum, r.z_sum, r.num_tokens, r.num_dropped)
+    logp_te = jax.nn.log_softmax(jax.lax.stop_gradient(logits_te), axis=-1)
+    entropy_sum = jnp.sum(jnp.where(mask_t, -jnp.sum(jnp.exp(logp_te) * logp_te, axis=-1), 0.0))
+    sums = (r.tokens_per_expert, r.prob_sum, r.z_sum, r.num_tokens, r.num_dropped, entropy_sum)
     if reduce_axes:
         sums = jax.lax.psum(sums, reduce_axes)
-    tokens_per_expert, prob_sum, z_sum, n, dropped = sums
+    tokens_per_expert, prob_sum, z_sum, n, dropped, entropy_sum = sums
     stats = MoEStats(
         tokens_per_expert=tokens_per_expert,
         aux_loss=routing.load_balancing_loss(tokens_per_expert, prob_sum, n, spec.top_k),
         z_loss=routing.router_z_loss(z_sum, n),
         dropped_fraction=dropped.astype(jnp.float32) / jnp.maximum(n * spec.top_k, 1.0),
+        router_entropy=entropy_sum / jnp.maximum(n, 1.0),
     )
     return y_td.reshape(b, t, d).astype(x_btd.dtype), stats
 
 
 def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf: jax.Array,
             w_out_efd: jax.Array, spec: RoutingSpec, *, drop_tokens: bool = True, dtype=jnp.float32,
-            bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None
+            bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None,
+            warmup_key: jax.Array | None = None, warmup_active: jax.Array | None = None
             ) -> tuple[jax.Array, MoEStats]:
     """Routed SwiGLU experts, expert-parallel when a mesh is set (``jax.set_mesh``).
 
@@ -165,6 +194,10 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
       dtype: compute dtype of the experts.
       bias_e: [E] float32 selection bias (aux-loss-free balancing); ``None``: none.
       load_ema_e: [E] float32 average share of assignments per expert (dynamic capacity).
+      warmup_key: PRNG key of this layer's warm-up routing noise (``spec.warmup_routing``);
+        ``None``: no warm-up.
+      warmup_active: [] bool, whether this step is in the warm-up (traced, so one compiled step
+        serves the whole run).
 
     Returns:
       ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` (exactly 0 for dropped/masked tokens) and
@@ -181,6 +214,8 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         load_ema_e = jnp.full((num_experts,), 1.0 / num_experts, jnp.float32)
     kw = dict(spec=spec, drop_tokens=drop_tokens, dtype=dtype)
     args = (x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e)
+    if warmup_key is not None:
+        args += (warmup_key, jnp.asarray(True if warmup_active is None else warmup_active))
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return _moe_local(*args, ep=1, reduce_axes=(), **kw)
@@ -195,5 +230,5 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         raise ValueError(f"batch {x_btd.shape[0]} is not divisible by the {shards} token shards {token_axes}")
     w_spec = P(EXPERT_AXIS) if ep > 1 else P()
     fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=token_axes, **kw)
-    return jax.shard_map(fn, in_specs=(P(token_axes), P(token_axes), P(), w_spec, w_spec, P(), P()),
-                         out_specs=(P(token_axes), P()))(*args)
+    in_specs = (P(token_axes), P(token_axes), P(), w_spec, w_spec, P(), P()) + (P(),) * (len(args) - 7)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=(P(token_axes), P()))(*args)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,9 +31,53 @@ from moefast.parallel.distributed import assert_same_config
 from moefast.train.checkpoint import Checkpointer, CheckpointError
 from moefast.train.compile_cache import configure_compilation_cache
 from moefast.train.metrics import MetricsWriter
+from moefast.train.monitor import ExpertLoadMonitor, load_stats
 from moefast.train.step import BATCH_KEYS, LN2, ModelDef, eval_step, make_optimizer, train_step
 
-__all__ = ["Trainer", "TrainSummary", "load_run_config"]
+__all__ = ["Trainer", "TrainSummary", "TrainingError", "load_run_config"]
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. too many consecutive non-finite steps); the message names the
+    step and the last good checkpoint."""
+
+
+class _StopRequest:
+    """SIGTERM / SIGINT: finish the current step, checkpoint, return normally.
+
+    Single process: Python handlers for both signals set a flag (a second signal acts as usual, so
+    Ctrl-C twice still interrupts at once). Several processes: SIGTERM is taken by JAX's
+    preemption service (installed by ``jax.distributed.initialize``) and every process stops at the
+    same step through ``reached_preemption_sync_point``; SIGINT keeps its default behaviour.
+    """
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._previous: dict[int, Any] = {}
+        self._multi = jax.process_count() > 1
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or self._multi:
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signal.Signals(signum).name
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+
+    def requested(self, step: int) -> str | None:
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                return "SIGTERM (preemption notice)"
+        return self.signal
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
 
 def load_run_config(run_dir: str | Path) -> ExperimentConfig:
@@ -60,6 +106,8 @@ class TrainSummary:
     wall_s: float
     checkpoint: str | None
     memory: dict[str, int] | None = None  # bytes per device, see Trainer.memory_per_device
+    skipped_steps: int = 0  # updates skipped for non-finite loss or gradients
+    stopped_by: str | None = None  # the signal that ended the run early (after a checkpoint)
 
     def format(self) -> str:
         f = lambda v, spec: "n/a" if v is None else format(v, spec)
@@ -67,6 +115,8 @@ class TrainSummary:
                 f"val loss {f(self.eval_loss, '.4f')} | val bits/byte {f(self.eval_bits_per_byte, '.4f')} | "
                 f"{f(self.tokens_per_s, ',.0f')} tokens/s | time to first step {f(self.first_step_s, '.2f')} s | "
                 f"wall {self.wall_s:.1f} s | checkpoint {self.checkpoint or 'none'}"
+                + (f" | {self.skipped_steps} non-finite steps skipped" if self.skipped_steps else "")
+                + (f" | stopped by {self.stopped_by}" if self.stopped_by else "")
                 + ("" if not self.memory else f" | per device: params {self.memory['param_bytes'] / 2**20:.1f} MiB, "
                    f"optimizer {self.memory['optimizer_bytes'] / 2**20:.1f} MiB"))
 
@@ -260,9 +310,12 @@ class Trainer:
         eval_metrics: dict[str, float] = {}
         window_t, window_steps, t_first_done = None, 0, None
         timed_steps, timed_s = 0, 0.0  # steps after the first (compiling) one, and their time
+        monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience)
+        nonfinite_in_a_row = skipped_steps = 0
 
         def handle(step: int, metrics: dict[str, jax.Array]) -> None:
             nonlocal first_step_s, window_t, window_steps, t_first_done, final_loss, timed_steps, timed_s
+            nonlocal nonfinite_in_a_row, skipped_steps
             m = jax.device_get(metrics)  # blocks on this step only; the next one is already queued
             now = time.perf_counter()
             final_loss = float(m["loss"])
@@ -273,65 +326,106 @@ class Trainer:
                 window_steps += 1
             if bar is not None:
                 bar.update(1)
+            if int(m["nonfinite"]):
+                nonfinite_in_a_row, skipped_steps = nonfinite_in_a_row + 1, skipped_steps + 1
+                writer.write("nonfinite", step, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                                                 "in_a_row": nonfinite_in_a_row})
+                say(f"warning: step {step}: non-finite loss ({float(m['loss'])}) or gradient norm "
+                    f"({float(m['grad_norm'])}); update skipped ({nonfinite_in_a_row} in a row)")
+                if nonfinite_in_a_row >= tc.max_consecutive_nonfinite:
+                    good = ckpt.latest_step()
+                    raise TrainingError(
+                        f"step {step}: {nonfinite_in_a_row} consecutive steps with non-finite loss or gradients "
+                        f"(train.max_consecutive_nonfinite={tc.max_consecutive_nonfinite}); the parameters still hold "
+                        "their last finite values. Last good checkpoint: "
+                        + (f"{ckpt.directory / str(good)} (step {good})" if good is not None else "none")
+                        + ". Lower train.learning_rate or check the data, then resume from it.")
+            else:
+                nonfinite_in_a_row = 0
             if step % tc.log_every == 0 or step == last:
                 rate = tokens_per_step * window_steps / (now - window_t) if window_steps else None
                 timed_steps, timed_s = timed_steps + window_steps, timed_s + (now - window_t)
                 rec = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in m.items()}
                 rec["tokens_per_s"] = rate
+                alerts = []
+                if "tokens_per_expert" in m:
+                    rec.update(load_stats(m["tokens_per_expert"]))
+                    alerts = monitor.update(m["tokens_per_expert"])
                 writer.write("train", step, rec)
                 drop = float(np.mean(m["dropped_fraction"])) if "dropped_fraction" in m else 0.0
+                load = f" | max/mean load {float(np.max(rec['max_load_ratio'])):.2f}" if "max_load_ratio" in rec else ""
                 say(f"step {step:>6} | loss {rec['loss']:.4f} | aux {rec['aux_loss']:.4f} | "
-                    f"z {rec['z_loss']:.3f} | dropped {drop:.3f} | lr {rec['learning_rate']:.2e} | "
+                    f"z {rec['z_loss']:.3f} | dropped {drop:.3f}{load} | lr {rec['learning_rate']:.2e} | "
                     + (f"{rate:,.0f} tokens/s" if rate is not None else "compiled"))
+                for alert in alerts:
+                    writer.write("alert", step, alert)
+                    say(f"warning: step {step}: MoE layer {alert['layer']}: {alert['reason']}")
                 window_t, window_steps = now, 0
 
         pending = None
+        stopped_by = None
         step_fn = self.compiled_train_step() if last > start else None
         memory = self.memory_per_device() if last > start else None
         if memory:
             self._log("per device: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.1f} MiB"
                                                  for k, v in memory.items()))
-        with jax.set_mesh(self.mesh):
-            for step in range(start, last):
-                batch = self.put_batch(next(data_iter))
-                state, metrics = step_fn(state, batch, self.base_key)
-                if pending is not None:
-                    handle(*pending)
-                pending = (step + 1, metrics)
-                done = step + 1
-                is_last = done == last
-                if (tc.checkpoint_every and done % tc.checkpoint_every == 0) or is_last:
-                    handle(*pending)
-                    pending = None
-                    ckpt.save(done, state, data_iter.get_state(), cfg, force=True)
-                if (tc.eval_every and done % tc.eval_every == 0) or is_last:
+        stop = _StopRequest()
+        stop.install()
+        try:
+            with jax.set_mesh(self.mesh):
+                for step in range(start, last):
+                    batch = self.put_batch(next(data_iter))
+                    state, metrics = step_fn(state, batch, self.base_key)
                     if pending is not None:
                         handle(*pending)
+                    pending = (step + 1, metrics)
+                    done = step + 1
+                    is_last = done == last
+                    stopped_by = stop.requested(done)
+                    if (tc.checkpoint_every and done % tc.checkpoint_every == 0) or is_last or stopped_by:
+                        handle(*pending)
                         pending = None
-                    t_eval = time.perf_counter()
-                    eval_metrics = self.evaluate(state["params"], state["routing"])
-                    writer.write("eval", done, eval_metrics)
-                    say(f"step {done:>6} | eval loss {eval_metrics['eval_loss']:.4f} | "
-                        f"eval bits/byte {eval_metrics['eval_bits_per_byte']:.4f}")
-                    if window_t is not None:  # keep evaluation time out of tokens/s
-                        window_t += time.perf_counter() - t_eval
-            if pending is not None:
-                handle(*pending)
-        if window_steps:  # steps since the last log line
-            timed_steps, timed_s = timed_steps + window_steps, timed_s + (time.perf_counter() - window_t)
-        tokens_per_s = tokens_per_step * timed_steps / timed_s if timed_steps else None
-        if start >= last:
-            eval_metrics = self.evaluate(state["params"], state["routing"])
-        if bar is not None:
-            bar.close()
-        ckpt.close()
+                        ckpt.save(done, state, data_iter.get_state(), cfg, force=True)
+                    if stopped_by:
+                        ckpt.wait()
+                        say(f"{stopped_by}: stopped after step {done} with a checkpoint in {ckpt.directory / str(done)}; "
+                            "run the same command again (same --run-dir) to resume")
+                        break
+                    if (tc.eval_every and done % tc.eval_every == 0) or is_last:
+                        if pending is not None:
+                            handle(*pending)
+                            pending = None
+                        t_eval = time.perf_counter()
+                        eval_metrics = self.evaluate(state["params"], state["routing"])
+                        writer.write("eval", done, eval_metrics)
+                        say(f"step {done:>6} | eval loss {eval_metrics['eval_loss']:.4f} | "
+                            f"eval bits/byte {eval_metrics['eval_bits_per_byte']:.4f}")
+                        if window_t is not None:  # keep evaluation time out of tokens/s
+                            window_t += time.perf_counter() - t_eval
+                if pending is not None:
+                    handle(*pending)
+            if window_steps:  # steps since the last log line
+                timed_steps, timed_s = timed_steps + window_steps, timed_s + (time.perf_counter() - window_t)
+            tokens_per_s = tokens_per_step * timed_steps / timed_s if timed_steps else None
+            if start >= last:
+                eval_metrics = self.evaluate(state["params"], state["routing"])
+        except BaseException:
+            writer.close()
+            raise
+        finally:
+            stop.uninstall()
+            if bar is not None:
+                bar.close()
+            ckpt.close()  # waits for a checkpoint still being written, also when a step failed
         latest = ckpt.latest_step()
+        end = done if stopped_by else max(start, last)
         summary = TrainSummary(
-            steps=max(start, last), steps_this_run=max(last - start, 0),
+            steps=end, steps_this_run=max(end - start, 0),
             final_loss=final_loss, eval_loss=eval_metrics.get("eval_loss"),
             eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), tokens_per_s=tokens_per_s,
             first_step_s=first_step_s, wall_s=time.perf_counter() - t_start,
-            checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory)
+            checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory,
+            skipped_steps=skipped_steps, stopped_by=stopped_by)
         writer.write("summary", summary.steps, {k: v for k, v in dataclasses.asdict(summary).items()
                                                 if k not in ("steps", "memory")})
         writer.close()

@@ -98,32 +98,47 @@ def _loss_terms(out: ModelOutput, batch: dict[str, jax.Array], cfg: ExperimentCo
     return ce_sum, weight_sum
 
 
-def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], dropout_key: jax.Array | None,
-            routing_state: dict[str, jax.Array] | None = None
+def aux_loss_coef(cfg: ExperimentConfig, step: jax.Array) -> jax.Array:
+    """The load-balancing coefficient at ``step``: ``moe.aux_loss_coef``, or, with
+    ``moe.aux_loss_coef_start`` set, a linear decay from it to ``aux_loss_coef`` over
+    ``moe.warmup_steps``."""
+    moe = cfg.moe
+    if moe.aux_loss_coef_start is None:
+        return jnp.asarray(moe.aux_loss_coef, jnp.float32)
+    frac = jnp.clip(1.0 - step.astype(jnp.float32) / moe.warmup_steps, 0.0, 1.0)
+    return moe.aux_loss_coef + (moe.aux_loss_coef_start - moe.aux_loss_coef) * frac
+
+
+def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step_key: jax.Array | None,
+            routing_state: dict[str, jax.Array] | None = None, step: jax.Array | None = None
             ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, Any]]:
     """Training loss: mean cross-entropy over tokens with non-zero ``loss_weight`` plus
-    ``aux_loss_coef`` times the load-balancing loss and ``z_loss_coef`` times the z-loss, each
-    averaged over MoE layers.
+    the load-balancing coefficient (:func:`aux_loss_coef`) times the load-balancing loss and
+    ``z_loss_coef`` times the z-loss, each averaged over MoE layers.
 
     Args:
       params: pure-dict parameters; batch: arrays [B, T] keyed by :data:`BATCH_KEYS`;
-      dropout_key: this step's key (``None``: no dropout);
-      routing_state: the train state's ``routing`` entry (``None``: no bias, uniform load).
+      step_key: this step's key (``None``: no dropout, no warm-up noise);
+      routing_state: the train state's ``routing`` entry (``None``: no bias, uniform load);
+      step: [] int32 optimizer step (expert warm-up and the aux coefficient schedule); ``None`` = 0.
 
     Returns:
       ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats))``, float32 scalars; ``moe_stats`` is a
       :class:`~moefast.model.MoEStats` stacked over MoE layers, or ``None``.
     """
     cfg = model_def.cfg
+    step = jnp.zeros((), jnp.int32) if step is None else step
+    warmup = (step < cfg.moe.warmup_steps) if cfg.moe.warmup_steps else None
     out = model_def.module(params)(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                   dropout_key=dropout_key, drop_tokens=True, routing_state=routing_state)
+                                   step_key=step_key, drop_tokens=True, routing_state=routing_state,
+                                   routing_warmup=warmup)
     ce_sum, weight_sum = _loss_terms(out, batch, cfg)
     ce = ce_sum / jnp.maximum(weight_sum, 1.0)
     if out.moe is not None:
         aux, z = jnp.mean(out.moe.aux_loss), jnp.mean(out.moe.z_loss)
     else:
         aux = z = jnp.zeros((), jnp.float32)
-    loss = ce + cfg.moe.aux_loss_coef * aux + cfg.moe.z_loss_coef * z
+    loss = ce + aux_loss_coef(cfg, step) * aux + cfg.moe.z_loss_coef * z
     return loss, (ce, aux, z, out.moe)
 
 
@@ -131,37 +146,62 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
                base_key: jax.Array) -> tuple[dict[str, Any], dict[str, jax.Array]]:
     """One optimizer step on :func:`loss_fn`. Pure: jit it with the state donated.
 
+    A step whose loss or gradient norm is not finite changes nothing but the step counter:
+    parameters, optimizer state (and its count, so the learning-rate schedule does not advance)
+    and routing state keep their values, and ``metrics["nonfinite"]`` is 1.
+
     Args:
       model_def: the model's structure (static).
-      state: ``{"params", "opt_state", "step"}``.
+      state: ``{"params", "opt_state", "routing", "step"}``.
       batch: arrays [B, T] keyed by :data:`BATCH_KEYS`.
-      base_key: PRNG key of the run; this step's dropout key is ``fold_in(base_key, step)``.
+      base_key: PRNG key of the run; this step's key is ``fold_in(base_key, step)``, from which
+        each dropout and warm-up site folds its own key.
 
     Returns:
-      ``(new_state, metrics)``; metrics are scalars plus ``tokens_per_expert`` [L_moe, E] and
-      ``dropped_fraction`` [L_moe].
+      ``(new_state, metrics)``; metrics are scalars plus, per MoE layer, ``tokens_per_expert``
+      [L_moe, E], ``dropped_fraction``, ``router_entropy``, ``aux_loss_per_layer`` and
+      ``z_loss_per_layer`` [L_moe].
     """
     cfg = model_def.cfg
-    step_key = jax.random.fold_in(base_key, state["step"]) if cfg.model.dropout > 0 else None
+    step = state["step"]
+    random = cfg.model.dropout > 0 or cfg.moe.warmup_steps > 0
+    step_key = jax.random.fold_in(base_key, step) if random else None
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, model_def), has_aux=True)
-    (loss, (ce, aux, z, moe)), grads = grad_fn(state["params"], batch, step_key, state["routing"])
+    (loss, (ce, aux, z, moe)), grads = grad_fn(state["params"], batch, step_key, state["routing"], step)
     tx = make_optimizer(cfg)
+    grad_norm = optax.tree_utils.tree_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    routing_state = update_routing_state(cfg, state["routing"], moe)
+    keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     metrics = {
         "loss": ce,
         "total_loss": loss,
         "aux_loss": aux,
         "z_loss": z,
-        "grad_norm": optax.tree_utils.tree_norm(grads),
-        "learning_rate": learning_rate_schedule(cfg)(state["step"]),
+        "grad_norm": grad_norm,
+        "learning_rate": learning_rate_schedule(cfg)(_schedule_count(state["opt_state"])),
+        "aux_loss_coef": aux_loss_coef(cfg, step),
+        "nonfinite": jnp.logical_not(finite).astype(jnp.int32),
     }
     if moe is not None:
         metrics["tokens_per_expert"] = moe.tokens_per_expert
         metrics["dropped_fraction"] = moe.dropped_fraction
-    new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1,
-                 "routing": update_routing_state(cfg, state["routing"], moe)}
+        metrics["router_entropy"] = moe.router_entropy
+        metrics["aux_loss_per_layer"] = moe.aux_loss
+        metrics["z_loss_per_layer"] = moe.z_loss
+    new_state = {"params": keep_if_bad(params, state["params"]),
+                 "opt_state": keep_if_bad(opt_state, state["opt_state"]),
+                 "step": step + 1,
+                 "routing": keep_if_bad(routing_state, state["routing"])}
     return new_state, metrics
+
+
+def _schedule_count(opt_state) -> jax.Array:
+    """Updates applied so far (the learning-rate schedule's count; skipped steps do not count)."""
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    return next(v for path, v in found if any(getattr(k, "tuple_name", "") == "ScaleByScheduleState" for k in path))
 
 
 def update_routing_state(cfg: ExperimentConfig, routing_state: dict[str, jax.Array], moe) -> dict[str, jax.Array]:

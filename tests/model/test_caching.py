@@ -178,16 +178,16 @@ def test_dropout_masks_differ_across_layers_and_steps_and_repeat_for_the_same_st
 
     def masks(step):
         record_dropout.clear()
-        md.module(params)(tokens, dropout_key=jax.random.fold_in(base, step))
+        md.module(params)(tokens, step_key=jax.random.fold_in(base, step))
         return dict(record_dropout)
 
     m0, m1, m0_again = masks(0), masks(1), masks(0)
-    assert sorted(m0) == [0, 1, 2, 3]  # 2 layers x (attention, feed-forward)
+    assert sorted(m0) == [0, 1, 3, 4]  # sites 3 * layer + (0: attention, 1: feed-forward)
     for site in m0:
         np.testing.assert_array_equal(m0[site], m0_again[site])  # reproducible
         assert not np.array_equal(m0[site], m1[site]), f"site {site}: same mask at steps 0 and 1"
         assert 0.4 < m0[site].mean() < 0.6
-    assert not np.array_equal(m0[0], m0[2]), "layers 0 and 1 share a dropout mask"
+    assert not np.array_equal(m0[0], m0[3]), "layers 0 and 1 share a dropout mask"
     assert not np.array_equal(m0[0], m0[1]), "attention and feed-forward share a dropout mask"
 
 

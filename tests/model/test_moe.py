@@ -75,7 +75,7 @@ def test_block_output_equals_residual_for_dropped_tokens():
     rope = rope_cos_sin(jnp.arange(8)[None], 64, 8, 10000.0)
     mask = jnp.tril(jnp.ones((8, 8), bool))[None, None]
     out, stats, _ = block(x, rope, mask, jnp.ones((1, 8), bool), cache=None, cache_index=0,
-                          dropout_key=None, drop_tokens=True)
+                          step_key=None, drop_tokens=True)
     attn, _ = block.attn(block.attn_norm(x), rope, mask, None, 0)
     residual = x + attn
     assert int(stats.tokens_per_expert[0]) == 8

@@ -33,10 +33,16 @@ def test_train_step_is_traced_once(small_config, tmp_path):
     assert (tmp_path / "tensorboard").is_dir()
 
 
-@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1"]], ids=["no-dropout", "dropout"])
+STATEFUL = ["model.dropout=0.1", "moe.capacity_mode=dynamic", "moe.aux_free_bias_rate=0.01",
+            "moe.warmup_steps=6", "moe.aux_loss_coef_start=0.1"]
+
+
+@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1"], STATEFUL], ids=["plain", "dropout", "stateful-routing"])
 def test_resume_is_exact(small_config, tmp_path, extra):
-    """A run of 2N steps equals a run stopped at N and restarted to 2N, bit for bit (with dropout:
-    the step's dropout keys are derived from the seed and the restored step, so they repeat)."""
+    """A run of 2N steps equals a run stopped at N and restarted to 2N, bit for bit. With dropout
+    and expert warm-up the step's keys derive from the seed and the restored step, so they repeat;
+    the dynamic-capacity load average and the aux-free bias are part of the checkpointed state;
+    the learning-rate schedule and the aux coefficient continue from the restored step."""
     common = ["train.steps=8", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0", *extra]
     corpus = load_corpus(small_config(*common).data)
     full, split = tmp_path / "full", tmp_path / "split"
@@ -46,6 +52,7 @@ def test_resume_is_exact(small_config, tmp_path, extra):
     second = Trainer(small_config(*common), split, log=None, progress=False, corpus=corpus)
     summary = second.run()
     assert summary.steps == 8 and summary.steps_this_run == 4
+    assert second.trace_count == 1  # the restored state fits the compiled step: no retrace
 
     losses_full = [r["loss"] for r in read_records(full, "train")]
     losses_split = [r["loss"] for r in read_records(split, "train")]
@@ -57,6 +64,7 @@ def test_resume_is_exact(small_config, tmp_path, extra):
     b = Checkpointer(split / "checkpoints").restore(abstract, cfg)
     assert a.step == b.step == 8
     assert a.data_state == b.data_state
+    assert jax.tree.structure(b.state) == jax.tree.structure(second.init_state())  # no list/tuple drift
     for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

@@ -1,0 +1,262 @@
+"""Reliability: non-finite steps, signals, expert-load monitoring and alerts, expert warm-up."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import SMALL_MODEL
+from moefast.config import load_config
+from moefast.data import load_corpus
+from moefast.parallel.expert import RoutingSpec, moe_ffn
+from moefast.train import Trainer, TrainingError
+from moefast.train.monitor import ExpertLoadMonitor, load_stats
+from moefast.train.step import BATCH_KEYS, ModelDef, aux_loss_coef, eval_step, train_step
+
+
+def records(run_dir, kind):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def make_batch(b=8, t=32, seed=0):
+    rng = np.random.default_rng(seed)
+    batch = {k: jnp.asarray(rng.integers(1, 200, (b, t)), jnp.int32) for k in BATCH_KEYS}
+    batch["positions"] = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    batch["segment_ids"] = jnp.ones((b, t), jnp.int32)
+    batch["loss_weight"] = jnp.ones((b, t), jnp.float32)
+    return batch
+
+
+# ---------------------------------------------------------------- non-finite steps
+
+
+def test_nonfinite_step_changes_nothing_but_the_step_counter():
+    cfg = load_config(None, SMALL_MODEL)
+    md = ModelDef(cfg, 259)
+    step = jax.jit(lambda s, b, k: train_step(md, s, b, k))
+    key = jax.random.key(0)
+    state = md.init_state(0)
+    good = make_batch()
+    bad = dict(good, loss_weight=good["loss_weight"].at[0, 0].set(jnp.nan))
+
+    after_bad, m = step(state, bad, key)
+    assert int(m["nonfinite"]) == 1 and not np.isfinite(float(m["total_loss"]))
+    assert int(after_bad["step"]) == 1
+    for part in ("params", "opt_state", "routing"):
+        for x, y in zip(jax.tree.leaves(state[part]), jax.tree.leaves(after_bad[part])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=part)
+
+    after_good, m2 = step(after_bad, good, key)
+    assert int(m2["nonfinite"]) == 0
+    # The skipped step did not advance the learning-rate schedule: the first real update uses
+    # the learning rate of update 0 (0.0 in the linear warm-up), not that of step 1.
+    _, m_fresh = step(md.init_state(0), good, key)
+    assert float(m2["learning_rate"]) == float(m_fresh["learning_rate"]) == 0.0
+    after_two, _ = step(after_good, good, key)
+    changed = [not np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(after_two["params"]))]
+    assert all(changed)
+
+
+def poison(monkeypatch, bad_steps):
+    """Makes the loss of the given (1-based) steps NaN through a NaN loss weight."""
+    original = Trainer.put_batch
+    calls = {"n": 0}
+
+    def put_batch(self, batch):
+        calls["n"] += 1
+        out = original(self, batch)
+        if calls["n"] in bad_steps:
+            out["loss_weight"] = out["loss_weight"] * jnp.nan
+        return out
+
+    monkeypatch.setattr(Trainer, "put_batch", put_batch)
+
+
+def test_loop_skips_nonfinite_steps_and_logs_them(small_config, tmp_path, monkeypatch):
+    poison(monkeypatch, {3, 4})
+    cfg = small_config("train.steps=8", "train.log_every=1", "train.eval_every=0",
+                       "train.max_consecutive_nonfinite=3")
+    logs = []
+    summary = Trainer(cfg, tmp_path, log=logs.append, progress=False).run()
+    assert summary.steps == 8 and summary.skipped_steps == 2
+    assert [r["step"] for r in records(tmp_path, "nonfinite")] == [3, 4]
+    assert any("step 3: non-finite loss" in line and "update skipped (1 in a row)" in line for line in logs)
+    assert np.isfinite(summary.final_loss)
+
+
+def test_loop_stops_after_max_consecutive_nonfinite_naming_the_last_checkpoint(small_config, tmp_path, monkeypatch):
+    poison(monkeypatch, set(range(5, 20)))
+    cfg = small_config("train.steps=12", "train.eval_every=0", "train.checkpoint_every=2",
+                       "train.max_consecutive_nonfinite=3")
+    with pytest.raises(TrainingError, match=r"step 7: 3 consecutive steps with non-finite") as e:
+        Trainer(cfg, tmp_path, log=None, progress=False).run()
+    # Skipped steps leave the parameters finite, so the step-6 checkpoint (parameters of step 4) is good.
+    assert f"{tmp_path / 'checkpoints' / '6'} (step 6)" in str(e.value)
+    # The good checkpoints are intact and a restart (with the cause fixed) resumes from the last.
+    monkeypatch.undo()
+    summary = Trainer(cfg, tmp_path, log=None, progress=False).run()
+    assert summary.steps == 12 and summary.skipped_steps == 0
+
+
+# ---------------------------------------------------------------- signals
+
+
+def _start(run_dir, text_dir, steps):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "moefast", "train", "--run-dir", str(run_dir), "--cpu-devices", "1", "--no-progress",
+           *SMALL_MODEL, f"data.source={text_dir}", f"train.steps={steps}", "train.log_every=1",
+           "train.eval_every=0", "train.checkpoint_every=0"]
+    return cmd, env
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_finishes_the_step_checkpoints_and_exits_0_then_resumes(tmp_path, text_dir, sig):
+    run = tmp_path / "run"
+    cmd, env = _start(run, text_dir, steps=100_000)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until a few steps are logged
+            m = run / "metrics.jsonl"
+            if m.exists() and sum(1 for line in m.read_text().splitlines() if '"train"' in line) >= 3:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("training did not start")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert f"stopped by {sig.name} after step" in out and "resume with: moefast train --run-dir" in out
+    stopped = json.loads([line for line in (run / "metrics.jsonl").read_text().splitlines()
+                          if '"summary"' in line][-1])
+    n = stopped["step"]
+    assert stopped["stopped_by"] == sig.name and (run / "checkpoints" / str(n)).is_dir()
+    assert [r["step"] for r in records(run, "train")] == list(range(1, n + 1))
+
+    cmd, env = _start(run, text_dir, steps=n + 2)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert f"resuming from step {n}" in p.stdout
+    assert [r["step"] for r in records(run, "train")][-2:] == [n + 1, n + 2]
+
+
+# ---------------------------------------------------------------- monitoring and alerts
+
+
+def test_load_stats_and_monitor_alert_logic():
+    s = load_stats(np.array([[4, 4, 4, 4], [13, 1, 1, 1], [8, 8, 0, 0]]))
+    np.testing.assert_allclose(s["max_load_ratio"], [1.0, 3.25, 2.0])
+    np.testing.assert_allclose(s["expert_fraction"][1], [13 / 16, 1 / 16, 1 / 16, 1 / 16])
+    mon = ExpertLoadMonitor(max_load_ratio=2.5, patience=2)
+    balanced, skewed = [4, 4, 4, 4], [13, 1, 1, 1]
+    assert mon.update(np.array([skewed])) == []
+    assert mon.update(np.array([balanced])) == []  # the run of intervals is broken
+    assert mon.update(np.array([skewed])) == []
+    (alert,) = mon.update(np.array([skewed]))
+    assert alert["layer"] == 0 and "3.25 > monitor.max_load_ratio=2.5 for 2" in alert["reason"]
+    assert mon.update(np.array([skewed])) == []
+    assert len(mon.update(np.array([skewed]))) == 1  # again every `patience` intervals
+    idle = ExpertLoadMonitor(max_load_ratio=10, patience=2)
+    idle.update(np.array([[8, 8, 0, 1]]))
+    (alert,) = idle.update(np.array([[8, 8, 0, 1]]))
+    assert alert["idle_experts"] == [2] and "expert(s) [2] got no tokens for 2" in alert["reason"]
+
+
+def test_monitoring_records_in_metrics_and_collapsed_router_alert(small_config, tmp_path, monkeypatch):
+    """A router forced to collapse (a +100 selection bias on experts 0 and 1 of every layer)
+    raises the load alert and the idle-expert alert after `patience` log intervals."""
+    original = Trainer.init_state
+
+    def collapsed(self):
+        state = original(self)
+        state["routing"]["bias"] = state["routing"]["bias"].at[:, :2].set(100.0)
+        return state
+
+    monkeypatch.setattr(Trainer, "init_state", collapsed)
+    cfg = small_config("train.steps=6", "train.log_every=1", "train.eval_every=0",
+                       "monitor.max_load_ratio=1.5", "monitor.patience=2")
+    logs = []
+    Trainer(cfg, tmp_path, log=logs.append, progress=False).run()
+    train = records(tmp_path, "train")
+    for r in train:
+        assert {"expert_fraction", "max_load_ratio", "router_entropy", "dropped_fraction",
+                "aux_loss_per_layer", "z_loss_per_layer", "tokens_per_expert"} <= r.keys()
+        assert np.asarray(r["expert_fraction"]).shape == (2, 4)
+        np.testing.assert_allclose(r["max_load_ratio"], [2.0, 2.0])  # all tokens on 2 of 4 experts
+    alerts = records(tmp_path, "alert")
+    assert [a["step"] for a in alerts] == [2, 2, 4, 4, 6, 6]
+    assert alerts[0]["idle_experts"] == [2, 3]
+    assert any("warning: step 2: MoE layer 0: max/mean expert load 2.00" in line for line in logs)
+
+
+def test_default_monitoring_has_no_alert_on_a_healthy_run(small_config, tmp_path):
+    Trainer(small_config("train.steps=6", "train.log_every=1", "train.eval_every=0"),
+            tmp_path, log=None, progress=False).run()
+    assert records(tmp_path, "alert") == []
+    assert all(0 < np.min(r["router_entropy"]) <= np.log(4) + 1e-6 for r in records(tmp_path, "train"))
+
+
+# ---------------------------------------------------------------- expert warm-up
+
+
+def _skewed_inputs(t=256, d=8, e=4):
+    x = jnp.asarray(np.abs(np.random.default_rng(0).normal(size=(1, t, d))) + 0.5, jnp.float32)
+    router = np.zeros((d, e), np.float32)
+    router[:, 0] = 0.3  # every token prefers expert 0, then the rest tie
+    w_in = jnp.asarray(np.random.default_rng(1).normal(size=(e, d, 8)) * 0.1, jnp.float32)
+    w_out = jnp.asarray(np.random.default_rng(2).normal(size=(e, 4, d)) * 0.1, jnp.float32)
+    return x, jnp.ones((1, t), bool), jnp.asarray(router), w_in, w_out
+
+
+@pytest.mark.parametrize("mode", ["uniform", "noise"])
+def test_warmup_routing_spreads_tokens_and_is_off_outside_warmup(mode):
+    x, mask, router, w_in, w_out = _skewed_inputs()
+    spec = RoutingSpec(top_k=1, capacity_factor=4.0, warmup_routing=mode, warmup_noise=2.0)
+    key = jax.random.key(3)
+    plain = moe_ffn(x, mask, router, w_in, w_out, spec)[1].tokens_per_expert
+    assert np.asarray(plain).tolist() == [256, 0, 0, 0]
+    warm = moe_ffn(x, mask, router, w_in, w_out, spec, warmup_key=key, warmup_active=jnp.asarray(True))
+    counts = np.asarray(warm[1].tokens_per_expert)
+    assert counts.min() >= 20, counts  # every expert sees data
+    again = moe_ffn(x, mask, router, w_in, w_out, spec, warmup_key=key, warmup_active=jnp.asarray(True))
+    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(warm[0]))  # same key, same routing
+    off = moe_ffn(x, mask, router, w_in, w_out, spec, warmup_key=key, warmup_active=jnp.asarray(False))
+    np.testing.assert_array_equal(np.asarray(off[1].tokens_per_expert), np.asarray(plain))
+
+
+def test_warmup_follows_the_step_and_evaluation_never_uses_it():
+    warm_cfg = load_config(None, SMALL_MODEL + ["moe.warmup_steps=5", "moe.warmup_routing=uniform",
+                                                "moe.aux_loss_coef_start=0.1"])
+    plain_cfg = load_config(None, SMALL_MODEL)
+    warm, plain = ModelDef(warm_cfg, 259), ModelDef(plain_cfg, 259)
+    batch, key = make_batch(), jax.random.key(0)
+    state = warm.init_state(0)
+
+    def metrics(md, step):
+        s = dict(state, step=jnp.asarray(step, jnp.int32))
+        return jax.jit(lambda s: train_step(md, s, batch, key)[1])(s)
+
+    during, after, base = metrics(warm, 0), metrics(warm, 5), metrics(plain, 5)
+    assert not np.array_equal(np.asarray(during["tokens_per_expert"]), np.asarray(base["tokens_per_expert"]))
+    np.testing.assert_array_equal(np.asarray(after["tokens_per_expert"]), np.asarray(base["tokens_per_expert"]))
+    assert float(after["loss"]) == float(base["loss"])
+    # The aux-loss coefficient decays linearly from the start value to the base over the warm-up.
+    coefs = [float(aux_loss_coef(warm_cfg, jnp.asarray(s))) for s in (0, 2, 5, 9)]
+    np.testing.assert_allclose(coefs, [0.1, 0.1 - 0.09 * 2 / 5, 0.01, 0.01], rtol=1e-6)
+    assert float(during["aux_loss_coef"]) == pytest.approx(0.1)
+    # Evaluation: no warm-up randomness, whatever the config says.
+    bpt = np.ones(259, np.int32)
+    a = eval_step(warm, state["params"], state["routing"], batch, bpt)
+    b = eval_step(plain, state["params"], state["routing"], batch, bpt)
+    assert float(a["ce_sum"]) == float(b["ce_sum"])
