@@ -2,26 +2,62 @@
 
 Layout: ``<run-dir>/checkpoints/<step>/{state,data,meta}``. ``state`` holds the parameters, optimizer
 state and step (``StandardSave``); ``data`` the grain iterator state (``JsonSave``); ``meta`` the
-config, seed and step (``JsonSave``). Saves are asynchronous by default; orbax writes each step to
-a temporary directory and renames it when complete, so a crash never leaves a half-written step
-that looks finished.
+config, seed and step (``JsonSave``). Saves are asynchronous by default.
+
+Faults, and what happens:
+
+* A process killed while a checkpoint is being written: orbax writes each step into
+  ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` only once every file is written, so
+  the unfinished write is never listed as a step; the next run restores the newest complete step,
+  and its first :meth:`Checkpointer.save` removes such leftovers (saving that step again works).
+* A truncated or corrupted step directory: :meth:`Checkpointer.restore` (latest step) falls back
+  to the newest step that restores, warns naming each skipped step and why, and moves the skipped
+  directories aside to ``<step>.corrupt-<n>`` (never deleted; orbax no longer lists them, so
+  those step numbers can be saved again). If no step restores, :class:`CheckpointError`.
+* A failed background write (disk full, read-only directory, ...): :class:`CheckpointError` at the
+  next :meth:`~Checkpointer.save`, :meth:`~Checkpointer.wait` or :meth:`~Checkpointer.close`,
+  naming the step and the directory. Older checkpoints are only deleted (``keep``) after a newer
+  one is complete, so the last good checkpoint survives a failed write.
+
+Warnings and notes go to the ``log`` callable given to :class:`Checkpointer` (the Trainer's
+console), else to :func:`warnings.warn` / ``logging``. With several processes, every process must
+see the same files; a step counts as unreadable when any process fails to read it, and process 0
+moves it aside.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
+import re
+import shutil
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from moefast.config import ExperimentConfig
 
-__all__ = ["CheckpointError", "Checkpointer", "Restored"]
+__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Restored"]
+
+_logger = logging.getLogger(__name__)
+
+# Where orbax (0.12) writes a step before renaming it to <step> on completion.
+_TMP_SUFFIX = ocp.utils.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
+_LEFTOVER = re.compile(r"^\d+" + re.escape(_TMP_SUFFIX))
+_barriers = itertools.count()  # orbax barrier names must be unique per process lifetime
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing or does not fit the current config."""
+    """A checkpoint is missing, unreadable, could not be written, or does not fit the current config."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (unreadable) or a leftover cleaned up; emitted when no ``log`` is given."""
 
 
 @dataclasses.dataclass
@@ -36,6 +72,40 @@ class Restored:
 _FIXED_SECTIONS = ("model", "moe", "data")
 
 
+class _Unreadable(Exception):
+    """Internal: a step's files could not be read (as opposed to a config mismatch)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _reason(e: BaseException, limit: int = 300) -> str:
+    """One line saying why ``e`` happened: the innermost exception of its chain (tensorstore's
+    status, the JSON error, ...), whose message is the informative one."""
+    inner, seen = e, set()
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None:
+            break
+        inner = nxt
+    text = str(inner).strip()
+    line = text.splitlines()[0] if text else ""
+    out = f"{type(inner).__name__}: {line}" if line else type(inner).__name__
+    return out if len(out) <= limit else out[:limit - 3] + "..."
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    """``ok`` on every process (one process restoring a step that another could not read would
+    leave them on different steps). Single-process: ``ok`` itself."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
+
+
 class Checkpointer:
     """Saves and restores a run's checkpoints.
 
@@ -43,60 +113,250 @@ class Checkpointer:
       directory: ``<run-dir>/checkpoints`` (created if missing).
       keep: most recent checkpoints kept.
       async_save: save in a background thread.
+      log: ``print``-like callable for warnings (a skipped unreadable checkpoint) and notes (cleaned
+        leftovers); ``None``: warnings go to :func:`warnings.warn` (:class:`CheckpointWarning`),
+        notes to the ``logging`` module.
     """
 
-    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
+                 log: Callable[[str], None] | None = None):
         self.directory = Path(directory).absolute()
+        self._log = log
+        self._is_primary = jax.process_index() == 0
+        self._pending: int | None = None  # step of the save that may still run in the background
+        self._leftovers_checked = False
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                  create=True))
 
+    # ------------------------------------------------------------------ messages
+    def _warn(self, msg: str) -> None:
+        if self._log is not None:
+            self._log(f"warning: {msg}")
+        else:
+            warnings.warn(msg, CheckpointWarning, stacklevel=4)
+
+    def _note(self, msg: str) -> None:
+        if self._log is not None:
+            self._log(msg)
+        else:
+            _logger.info(msg)
+
+    def _sync(self, name: str) -> None:
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes(f"moefast_checkpointer_{name}_{next(_barriers)}")
+
+    # ------------------------------------------------------------------ listing
     def latest_step(self) -> int | None:
+        """Newest step listed by orbax (complete on disk, or being saved by this object)."""
         return self.manager.latest_step()
 
+    def _step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    # ------------------------------------------------------------------ saving
     def save(self, step: int, state: dict[str, Any], data_state: Any, cfg: ExperimentConfig,
              *, force: bool = False) -> bool:
-        """Starts saving ``step`` (returns at once when asynchronous)."""
-        meta = {"step": int(step), "config": cfg.to_dict()}
-        return self.manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-            meta=ocp.args.JsonSave(meta)), force=force)
+        """Starts saving ``step`` (returns at once when asynchronous).
 
+        The first save of this object (and the first after a failed write) removes unfinished
+        writes (``<step>.orbax-checkpoint-tmp``) that a killed run or a failed write left behind.
+
+        Raises:
+          CheckpointError: the previous asynchronous save failed in the background, this one could
+            not be started (the message names the step, the directory and what to check), or
+            ``step`` already exists.
+        """
+        self._wait_pending()
+        if not self._leftovers_checked:
+            self._remove_leftovers()
+            self._leftovers_checked = True
+        if int(step) in self.manager.all_steps():
+            raise CheckpointError(f"checkpoint step {step} already exists in {self.directory}; it is not "
+                                  "overwritten")
+        meta = {"step": int(step), "config": cfg.to_dict()}
+        try:
+            started = self.manager.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave(meta)), force=force)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a CheckpointError naming the step
+            raise self._write_failed(int(step), e) from e
+        if started:
+            self._pending = int(step)
+        return started
+
+    def _wait_pending(self) -> None:
+        """Waits for the background save; its failure becomes a :class:`CheckpointError`."""
+        step, self._pending = self._pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._write_failed(step, e) from e
+
+    def _write_failed(self, step: int | None, e: BaseException) -> CheckpointError:
+        """Cleans up after a failed write of ``step`` and builds the error to raise."""
+        where = self._step_dir(step) if step is not None else self.directory
+        # Its unfinished directory is removed by the next save (not now: orbax may still be
+        # finishing the write's other files).
+        self._leftovers_checked = False
+        try:  # orbax forgets the steps it meant to delete once this save finished: list them again
+            self.manager.reload()
+            good = self.manager.latest_step()
+        except Exception:  # noqa: BLE001 - the directory itself may be unreadable now
+            good = None
+        kept = (f"the last complete checkpoint, {self._step_dir(good)}, was kept" if good is not None
+                else "there is no complete checkpoint in it")
+        return CheckpointError(
+            f"checkpoint step {step if step is not None else '?'} could not be written to {where} "
+            f"({_reason(e)}); {kept}. Check free disk space and write permissions of {self.directory} "
+            "(e.g. df -h, ls -ld), then rerun to resume from the last complete checkpoint")
+
+    def _remove_leftovers(self) -> None:
+        """Deletes ``<step>.orbax-checkpoint-tmp`` directories: writes a killed process never
+        finished (orbax ignores them when listing steps; they only take space)."""
+        if not self._is_primary or not self.directory.is_dir():
+            return
+        removed = []
+        for p in sorted(self.directory.iterdir()):
+            if _LEFTOVER.match(p.name) and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        if removed:
+            self._note(f"removed unfinished checkpoint write(s) left by an interrupted run in "
+                       f"{self.directory}: {', '.join(removed)}")
+
+    # ------------------------------------------------------------------ restoring
     def restore(self, abstract_state: dict[str, Any], cfg: ExperimentConfig,
                 step: int | None = None) -> Restored:
         """Restores ``step`` (default: latest) into the structure/shardings of ``abstract_state``.
 
+        With ``step=None``, steps are tried newest first: a step whose files cannot be read
+        (truncated, deleted or corrupted files) is skipped with a warning naming its directory and
+        the reason, and once an older step restores, the skipped directories are moved aside to
+        ``<step>.corrupt-<n>`` (kept, no longer listed). When no step restores nothing is moved
+        (the cause may be the code, not the files).
+
         Raises:
-          CheckpointError: no checkpoint, or one written with a different model/moe/data config.
+          CheckpointError: no checkpoint; one written with a different model/moe/data config (at
+            once, no fallback); no step could be restored (names the directory and each step tried
+            with its reason); or the given ``step`` could not be restored.
         """
-        step = self.latest_step() if step is None else step
-        if step is None:
+        self._wait_pending()
+        if step is not None:
+            try:
+                return self._restore_step(abstract_state, cfg, int(step))
+            except _Unreadable as e:
+                raise CheckpointError(f"checkpoint {self._step_dir(step)} could not be restored: {e.reason}") from e
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}; train first (moefast train "
                                   f"--run-dir {self.directory.parent})")
-        meta = self.read_meta(step)
-        saved = meta.get("config", {})
+        skipped: list[tuple[int, str]] = []
+        for s in steps:
+            try:
+                restored = self._restore_step(abstract_state, cfg, s)
+            except _Unreadable as e:
+                skipped.append((s, e.reason))
+                continue
+            self._set_aside(skipped, restored.step)
+            return restored
+        tried = "; ".join(f"{self._step_dir(s)}: {r}" for s, r in skipped)
+        raise CheckpointError(
+            f"no checkpoint in {self.directory} could be restored (tried newest first: {tried}). If these "
+            f"files are damaged, move the step directories out of {self.directory} to start from scratch, "
+            "or use a new --run-dir")
+
+    def _restore_step(self, abstract_state: dict[str, Any], cfg: ExperimentConfig, step: int) -> Restored:
+        """Restores one step. Raises :class:`_Unreadable` when its files cannot be read (on any
+        process), :class:`CheckpointError` when its config does not fit."""
+        meta, error = None, None
+        try:
+            meta = self._read_meta(step)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        if not _all_processes_ok(error is None):
+            raise _Unreadable(f"metadata unreadable: {_reason(error) if error else 'failed on another process'}")
+        saved = meta.get("config", {}) if isinstance(meta, dict) else {}
         for sec in _FIXED_SECTIONS:
             now = cfg.to_dict()[sec]
             if saved.get(sec) != now:
-                diff = sorted(k for k in now if saved.get(sec, {}).get(k) != now[k])
+                diff = sorted(k for k in now if (saved.get(sec) or {}).get(k) != now[k])
                 raise CheckpointError(
-                    f"checkpoint {self.directory / str(step)} was written with a different '{sec}' "
+                    f"checkpoint {self._step_dir(step)} was written with a different '{sec}' "
                     f"config (keys {diff}); use the same config or a new --run-dir")
-        r = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
+        r, error = None, None
+        try:
+            r = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001
+            error = e
+        if not _all_processes_ok(error is None):
+            raise _Unreadable(_reason(error) if error else "failed on another process")
         return Restored(step=step, state=r.state, data_state=r.data, meta=r.meta)
 
+    def _set_aside(self, skipped: list[tuple[int, str]], restored_step: int) -> None:
+        """Moves unreadable steps newer than the restored one to ``<step>.corrupt-<n>`` and warns."""
+        if not skipped:
+            return
+        moved: dict[int, str] = {}
+        if self._is_primary:
+            for s, _ in skipped:
+                src = self._step_dir(s)
+                if not src.exists():  # e.g. deleted meanwhile by a run that is still writing
+                    moved[s] = "it no longer exists"
+                    continue
+                n = 1
+                while (self.directory / f"{s}.corrupt-{n}").exists():
+                    n += 1
+                dst = self.directory / f"{s}.corrupt-{n}"
+                try:
+                    src.rename(dst)
+                    moved[s] = f"moved it to {dst}"
+                except OSError as e:
+                    moved[s] = f"could not move it aside ({_reason(e)}); it will be tried again next time"
+        self._sync("set_aside")
+        self.manager.reload()
+        for s, reason in skipped:
+            self._warn(f"checkpoint {self._step_dir(s)} could not be restored ({reason}); "
+                       f"{moved.get(s, 'process 0 moves it aside')}; restored step {restored_step} "
+                       f"({self._step_dir(restored_step)}) instead")
+
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The ``meta`` item (step and config) of ``step`` (default: latest).
+
+        Raises:
+          CheckpointError: no checkpoint, or its metadata cannot be read.
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no checkpoint in {self.directory}")
+        try:
+            return self._read_meta(step)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"metadata of checkpoint {self._step_dir(step)} could not be read: "
+                                  f"{_reason(e)}") from e
+
+    def _read_meta(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
+    # ------------------------------------------------------------------ lifetime
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Blocks until the background save is written.
+
+        Raises:
+          CheckpointError: it failed (the message names the step, the directory and what to check).
+        """
+        self._wait_pending()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for the background save, then releases orbax's threads (also when the save failed).
+
+        Raises:
+          CheckpointError: the background save failed.
+        """
+        try:
+            self._wait_pending()
+        finally:
+            self.manager.close()
