@@ -141,6 +141,9 @@ class Trainer:
         self.run_dir = Path(run_dir or Path("runs") / cfg.name)
         self.is_main = jax.process_index() == 0
         self._log = log if (log is not None and self.is_main) else (lambda s: None)
+        # Checkpoint warnings (e.g. a corrupt step skipped) go to the console log; without one, to
+        # Python warnings.
+        self._ckpt_log = self._log if log is not None else None
         self.progress = progress and self.is_main
         assert_same_config(cfg.to_dict())
         self.compile_cache_dir = configure_compilation_cache(cfg.cache.compile_dir)
@@ -261,7 +264,7 @@ class Trainer:
             raise CheckpointError(f"--run-dir {self.run_dir} exists and is not a directory; choose another path")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
-                            async_save=cfg.checkpoint.async_save)
+                            async_save=cfg.checkpoint.async_save, log=self._ckpt_log)
         data_iter = iter(train_dataset(self.corpus, cfg.data, seed=tc.seed,
                                        process_index=jax.process_index(),
                                        process_count=jax.process_count()))
@@ -437,7 +440,8 @@ class Trainer:
         Raises:
           CheckpointError: no checkpoint or an incompatible one.
         """
-        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.cfg.checkpoint.keep, async_save=False)
+        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.cfg.checkpoint.keep, async_save=False,
+                            log=self._ckpt_log)
         try:
             r = ckpt.restore(self.abstract_state(), self.cfg)
         finally:

@@ -125,3 +125,29 @@ def test_processes_with_different_configs_fail_at_start(tmp_path, text_dir):
         assert p.returncode == 2, err[-2000:]
         assert "started with different configs or overrides" in err
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tmp_path, text_dir):
+    """JAX's preemption service (started by jax.distributed.initialize) takes SIGTERM; every process
+    reaches the same sync point, saves the checkpoint cooperatively and exits 0."""
+    port = free_port()
+    common = [f"data.source={text_dir}", "train.steps=100000"]
+    procs = [launch(tmp_path / "run", *common, cpu_devices=4, process=i, port=port) for i in range(2)]
+    try:
+        deadline = time.time() + 120
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.time() < deadline, "training did not start"
+            assert procs[0].poll() is None, procs[0].communicate()[1]
+            time.sleep(0.5)
+        procs[1].terminate()  # SIGTERM to the process that does not log
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    assert "stopped by SIGTERM (preemption notice) after step" in results[0][0]
+    summary = [json.loads(line) for line in metrics.read_text().splitlines() if '"summary"' in line][-1]
+    assert (tmp_path / "run" / "checkpoints" / str(summary["step"])).is_dir()
