@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             step, params, routing_state = trainer.restore_params()
             m = trainer.evaluate(params, routing_state)
             print(f"step {step} | eval loss {m['eval_loss']:.4f} | eval bits/byte {m['eval_bits_per_byte']:.4f}")
+        elif args.command == "bench" and args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+            raise ConfigError(f"--json {args.json}: the directory {os.path.dirname(os.path.abspath(args.json))} "
+                              "does not exist; create it or choose another path")
         elif args.command == "bench" and args.target == "cache":
             from moefast.bench import cache
 

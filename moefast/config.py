@@ -372,16 +372,25 @@ class CacheConfig:
         ``moefast bench cache`` measures against. Numerics agree to float32 rounding.
       compile_dir: XLA's persistent compilation cache: a restart with the same program skips
         XLA compilation. ``"auto"`` = ``$XDG_CACHE_HOME/moefast/xla`` (``~/.cache/moefast/xla``);
-        a path; or ``null`` to turn it off. Small programs are cached too (the minimum compile
-        time for caching is lowered to 0 s).
+        a directory (a relative one is relative to the working directory of each command); or
+        ``null`` / ``false`` / ``off`` to turn it off. The cache is per user, not per run: any
+        earlier run of the same program fills it. Small programs are cached too (the minimum
+        compile time for caching is lowered to 0 s).
     """
 
     tables: bool = True
-    compile_dir: str | None = "auto"
+    compile_dir: str | bool | None = "auto"
 
     def __post_init__(self):
+        if self.compile_dir is False:  # YAML reads false / off / no as False
+            object.__setattr__(self, "compile_dir", None)
+        _require(self.compile_dir is not True, "cache.compile_dir",
+                 "true is not a directory; use 'auto' (the default), a directory, or null / false (off)")
         _require(self.compile_dir is None or bool(str(self.compile_dir).strip()), "cache.compile_dir",
-                 "must be 'auto', a directory, or null (off); got an empty string")
+                 "must be 'auto', a directory, or null / false (off); got an empty string")
+        _require(str(self.compile_dir).lower() != "none" or self.compile_dir is None, "cache.compile_dir",
+                 f"{self.compile_dir!r} would be a directory named {self.compile_dir}; write null or false "
+                 "(unquoted) to turn the cache off, or ./None for that directory")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,8 @@ def test_implementations_agree():
 
 def test_records_and_table(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "QUICK_GRID", [(64, 4), (128, 8)])
-    out = tmp_path / "routing.json"
+    (tmp_path / "a.dir").mkdir()
+    out = tmp_path / "a.dir" / "routing.json"
     assert bench.run_cli(quick=True, json_out=str(out), repeats=1) == 0
     records = json.loads(out.read_text())
     assert {(r["impl"], r["tokens"], r["experts"]) for r in records} == {
@@ -20,7 +21,7 @@ def test_records_and_table(tmp_path, monkeypatch):
     for r in records:
         assert {"impl", "tokens", "experts", "top_k", "time_ms", "temp_bytes"} <= r.keys()
         assert r["time_ms"] > 0 and r["temp_bytes"] >= 0 and r["top_k"] == 2
-    table = (tmp_path / "routing.md").read_text()
+    table = (tmp_path / "a.dir" / "routing.md").read_text()  # next to the JSON, whatever dots the path has
     assert "| 128 | 8 |" in table and "onehot / fused" in table
 
 

@@ -104,6 +104,8 @@ def test_overrides_may_sit_among_options_and_steps_change_is_reported(trained_ru
     (["train", "monitor.patience=0"], "monitor.patience: must be >= 1"),
     (["train", "data.source={empty}"], "holds no regular non-hidden files"),
     (["train", "data.source={corrupt}"], "a.jsonl:2: not valid JSON"),
+    (["train", "cache.compile_dir=None"], "write null or false (unquoted) to turn the cache off"),
+    (["bench", "cache", "--json", "/nonexistent/dir/x.json"], "the directory /nonexistent/dir does not exist"),
 ])
 def test_bad_input_gets_one_clear_error(args, message, tmp_path):
     (tmp_path / "empty").mkdir()

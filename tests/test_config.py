@@ -97,3 +97,9 @@ def test_mesh_shapes(devices):
     mesh = make_mesh(load_config(None, ["mesh.expert=4"]))
     assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4}
     assert dict(make_mesh(load_config(None, ["mesh.data=1", "mesh.fsdp=-1"])).shape) == {"data": 1, "fsdp": 8, "expert": 1}
+
+
+@pytest.mark.parametrize("value,expected", [("auto", "auto"), ("null", None), ("false", None), ("off", None),
+                                            ("/tmp/xla", "/tmp/xla"), ("./None", "./None")])
+def test_compile_dir_values(value, expected):
+    assert load_config(None, [f"cache.compile_dir={value}"]).cache.compile_dir == expected

@@ -158,7 +158,7 @@ def run_cli(*, json_out: str | None, steps: int, pairs: int, config: str | None 
                                        "first_step_ratio_cold_over_warm": r.first_step_ratio}
         with open(json_out, "w") as f:
             json.dump(rec, f, indent=1)
-        md = json_out.rsplit(".", 1)[0] + ".md"
+        md = str(Path(json_out).with_suffix(".md"))
         with open(md, "w") as f:
             f.write(table + "\n")
         print(f"\nwrote {json_out} and {md}")

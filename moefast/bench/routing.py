@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 import statistics
 import time
 from typing import Callable
@@ -215,7 +216,7 @@ def run_cli(*, quick: bool, json_out: str | None, repeats: int) -> int:
     if json_out:
         with open(json_out, "w") as f:
             json.dump([dataclasses.asdict(r) for r in records], f, indent=1)
-        md = json_out.rsplit(".", 1)[0] + ".md"
+        md = str(Path(json_out).with_suffix(".md"))
         with open(md, "w") as f:
             f.write(table + "\n")
         print(f"\nwrote {json_out} and {md}")

@@ -72,6 +72,17 @@ class Restored:
 _FIXED_SECTIONS = ("model", "moe", "data")
 
 
+def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config with the keys added to moefast since it was written filled in with their
+    defaults. A new config key's default always reproduces the behaviour from before the key
+    existed, so checkpoints of older versions stay usable. A config that no longer parses (e.g.
+    written by a newer version) is compared as it is."""
+    try:
+        return ExperimentConfig.from_dict(saved).to_dict()
+    except Exception:  # noqa: BLE001 - the key-by-key comparison then names the differences
+        return saved
+
+
 class _Unreadable(Exception):
     """Internal: a step's files could not be read (as opposed to a config mismatch)."""
 
@@ -278,6 +289,7 @@ class Checkpointer:
         if not _all_processes_ok(error is None):
             raise _Unreadable(f"metadata unreadable: {_reason(error) if error else 'failed on another process'}")
         saved = meta.get("config", {}) if isinstance(meta, dict) else {}
+        saved = _with_defaults(saved)
         for sec in _FIXED_SECTIONS:
             now = cfg.to_dict()[sec]
             if saved.get(sec) != now:

@@ -224,6 +224,22 @@ def test_config_mismatch_raises_at_once_without_fallback(small_config, tmp_path)
     ckpt.close()
 
 
+def test_checkpoint_of_an_older_version_without_newer_config_keys_restores(small_config, tmp_path, monkeypatch):
+    """Config keys added since a checkpoint was written default to the old behaviour, so its
+    missing keys are read as the defaults; a real difference is still refused."""
+    cfg = small_config()
+    old = cfg.to_dict()
+    del old["model"]["position_encoding"], old["moe"]["warmup_steps"], old["cache"], old["monitor"]
+    monkeypatch.setattr(type(cfg), "to_dict", lambda self: json.loads(json.dumps(old)))
+    write_steps(tmp_path, cfg, [1])
+    monkeypatch.undo()
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.restore(ABSTRACT, small_config()).step == 1
+    with pytest.raises(CheckpointError, match=r"different 'model' config \(keys \['position_encoding'\]\)"):
+        ckpt.restore(ABSTRACT, small_config("model.position_encoding=sinusoidal"))
+    ckpt.close()
+
+
 # ---------------------------------------------------------------------------- 3. failed background writes
 def _fail_data_write(monkeypatch, step):
     """Disk full while a JSON item of ``step`` is written (in orbax's commit threads when async)."""
