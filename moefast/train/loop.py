@@ -257,7 +257,24 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainSummary:
         """Trains from the latest checkpoint in the run dir (or from scratch) to ``train.stop_at``
-        (or ``train.steps``), evaluating, logging and checkpointing on the configured intervals."""
+        (or ``train.steps``), evaluating, logging and checkpointing on the configured intervals.
+
+        SIGTERM or SIGINT (once) during the run ends it after the current step with a checkpoint
+        (:attr:`TrainSummary.stopped_by` says which); one that arrives before the first step (while
+        compiling) ends it before any step, leaving the run dir as it was.
+
+        Raises:
+          TrainingError: ``train.max_consecutive_nonfinite`` non-finite steps in a row.
+          CheckpointError: an incompatible or unreadable checkpoint, or a failed checkpoint write.
+        """
+        stop = _StopRequest()
+        stop.install()
+        try:
+            return self._run(stop)
+        finally:
+            stop.uninstall()
+
+    def _run(self, stop: _StopRequest) -> TrainSummary:
         t_start = time.perf_counter()
         cfg, tc = self.cfg, self.cfg.train
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -372,11 +389,14 @@ class Trainer:
         if memory:
             self._log("per device: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.1f} MiB"
                                                  for k, v in memory.items()))
-        stop = _StopRequest()
-        stop.install()
+        done = start
         try:
             with jax.set_mesh(self.mesh):
                 for step in range(start, last):
+                    if stop.signal and step == start:  # before the first step: nothing new to save
+                        stopped_by = stop.signal
+                        say(f"{stopped_by}: stopped before the first step of this run; no step was run")
+                        break
                     batch = self.put_batch(next(data_iter))
                     state, metrics = step_fn(state, batch, self.base_key)
                     if pending is not None:
@@ -416,7 +436,6 @@ class Trainer:
             writer.close()
             raise
         finally:
-            stop.uninstall()
             if bar is not None:
                 bar.close()
             ckpt.close()  # waits for a checkpoint still being written, also when a step failed

@@ -285,3 +285,37 @@ def test_evaluation_loss_of_a_sequence_does_not_depend_on_its_batch_mates():
         train_batches.append(batch)
     m = [jax.jit(lambda b: train_step(md, state, b, jax.random.key(0))[1])(b) for b in train_batches]
     assert float(m[0]["dropped_fraction"][0]) > 0
+
+
+def test_sigterm_in_process_stops_after_that_step_and_restores_handlers(small_config, tmp_path, monkeypatch):
+    original = Trainer.put_batch
+    calls = {"n": 0}
+
+    def put_batch(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while step 2 is being prepared
+        return original(self, batch)
+
+    monkeypatch.setattr(Trainer, "put_batch", put_batch)
+    before = signal.getsignal(signal.SIGTERM)
+    cfg = small_config("train.steps=50", "train.eval_every=0", "train.checkpoint_every=0")
+    summary = Trainer(cfg, tmp_path, log=None, progress=False).run()
+    assert summary.stopped_by == "SIGTERM" and summary.steps == 2 and summary.checkpoint.endswith("/2")
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_signal_before_the_first_step_runs_no_step(small_config, tmp_path, monkeypatch):
+    from moefast.train import loop
+
+    original = loop._StopRequest.install
+
+    def install_then_signal(self):
+        original(self)
+        os.kill(os.getpid(), signal.SIGINT)  # e.g. Ctrl-C while the step compiles
+
+    monkeypatch.setattr(loop._StopRequest, "install", install_then_signal)
+    cfg = small_config("train.steps=5", "train.eval_every=0")
+    summary = Trainer(cfg, tmp_path, log=None, progress=False).run()
+    assert summary.stopped_by == "SIGINT" and summary.steps_this_run == 0 and summary.checkpoint is None
+    assert not any((tmp_path / "checkpoints").iterdir())
