@@ -129,9 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 if summary.stopped_by:
                     import shlex
 
-                    print(f"stopped by {summary.stopped_by} after step {summary.steps}; resume with: "
-                          + shlex.join(["moefast", "train", "--run-dir", str(trainer.run_dir)]
-                                       + (["--config", args.config] if args.config else []) + args.overrides))
+                    print(f"stopped by {summary.stopped_by} after step {summary.steps}; resume with the same "
+                          "command: " + shlex.join(["moefast", *(sys.argv[1:] if argv is None else argv)]))
         elif args.command == "eval":
             cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)

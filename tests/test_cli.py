@@ -126,3 +126,12 @@ def test_run_dir_that_is_a_file(tmp_path, text_dir):
     assert "exists and is not a directory" in p.stderr
     assert "Traceback" not in p.stderr
     assert f.read_text() == "x"
+
+
+@pytest.mark.parametrize("text,message", [("model: [oops", "is not valid YAML"), ("{}", "holds no config")])
+def test_garbled_run_config_is_one_clear_error(tmp_path, text, message):
+    (tmp_path / "config.yaml").write_text(text)
+    p = moefast("eval", "--run-dir", str(tmp_path))
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
+    assert len([line for line in p.stderr.splitlines() if line.strip()]) == 1, p.stderr
+    assert (tmp_path / "config.yaml").read_text() == text

@@ -84,13 +84,22 @@ def load_run_config(run_dir: str | Path) -> ExperimentConfig:
     """The config a run was started with (``<run-dir>/config.yaml``).
 
     Raises:
-      CheckpointError: the run directory or its config is missing.
+      CheckpointError: the run directory or its config is missing or unreadable.
+      ConfigError: the config has unknown keys or impossible values.
     """
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise CheckpointError(f"{path} not found: {run_dir} is not a moefast run directory "
                               "(start one with: moefast train --run-dir DIR)")
-    return ExperimentConfig.from_dict(yaml.safe_load(path.read_text()), where=str(path))
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); moefast train writes it at "
+                              "every start: restore it from the run's first command, or rerun that command") from None
+    if not isinstance(raw, dict) or not raw:
+        raise CheckpointError(f"{path} holds no config; moefast train writes it at every start: rerun the "
+                              "run's training command to rewrite it")
+    return ExperimentConfig.from_dict(raw, where=str(path))
 
 
 @dataclasses.dataclass
@@ -100,6 +109,7 @@ class TrainSummary:
     final_loss: float | None  # training cross-entropy of the last step (nats/token)
     eval_loss: float | None  # validation cross-entropy (nats/token)
     eval_bits_per_byte: float | None
+    eval_step: int | None  # the step the validation figures belong to
     tokens_per_s: float | None  # mean training throughput after the first (compiling) step, evaluation excluded
     first_step_s: float | None  # time to first step: from the start of run() to the first completed
     # step (state init or restore, tracing, compilation or a compilation-cache hit, the step itself)
@@ -112,7 +122,8 @@ class TrainSummary:
     def format(self) -> str:
         f = lambda v, spec: "n/a" if v is None else format(v, spec)
         return (f"steps {self.steps} ({self.steps_this_run} this run) | train loss {f(self.final_loss, '.4f')} | "
-                f"val loss {f(self.eval_loss, '.4f')} | val bits/byte {f(self.eval_bits_per_byte, '.4f')} | "
+                f"val loss {f(self.eval_loss, '.4f')} | val bits/byte {f(self.eval_bits_per_byte, '.4f')}"
+                + (f" (at step {self.eval_step})" if self.eval_step not in (None, self.steps) else "") + " | "
                 f"{f(self.tokens_per_s, ',.0f')} tokens/s | time to first step {f(self.first_step_s, '.2f')} s | "
                 f"wall {self.wall_s:.1f} s | checkpoint {self.checkpoint or 'none'}"
                 + (f" | {self.skipped_steps} non-finite steps skipped" if self.skipped_steps else "")
@@ -301,11 +312,16 @@ class Trainer:
                 self._log(f"note: mesh changed from {saved_mesh} to {cfg.to_dict()['mesh']}: the state was restored "
                           "into the new shardings; routing groups (tokens per device) differ, so losses will not "
                           "match the old mesh bit for bit")
-            saved_steps = restored.meta.get("config", {}).get("train", {}).get("steps")
+            saved_train = restored.meta.get("config", {}).get("train", {})
+            saved_steps = saved_train.get("steps")
             if saved_steps is not None and saved_steps != tc.steps:
                 self._log(f"note: train.steps changed from {saved_steps} to {tc.steps}: the learning-rate "
                           f"schedule now spans {tc.steps} steps, so this run is not a resume of the original "
                           "schedule")
+            changed = [f"{k} {saved_train[k]!r} -> {v!r}" for k, v in cfg.to_dict()["train"].items()
+                       if k not in ("steps", "stop_at") and k in saved_train and saved_train[k] != v]
+            if changed:
+                self._log(f"note: train settings changed since the checkpoint: {', '.join(changed)}")
         else:
             state, start = self.init_state(), 0
         if self.is_main:  # only once the config is known to fit the run dir's checkpoints
@@ -353,13 +369,16 @@ class Trainer:
                 say(f"warning: step {step}: non-finite loss ({float(m['loss'])}) or gradient norm "
                     f"({float(m['grad_norm'])}); update skipped ({nonfinite_in_a_row} in a row)")
                 if nonfinite_in_a_row >= tc.max_consecutive_nonfinite:
-                    good = ckpt.latest_step()
+                    first_bad = step - nonfinite_in_a_row + 1
+                    before = [s for s in ckpt.manager.all_steps() if s < first_bad]
+                    good = max(before) if before else None
                     raise TrainingError(
                         f"step {step}: {nonfinite_in_a_row} consecutive steps with non-finite loss or gradients "
-                        f"(train.max_consecutive_nonfinite={tc.max_consecutive_nonfinite}); the parameters still hold "
-                        "their last finite values. Last good checkpoint: "
-                        + (f"{ckpt.directory / str(good)} (step {good})" if good is not None else "none")
-                        + ". Lower train.learning_rate or check the data, then resume from it.")
+                        f"since step {first_bad} (train.max_consecutive_nonfinite={tc.max_consecutive_nonfinite}); "
+                        "the updates were skipped. Last checkpoint from before step "
+                        f"{first_bad}: " + (f"{ckpt.directory / str(good)}" if good is not None else "none")
+                        + ". The model may have diverged a few finite steps earlier: lower train.learning_rate (or "
+                        "check the data) and restart from an earlier checkpoint or a new --run-dir.")
             else:
                 nonfinite_in_a_row = 0
             if step % tc.log_every == 0 or step == last:
@@ -404,34 +423,42 @@ class Trainer:
                     pending = (step + 1, metrics)
                     done = step + 1
                     is_last = done == last
-                    stopped_by = stop.requested(done)
-                    if (tc.checkpoint_every and done % tc.checkpoint_every == 0) or is_last or stopped_by:
+                    saved = False
+                    if (tc.checkpoint_every and done % tc.checkpoint_every == 0) or is_last:
                         handle(*pending)
                         pending = None
                         ckpt.save(done, state, data_iter.get_state(), cfg, force=True)
-                    if stopped_by:
-                        ckpt.wait()
-                        say(f"{stopped_by}: stopped after step {done} with a checkpoint in {ckpt.directory / str(done)}; "
-                            "run the same command again (same --run-dir) to resume")
-                        break
+                        saved = True
                     if (tc.eval_every and done % tc.eval_every == 0) or is_last:
                         if pending is not None:
                             handle(*pending)
                             pending = None
                         t_eval = time.perf_counter()
                         eval_metrics = self.evaluate(state["params"], state["routing"])
-                        writer.write("eval", done, eval_metrics)
+                        eval_metrics["step"] = done
+                        writer.write("eval", done, {k: v for k, v in eval_metrics.items() if k != "step"})
                         say(f"step {done:>6} | eval loss {eval_metrics['eval_loss']:.4f} | "
                             f"eval bits/byte {eval_metrics['eval_bits_per_byte']:.4f}")
                         if window_t is not None:  # keep evaluation time out of tokens/s
                             window_t += time.perf_counter() - t_eval
+                    stopped_by = stop.requested(done)  # after evaluation: a signal then stops here too
+                    if stopped_by:
+                        if pending is not None:
+                            handle(*pending)
+                            pending = None
+                        if not saved:
+                            ckpt.save(done, state, data_iter.get_state(), cfg, force=True)
+                        ckpt.wait()
+                        say(f"{stopped_by}: stopped after step {done} with a checkpoint in {ckpt.directory / str(done)}; "
+                            "run the same command again (same --run-dir) to resume")
+                        break
                 if pending is not None:
                     handle(*pending)
             if window_steps:  # steps since the last log line
                 timed_steps, timed_s = timed_steps + window_steps, timed_s + (time.perf_counter() - window_t)
             tokens_per_s = tokens_per_step * timed_steps / timed_s if timed_steps else None
             if start >= last:
-                eval_metrics = self.evaluate(state["params"], state["routing"])
+                eval_metrics = self.evaluate(state["params"], state["routing"]) | {"step": start}
         except BaseException:
             writer.close()
             raise
@@ -444,8 +471,8 @@ class Trainer:
         summary = TrainSummary(
             steps=end, steps_this_run=max(end - start, 0),
             final_loss=final_loss, eval_loss=eval_metrics.get("eval_loss"),
-            eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), tokens_per_s=tokens_per_s,
-            first_step_s=first_step_s, wall_s=time.perf_counter() - t_start,
+            eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), eval_step=eval_metrics.get("step"),
+            tokens_per_s=tokens_per_s, first_step_s=first_step_s, wall_s=time.perf_counter() - t_start,
             checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory,
             skipped_steps=skipped_steps, stopped_by=stopped_by)
         writer.write("summary", summary.steps, {k: v for k, v in dataclasses.asdict(summary).items()

@@ -27,7 +27,8 @@ def load_stats(tokens_per_expert: np.ndarray) -> dict[str, np.ndarray]:
 class ExpertLoadMonitor:
     """Counts, per MoE layer, consecutive log intervals with max/mean load above
     ``max_load_ratio`` and, per expert, consecutive intervals without tokens; reports an alert when
-    a count reaches ``patience`` and again every ``patience`` intervals while it lasts.
+    a count reaches ``patience`` — once per episode: the same condition alerts again only after it
+    has cleared for at least one interval.
 
     Args:
       max_load_ratio: threshold of the max/mean load ratio (``monitor.max_load_ratio``).
@@ -54,10 +55,10 @@ class ExpertLoadMonitor:
         for layer in range(tpe.shape[0]):
             reasons = []
             n = int(self._over[layer])
-            if n and n % self.patience == 0:
+            if n == self.patience:
                 reasons.append(f"max/mean expert load {ratio[layer]:.2f} > monitor.max_load_ratio="
                                f"{self.max_load_ratio} for {n} log intervals in a row")
-            idle = [int(e) for e in np.flatnonzero((self._idle[layer] > 0) & (self._idle[layer] % self.patience == 0))]
+            idle = [int(e) for e in np.flatnonzero(self._idle[layer] == self.patience)]
             if idle:
                 reasons.append(f"expert(s) {idle} got no tokens for {int(self._idle[layer][idle[0]])} log intervals "
                                "in a row")
