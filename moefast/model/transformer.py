@@ -122,7 +122,8 @@ class Block(nnx.Module):
                                 policy=moe.routing_policy, impl=moe.routing_impl, capacity_mode=moe.capacity_mode,
                                 capacity_factor_min=moe.capacity_factor_min,
                                 capacity_factor_max=moe.capacity_factor_max,
-                                warmup_routing=moe.warmup_routing, warmup_noise=moe.warmup_noise, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+                                warmup_routing=moe.warmup_routing, warmup_noise=moe.warmup_noise,
+                                dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
         else:
             self.ffn = DenseMLP(m.d_model, m.d_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
 

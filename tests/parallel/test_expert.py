@@ -128,3 +128,22 @@ def test_model_loss_and_gradients_equal_single_device(shape, devices):
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_warmup_noise_under_expert_parallelism_differs_per_shard(devices):
+    """Expert warm-up inside shard_map: every token shard folds its own index into the key, so
+    identical rows on different devices are routed differently; the statistics stay global."""
+    router, w_in, w_out = weights()
+    x = jnp.tile(jax.random.normal(jax.random.key(1), (1, 6, D)), (8, 1, 1))  # the same row on every device
+    mask = jnp.ones((8, 6), bool)
+    spec = RoutingSpec(top_k=K, capacity_factor=4.0, min_capacity=1, warmup_routing="uniform")
+
+    def fn(x, mask, router, w_in, w_out, key):
+        y, s = moe_ffn(x, mask, router, w_in, w_out, spec, warmup_key=key, warmup_active=jnp.asarray(True))
+        return y, s.tokens_per_expert
+
+    y, counts = run_on_mesh(mesh_of(2, 2, 2), fn, x, mask, router, w_in, w_out, jax.random.key(5))
+    assert int(jnp.sum(counts)) == 8 * 6 * K
+    assert not np.allclose(np.asarray(y[0]), np.asarray(y[7]))  # different shards, different routing
+    y2, _ = run_on_mesh(mesh_of(2, 2, 2), fn, x, mask, router, w_in, w_out, jax.random.key(5))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
