@@ -137,19 +137,20 @@ def main(argv: list[str] | None = None) -> int:
             step, params, routing_state = trainer.restore_params()
             m = trainer.evaluate(params, routing_state)
             print(f"step {step} | eval loss {m['eval_loss']:.4f} | eval bits/byte {m['eval_bits_per_byte']:.4f}")
-        elif args.command == "bench" and args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-            raise ConfigError(f"--json {args.json}: the directory {os.path.dirname(os.path.abspath(args.json))} "
-                              "does not exist; create it or choose another path")
-        elif args.command == "bench" and args.target == "cache":
-            from moefast.bench import cache
-
-            if args.steps < 1 or args.pairs < 1:
-                raise ConfigError(f"--steps and --pairs must be >= 1, got {args.steps} and {args.pairs}")
-            return cache.run_cli(json_out=args.json, steps=args.steps, pairs=args.pairs)
         elif args.command == "bench":
-            from moefast.bench.routing import run_cli
+            out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+            if out_dir is not None and not os.path.isdir(out_dir):
+                raise ConfigError(f"--json {args.json}: the directory {out_dir} does not exist; create it or "
+                                  "choose another path")
+            if args.target == "cache":
+                from moefast.bench import cache
 
-            return run_cli(quick=args.quick, json_out=args.json, repeats=args.repeats)
+                if args.steps < 1 or args.pairs < 1:
+                    raise ConfigError(f"--steps and --pairs must be >= 1, got {args.steps} and {args.pairs}")
+                return cache.run_cli(json_out=args.json, steps=args.steps, pairs=args.pairs)
+            from moefast.bench import routing
+
+            return routing.run_cli(quick=args.quick, json_out=args.json, repeats=args.repeats)
         elif args.command == "generate":
             if args.max_new_tokens < 1:
                 raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

@@ -388,7 +388,7 @@ class CacheConfig:
                  "true is not a directory; use 'auto' (the default), a directory, or null / false (off)")
         _require(self.compile_dir is None or bool(str(self.compile_dir).strip()), "cache.compile_dir",
                  "must be 'auto', a directory, or null / false (off); got an empty string")
-        _require(str(self.compile_dir).lower() != "none" or self.compile_dir is None, "cache.compile_dir",
+        _require(not (isinstance(self.compile_dir, str) and self.compile_dir.lower() == "none"), "cache.compile_dir",
                  f"{self.compile_dir!r} would be a directory named {self.compile_dir}; write null or false "
                  "(unquoted) to turn the cache off, or ./None for that directory")
 
@@ -402,8 +402,8 @@ class MonitorConfig:
         mean assignments per expert (max/mean load; at most ``num_experts / top_k``) ...
       patience: ... for this many consecutive log intervals; also alert when an expert gets no
         tokens for that many intervals. An alert is a warning line in the console and an
-        ``alert`` record in ``metrics.jsonl``; it repeats every ``patience`` intervals while the
-        condition lasts.
+        ``alert`` record in ``metrics.jsonl``, once per episode: the same condition alerts again
+        only after it has cleared.
     """
 
     max_load_ratio: float = 3.0

@@ -163,6 +163,10 @@ class Checkpointer:
         """Newest step listed by orbax (complete on disk, or being saved by this object)."""
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """Steps listed by orbax, oldest first."""
+        return sorted(self.manager.all_steps())
+
     def _step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
@@ -183,7 +187,7 @@ class Checkpointer:
         if not self._leftovers_checked:
             self._remove_leftovers()
             self._leftovers_checked = True
-        if int(step) in self.manager.all_steps():
+        if int(step) in self.all_steps():
             raise CheckpointError(f"checkpoint step {step} already exists in {self.directory}; it is not "
                                   "overwritten")
         meta = {"step": int(step), "config": cfg.to_dict()}
@@ -259,7 +263,7 @@ class Checkpointer:
                 return self._restore_step(abstract_state, cfg, int(step))
             except _Unreadable as e:
                 raise CheckpointError(f"checkpoint {self._step_dir(step)} could not be restored: {e.reason}") from e
-        steps = sorted(self.manager.all_steps(), reverse=True)
+        steps = self.all_steps()[::-1]
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}; train first (moefast train "
                                   f"--run-dir {self.directory.parent})")

@@ -344,6 +344,7 @@ class Trainer:
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         first_step_s = final_loss = None
         eval_metrics: dict[str, float] = {}
+        eval_at = None  # the step eval_metrics belong to
         window_t, window_steps, t_first_done = None, 0, None
         timed_steps, timed_s = 0, 0.0  # steps after the first (compiling) one, and their time
         monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience)
@@ -370,7 +371,7 @@ class Trainer:
                     f"({float(m['grad_norm'])}); update skipped ({nonfinite_in_a_row} in a row)")
                 if nonfinite_in_a_row >= tc.max_consecutive_nonfinite:
                     first_bad = step - nonfinite_in_a_row + 1
-                    before = [s for s in ckpt.manager.all_steps() if s < first_bad]
+                    before = [s for s in ckpt.all_steps() if s < first_bad]
                     good = max(before) if before else None
                     raise TrainingError(
                         f"step {step}: {nonfinite_in_a_row} consecutive steps with non-finite loss or gradients "
@@ -434,9 +435,8 @@ class Trainer:
                             handle(*pending)
                             pending = None
                         t_eval = time.perf_counter()
-                        eval_metrics = self.evaluate(state["params"], state["routing"])
-                        eval_metrics["step"] = done
-                        writer.write("eval", done, {k: v for k, v in eval_metrics.items() if k != "step"})
+                        eval_metrics, eval_at = self.evaluate(state["params"], state["routing"]), done
+                        writer.write("eval", done, eval_metrics)
                         say(f"step {done:>6} | eval loss {eval_metrics['eval_loss']:.4f} | "
                             f"eval bits/byte {eval_metrics['eval_bits_per_byte']:.4f}")
                         if window_t is not None:  # keep evaluation time out of tokens/s
@@ -458,7 +458,7 @@ class Trainer:
                 timed_steps, timed_s = timed_steps + window_steps, timed_s + (time.perf_counter() - window_t)
             tokens_per_s = tokens_per_step * timed_steps / timed_s if timed_steps else None
             if start >= last:
-                eval_metrics = self.evaluate(state["params"], state["routing"]) | {"step": start}
+                eval_metrics, eval_at = self.evaluate(state["params"], state["routing"]), start
         except BaseException:
             writer.close()
             raise
@@ -471,7 +471,7 @@ class Trainer:
         summary = TrainSummary(
             steps=end, steps_this_run=max(end - start, 0),
             final_loss=final_loss, eval_loss=eval_metrics.get("eval_loss"),
-            eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), eval_step=eval_metrics.get("step"),
+            eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), eval_step=eval_at,
             tokens_per_s=tokens_per_s, first_step_s=first_step_s, wall_s=time.perf_counter() - t_start,
             checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory,
             skipped_steps=skipped_steps, stopped_by=stopped_by)
