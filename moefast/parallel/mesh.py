@@ -33,6 +33,7 @@ __all__ = [
     "mesh_shape",
     "optimizer_spec",
     "param_specs",
+    "shardings",
 ]
 
 MESH_AXES = ("data", "fsdp", "expert")
