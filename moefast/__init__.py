@@ -2,6 +2,8 @@
 
 The public API is importable from the top level; heavy modules load on first use, so
 ``import moefast`` is cheap and leaves JAX's device setup (e.g. ``jax_num_cpu_devices``) open.
+Importing it also sets the host ``malloc`` up to keep freed memory for the next step (see
+:mod:`moefast.host_memory`): import moefast before running any JAX computation.
 
 Example::
 
@@ -11,6 +13,13 @@ Example::
 """
 
 import importlib
+
+from moefast import host_memory as _host_memory
+
+try:
+    _host_memory.configure()
+except ValueError:  # a bad $MOEFAST_HOST_MALLOC: the CLI and Trainer raise it as one clear error
+    pass
 
 __version__ = "0.1.0"
 

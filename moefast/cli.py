@@ -94,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate" and args.temperature < 0:
         print(f"error: --temperature must be >= 0 (0 = greedy), got {args.temperature}", file=sys.stderr)
         return 2
+    from moefast import host_memory
     from moefast.config import ConfigError, load_config
+
+    try:
+        host_memory.configure()  # already done by `import moefast`, unless $MOEFAST_HOST_MALLOC is invalid
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     cfg = None
     if args.command == "train":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import resource
 import signal
 import threading
 import time
@@ -24,7 +25,7 @@ import optax
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moefast import parallel
+from moefast import host_memory, parallel
 from moefast.config import ConfigError, ExperimentConfig
 from moefast.data import Corpus, eval_batches, load_corpus, train_dataset
 from moefast.parallel.distributed import assert_same_config
@@ -117,6 +118,8 @@ class TrainSummary:
     checkpoint: str | None
     memory: dict[str, int] | None = None  # bytes per device, see Trainer.memory_per_device
     skipped_steps: int = 0  # updates skipped for non-finite loss or gradients
+    page_faults_per_step: float | None = None  # minor page faults of the process per timed step (as
+    # tokens_per_s: after the first step, evaluation excluded); ~0 when host memory stays mapped
     stopped_by: str | None = None  # the signal that ended the run early (after a checkpoint)
 
     def format(self) -> str:
@@ -158,6 +161,11 @@ class Trainer:
         self.progress = progress and self.is_main
         assert_same_config(cfg.to_dict())
         self.compile_cache_dir = configure_compilation_cache(cfg.cache.compile_dir)
+        self.host_malloc = host_memory.configure()
+        if self.host_malloc == "too-late":
+            self._log("note: JAX's CPU backend started before moefast was imported, so freed host memory goes back "
+                      "to the OS after every step (about 1.3x slower on CPU): import moefast before running any "
+                      "JAX computation (in a notebook: restart the kernel and import moefast first)")
         self.mesh = parallel.make_mesh(cfg, devices)
         if cfg.moe.routing_impl == "pallas" and jax.default_backend() == "cpu" and self.mesh.size > 1:
             raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
@@ -300,7 +308,7 @@ class Trainer:
         n_params = sum(x.size for x in jax.tree.leaves(self.model_def.abstract_params))
         self._log(f"model: {n_params / 1e6:.2f}M parameters | mesh {dict(self.mesh.shape)} on "
                   f"{jax.device_count()} {jax.devices()[0].platform} device(s) | compilation cache "
-                  f"{self.compile_cache_dir or 'off'}")
+                  f"{self.compile_cache_dir or 'off'} | host malloc {self.host_malloc}")
 
         if ckpt.latest_step() is not None:
             restored = ckpt.restore(self.abstract_state(), cfg)  # fails before anything is written
@@ -347,17 +355,21 @@ class Trainer:
         eval_at = None  # the step eval_metrics belong to
         window_t, window_steps, t_first_done = None, 0, None
         timed_steps, timed_s = 0, 0.0  # steps after the first (compiling) one, and their time
+        faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        window_faults = timed_faults = 0  # page-fault count at the window's start, and faults of timed steps
         monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience)
         nonfinite_in_a_row = skipped_steps = 0
 
         def handle(step: int, metrics: dict[str, jax.Array]) -> None:
             nonlocal first_step_s, window_t, window_steps, t_first_done, final_loss, timed_steps, timed_s
+            nonlocal window_faults, timed_faults
             nonlocal nonfinite_in_a_row, skipped_steps
             m = jax.device_get(metrics)  # blocks on this step only; the next one is already queued
             now = time.perf_counter()
             final_loss = float(m["loss"])
             if t_first_done is None:
                 t_first_done = window_t = now
+                window_faults = faults()
                 first_step_s = now - t_start
             else:
                 window_steps += 1
@@ -384,9 +396,12 @@ class Trainer:
                 nonfinite_in_a_row = 0
             if step % tc.log_every == 0 or step == last:
                 rate = tokens_per_step * window_steps / (now - window_t) if window_steps else None
+                window_fault_count = faults() - window_faults
                 timed_steps, timed_s = timed_steps + window_steps, timed_s + (now - window_t)
+                timed_faults += window_fault_count
                 rec = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in m.items()}
                 rec["tokens_per_s"] = rate
+                rec["page_faults_per_step"] = window_fault_count / window_steps if window_steps else None
                 alerts = []
                 if "tokens_per_expert" in m:
                     rec.update(load_stats(m["tokens_per_expert"]))
@@ -400,7 +415,7 @@ class Trainer:
                 for alert in alerts:
                     writer.write("alert", step, alert)
                     say(f"warning: step {step}: MoE layer {alert['layer']}: {alert['reason']}")
-                window_t, window_steps = now, 0
+                window_t, window_steps, window_faults = now, 0, faults()
 
         pending = None
         stopped_by = None
@@ -434,13 +449,14 @@ class Trainer:
                         if pending is not None:
                             handle(*pending)
                             pending = None
-                        t_eval = time.perf_counter()
+                        t_eval, faults_eval = time.perf_counter(), faults()
                         eval_metrics, eval_at = self.evaluate(state["params"], state["routing"]), done
                         writer.write("eval", done, eval_metrics)
                         say(f"step {done:>6} | eval loss {eval_metrics['eval_loss']:.4f} | "
                             f"eval bits/byte {eval_metrics['eval_bits_per_byte']:.4f}")
-                        if window_t is not None:  # keep evaluation time out of tokens/s
+                        if window_t is not None:  # keep evaluation out of tokens/s and faults per step
                             window_t += time.perf_counter() - t_eval
+                            window_faults += faults() - faults_eval
                     stopped_by = stop.requested(done)  # after evaluation: a signal then stops here too
                     if stopped_by:
                         if pending is not None:
@@ -456,7 +472,9 @@ class Trainer:
                     handle(*pending)
             if window_steps:  # steps since the last log line
                 timed_steps, timed_s = timed_steps + window_steps, timed_s + (time.perf_counter() - window_t)
+                timed_faults += faults() - window_faults
             tokens_per_s = tokens_per_step * timed_steps / timed_s if timed_steps else None
+            faults_per_step = timed_faults / timed_steps if timed_steps else None
             if start >= last:
                 eval_metrics, eval_at = self.evaluate(state["params"], state["routing"]), start
         except BaseException:
@@ -474,7 +492,7 @@ class Trainer:
             eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), eval_step=eval_at,
             tokens_per_s=tokens_per_s, first_step_s=first_step_s, wall_s=time.perf_counter() - t_start,
             checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory,
-            skipped_steps=skipped_steps, stopped_by=stopped_by)
+            skipped_steps=skipped_steps, stopped_by=stopped_by, page_faults_per_step=faults_per_step)
         writer.write("summary", summary.steps, {k: v for k, v in dataclasses.asdict(summary).items()
                                                 if k not in ("steps", "memory")})
         writer.close()
