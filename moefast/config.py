@@ -142,9 +142,13 @@ class MoEConfig:
         ``ceil(capacity_factor * tokens * top_k / num_experts)`` clamped to ``[min_capacity, tokens]``
         (GShard, Lepikhin et al. 2020, sec. 2.2), where ``tokens`` counts the tokens of one routing
         group (the tokens on one device). ``None`` means the default, 1.25. **0 means dropless**:
-        every assignment is computed (a sort-free permutation by expert plus grouped matmuls,
-        ``jax.lax.ragged_dot``; with an expert axis > 1, buffers padded to the group's tokens).
-        On CPU ``ragged_dot`` does dense work (≈ E× the FLOPs): dropless is for accelerators.
+        every assignment is computed (a sort-free permutation by expert plus grouped matmuls, see
+        ``grouped_matmul``; with an expert axis > 1, buffers padded to the group's tokens).
+      grouped_matmul: the experts' grouped matmul of the dropless path (and of evaluation, which
+        never drops), ``moefast.kernels.grouped_matmul``: ``"ragged_dot"`` (``jax.lax.ragged_dot``:
+        grouped kernels on GPU/TPU, but dense work on XLA:CPU, ≈ E× the FLOPs), ``"tiled"`` (the real
+        rows plus less than 128 rows per expert, in 512-row tiles with a run-time trip count; for
+        CPU) or ``"auto"`` (``tiled`` on CPU, ``ragged_dot`` elsewhere).
       min_capacity: lower bound of the capacity, in slots.
       routing_policy: which assignments keep their slots when an expert is over capacity:
         ``"position"`` (GShard order: earlier choices and earlier tokens first) or ``"priority"``
@@ -182,6 +186,7 @@ class MoEConfig:
     top_k: int = 2
     capacity_factor: float | None = None
     min_capacity: int = 4
+    grouped_matmul: Literal["auto", "ragged_dot", "tiled"] = "auto"
     routing_policy: Literal["position", "priority"] = "position"
     routing_impl: Literal["auto", "reference", "pallas"] = "auto"
     capacity_mode: Literal["static", "dynamic"] = "static"

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moefast import routing
+from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.parallel.mesh import BATCH_AXES
 
 __all__ = ["MoEStats", "RoutingSpec", "expert_ffn", "moe_ffn"]
@@ -87,6 +88,7 @@ class RoutingSpec:
     capacity_factor_max: float = 2.0
     warmup_routing: str = "noise"  # or "uniform"; applied only while the step's warm-up flag is on
     warmup_noise: float = 1.0
+    grouped_matmul: str = "auto"  # dropless / evaluation experts: "auto" | "ragged_dot" | "tiled"
 
 
 def _shard_index(axes: tuple[str, ...]) -> jax.Array:
@@ -121,20 +123,24 @@ def _capacity(spec: RoutingSpec, num_tokens: int, num_experts: int, load_ema, dr
     return c_max, jnp.clip(want, c_min, c_max).astype(jnp.int32)
 
 
-def _dropless_ragged(x_td, r, w_in_edf, w_out_efd, dtype):
+def _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, impl: str):
     """Dropless experts without capacity padding: tokens permuted by expert with the
-    position-order slots (no sort), grouped matmuls (``jax.lax.ragged_dot``), permuted back."""
+    position-order slots (no sort), grouped matmuls (:func:`moefast.kernels.grouped_matmul`, ``impl``),
+    permuted back."""
     t, d = x_td.shape
     k = r.expert_index.shape[1]
     counts = r.tokens_per_expert
     offsets = jnp.cumsum(counts) - counts
     dest_tk = jnp.where(r.slot >= 0, offsets[r.expert_index] + r.slot, t * k)  # t*k: masked, dropped
-    src = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
-    x_sorted = jnp.zeros((t * k, d), dtype).at[dest_tk.reshape(-1)].set(
-        x_td[src.reshape(-1)].astype(dtype), mode="drop", unique_indices=True)
-    h = jax.lax.ragged_dot(x_sorted, w_in_edf.astype(dtype), counts)
+    # Which token fills each row: a scatter of T*K ints, then one gather of the rows (a float
+    # scatter of the rows themselves is several times slower on XLA:CPU). Row T is the zero row.
+    token_tk = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], (t, k))
+    src_n = jnp.full((t * k,), t, jnp.int32).at[dest_tk.reshape(-1)].set(
+        token_tk.reshape(-1), mode="drop", unique_indices=True)
+    x_sorted = jnp.concatenate([x_td.astype(dtype), jnp.zeros((1, d), dtype)])[src_n]
+    h = grouped_matmul(x_sorted, w_in_edf.astype(dtype), counts, impl=impl)
     gate, up = jnp.split(h, 2, axis=-1)
-    y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_out_efd.astype(dtype), counts)
+    y_sorted = grouped_matmul(jax.nn.silu(gate) * up, w_out_efd.astype(dtype), counts, impl=impl)
     return routing.combine_rows(y_sorted, dest_tk, r)
 
 
@@ -150,8 +156,8 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     r = routing.route(logits_te, top_k=spec.top_k, capacity=capacity, mask_t=mask_t, policy=spec.policy,
                       impl=spec.impl, bias=bias_e, capacity_limit=limit)
 
-    if spec.capacity_factor == 0 and ep == 1:
-        y_td = _dropless_ragged(x_td, r, w_in_edf, w_out_efd, dtype)
+    if (spec.capacity_factor == 0 or not drop_tokens) and ep == 1:  # nothing drops: no capacity padding
+        y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, spec.grouped_matmul)
     else:
         x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
         if ep > 1:

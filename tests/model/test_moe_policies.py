@@ -34,18 +34,20 @@ def apply(layer, x, mask, **kw):
     return y, s, g
 
 
-@pytest.mark.parametrize("t,e,k", [(1, 4, 2), (13, 4, 2), (32, 8, 2), (20, 3, 1)])
-def test_dropless_matches_loop_reference_and_dense_path(t, e, k):
-    layer = layer_with(e=e, k=k, cf=0.0)
+@pytest.mark.parametrize("gmm", ["tiled", "ragged_dot"])
+@pytest.mark.parametrize("t,e,k", [(1, 4, 2), (13, 4, 2), (32, 8, 2), (20, 3, 1), (300, 2, 2)])
+def test_dropless_matches_loop_reference_and_dense_path(t, e, k, gmm):
+    layer = layer_with(e=e, k=k, cf=0.0, grouped_matmul=gmm)
     x = jnp.asarray(np.random.default_rng(t).normal(size=(1, t, 16)).astype(np.float32))
     mask = jnp.ones((1, t), bool).at[0, t // 2].set(t == 1)  # one padding token (except t=1)
     y, s, g = apply(layer, x, mask)
     ref, kept = loop_reference(layer, np.asarray(x[0]), capacity=t, mask=np.asarray(mask[0]))
     np.testing.assert_allclose(np.asarray(y[0]), ref, rtol=2e-5, atol=2e-6)
     assert float(s.dropped_fraction) == 0.0
-    # The ragged (sort-free permutation + grouped matmul) path equals the padded capacity=T path.
-    dense = layer_with(e=e, k=k, cf=1.0)
-    y2, s2, g2 = apply(dense, x, mask, drop_tokens=False)
+    # The grouped path (sort-free permutation + grouped matmul) equals the padded path with
+    # capacity = T (a capacity factor of E makes every expert's capacity the whole group).
+    dense = layer_with(e=e, k=k, cf=float(e))
+    y2, s2, g2 = apply(dense, x, mask)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y2), rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
