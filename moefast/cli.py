@@ -66,15 +66,28 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
-    b.add_argument("target", choices=["routing", "cache"],
+    b.add_argument("target", choices=["routing", "cache", "peers"],
                    help="routing: routing + dispatch + combine, forward+backward; cache: step time with "
-                        "cached tables on vs off and time to first step with a cold vs warm compilation cache")
+                        "cached tables on vs off and time to first step with a cold vs warm compilation cache; "
+                        "peers: tokens/s of moefast (bare compiled step and moefast train) vs Hugging Face "
+                        "transformers' Mixtral with the same shapes and batches on this machine (needs "
+                        "pip install -c constraints.txt -e '.[peers]')")
+    b.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="peers: config overrides for the moefast side (the HF model follows its shapes)")
+    b.add_argument("--config", default=None, help="peers: YAML config (default: configs/tiny.yaml)")
     b.add_argument("--quick", action="store_true",
                    help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
     b.add_argument("--repeats", type=int, default=5, help="routing: timed runs per point; the median is reported")
-    b.add_argument("--steps", type=int, default=10, help="cache: timed train steps per variant (default 10)")
+    b.add_argument("--steps", type=int, default=None,
+                   help="cache: timed train steps per variant (default 10); peers: timed steps per side and "
+                        "round (default 30; with --profile: unprofiled timed steps before 3 profiled ones)")
     b.add_argument("--pairs", type=int, default=2, help="cache: cold/warm process pairs (default 2)")
+    b.add_argument("--rounds", type=int, default=3,
+                   help="peers: rounds of the three sides, each side a fresh process (default 3)")
+    b.add_argument("--profile", default=None, metavar="DIR",
+                   help="peers: instead of the rounds, one profiled process per side (jax.profiler / "
+                        "torch.profiler); time per step by kind of work in DIR/profile.md, traces in DIR")
     b.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     return p
 
@@ -83,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may sit anywhere among the options: argparse leaves the ones after an option here.
-    strays = [a for a in extra if args.command != "train" or a.startswith("-") or "=" not in a]
+    strays = [a for a in extra if args.command not in ("train", "bench") or a.startswith("-") or "=" not in a]
     if strays:
         parser.error(f"unrecognized arguments: {' '.join(strays)}")
-    if args.command == "train":
+    if args.command in ("train", "bench"):
         args.overrides = [*args.overrides, *extra]
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"error: --cpu-devices must be >= 1, got {args.cpu_devices}", file=sys.stderr)
@@ -149,12 +162,28 @@ def main(argv: list[str] | None = None) -> int:
             if out_dir is not None and not os.path.isdir(out_dir):
                 raise ConfigError(f"--json {args.json}: the directory {out_dir} does not exist; create it or "
                                   "choose another path")
+            if args.target != "peers" and (args.overrides or args.config):
+                raise ConfigError(f"--config and section.key=value overrides apply to bench peers only, not to "
+                                  f"bench {args.target}")
+            if args.target == "peers":
+                from moefast.bench import peers
+
+                steps = 30 if args.steps is None else args.steps
+                if steps < 1 or args.rounds < 1:
+                    raise ConfigError(f"--steps and --rounds must be >= 1, got {steps} and {args.rounds}")
+                if args.profile is not None and args.json:
+                    raise ConfigError("--profile writes DIR/profile.json and DIR/profile.md itself; drop --json")
+                if args.profile is not None and os.path.exists(args.profile) and not os.path.isdir(args.profile):
+                    raise ConfigError(f"--profile {args.profile} exists and is not a directory; choose another path")
+                return peers.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
+                                     overrides=args.overrides, profile_dir=args.profile, cpu_devices=args.cpu_devices)
             if args.target == "cache":
                 from moefast.bench import cache
 
-                if args.steps < 1 or args.pairs < 1:
-                    raise ConfigError(f"--steps and --pairs must be >= 1, got {args.steps} and {args.pairs}")
-                return cache.run_cli(json_out=args.json, steps=args.steps, pairs=args.pairs)
+                steps = 10 if args.steps is None else args.steps
+                if steps < 1 or args.pairs < 1:
+                    raise ConfigError(f"--steps and --pairs must be >= 1, got {steps} and {args.pairs}")
+                return cache.run_cli(json_out=args.json, steps=steps, pairs=args.pairs)
             from moefast.bench import routing
 
             return routing.run_cli(quick=args.quick, json_out=args.json, repeats=args.repeats)
