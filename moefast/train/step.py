@@ -171,10 +171,16 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     tx = make_optimizer(cfg)
     grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    routing_state = update_routing_state(cfg, state["routing"], moe)
-    keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    def update(old):
+        params, opt_state, routing_state = old
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, update_routing_state(cfg, routing_state, moe)
+
+    # A conditional, not a select between new and old state: the update then runs in place on the
+    # donated buffers (a jnp.where over the state made XLA copy the optimizer state every step).
+    params, opt_state, routing_state = jax.lax.cond(
+        finite, update, lambda old: old, (state["params"], state["opt_state"], state["routing"]))
     metrics = {
         "loss": ce,
         "total_loss": loss,
@@ -191,10 +197,10 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
         metrics["router_entropy"] = moe.router_entropy
         metrics["aux_loss_per_layer"] = moe.aux_loss
         metrics["z_loss_per_layer"] = moe.z_loss
-    new_state = {"params": keep_if_bad(params, state["params"]),
-                 "opt_state": keep_if_bad(opt_state, state["opt_state"]),
+    new_state = {"params": params,
+                 "opt_state": opt_state,
                  "step": step + 1,
-                 "routing": keep_if_bad(routing_state, state["routing"])}
+                 "routing": routing_state}
     return new_state, metrics
 
 
