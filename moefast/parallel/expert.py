@@ -195,8 +195,8 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
       router_de: [D, E] router weights (used in float32).
       w_in_edf: [E, D, 2F]; w_out_efd: [E, F, D] — split over ``expert`` under a mesh.
       spec: static routing configuration; capacities count the tokens of one device.
-      drop_tokens: False sets capacity = tokens per device, so nothing drops (evaluation,
-        generation).
+      drop_tokens: False: nothing drops (evaluation, generation): the dropless grouped-matmul path
+        without an expert axis, capacity = tokens per device with one.
       dtype: compute dtype of the experts.
       bias_e: [E] float32 selection bias (aux-loss-free balancing); ``None``: none.
       load_ema_e: [E] float32 average share of assignments per expert (dynamic capacity).
