@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import jax
+
+from moefast.bench.process import train_process
 
 __all__ = ["CacheBenchResult", "bench_cache", "first_step_times", "format_table", "step_times"]
 
@@ -88,16 +87,8 @@ def step_times(cfg, steps: int) -> tuple[float, float]:
 
 
 def _launch(run_dir: Path, compile_dir: Path, overrides: list[str], config: str | None) -> tuple[float, float]:
-    cmd = [sys.executable, "-m", "moefast", "train", "--run-dir", str(run_dir), "--no-progress",
-           *(["--config", config] if config else []), *overrides,
-           "train.steps=1", "train.eval_every=0", "train.eval_batches=1", f"cache.compile_dir={compile_dir}"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = [r for r in records if r["kind"] == "summary"][-1]
+    summary, wall = train_process(run_dir, [*overrides, "train.steps=1", "train.eval_every=0", "train.eval_batches=1",
+                                            f"cache.compile_dir={compile_dir}"], config)
     return float(summary["first_step_s"]), wall
 
 

@@ -209,17 +209,11 @@ def _run_child(kind: str, spec: dict[str, Any], tmp: Path, tag: str) -> dict[str
 def _run_train(run_dir: Path, steps: int, config: str | None, overrides: list[str],
                cpu_devices: int | None) -> tuple[dict[str, Any], float]:
     """A real ``moefast train`` process; returns its run summary record and its wall time."""
-    cmd = [sys.executable, "-m", "moefast", "train", "--run-dir", str(run_dir), "--no-progress",
-           *(["--config", config] if config else []), *(["--cpu-devices", str(cpu_devices)] if cpu_devices else []),
-           *overrides, f"train.steps={steps}", "train.stop_at=null", f"train.log_every={steps}",
-           "train.eval_every=0", "train.eval_batches=1", "train.checkpoint_every=0"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if r["kind"] == "summary"][-1], wall
+    from moefast.bench.process import train_process
+
+    return train_process(run_dir, [*(["--cpu-devices", str(cpu_devices)] if cpu_devices else []), *overrides,
+                                   f"train.steps={steps}", "train.stop_at=null", f"train.log_every={steps}",
+                                   "train.eval_every=0", "train.eval_batches=1", "train.checkpoint_every=0"], config)
 
 
 def _prepare(config: str | None, overrides: list[str], tmp: Path, batches: int) -> tuple[Any, dict[str, Any]]:

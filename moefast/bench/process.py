@@ -1,0 +1,39 @@
+"""A real ``moefast train`` process, as the benchmarks launch it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["train_process"]
+
+
+def train_process(run_dir: Path, args: list[str], config: str | None = None) -> tuple[dict[str, Any], float]:
+    """Runs ``python -m moefast train --run-dir RUN_DIR --no-progress [--config CONFIG] ARGS``.
+
+    Args:
+      run_dir: the run directory (its ``metrics.jsonl`` is read afterwards).
+      args: further options and ``section.key=value`` overrides, in order (later ones win).
+      config: YAML config path, or ``None`` for the default.
+
+    Returns:
+      ``(summary, wall_s)``: the run's last ``summary`` record of ``metrics.jsonl`` and the wall time
+      of the whole process, in seconds.
+
+    Raises:
+      RuntimeError: the process failed (the message ends with its stderr).
+    """
+    cmd = [sys.executable, "-m", "moefast", "train", "--run-dir", str(run_dir), "--no-progress",
+           *(["--config", config] if config else []), *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "summary"][-1], wall
