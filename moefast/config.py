@@ -144,8 +144,8 @@ class MoEConfig:
         group (the tokens on one device). ``None`` means the default, 1.25. **0 means dropless**:
         every assignment is computed (a sort-free permutation by expert plus grouped matmuls, see
         ``grouped_matmul``; with an expert axis > 1, buffers padded to the group's tokens).
-      grouped_matmul: the experts' grouped matmul of the dropless path (and of evaluation, which
-        never drops), ``moefast.kernels.grouped_matmul``: ``"ragged_dot"`` (``jax.lax.ragged_dot``:
+      grouped_matmul: the experts' grouped matmul of the dropless path,
+        ``moefast.kernels.grouped_matmul``: ``"ragged_dot"`` (``jax.lax.ragged_dot``:
         grouped kernels on GPU/TPU, but dense work on XLA:CPU, ≈ E× the FLOPs), ``"tiled"`` (the real
         rows plus less than 128 rows per expert, in 512-row tiles with a run-time trip count; for
         CPU) or ``"auto"`` (``tiled`` on CPU, ``ragged_dot`` elsewhere).

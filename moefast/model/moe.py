@@ -58,9 +58,8 @@ class MoELayer(nnx.Module):
             mesh is set).
           mask_bt: [B, T] bool, False for padding (never routed, counted nowhere).
           drop_tokens: True: capacity from ``capacity_factor`` (assignments beyond it are dropped and
-            give exactly 0). False: nothing drops (the dropless grouped-matmul path on one device,
-            capacity = tokens per device with an expert axis), so each token's output does not
-            depend on the rest of the batch (evaluation, generation).
+            give exactly 0). False: capacity = tokens per device, so nothing drops and each token's
+            output does not depend on the rest of the batch (evaluation, generation).
           bias_e: [E] float32 aux-loss-free selection bias of this layer (train state).
           load_ema_e: [E] float32 load average of this layer (dynamic capacity; train state).
           warmup_key, warmup_active: expert warm-up noise key of this layer and [] bool flag (see

@@ -156,7 +156,7 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     r = routing.route(logits_te, top_k=spec.top_k, capacity=capacity, mask_t=mask_t, policy=spec.policy,
                       impl=spec.impl, bias=bias_e, capacity_limit=limit)
 
-    if (spec.capacity_factor == 0 or not drop_tokens) and ep == 1:  # nothing drops: no capacity padding
+    if spec.capacity_factor == 0 and ep == 1:
         y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, spec.grouped_matmul)
     else:
         x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
@@ -195,8 +195,8 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
       router_de: [D, E] router weights (used in float32).
       w_in_edf: [E, D, 2F]; w_out_efd: [E, F, D] — split over ``expert`` under a mesh.
       spec: static routing configuration; capacities count the tokens of one device.
-      drop_tokens: False: nothing drops (evaluation, generation): the dropless grouped-matmul path
-        without an expert axis, capacity = tokens per device with one.
+      drop_tokens: False sets capacity = tokens per device, so nothing drops (evaluation,
+        generation).
       dtype: compute dtype of the experts.
       bias_e: [E] float32 selection bias (aux-loss-free balancing); ``None``: none.
       load_ema_e: [E] float32 average share of assignments per expert (dynamic capacity).
