@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             if out_dir is not None and not os.path.isdir(out_dir):
                 raise ConfigError(f"--json {args.json}: the directory {out_dir} does not exist; create it or "
                                   "choose another path")
+            if args.json and (os.path.isdir(args.json) or args.json.endswith(".md")):
+                raise ConfigError(f"--json {args.json}: give a file name for the JSON records (e.g. out.json); the "
+                                  "markdown table is written next to it with the suffix .md")
             if args.target != "peers" and (args.overrides or args.config):
                 raise ConfigError(f"--config and section.key=value overrides apply to bench peers only, not to "
                                   f"bench {args.target}")

@@ -106,6 +106,8 @@ def test_overrides_may_sit_among_options_and_steps_change_is_reported(trained_ru
     (["train", "data.source={corrupt}"], "a.jsonl:2: not valid JSON"),
     (["train", "cache.compile_dir=None"], "write null or false (unquoted) to turn the cache off"),
     (["bench", "cache", "--json", "/nonexistent/dir/x.json"], "the directory /nonexistent/dir does not exist"),
+    (["bench", "routing", "--json", "/tmp/table.md"], "give a file name for the JSON records"),
+    (["bench", "cache", "--json", "/tmp"], "give a file name for the JSON records"),
 ])
 def test_bad_input_gets_one_clear_error(args, message, tmp_path):
     (tmp_path / "empty").mkdir()
