@@ -798,6 +798,29 @@ def _timed(step: Callable[[int], None], first: int, steps: int) -> tuple[dict[st
             "minor_faults_per_step": (f1 - f0) / steps}, times
 
 
+def _warm_timed_profiled(step: Callable[[int], None], spec: dict[str, Any], profiler: Callable[[], Any]):
+    """Warm-up steps, the timed steps (:func:`_timed`) and, with ``spec["profile_dir"]``, the
+    profiled steps inside ``profiler()`` (a context manager factory).
+
+    Returns:
+      ``(timing, out, prof)``: the timing dict, ``{"profiled_step_s": ...}`` (or ``{}``) and what
+      the profiler's ``__enter__`` returned (or ``None``).
+    """
+    for i in range(spec["warmup"]):
+        step(i)
+    timing, _ = _timed(step, spec["warmup"], spec["steps"])
+    out: dict[str, Any] = {}
+    prof = None
+    if spec.get("profile_dir"):
+        first = spec["warmup"] + spec["steps"]
+        with profiler() as prof:
+            t0 = time.perf_counter()
+            for i in range(first, first + spec["profile_steps"]):
+                step(i)
+            out["profiled_step_s"] = (time.perf_counter() - t0) / spec["profile_steps"]
+    return timing, out, prof
+
+
 def _child_moefast(spec: dict[str, Any]) -> dict[str, Any]:
     import moefast  # noqa: F401  (first: its host malloc settings must precede JAX's threads)
     from moefast import host_memory
@@ -827,17 +850,9 @@ def _child_moefast(spec: dict[str, Any]) -> dict[str, Any]:
             box["state"], box["metrics"] = step_fn(box["state"], batches[i % n], trainer.base_key)
             jax.block_until_ready((box["state"], box["metrics"]))
 
-        for i in range(spec["warmup"]):
-            step(i)
-        timing, _ = _timed(step, spec["warmup"], spec["steps"])
-        out: dict[str, Any] = {}
+        timing, out, _ = _warm_timed_profiled(
+            step, spec, lambda: jax.profiler.trace(spec["profile_dir"], create_perfetto_trace=True))
         if spec.get("profile_dir"):
-            first = spec["warmup"] + spec["steps"]
-            with jax.profiler.trace(spec["profile_dir"], create_perfetto_trace=True):
-                t0 = time.perf_counter()
-                for i in range(first, first + spec["profile_steps"]):
-                    step(i)
-                out["profiled_step_s"] = (time.perf_counter() - t0) / spec["profile_steps"]
             traces = sorted(glob.glob(os.path.join(spec["profile_dir"], "**", "*.trace.json.gz"), recursive=True),
                             key=os.path.getmtime)
             if not traces:
@@ -894,19 +909,10 @@ def _child_hf(spec: dict[str, Any]) -> dict[str, Any]:
             opt.zero_grad()
         box["loss"] = ce.detach()
 
-    for i in range(spec["warmup"]):
-        step(i)
-    timing, _ = _timed(step, spec["warmup"], spec["steps"])
-    out: dict[str, Any] = {}
-    if spec.get("profile_dir"):
-        from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile
 
-        first = spec["warmup"] + spec["steps"]
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            for i in range(first, first + spec["profile_steps"]):
-                step(i)
-            out["profiled_step_s"] = (time.perf_counter() - t0) / spec["profile_steps"]
+    timing, out, prof = _warm_timed_profiled(step, spec, lambda: profile(activities=[ProfilerActivity.CPU]))
+    if spec.get("profile_dir"):
         trace = os.path.join(spec["profile_dir"], "hf_trace.json")
         prof.export_chrome_trace(trace)
         out["profile"] = torch_profile_times(prof.events(), spec["profile_steps"], _OPT_RANGE)

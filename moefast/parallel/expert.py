@@ -88,7 +88,7 @@ class RoutingSpec:
     capacity_factor_max: float = 2.0
     warmup_routing: str = "noise"  # or "uniform"; applied only while the step's warm-up flag is on
     warmup_noise: float = 1.0
-    grouped_matmul: str = "auto"  # dropless / evaluation experts: "auto" | "ragged_dot" | "tiled"
+    grouped_matmul: str = "auto"  # dropless experts: "auto" | "ragged_dot" | "tiled"
 
 
 def _shard_index(axes: tuple[str, ...]) -> jax.Array:
