@@ -149,6 +149,14 @@ class MoEConfig:
         grouped kernels on GPU/TPU, but dense work on XLA:CPU, ≈ E× the FLOPs), ``"tiled"`` (the real
         rows plus less than 128 rows per expert, in 512-row tiles with a run-time trip count; for
         CPU) or ``"auto"`` (``tiled`` on CPU, ``ragged_dot`` elsewhere).
+      overlap_chunks: n, chunks of the expert-parallel exchange (expert axis > 1; ignored without
+        one): each device's [E, C, D] buffer is split along capacity into n independent dispatch
+        ``all_to_all`` → experts → return ``all_to_all`` chains, so communication can overlap the
+        experts' compute. The capacity is rounded up to a multiple of n. At the same capacity,
+        routing and losses are bitwise those of n = 1, outputs and gradients equal to float
+        rounding (``moefast.parallel.expert.exchange_experts``).
+      overlap_chain: tie chunk i's dispatch to chunk i-2's expert output
+        (``jax.lax.optimization_barrier``), so at most two chunks' buffers are in flight.
       min_capacity: lower bound of the capacity, in slots.
       routing_policy: which assignments keep their slots when an expert is over capacity:
         ``"position"`` (GShard order: earlier choices and earlier tokens first) or ``"priority"``
@@ -187,6 +195,8 @@ class MoEConfig:
     capacity_factor: float | None = None
     min_capacity: int = 4
     grouped_matmul: Literal["auto", "ragged_dot", "tiled"] = "auto"
+    overlap_chunks: int = 1
+    overlap_chain: bool = False
     routing_policy: Literal["position", "priority"] = "position"
     routing_impl: Literal["auto", "reference", "pallas"] = "auto"
     capacity_mode: Literal["static", "dynamic"] = "static"
@@ -225,6 +235,8 @@ class MoEConfig:
         _require(self.aux_free_bias_rate >= 0, "moe.aux_free_bias_rate",
                  f"must be >= 0, got {self.aux_free_bias_rate}")
         _require(self.min_capacity >= 1, "moe.min_capacity", f"must be >= 1, got {self.min_capacity}")
+        _require(self.overlap_chunks >= 1, "moe.overlap_chunks",
+                 f"must be >= 1 (1 = one exchange, no chunking), got {self.overlap_chunks}")
         _require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", f"must be >= 0, got {self.aux_loss_coef}")
         _require(self.z_loss_coef >= 0, "moe.z_loss_coef", f"must be >= 0, got {self.z_loss_coef}")
         _require(self.warmup_steps >= 0, "moe.warmup_steps", f"must be >= 0, got {self.warmup_steps}")

@@ -10,6 +10,17 @@ gates. Capacity and every buffer shape are static (from the config and the per-d
 identical on every device and process, so collectives never see data-dependent shapes. With an
 expert axis of size 1 no collective is issued. Routing statistics are summed over every token axis,
 so the losses are those of the global batch whatever the mesh.
+
+Overlap (``moe.overlap_chunks`` = n, expert axis > 1): the [E, C, D] send buffer is split into n
+chunks of C/n slots, and each chunk has its own chain dispatch ``all_to_all`` → local experts →
+return ``all_to_all``, written as n independent chains (a Python loop), so XLA's scheduler can run
+chunk i+1's dispatch while chunk i's experts compute and chunk i's return while chunk i+1 computes
+(Tutel's ``a2a_ffn_overlap_degree``, Hwang et al. 2023). The capacity is rounded up to a
+multiple of n (:func:`exchange_capacity`); AD chunks the backward pass the same way. Routing and
+losses are bitwise those of n = 1; outputs and gradients equal them to float rounding (the experts'
+matmuls see C/n instead of C rows, and XLA's dot kernels round differently for different row
+counts: :func:`exchange_experts`). ``moe.overlap_chain`` ties chunk i's dispatch to chunk i-2's
+expert output (``jax.lax.optimization_barrier``): at most two chunks' buffers are in flight.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from moefast import routing
 from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.parallel.mesh import BATCH_AXES
 
-__all__ = ["MoEStats", "RoutingSpec", "expert_ffn", "moe_ffn"]
+__all__ = ["MoEStats", "RoutingSpec", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
 
 EXPERT_AXIS = "expert"
 
@@ -74,6 +85,49 @@ def _from_experts(y_lcd: jax.Array, ep: int) -> jax.Array:
     return y.reshape(ep * el, c, d)
 
 
+def exchange_capacity(capacity: int, chunks: int) -> int:
+    """Capacity used with ``chunks`` overlap chunks: ``capacity`` rounded up to a multiple of
+    ``chunks``, so the buffer splits evenly (at most ``chunks - 1`` more slots per expert)."""
+    return -(-capacity // chunks) * chunks
+
+
+def exchange_experts(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, dtype, *, ep: int,
+                     chunks: int = 1, chain: bool = False) -> jax.Array:
+    """Expert-parallel SwiGLU experts of one device's send buffer, inside ``jax.shard_map`` over
+    an ``expert`` axis of size ``ep``: ``chunks`` independent dispatch → experts → return chains.
+
+    Args:
+      x_ecd: [E, C, D] this device's tokens by destination expert (C divisible by ``chunks``).
+      w_in_edf: [El, D, 2F], w_out_efd: [El, F, D]: this device's El = E / ep experts.
+      dtype: compute dtype of the experts.
+      ep: size of the ``expert`` mesh axis (> 1).
+      chunks: n, independent exchanges along the capacity axis (1: one exchange each way).
+      chain: tie chunk i's dispatch to chunk i-2's expert output with
+        ``jax.lax.optimization_barrier`` (at most two chunks' buffers in flight).
+
+    Returns:
+      [E, C, D] in ``dtype``: each slot's expert output, back on this device. The exchange moves
+      data exactly; the experts' matmuls run on C/n instead of C slots per source device, and XLA's
+      dot kernels round differently for different row counts, so results equal n = 1 to float
+      rounding (not bitwise). AD transposes each chain into its own chain (the backward pass is
+      chunked the same way).
+
+    Raises:
+      ValueError: C not divisible by ``chunks``, or ``chunks`` < 1.
+    """
+    e, c, _ = x_ecd.shape
+    if chunks < 1 or c % chunks:
+        raise ValueError(f"capacity {c} must be divisible by overlap_chunks={chunks} >= 1 (see exchange_capacity)")
+    cn = c // chunks
+    outs = []
+    for i in range(chunks):
+        xc = x_ecd[:, i * cn:(i + 1) * cn]
+        if chain and i >= 2:  # chunk i leaves only once chunk i-2's experts are done
+            xc, _ = jax.lax.optimization_barrier((xc, outs[i - 2]))
+        outs.append(_from_experts(expert_ffn(_to_experts(xc, ep), w_in_edf, w_out_efd, dtype), ep))
+    return outs[0] if chunks == 1 else jnp.concatenate(outs, axis=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class RoutingSpec:
     """Static routing configuration of an MoE layer (hashable; see :class:`moefast.config.MoEConfig`)."""
@@ -89,6 +143,8 @@ class RoutingSpec:
     warmup_routing: str = "noise"  # or "uniform"; applied only while the step's warm-up flag is on
     warmup_noise: float = 1.0
     grouped_matmul: str = "auto"  # dropless experts: "auto" | "ragged_dot" | "tiled"
+    overlap_chunks: int = 1  # expert exchange chunks (expert axis > 1 only)
+    overlap_chain: bool = False
 
 
 def _shard_index(axes: tuple[str, ...]) -> jax.Array:
@@ -111,14 +167,16 @@ def _warmup_logits(logits_te, key, active, spec: RoutingSpec, token_axes: tuple[
     return jnp.where(active, noisy, logits_te)
 
 
-def _capacity(spec: RoutingSpec, num_tokens: int, num_experts: int, load_ema, drop_tokens: bool):
-    """Buffer capacity (static int) and the optional dynamic per-expert limit [E] int32."""
+def _capacity(spec: RoutingSpec, num_tokens: int, num_experts: int, load_ema, drop_tokens: bool, chunks: int):
+    """Buffer capacity (static int; a multiple of ``chunks``) and the optional dynamic per-expert
+    limit [E] int32."""
     if not drop_tokens or spec.capacity_factor == 0:
-        return num_tokens, None  # an expert receives each token at most once: nothing drops
+        # an expert receives each token at most once: nothing drops
+        return exchange_capacity(num_tokens, chunks), None
     cap = lambda cf: routing.compute_capacity(num_tokens, num_experts, spec.top_k, cf, spec.min_capacity)
     if spec.capacity_mode == "static" or load_ema is None:
-        return cap(spec.capacity_factor), None
-    c_max, c_min = cap(spec.capacity_factor_max), cap(spec.capacity_factor_min)
+        return exchange_capacity(cap(spec.capacity_factor), chunks), None
+    c_max, c_min = exchange_capacity(cap(spec.capacity_factor_max), chunks), cap(spec.capacity_factor_min)
     want = jnp.ceil(spec.capacity_factor * num_tokens * spec.top_k * load_ema)
     return c_max, jnp.clip(want, c_min, c_max).astype(jnp.int32)
 
@@ -149,7 +207,8 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     b, t, d = x_btd.shape
     num_experts = router_de.shape[1]
     x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
-    capacity, limit = _capacity(spec, b * t, num_experts, load_ema_e, drop_tokens)
+    chunks = spec.overlap_chunks if ep > 1 else 1  # no exchange, nothing to overlap
+    capacity, limit = _capacity(spec, b * t, num_experts, load_ema_e, drop_tokens, chunks)
     logits_te = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
     if warmup:  # (key, active)
         logits_te = _warmup_logits(logits_te, *warmup, spec, reduce_axes)
@@ -161,7 +220,8 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     else:
         x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
         if ep > 1:
-            y_ecd = _from_experts(expert_ffn(_to_experts(x_ecd, ep), w_in_edf, w_out_efd, dtype), ep)
+            y_ecd = exchange_experts(x_ecd, w_in_edf, w_out_efd, dtype, ep=ep, chunks=chunks,
+                                     chain=spec.overlap_chain)
         else:
             y_ecd = expert_ffn(x_ecd, w_in_edf, w_out_efd, dtype)
         y_td = routing.combine(y_ecd, r)

@@ -1,4 +1,5 @@
-"""Expert parallelism: the sharded MoE layer and train step equal the single-device reference."""
+"""Expert parallelism: the sharded MoE layer and train step equal the single-device reference; the
+chunked expert exchange (the overlap lever) equals the unchunked one bit for bit."""
 
 import functools
 
@@ -8,8 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moefast.config import load_config
+from moefast.config import ConfigError, load_config
 from moefast.parallel import MESH_AXES, RoutingSpec, make_mesh, moe_ffn
+from moefast.parallel.expert import exchange_capacity
+from moefast.parallel.hlo import HloModule, collectives, format_collectives
 from moefast.train import ModelDef
 from moefast.train.step import loss_fn
 
@@ -147,3 +150,129 @@ def test_warmup_noise_under_expert_parallelism_differs_per_shard(devices):
     assert not np.allclose(np.asarray(y[0]), np.asarray(y[7]))  # different shards, different routing
     y2, _ = run_on_mesh(mesh_of(2, 2, 2), fn, x, mask, router, w_in, w_out, jax.random.key(5))
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
+
+
+# ------------------------------------------------------------------ overlap: chunked expert exchange
+OVERLAP_MESHES = [(1, 1, 8), (2, 1, 4), (4, 1, 2), (2, 2, 2)]  # (data, fsdp, expert)
+
+
+def overlap_inputs(batch=8, t=16, seed=1):
+    x = jax.random.normal(jax.random.key(seed), (batch, t, D))
+    return x, jnp.ones((batch, t), bool).at[3, 9:].set(False)  # a little padding
+
+
+def loss_and_grads(x, mask, router, w_in, w_out, *, chunks, chain=False, drop_tokens, capacity_factor=1.0):
+    spec = RoutingSpec(top_k=K, capacity_factor=capacity_factor, min_capacity=1, overlap_chunks=chunks,
+                       overlap_chain=chain)
+
+    def loss(x, router, w_in, w_out):
+        y, s = moe_ffn(x, mask, router, w_in, w_out, spec, drop_tokens=drop_tokens)
+        return jnp.sum(jnp.sin(y)) + s.aux_loss + 0.1 * s.z_loss, (y, s)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, router, w_in, w_out)
+
+
+@pytest.mark.parametrize("drop_tokens", [True, False], ids=["drops", "no-drops"])
+@pytest.mark.parametrize("shape", OVERLAP_MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_chunked_exchange_equals_the_unchunked_one(shape, drop_tokens, devices):
+    """n = 2 and 4 (and 4 chained) against n = 1: routing statistics and auxiliary losses bitwise;
+    outputs, loss and every gradient to float rounding (XLA's dot kernels round differently for
+    C/n rows than for C: a plain [1, 128, 16] x [16, 48] dot split into 32-row pieces differs by up
+    to 3e-6). 16 tokens per device: capacity 4 at factor 1.0 (assignments drop), 16 without
+    dropping, so all n use the same capacity."""
+    x, mask = overlap_inputs()
+    w = weights(3)
+    mesh = mesh_of(*shape)
+    run = lambda **kw: run_on_mesh(mesh, functools.partial(loss_and_grads, drop_tokens=drop_tokens, **kw),
+                                   x, mask, *w)
+    (ref_loss, (ref_y, ref_s)), ref_g = run(chunks=1)
+    if drop_tokens:
+        assert float(ref_s.dropped_fraction) > 0.05  # the case with drops really drops
+    for kw in ({"chunks": 2}, {"chunks": 4}, {"chunks": 4, "chain": True}):
+        (loss, (y, s)), g = run(**kw)
+        for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(ref_s)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(kw))
+        np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), rtol=1e-5, atol=2e-6, err_msg=str(kw))
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+        for a, b in zip(g, ref_g):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6, err_msg=str(kw))
+
+
+def test_capacity_is_rounded_up_to_a_multiple_of_the_chunks(devices):
+    assert [exchange_capacity(c, 4) for c in (1, 4, 5, 8)] == [4, 4, 8, 8]
+    assert exchange_capacity(3, 1) == 3
+    # 12 tokens per device at factor 1.0: capacity 3, rounded to 4 with n = 2 — fewer drops, and the
+    # layer runs.
+    x, mask = overlap_inputs(t=12)
+    w = weights(3)
+    mesh = mesh_of(2, 1, 4)
+    stats = {n: run_on_mesh(mesh, functools.partial(loss_and_grads, chunks=n, drop_tokens=True), x, mask, *w)[0][1][1]
+             for n in (1, 2)}
+    assert float(stats[2].dropped_fraction) < float(stats[1].dropped_fraction)
+
+
+def test_overlap_chunks_must_be_positive():
+    with pytest.raises(ConfigError, match="moe.overlap_chunks"):
+        load_config(None, ["moe.overlap_chunks=0"])
+
+
+def _exchange_hlo(chunks, chain=False, compiled=True):
+    x, mask = overlap_inputs()
+    spec = RoutingSpec(top_k=K, capacity_factor=1.0, min_capacity=1, overlap_chunks=chunks, overlap_chain=chain)
+    f = lambda x, r, wi, wo: moe_ffn(x, mask, r, wi, wo, spec)[0]
+    with jax.set_mesh(mesh_of(2, 1, 4)):
+        lowered = jax.jit(f).lower(x, *weights(3))
+        return HloModule(lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo"))
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_compiled_layer_has_2n_independent_all_to_alls(chunks, devices):
+    """In the compiled forward of one MoE layer: 2n all-to-alls; n dispatches that depend on no
+    other all-to-all (chunk i+1 leaves without waiting for chunk i's experts), and n returns that
+    each depend on exactly one dispatch, a different one each."""
+    m = _exchange_hlo(chunks)
+    a2a = [c for c in m.collectives() if c.kind == "all-to-all"]
+    assert len(a2a) == 2 * chunks
+    deps = {c.name: [o.name for o in a2a if o is not c and m.depends_on(c.name, o.name)] for c in a2a}
+    dispatch = [n for n, d in deps.items() if not d]
+    returns = {n: d for n, d in deps.items() if d}
+    assert len(dispatch) == chunks and len(returns) == chunks
+    assert all(len(d) == 1 for d in returns.values()) and sorted(d[0] for d in returns.values()) == sorted(dispatch)
+    # The chunks' buffers add up to the unchunked one: 8 tokens x 2 choices ... per device, [E, C, D] f32.
+    assert sum(c.bytes for c in a2a) == 2 * 8 * 4 * D * 4
+
+
+def test_chained_chunks_wait_for_the_chunk_two_before(devices):
+    """The barrier is in the program XLA is given (XLA:CPU drops barriers when it compiles; its
+    collectives are synchronous anyway)."""
+    m = _exchange_hlo(4, chain=True, compiled=False)
+    a2a = [c.name for c in m.collectives() if c.kind == "all-to-all"]
+    dispatch = [n for n in a2a if not any(m.depends_on(n, o) for o in a2a if o != n)]
+    assert len(dispatch) == 2  # chunks 0 and 1; chunks 2 and 3 wait on the barrier
+
+
+def test_hlo_report_of_async_collectives():
+    text = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p: f32[8,4]) -> f32[8,4] {
+  %p = f32[8,4]{1,0} parameter(0)
+  %all-reduce-start = f32[8,4]{1,0} all-reduce-start(%p), replica_groups={}, to_apply=%add
+  %fusion = f32[8,4]{1,0} fusion(%p), kind=kLoop, calls=%add
+  %dot = f32[8,4]{1,0} dot(%fusion, %fusion), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %all-reduce-done = f32[8,4]{1,0} all-reduce-done(%all-reduce-start)
+  %all-gather = bf16[16,4]{1,0} all-gather(%dot), dimensions={0}
+  ROOT %r = f32[8,4]{1,0} add(%all-reduce-done, %dot)
+}
+"""
+    items = collectives(text)
+    assert [(c.kind, c.bytes, c.is_async, c.compute_between) for c in items] == [
+        ("all-reduce", 128, True, 2), ("all-gather", 128, False, 0)]
+    m = HloModule(text)
+    assert m.depends_on("r", "p") and m.depends_on("all-gather", "fusion") and not m.depends_on("fusion", "dot")
+    assert "| all-reduce-start | all-reduce |" in format_collectives(items)
