@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     mesh_devices = 1
     if cfg is not None:
+        from moefast.parallel import xla_flags
+
+        xla_flags.configure(cfg.overlap.xla_flags)  # before JAX starts: XLA reads XLA_FLAGS once
         for size in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert):
             mesh_devices *= max(size, 1)
     _set_cpu_devices(args.cpu_devices, mesh_devices)

@@ -34,6 +34,7 @@ __all__ = [
     "MoEConfig",
     "ModelConfig",
     "MonitorConfig",
+    "OverlapConfig",
     "TrainConfig",
     "DEFAULT_CONFIG",
     "load_config",
@@ -411,6 +412,21 @@ class CacheConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OverlapConfig:
+    """The overlap lever's process-wide settings (the expert exchange's chunks are
+    ``moe.overlap_chunks``; device prefetch is ``data.prefetch``).
+
+    Attributes:
+      xla_flags: on a GPU backend, add XLA's flags for the latency-hiding scheduler, pipelined
+        collectives and collective combining (:data:`moefast.parallel.xla_flags.GPU_FLAGS`) to
+        ``XLA_FLAGS`` before JAX starts, never replacing a flag already set there; printed at start.
+        No effect on CPU/TPU, or once JAX's backend has started (a note says so).
+    """
+
+    xla_flags: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class MonitorConfig:
     """Expert-load monitoring (every ``train.log_every`` steps, per MoE layer, on that step's batch).
 
@@ -440,6 +456,7 @@ _SECTIONS = {
     "mesh": MeshConfig,
     "checkpoint": CheckpointConfig,
     "cache": CacheConfig,
+    "overlap": OverlapConfig,
     "monitor": MonitorConfig,
 }
 
@@ -456,6 +473,7 @@ class ExperimentConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    overlap: OverlapConfig = dataclasses.field(default_factory=OverlapConfig)
     monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
 
     def __post_init__(self):

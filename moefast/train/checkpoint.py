@@ -70,6 +70,9 @@ class Restored:
 
 # Sections whose change makes a checkpoint unusable (shapes or data stream differ).
 _FIXED_SECTIONS = ("model", "moe", "data")
+# Keys of those sections that choose how the same model is computed, not what it is: a resume may
+# change them (like the mesh), e.g. the exchange's chunks after moving to another expert axis.
+_FREE_KEYS = {"moe": {"grouped_matmul", "routing_impl", "overlap_chunks", "overlap_chain"}}
 
 
 def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
@@ -295,9 +298,11 @@ class Checkpointer:
         saved = meta.get("config", {}) if isinstance(meta, dict) else {}
         saved = _with_defaults(saved)
         for sec in _FIXED_SECTIONS:
-            now = cfg.to_dict()[sec]
-            if saved.get(sec) != now:
-                diff = sorted(k for k in now if (saved.get(sec) or {}).get(k) != now[k])
+            free = _FREE_KEYS.get(sec, set())
+            now = {k: v for k, v in cfg.to_dict()[sec].items() if k not in free}
+            was = {k: v for k, v in (saved.get(sec) or {}).items() if k not in free}
+            if was != now:
+                diff = sorted(k for k in now if was.get(k) != now[k])
                 raise CheckpointError(
                     f"checkpoint {self._step_dir(step)} was written with a different '{sec}' "
                     f"config (keys {diff}); use the same config or a new --run-dir")

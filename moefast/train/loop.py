@@ -26,6 +26,7 @@ import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moefast import host_memory, parallel
+from moefast.parallel import xla_flags
 from moefast.config import ConfigError, ExperimentConfig
 from moefast.data import Corpus, eval_batches, load_corpus, train_dataset
 from moefast.parallel.distributed import assert_same_config
@@ -153,6 +154,7 @@ class Trainer:
                  corpus: Corpus | None = None, devices: list | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir or Path("runs") / cfg.name)
+        self.xla_flags_added = xla_flags.configure(cfg.overlap.xla_flags, log=log or (lambda s: None))
         self.is_main = jax.process_index() == 0
         self._log = log if (log is not None and self.is_main) else (lambda s: None)
         # Checkpoint warnings (e.g. a corrupt step skipped) go to the console log; without one, to
