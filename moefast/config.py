@@ -259,6 +259,10 @@ class DataConfig:
       seq_len: tokens per packed row (T).
       batch_size: global batch, in rows (B), summed over all processes and devices.
       val_fraction: fraction of documents (by hash of their path/id) held out for validation.
+      prefetch: training batches read, converted and put on the devices ahead of use, on a
+        background thread per process (the overlap lever: the step never waits for the host
+        pipeline in steady state); 0 reads each batch when the step needs it. A checkpoint saves
+        the pipeline position of the last batch trained on, so resume is exact either way.
     """
 
     source: str = "stdlib"
@@ -267,6 +271,7 @@ class DataConfig:
     seq_len: int = 256
     batch_size: int = 8
     val_fraction: float = 0.02
+    prefetch: int = 2
 
     def __post_init__(self):
         _require(self.seq_len >= 2, "data.seq_len", f"must be >= 2, got {self.seq_len}")
@@ -274,6 +279,7 @@ class DataConfig:
         _require(0.0 < self.val_fraction < 1.0, "data.val_fraction",
                  f"must be in (0, 1), got {self.val_fraction}")
         _require(bool(self.source), "data.source", "must not be empty")
+        _require(self.prefetch >= 0, "data.prefetch", f"must be >= 0 (0 = no prefetch), got {self.prefetch}")
 
 
 @dataclasses.dataclass(frozen=True)

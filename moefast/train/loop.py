@@ -9,6 +9,7 @@ Typical use from a script or notebook::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import resource
@@ -34,6 +35,7 @@ from moefast.train.checkpoint import Checkpointer, CheckpointError
 from moefast.train.compile_cache import configure_compilation_cache
 from moefast.train.metrics import MetricsWriter
 from moefast.train.monitor import ExpertLoadMonitor, load_stats
+from moefast.train.prefetch import DevicePrefetcher
 from moefast.train.step import BATCH_KEYS, LN2, ModelDef, eval_step, make_optimizer, train_step
 
 __all__ = ["Trainer", "TrainSummary", "TrainingError", "load_run_config"]
@@ -134,6 +136,145 @@ class TrainSummary:
                 + (f" | stopped by {self.stopped_by}" if self.stopped_by else "")
                 + ("" if not self.memory else f" | per device: params {self.memory['param_bytes'] / 2**20:.1f} MiB, "
                    f"optimizer {self.memory['optimizer_bytes'] / 2**20:.1f} MiB"))
+
+
+_FETCH_EVERY_STEP = ("loss", "grad_norm", "nonfinite")  # what a flush reads of a step that is not logged
+
+
+class _StepBook:
+    """Per-step bookkeeping of a run: the metrics of the steps since the last flush (kept on the
+    devices), the non-finite-step counters, the log window's time and page faults, and the totals
+    of the summary.
+
+    :meth:`record` only keeps a step's metrics; :meth:`flush` reads them back in one transfer
+    (everything of a log step, loss / gradient norm / non-finite flag of the others), reports
+    non-finite steps, writes the log line and record of each log step, and raises
+    :class:`TrainingError` after ``train.max_consecutive_nonfinite`` non-finite steps in a row. So a
+    run of non-finite steps is reported at the next flush (a log, save or evaluation point), and the
+    updates of those steps were skipped by the step itself.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, *, t_start: float, last: int, writer: MetricsWriter,
+                 say: Callable[[str], None], bar, ckpt: Checkpointer):
+        self.tc, self.last, self.writer, self.say, self.bar, self.ckpt = cfg.train, last, writer, say, bar, ckpt
+        self.t_start = t_start
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        self.monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience)
+        self.pending: list[tuple[int, dict[str, jax.Array]]] = []
+        self.first_step_s: float | None = None
+        self.final_loss: float | None = None
+        self.nonfinite_in_a_row = self.skipped_steps = 0
+        self.window_t: float | None = None  # start of the log window (None until the first step is done)
+        self.window_steps = self.window_faults = 0
+        self.timed_steps, self.timed_s, self.timed_faults = 0, 0.0, 0  # steps after the first one
+
+    @staticmethod
+    def _faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    def _is_log(self, step: int) -> bool:
+        return step % self.tc.log_every == 0 or step == self.last
+
+    def record(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        """Keeps a dispatched step's metrics (no transfer)."""
+        self.pending.append((step, metrics))
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def flush(self, before: int | None = None) -> None:
+        """Reads back and reports the recorded steps (only those ``< before``, and only if one of
+        them is a log step, when ``before`` is given)."""
+        take = self.pending if before is None else [p for p in self.pending if p[0] < before]
+        if not take or (before is not None and not any(self._is_log(s) for s, _ in take)):
+            return
+        self.pending = self.pending[len(take):]
+        while take:  # one transfer per log step (its time ends that log window) and one for the rest
+            n = next((i + 1 for i, (s, _) in enumerate(take) if self._is_log(s)), len(take))
+            part, take = take[:n], take[n:]
+            fetched = jax.device_get([m if self._is_log(s) else {k: m[k] for k in _FETCH_EVERY_STEP}
+                                      for s, m in part])  # blocks until the last of these steps is done
+            now = time.perf_counter()
+            for (step, _), m in zip(part, fetched):
+                self._step(step, m, now)
+
+    def _step(self, step: int, m: dict[str, Any], now: float) -> None:
+        self.final_loss = float(m["loss"])
+        if self.window_t is None:  # the run's first step (compiled or loaded from the cache)
+            self.window_t, self.window_faults, self.first_step_s = now, self._faults(), now - self.t_start
+        else:
+            self.window_steps += 1
+        if int(m["nonfinite"]):
+            self._nonfinite(step, m)
+        else:
+            self.nonfinite_in_a_row = 0
+        if self._is_log(step):
+            self._log_line(step, m, now)
+
+    def _nonfinite(self, step: int, m: dict[str, Any]) -> None:
+        tc = self.tc
+        self.nonfinite_in_a_row, self.skipped_steps = self.nonfinite_in_a_row + 1, self.skipped_steps + 1
+        self.writer.write("nonfinite", step, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                                              "in_a_row": self.nonfinite_in_a_row})
+        self.say(f"warning: step {step}: non-finite loss ({float(m['loss'])}) or gradient norm "
+                 f"({float(m['grad_norm'])}); update skipped ({self.nonfinite_in_a_row} in a row)")
+        if self.nonfinite_in_a_row >= tc.max_consecutive_nonfinite:
+            first_bad = step - self.nonfinite_in_a_row + 1
+            before = [s for s in self.ckpt.all_steps() if s < first_bad]
+            good = max(before) if before else None
+            raise TrainingError(
+                f"step {step}: {self.nonfinite_in_a_row} consecutive steps with non-finite loss or gradients "
+                f"since step {first_bad} (train.max_consecutive_nonfinite={tc.max_consecutive_nonfinite}); "
+                "the updates were skipped. Last checkpoint from before step "
+                f"{first_bad}: " + (f"{self.ckpt.directory / str(good)}" if good is not None else "none")
+                + ". The model may have diverged a few finite steps earlier: lower train.learning_rate (or "
+                "check the data) and restart from an earlier checkpoint or a new --run-dir.")
+
+    def _log_line(self, step: int, m: dict[str, Any], now: float) -> None:
+        steps = self.window_steps
+        rate = self.tokens_per_step * steps / (now - self.window_t) if steps else None
+        faults = self._faults() - self.window_faults
+        self.timed_steps, self.timed_s = self.timed_steps + steps, self.timed_s + (now - self.window_t)
+        self.timed_faults += faults
+        rec = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in m.items()}
+        rec["tokens_per_s"] = rate
+        rec["page_faults_per_step"] = faults / steps if steps else None
+        alerts = []
+        if "tokens_per_expert" in m:
+            rec.update(load_stats(m["tokens_per_expert"]))
+            alerts = self.monitor.update(m["tokens_per_expert"])
+        self.writer.write("train", step, rec)
+        drop = float(np.mean(m["dropped_fraction"])) if "dropped_fraction" in m else 0.0
+        load = f" | max/mean load {float(np.max(rec['max_load_ratio'])):.2f}" if "max_load_ratio" in rec else ""
+        self.say(f"step {step:>6} | loss {rec['loss']:.4f} | aux {rec['aux_loss']:.4f} | "
+                 f"z {rec['z_loss']:.3f} | dropped {drop:.3f}{load} | lr {rec['learning_rate']:.2e} | "
+                 + (f"{rate:,.0f} tokens/s" if rate is not None else "compiled"))
+        for alert in alerts:
+            self.writer.write("alert", step, alert)
+            self.say(f"warning: step {step}: MoE layer {alert['layer']}: {alert['reason']}")
+        self.window_t, self.window_steps, self.window_faults = now, 0, self._faults()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time and page faults inside are not counted in the log window (evaluation)."""
+        t, f = time.perf_counter(), self._faults()
+        try:
+            yield
+        finally:
+            if self.window_t is not None:
+                self.window_t += time.perf_counter() - t
+                self.window_faults += self._faults() - f
+
+    def totals(self) -> tuple[float | None, float | None]:
+        """Mean tokens/s and page faults per step over the steps after the first (evaluation
+        excluded), including the steps since the last log line."""
+        if self.window_steps:
+            self.timed_steps += self.window_steps
+            self.timed_s += time.perf_counter() - self.window_t
+            self.timed_faults += self._faults() - self.window_faults
+            self.window_steps = 0
+        if not self.timed_steps:
+            return None, None
+        return self.tokens_per_step * self.timed_steps / self.timed_s, self.timed_faults / self.timed_steps
 
 
 class Trainer:
@@ -351,82 +492,17 @@ class Trainer:
         if bar is not None and self._log is not print:
             say = self._log
 
-        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        first_step_s = final_loss = None
+        book = _StepBook(cfg, t_start=t_start, last=last, writer=writer, say=say, bar=bar, ckpt=ckpt)
         eval_metrics: dict[str, float] = {}
         eval_at = None  # the step eval_metrics belong to
-        window_t, window_steps, t_first_done = None, 0, None
-        timed_steps, timed_s = 0, 0.0  # steps after the first (compiling) one, and their time
-        faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        window_faults = timed_faults = 0  # page-fault count at the window's start, and faults of timed steps
-        monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience)
-        nonfinite_in_a_row = skipped_steps = 0
-
-        def handle(step: int, metrics: dict[str, jax.Array]) -> None:
-            nonlocal first_step_s, window_t, window_steps, t_first_done, final_loss, timed_steps, timed_s
-            nonlocal window_faults, timed_faults
-            nonlocal nonfinite_in_a_row, skipped_steps
-            m = jax.device_get(metrics)  # blocks on this step only; the next one is already queued
-            now = time.perf_counter()
-            final_loss = float(m["loss"])
-            if t_first_done is None:
-                t_first_done = window_t = now
-                window_faults = faults()
-                first_step_s = now - t_start
-            else:
-                window_steps += 1
-            if bar is not None:
-                bar.update(1)
-            if int(m["nonfinite"]):
-                nonfinite_in_a_row, skipped_steps = nonfinite_in_a_row + 1, skipped_steps + 1
-                writer.write("nonfinite", step, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                                                 "in_a_row": nonfinite_in_a_row})
-                say(f"warning: step {step}: non-finite loss ({float(m['loss'])}) or gradient norm "
-                    f"({float(m['grad_norm'])}); update skipped ({nonfinite_in_a_row} in a row)")
-                if nonfinite_in_a_row >= tc.max_consecutive_nonfinite:
-                    first_bad = step - nonfinite_in_a_row + 1
-                    before = [s for s in ckpt.all_steps() if s < first_bad]
-                    good = max(before) if before else None
-                    raise TrainingError(
-                        f"step {step}: {nonfinite_in_a_row} consecutive steps with non-finite loss or gradients "
-                        f"since step {first_bad} (train.max_consecutive_nonfinite={tc.max_consecutive_nonfinite}); "
-                        "the updates were skipped. Last checkpoint from before step "
-                        f"{first_bad}: " + (f"{ckpt.directory / str(good)}" if good is not None else "none")
-                        + ". The model may have diverged a few finite steps earlier: lower train.learning_rate (or "
-                        "check the data) and restart from an earlier checkpoint or a new --run-dir.")
-            else:
-                nonfinite_in_a_row = 0
-            if step % tc.log_every == 0 or step == last:
-                rate = tokens_per_step * window_steps / (now - window_t) if window_steps else None
-                window_fault_count = faults() - window_faults
-                timed_steps, timed_s = timed_steps + window_steps, timed_s + (now - window_t)
-                timed_faults += window_fault_count
-                rec = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in m.items()}
-                rec["tokens_per_s"] = rate
-                rec["page_faults_per_step"] = window_fault_count / window_steps if window_steps else None
-                alerts = []
-                if "tokens_per_expert" in m:
-                    rec.update(load_stats(m["tokens_per_expert"]))
-                    alerts = monitor.update(m["tokens_per_expert"])
-                writer.write("train", step, rec)
-                drop = float(np.mean(m["dropped_fraction"])) if "dropped_fraction" in m else 0.0
-                load = f" | max/mean load {float(np.max(rec['max_load_ratio'])):.2f}" if "max_load_ratio" in rec else ""
-                say(f"step {step:>6} | loss {rec['loss']:.4f} | aux {rec['aux_loss']:.4f} | "
-                    f"z {rec['z_loss']:.3f} | dropped {drop:.3f}{load} | lr {rec['learning_rate']:.2e} | "
-                    + (f"{rate:,.0f} tokens/s" if rate is not None else "compiled"))
-                for alert in alerts:
-                    writer.write("alert", step, alert)
-                    say(f"warning: step {step}: MoE layer {alert['layer']}: {alert['reason']}")
-                window_t, window_steps, window_faults = now, 0, faults()
-
-        pending = None
         stopped_by = None
         step_fn = self.compiled_train_step() if last > start else None
         memory = self.memory_per_device() if last > start else None
         if memory:
             self._log("per device: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.1f} MiB"
                                                  for k, v in memory.items()))
-        done = start
+        done, data_state = start, data_iter.get_state()
+        batches = DevicePrefetcher(data_iter, self.put_batch, cfg.data.prefetch if last > start else 0)
         try:
             with jax.set_mesh(self.mesh):
                 for step in range(start, last):
@@ -434,55 +510,48 @@ class Trainer:
                         stopped_by = stop.signal
                         say(f"{stopped_by}: stopped before the first step of this run; no step was run")
                         break
-                    batch = self.put_batch(next(data_iter))
-                    state, metrics = step_fn(state, batch, self.base_key)
-                    if pending is not None:
-                        handle(*pending)
-                    pending = (step + 1, metrics)
+                    # Steady state: nothing comes back from the devices (metrics stay there until a
+                    # log, save or evaluation point), so the host runs ahead and the devices never wait.
+                    with jax.transfer_guard_device_to_host("disallow"):
+                        batch, data_state = next(batches)
+                        state, metrics = step_fn(state, batch, self.base_key)
+                        book.record(step + 1, metrics)
                     done = step + 1
                     is_last = done == last
+                    save_now = bool(tc.checkpoint_every and done % tc.checkpoint_every == 0) or is_last
+                    eval_now = bool(tc.eval_every and done % tc.eval_every == 0) or is_last
+                    if step == start or save_now or eval_now:
+                        book.flush()  # the first step (time to first step), and before saving or evaluating
+                    else:
+                        book.flush(before=done)  # a log point one step late: this step is already queued
                     saved = False
-                    if (tc.checkpoint_every and done % tc.checkpoint_every == 0) or is_last:
-                        handle(*pending)
-                        pending = None
-                        ckpt.save(done, state, data_iter.get_state(), cfg, force=True)
+                    if save_now:
+                        ckpt.save(done, state, data_state, cfg, force=True)
                         saved = True
-                    if (tc.eval_every and done % tc.eval_every == 0) or is_last:
-                        if pending is not None:
-                            handle(*pending)
-                            pending = None
-                        t_eval, faults_eval = time.perf_counter(), faults()
-                        eval_metrics, eval_at = self.evaluate(state["params"], state["routing"]), done
-                        writer.write("eval", done, eval_metrics)
-                        say(f"step {done:>6} | eval loss {eval_metrics['eval_loss']:.4f} | "
-                            f"eval bits/byte {eval_metrics['eval_bits_per_byte']:.4f}")
-                        if window_t is not None:  # keep evaluation out of tokens/s and faults per step
-                            window_t += time.perf_counter() - t_eval
-                            window_faults += faults() - faults_eval
+                    if eval_now:
+                        with book.paused():  # evaluation is not in tokens/s or faults per step
+                            eval_metrics, eval_at = self.evaluate(state["params"], state["routing"]), done
+                            writer.write("eval", done, eval_metrics)
+                            say(f"step {done:>6} | eval loss {eval_metrics['eval_loss']:.4f} | "
+                                f"eval bits/byte {eval_metrics['eval_bits_per_byte']:.4f}")
                     stopped_by = stop.requested(done)  # after evaluation: a signal then stops here too
                     if stopped_by:
-                        if pending is not None:
-                            handle(*pending)
-                            pending = None
+                        book.flush()
                         if not saved:
-                            ckpt.save(done, state, data_iter.get_state(), cfg, force=True)
+                            ckpt.save(done, state, data_state, cfg, force=True)
                         ckpt.wait()
                         say(f"{stopped_by}: stopped after step {done} with a checkpoint in {ckpt.directory / str(done)}; "
                             "run the same command again (same --run-dir) to resume")
                         break
-                if pending is not None:
-                    handle(*pending)
-            if window_steps:  # steps since the last log line
-                timed_steps, timed_s = timed_steps + window_steps, timed_s + (time.perf_counter() - window_t)
-                timed_faults += faults() - window_faults
-            tokens_per_s = tokens_per_step * timed_steps / timed_s if timed_steps else None
-            faults_per_step = timed_faults / timed_steps if timed_steps else None
+                book.flush()
+            tokens_per_s, faults_per_step = book.totals()
             if start >= last:
                 eval_metrics, eval_at = self.evaluate(state["params"], state["routing"]), start
         except BaseException:
             writer.close()
             raise
         finally:
+            batches.close()
             if bar is not None:
                 bar.close()
             ckpt.close()  # waits for a checkpoint still being written, also when a step failed
@@ -490,11 +559,11 @@ class Trainer:
         end = done if stopped_by else max(start, last)
         summary = TrainSummary(
             steps=end, steps_this_run=max(end - start, 0),
-            final_loss=final_loss, eval_loss=eval_metrics.get("eval_loss"),
+            final_loss=book.final_loss, eval_loss=eval_metrics.get("eval_loss"),
             eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), eval_step=eval_at,
-            tokens_per_s=tokens_per_s, first_step_s=first_step_s, wall_s=time.perf_counter() - t_start,
+            tokens_per_s=tokens_per_s, first_step_s=book.first_step_s, wall_s=time.perf_counter() - t_start,
             checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory,
-            skipped_steps=skipped_steps, stopped_by=stopped_by, page_faults_per_step=faults_per_step)
+            skipped_steps=book.skipped_steps, stopped_by=stopped_by, page_faults_per_step=faults_per_step)
         writer.write("summary", summary.steps, {k: v for k, v in dataclasses.asdict(summary).items()
                                                 if k not in ("steps", "memory")})
         writer.close()

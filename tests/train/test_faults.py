@@ -302,7 +302,9 @@ def test_sigterm_in_process_stops_after_that_step_and_restores_handlers(small_co
 
     monkeypatch.setattr(Trainer, "put_batch", put_batch)
     before = signal.getsignal(signal.SIGTERM)
-    cfg = small_config("train.steps=50", "train.eval_every=0", "train.checkpoint_every=0")
+    # No prefetch: put_batch runs in the loop, just before step 2 (with prefetch it runs earlier, on
+    # the prefetch thread, and the signal would arrive during step 1).
+    cfg = small_config("train.steps=50", "train.eval_every=0", "train.checkpoint_every=0", "data.prefetch=0")
     summary = Trainer(cfg, tmp_path, log=None, progress=False).run()
     assert summary.stopped_by == "SIGTERM" and summary.steps == 2 and summary.checkpoint.endswith("/2")
     assert signal.getsignal(signal.SIGTERM) is before

@@ -37,19 +37,27 @@ STATEFUL = ["model.dropout=0.1", "moe.capacity_mode=dynamic", "moe.aux_free_bias
             "moe.warmup_steps=6", "moe.aux_loss_coef_start=0.1"]
 
 
-@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1"], STATEFUL], ids=["plain", "dropout", "stateful-routing"])
-def test_resume_is_exact(small_config, tmp_path, extra):
+PREFETCH = (["data.prefetch=0"], ["data.prefetch=3"], ["data.prefetch=1"])  # full run; first and second half
+
+
+@pytest.mark.parametrize("extra,prefetch", [([], ([], [], [])), (["model.dropout=0.1"], ([], [], [])),
+                                            (STATEFUL, ([], [], [])), ([], PREFETCH)],
+                         ids=["plain", "dropout", "stateful-routing", "prefetch-0-3-1"])
+def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
     """A run of 2N steps equals a run stopped at N and restarted to 2N, bit for bit. With dropout
     and expert warm-up the step's keys derive from the seed and the restored step, so they repeat;
     the dynamic-capacity load average and the aux-free bias are part of the checkpointed state;
-    the learning-rate schedule and the aux coefficient continue from the restored step."""
+    the learning-rate schedule and the aux coefficient continue from the restored step. Device
+    prefetch reads batches ahead of the step, but the checkpoint keeps the position of the last
+    batch trained on: the same with no prefetch, 3 batches ahead and 1 ahead after the resume."""
     common = ["train.steps=8", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0", *extra]
     corpus = load_corpus(small_config(*common).data)
     full, split = tmp_path / "full", tmp_path / "split"
-    Trainer(small_config(*common), full, log=None, progress=False, corpus=corpus).run()
-    first = Trainer(small_config(*common, "train.stop_at=4"), split, log=None, progress=False, corpus=corpus)
+    Trainer(small_config(*common, *prefetch[0]), full, log=None, progress=False, corpus=corpus).run()
+    first = Trainer(small_config(*common, *prefetch[1], "train.stop_at=4"), split, log=None, progress=False,
+                    corpus=corpus)
     assert first.run().steps == 4
-    second = Trainer(small_config(*common), split, log=None, progress=False, corpus=corpus)
+    second = Trainer(small_config(*common, *prefetch[2]), split, log=None, progress=False, corpus=corpus)
     summary = second.run()
     assert summary.steps == 8 and summary.steps_this_run == 4
     assert second.trace_count == 1  # the restored state fits the compiled step: no retrace
@@ -112,3 +120,26 @@ def test_persistent_compilation_cache_is_written_and_hit(small_config, tmp_path)
         assert "/jax/compilation_cache/cache_hits" not in events
     finally:
         configure_compilation_cache("auto")  # back to the suite's cache (conftest)
+
+
+def test_steady_state_steps_read_nothing_back_from_the_devices(small_config, tmp_path, monkeypatch):
+    """Between log, save and evaluation points nothing is read back from the devices. The loop
+    runs those steps under ``jax.transfer_guard_device_to_host("disallow")``, but on CPU device
+    arrays are host memory and the guard never fires, so this test records every read of an
+    array's host value (``ArrayImpl._value``, behind ``float()``, ``np.asarray`` and
+    ``jax.device_get``) with the last step the loop had dispatched: 12 steps, a log line every 6
+    (read one step late, after step 7 is queued), no evaluation or checkpoint before the end."""
+    from jax._src import array
+
+    from moefast.train import loop
+
+    dispatched, reads = [0], []
+    value = array.ArrayImpl._value
+    monkeypatch.setattr(array.ArrayImpl, "_value", property(lambda self: (reads.append(dispatched[-1]),
+                                                                          value.fget(self))[1]))
+    record = loop._StepBook.record
+    monkeypatch.setattr(loop._StepBook, "record", lambda self, step, m: (dispatched.append(step),
+                                                                         record(self, step, m))[1])
+    cfg = small_config("train.steps=12", "train.log_every=6", "train.eval_every=0", "train.checkpoint_every=0")
+    assert Trainer(cfg, tmp_path, log=None, progress=False).run().steps == 12
+    assert {1, 7, 12} <= set(reads) <= {0, 1, 7, 12}, sorted(set(reads))
