@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 from flax import nnx
 
+from moefast import parallel
 from moefast.config import ExperimentConfig
 from moefast.model import ModelOutput, Transformer, build_model, init_routing_state
 
@@ -168,6 +170,19 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     step_key = jax.random.fold_in(base_key, step) if random else None
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, model_def), has_aux=True)
     (loss, (ce, aux, z, moe)), grads = grad_fn(state["params"], batch, step_key, state["routing"], step)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        # Gradients in their parameters' shardings, summed over the token axes here. Left free, XLA
+        # propagates the optimizer moments' ZeRO-1 sharding (``data`` on a free dimension) back
+        # into the weight-gradient dots and reshards activations by full rematerialisation.
+        specs = parallel.param_specs(model_def.abstract_model_state, mesh)
+        if mesh.shape.get("fsdp", 1) > 1:
+            # FSDP: the full gradient first, then its fsdp slice (XLA turns the pair into a
+            # reduce-scatter); asking for the slice directly makes XLA reshard the activations.
+            unsplit = jax.tree.map(lambda sp: P(*(None if a == "fsdp" else a for a in sp)), specs,
+                                   is_leaf=lambda x: isinstance(x, P))
+            grads = jax.lax.with_sharding_constraint(grads, unsplit)
+        grads = jax.lax.with_sharding_constraint(grads, specs)
     tx = make_optimizer(cfg)
     grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
