@@ -66,25 +66,31 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
-    b.add_argument("target", choices=["routing", "cache", "peers"],
+    b.add_argument("target", choices=["routing", "cache", "peers", "overlap"],
                    help="routing: routing + dispatch + combine, forward+backward; cache: step time with "
                         "cached tables on vs off and time to first step with a cold vs warm compilation cache; "
                         "peers: tokens/s of moefast (bare compiled step and moefast train) vs Hugging Face "
                         "transformers' Mixtral with the same shapes and batches on this machine (needs "
-                        "pip install -c constraints.txt -e '.[peers]')")
+                        "pip install -c constraints.txt -e '.[peers]'); overlap: train-step time for "
+                        "moe.overlap_chunks 1, 2, 4 on a mesh with an expert axis (default mesh.data=2 "
+                        "mesh.expert=4 on 8 CPU devices), the compiled step's all-to-alls, and moefast train "
+                        "tokens/s with device prefetch on vs off")
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="peers: config overrides for the moefast side (the HF model follows its shapes)")
-    b.add_argument("--config", default=None, help="peers: YAML config (default: configs/tiny.yaml)")
+                   help="peers: config overrides for the moefast side (the HF model follows its shapes); "
+                        "overlap: overrides of the benchmarked experiment")
+    b.add_argument("--config", default=None, help="peers, overlap: YAML config (default: configs/tiny.yaml)")
     b.add_argument("--quick", action="store_true",
                    help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
     b.add_argument("--repeats", type=int, default=5, help="routing: timed runs per point; the median is reported")
     b.add_argument("--steps", type=int, default=None,
                    help="cache: timed train steps per variant (default 10); peers: timed steps per side and "
-                        "round (default 30; with --profile: unprofiled timed steps before 3 profiled ones)")
+                        "round (default 30; with --profile: unprofiled timed steps before 3 profiled ones); "
+                        "overlap: timed steps per chunk count and per train process (default 10)")
     b.add_argument("--pairs", type=int, default=2, help="cache: cold/warm process pairs (default 2)")
     b.add_argument("--rounds", type=int, default=3,
-                   help="peers: rounds of the three sides, each side a fresh process (default 3)")
+                   help="peers: rounds of the three sides, each side a fresh process (default 3); overlap: "
+                        "train processes per prefetch setting (default 3)")
     b.add_argument("--profile", default=None, metavar="DIR",
                    help="peers: instead of the rounds, one profiled process per side (jax.profiler / "
                         "torch.profiler); time per step by kind of work in DIR/profile.md, traces in DIR")
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    mesh_devices = 1
+    mesh_devices = 8 if args.command == "bench" and args.target == "overlap" else 1  # its default mesh: 2 x 4
     if cfg is not None:
         from moefast.parallel import xla_flags
 
@@ -168,9 +174,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.json and (os.path.isdir(args.json) or args.json.endswith(".md")):
                 raise ConfigError(f"--json {args.json}: give a file name for the JSON records (e.g. out.json); the "
                                   "markdown table is written next to it with the suffix .md")
-            if args.target != "peers" and (args.overrides or args.config):
-                raise ConfigError(f"--config and section.key=value overrides apply to bench peers only, not to "
-                                  f"bench {args.target}")
+            if args.target not in ("peers", "overlap") and (args.overrides or args.config):
+                raise ConfigError(f"--config and section.key=value overrides apply to bench peers and overlap only, "
+                                  f"not to bench {args.target}")
+            if args.target == "overlap":
+                import jax
+
+                from moefast.bench import overlap
+
+                steps = 10 if args.steps is None else args.steps
+                if steps < 1 or args.rounds < 1:
+                    raise ConfigError(f"--steps and --rounds must be >= 1, got {steps} and {args.rounds}")
+                return overlap.run_cli(json_out=args.json, steps=steps, rounds=args.rounds, config=args.config,
+                                       overrides=args.overrides, cpu_devices=jax.device_count())
             if args.target == "peers":
                 from moefast.bench import peers
 

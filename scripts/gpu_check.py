@@ -30,6 +30,11 @@ Checks, in order (each a function registered with :func:`register_check`; add ch
    It gets ``--train-reserve-s`` of the budget (the earlier checks stop sooner); ``--only
    train_step`` gives it the whole budget. ``--train-override model.num_layers=8`` etc. change the
    config.
+6. ``overlap`` — with 2+ GPUs: the train step of a 4-layer MoE on an expert axis over the GPUs for
+   ``moe.overlap_chunks`` 1, 2, 4 (alternating timed steps) and the compiled program's all-to-alls:
+   count, bytes, how many are asynchronous with compute scheduled between start and done. With
+   one GPU it is a skipped row. moefast's GPU XLA flags (``moefast.parallel.xla_flags``) are set
+   before JAX starts, as ``moefast train`` does; the ones added are in the environment record.
 
 Every row goes into one markdown table per check on stdout and into the JSON file (``--out``).
 Timings are medians of ``--runs`` runs (train steps: ``--train-runs``) after a warm-up, each ended
@@ -610,6 +615,74 @@ def check_train_step(ctx: Context) -> list[dict]:
     return rows
 
 
+OVERLAP_GPU = ("model.d_model=1024", "model.num_layers=4", "model.num_heads=8", "model.head_dim=128",
+               "model.d_ff=1280", "model.max_seq_len=1024", "model.dtype=bfloat16", "moe.num_experts=16",
+               "moe.top_k=2", "data.seq_len=1024")
+
+
+@register_check("overlap")
+def check_overlap(ctx: Context) -> list[dict]:
+    """The overlap lever on an expert axis over every GPU (needs 2+): the train step for
+    ``moe.overlap_chunks`` 1, 2, 4 in alternating timed steps, and the compiled program's
+    all-to-alls (how many, whether asynchronous with compute scheduled between start and done;
+    ``moefast.bench.overlap.exchange_report``). Runs after ``train_step``'s reserve is set aside."""
+    import gc
+    import tempfile
+    import jax
+    import moefast
+    from moefast.bench.overlap import exchange_report
+    from moefast.data import train_dataset
+
+    n_dev = len(jax.devices())
+    if n_dev < 2:
+        return [{"chunks": "-", "status": f"skipped (an expert axis needs 2+ devices; this machine has {n_dev})"}]
+    smoke = ctx.args.cpu_smoke
+    experts = 4 if smoke else 16  # moe.num_experts of TRAIN_STEP_SMOKE / OVERLAP_GPU
+    ep = max(d for d in (2, 4, 8, 16) if d <= n_dev and n_dev % d == 0 and experts % d == 0)
+    base = [*(TRAIN_STEP_SMOKE if smoke else OVERLAP_GPU), f"mesh.expert={ep}", f"mesh.data={n_dev // ep}",
+            f"data.batch_size={2 * n_dev}", "cache.compile_dir=null", "data.val_fraction=0.1"]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_overlap_") as tmp:
+        corpus_dir = os.path.join(tmp, "corpus")
+        os.makedirs(corpus_dir)
+        cfg = moefast.load_config(None, base + [f"data.source={corpus_dir}"])
+        d = cfg.data
+        synthetic_text_dir(corpus_dir, docs=64, doc_bytes=max(256, 4 * d.batch_size * d.seq_len // 64))
+        corpus = moefast.load_corpus(d)
+        host_batch = next(iter(train_dataset(corpus, d, seed=0)))
+        moe_layers = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
+        runners, reports = [], []
+        for n in (1, 2, 4):
+            if ctx.time_left() < 30:
+                rows.append({"chunks": n, "status": f"skipped (budget: {ctx.time_left():.0f} s left)"})
+                continue
+            try:
+                c = moefast.load_config(None, base + [f"data.source={corpus_dir}", f"moe.overlap_chunks={n}"])
+                t0 = time.perf_counter()
+                trainer = moefast.Trainer(c, os.path.join(tmp, str(n)), log=None, progress=False, corpus=corpus)
+                step = trainer.compiled_train_step()
+                compile_s = time.perf_counter() - t0
+                with jax.set_mesh(trainer.mesh):
+                    state, batch = trainer.init_state(), trainer.put_batch(host_batch)
+                r = StepRunner(trainer, step, state, batch, compile_s, 0.0, compiled_stats(step))
+                r.first_step_s = r()
+                runners.append((n, r))
+                reports.append(exchange_report(step.as_text(), moe_layers, n))
+            except Exception:
+                rows.append(error_row(chunks=n))
+        if runners:
+            times = time_alternating(ctx, [r for _, r in runners], runs=ctx.args.train_runs)
+            ref = statistics.median(times[0])
+            for (n, r), t, rep in zip(runners, times, reports):
+                med = statistics.median(t)
+                rows.append({"chunks": n, "status": "ok", "mesh": dict(r.trainer.mesh.shape), "compile_s": r.compile_s,
+                             "median_ms": med * 1e3, "runs": len(t), "x_chunks_1": med / ref,
+                             "tokens_per_s": d.batch_size * d.seq_len / med, **rep, "loss": float(r.loss)})
+        del runners
+        gc.collect()
+    return rows
+
+
 # --- Driver -----------------------------------------------------------------------------------------
 
 def markdown_table(rows: list[dict]) -> str:
@@ -666,10 +739,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cpu_smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        # 8 virtual devices, so the overlap check has an expert axis (the others use one device)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
         args.shapes, args.check_shapes = "256x8x2,130x64x4", "13x7x2,64x8x2"
         args.block_tokens, args.num_warps, args.runs, args.copy_mib = "32,128", "4", 3, 64
         args.train_runs = min(args.train_runs, 3)
     sys.path.insert(0, REPO)  # kernels/ imports only jax; no install needed
+    from moefast.parallel import xla_flags
+
+    flags = xla_flags.configure(True)  # the GPU collective-overlap flags, before JAX starts (as moefast train)
     import jax
 
     if not args.cpu_smoke and jax.default_backend() != "gpu":
@@ -678,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     start = time.monotonic()
     ctx = Context(args=args, deadline=start + args.budget_s, interpret=args.cpu_smoke)
-    env = {"jax": jax.__version__, "backend": jax.default_backend(),
+    env = {"jax": jax.__version__, "backend": jax.default_backend(), "xla_flags_added": flags,
            "devices": [d.device_kind for d in jax.devices()], "python": platform.python_version(),
            "argv": sys.argv[1:], "cpu_smoke": args.cpu_smoke}
     print(f"# gpu_check\n\n{json.dumps(env)}\n")

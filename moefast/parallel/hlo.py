@@ -222,6 +222,23 @@ class HloModule:
         return False
 
 
+    def dependencies(self, names: list[str]) -> dict[str, set[str]]:
+        """For each of ``names``, the others of ``names`` it (transitively) uses, within its
+        computation: one pass in printed order (HLO prints an instruction after its operands), for
+        many instructions at once (e.g. every all-to-all of a train step)."""
+        wanted = set(names)
+        reach: dict[str, frozenset[str]] = {}
+        for comp_names in self.computations.values():
+            for n in comp_names:
+                acc: set[str] = set()
+                for o in self.instrs[n].operands:
+                    acc |= reach.get(o, frozenset())
+                    if o in wanted:
+                        acc.add(o)
+                reach[n] = frozenset(acc)
+        return {n: set(reach.get(n, frozenset())) - {n} for n in names}
+
+
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of a compiled module's text, in printed (schedule) order per computation."""
     return HloModule(hlo_text).collectives()

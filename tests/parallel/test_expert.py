@@ -234,6 +234,7 @@ def test_compiled_layer_has_2n_independent_all_to_alls(chunks, devices):
     a2a = [c for c in m.collectives() if c.kind == "all-to-all"]
     assert len(a2a) == 2 * chunks
     deps = {c.name: [o.name for o in a2a if o is not c and m.depends_on(c.name, o.name)] for c in a2a}
+    assert {n: set(d) for n, d in deps.items()} == m.dependencies([c.name for c in a2a])  # one pass, same answer
     dispatch = [n for n, d in deps.items() if not d]
     returns = {n: d for n, d in deps.items() if d}
     assert len(dispatch) == chunks and len(returns) == chunks
