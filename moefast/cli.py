@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--pairs", type=int, default=2, help="cache: cold/warm process pairs (default 2)")
     b.add_argument("--rounds", type=int, default=3,
                    help="peers: rounds of the three sides, each side a fresh process (default 3); overlap: "
-                        "train processes per prefetch setting (default 3)")
+                        "train processes per prefetch setting, 0 = none (default 3)")
     b.add_argument("--profile", default=None, metavar="DIR",
                    help="peers: instead of the rounds, one profiled process per side (jax.profiler / "
                         "torch.profiler); time per step by kind of work in DIR/profile.md, traces in DIR")
@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                 from moefast.bench import overlap
 
                 steps = 10 if args.steps is None else args.steps
-                if steps < 1 or args.rounds < 1:
-                    raise ConfigError(f"--steps and --rounds must be >= 1, got {steps} and {args.rounds}")
+                if steps < 1 or args.rounds < 0:
+                    raise ConfigError(f"--steps must be >= 1 and --rounds >= 0 (0: no prefetch comparison), got "
+                                      f"{steps} and {args.rounds}")
                 return overlap.run_cli(json_out=args.json, steps=steps, rounds=args.rounds, config=args.config,
                                        overrides=args.overrides, cpu_devices=jax.device_count())
             if args.target == "peers":

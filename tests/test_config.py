@@ -103,3 +103,12 @@ def test_mesh_shapes(devices):
                                             ("/tmp/xla", "/tmp/xla"), ("./None", "./None")])
 def test_compile_dir_values(value, expected):
     assert load_config(None, [f"cache.compile_dir={value}"]).cache.compile_dir == expected
+
+
+def test_prefetch_auto_means_one_on_accelerators_and_none_on_cpu():
+    d = load_config(None, []).data
+    assert d.prefetch == "auto" and d.prefetch_batches("cpu") == 0 and d.prefetch_batches("gpu") == 1
+    assert load_config(None, ["data.prefetch=3"]).data.prefetch_batches("cpu") == 3
+    for bad in ("data.prefetch=-1", "data.prefetch=sometimes"):
+        with pytest.raises(ConfigError, match="data.prefetch"):
+            load_config(None, [bad])

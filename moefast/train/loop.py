@@ -502,7 +502,8 @@ class Trainer:
             self._log("per device: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.1f} MiB"
                                                  for k, v in memory.items()))
         done, data_state = start, data_iter.get_state()
-        batches = DevicePrefetcher(data_iter, self.put_batch, cfg.data.prefetch if last > start else 0)
+        prefetch = cfg.data.prefetch_batches(jax.default_backend()) if last > start else 0
+        batches = DevicePrefetcher(data_iter, self.put_batch, prefetch)
         try:
             with jax.set_mesh(self.mesh):
                 for step in range(start, last):

@@ -175,7 +175,7 @@ def loss_and_grads(x, mask, router, w_in, w_out, *, chunks, chain=False, drop_to
 @pytest.mark.parametrize("drop_tokens", [True, False], ids=["drops", "no-drops"])
 @pytest.mark.parametrize("shape", OVERLAP_MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_chunked_exchange_equals_the_unchunked_one(shape, drop_tokens, devices):
-    """n = 2 and 4 (and 4 chained) against n = 1: routing statistics and auxiliary losses bitwise;
+    """n = 4 (and, on the 2 x 4 mesh, 2 and 4 chained) against n = 1: routing statistics and auxiliary losses bitwise;
     outputs, loss and every gradient to float rounding (XLA's dot kernels round differently for
     C/n rows than for C: a plain [1, 128, 16] x [16, 48] dot split into 32-row pieces differs by up
     to 3e-6). 16 tokens per device: capacity 4 at factor 1.0 (assignments drop), 16 without
@@ -188,7 +188,10 @@ def test_chunked_exchange_equals_the_unchunked_one(shape, drop_tokens, devices):
     (ref_loss, (ref_y, ref_s)), ref_g = run(chunks=1)
     if drop_tokens:
         assert float(ref_s.dropped_fraction) > 0.05  # the case with drops really drops
-    for kw in ({"chunks": 2}, {"chunks": 4}, {"chunks": 4, "chain": True}):
+    variants = [{"chunks": 4}]
+    if shape == (2, 1, 4):  # the other variants on one mesh (each is a compile: CI time)
+        variants += [{"chunks": 2}, {"chunks": 4, "chain": True}]
+    for kw in variants:
         (loss, (y, s)), g = run(**kw)
         for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(ref_s)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(kw))
