@@ -64,7 +64,7 @@ def test_default_tiles_equal_dense_reference(sizes):
     _check("tiled", sizes, int(np.sum(sizes)) + 3)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)  # each example compiles; the edge cases are the tests above
 @given(st.lists(st.integers(0, 3 * TILE + 1), min_size=1, max_size=5), st.integers(0, 5),
        st.sampled_from([(TILE, GRANULE), (TILE, 1), (TILE, TILE)]))
 def test_random_group_sizes(sizes, spare, tiles):

@@ -109,11 +109,11 @@ def _packed_mask(seg):
     return jnp.asarray((seg[:, :, None] == seg[:, None, :]) & causal[None])[:, None]
 
 
-@pytest.mark.parametrize("t,block", [(1, 4), (7, 4), (8, 4), (9, 4), (30, 8), (37, 128)])
+@pytest.mark.parametrize("t,block", [(1, 4), (8, 4), (9, 4), (37, 128)])
 def test_block_causal_attention_equals_full_masked_attention(t, block):
     """Forward and gradients of the block-causal path against jax.nn.dot_product_attention over
     the whole masked score matrix: grouped-query heads, packed documents with padding (segment 0),
-    sequence lengths below, at and past a block boundary."""
+    one query, a whole number of blocks, a partial last block, and one block shorter than ``block``."""
     from moefast.model.transformer import causal_attention
 
     rng = np.random.default_rng(t)
@@ -130,9 +130,9 @@ def test_block_causal_attention_equals_full_masked_attention(t, block):
 
     ours = lambda q, k, v: causal_attention(q, k, v, mask, causal=True, block=block)
     full = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
-    np.testing.assert_allclose(ours(q, k, v), full(q, k, v), rtol=1e-5, atol=1e-5)
-    g_ours = jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2))(q, k, v)
-    g_full = jax.grad(lambda *a: loss(full, *a), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(jax.jit(ours)(q, k, v), jax.jit(full)(q, k, v), rtol=1e-5, atol=1e-5)
+    g_ours = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2)))(q, k, v)
+    g_full = jax.jit(jax.grad(lambda *a: loss(full, *a), argnums=(0, 1, 2)))(q, k, v)
     for a, e in zip(g_ours, g_full):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
 

@@ -306,8 +306,7 @@ def test_mixed_meshes_compile_without_involuntary_rematerialization(text_dir, tm
     import subprocess
     import sys
 
-    meshes = (["mesh.data=2", "mesh.expert=4"], ["mesh.data=4", "mesh.expert=2"],
-              ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"])
+    meshes = (["mesh.data=2", "mesh.expert=4"], ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"])
     code = _COMPILE_MESHES.format(tests=os.path.dirname(os.path.dirname(__file__)), meshes=meshes,
                                   source=text_dir, run_dir=str(tmp_path))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
