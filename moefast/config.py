@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 DEFAULT_CAPACITY_FACTOR = 1.25
+MAX_OVERLAP_CHUNKS = 16
 CONFIG_DIR = Path(str(importlib.resources.files("moefast.configs")))  # the repo's configs/, installed as moefast.configs
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
@@ -236,8 +237,9 @@ class MoEConfig:
         _require(self.aux_free_bias_rate >= 0, "moe.aux_free_bias_rate",
                  f"must be >= 0, got {self.aux_free_bias_rate}")
         _require(self.min_capacity >= 1, "moe.min_capacity", f"must be >= 1, got {self.min_capacity}")
-        _require(self.overlap_chunks >= 1, "moe.overlap_chunks",
-                 f"must be >= 1 (1 = one exchange, no chunking), got {self.overlap_chunks}")
+        _require(1 <= self.overlap_chunks <= MAX_OVERLAP_CHUNKS, "moe.overlap_chunks",
+                 f"must be in [1, {MAX_OVERLAP_CHUNKS}] (1 = one exchange, no chunking; every chunk adds "
+                 f"collectives and a compiled copy of the experts), got {self.overlap_chunks}")
         _require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", f"must be >= 0, got {self.aux_loss_coef}")
         _require(self.z_loss_coef >= 0, "moe.z_loss_coef", f"must be >= 0, got {self.z_loss_coef}")
         _require(self.warmup_steps >= 0, "moe.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
@@ -579,6 +581,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
 def _type_name(typ: Any) -> str:
     if typing.get_origin(typ) in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(typ))
+    if typing.get_origin(typ) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(typ))
     return getattr(typ, "__name__", str(typ))
 
 

@@ -112,3 +112,5 @@ def test_prefetch_auto_means_one_on_accelerators_and_none_on_cpu():
     for bad in ("data.prefetch=-1", "data.prefetch=sometimes"):
         with pytest.raises(ConfigError, match="data.prefetch"):
             load_config(None, [bad])
+    with pytest.raises(ConfigError, match="int or 'auto'"):  # names what is accepted
+        load_config(None, ["data.prefetch=1.5"])

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jax
 
-from moefast.bench.process import train_process
+from moefast.bench.process import alternating_step_times, train_process
 
 __all__ = ["CacheBenchResult", "bench_cache", "first_step_times", "format_table", "step_times"]
 
@@ -72,17 +72,7 @@ def step_times(cfg, steps: int) -> tuple[float, float]:
                 batch = trainer.put_batch(batch)
                 state = trainer.init_state()
             runners.append([trainer, trainer.compiled_train_step(), state, batch])
-        times: list[list[float]] = [[], []]
-        for i in range(steps + 1):
-            for j, r in enumerate(runners):
-                trainer, step, state, batch = r
-                t0 = time.perf_counter()
-                with jax.set_mesh(trainer.mesh):
-                    state, metrics = step(state, batch, trainer.base_key)
-                jax.block_until_ready((state, metrics))
-                if i:  # the first call of each is a warm-up
-                    times[j].append(time.perf_counter() - t0)
-                r[2] = state
+        times = alternating_step_times(runners, steps)
     return statistics.median(times[0]), statistics.median(times[1])
 
 

@@ -22,13 +22,12 @@ import dataclasses
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from moefast.bench.process import train_process
+from moefast.bench.process import alternating_step_times, train_process
 
 __all__ = ["CHUNKS", "DEFAULT_MESH", "OverlapBenchResult", "bench_overlap", "exchange_report", "format_table"]
 
@@ -91,18 +90,8 @@ def _step_times(cfg, steps: int, mesh_overrides) -> tuple[dict[int, float], dict
             step = trainer.compiled_train_step()
             reports[n] = exchange_report(step.as_text(), moe_layers, n)
             runners[n] = [trainer, step, state, batch]
-        times: dict[int, list[float]] = {n: [] for n in CHUNKS}
-        for i in range(steps + 1):
-            for n, r in runners.items():
-                trainer, step, state, batch = r
-                t0 = time.perf_counter()
-                with jax.set_mesh(trainer.mesh):
-                    state, metrics = step(state, batch, trainer.base_key)
-                jax.block_until_ready((state, metrics))
-                if i:  # the first call of each is a warm-up
-                    times[n].append(time.perf_counter() - t0)
-                r[2] = state
-    return {n: statistics.median(t) for n, t in times.items()}, reports
+        times = alternating_step_times(list(runners.values()), steps)
+    return {n: statistics.median(t) for n, t in zip(runners, times)}, reports
 
 
 def _prefetch_runs(overrides: list[str], config: str | None, steps: int, rounds: int,
@@ -119,7 +108,7 @@ def _prefetch_runs(overrides: list[str], config: str | None, steps: int, rounds:
 
 
 def bench_overlap(config: str | None = None, overrides: list[str] | None = None, *, steps: int = 10,
-                  rounds: int = 2, cpu_devices: int = 8) -> OverlapBenchResult:
+                  rounds: int = 3, cpu_devices: int = 8) -> OverlapBenchResult:
     """Runs the three measurements of the module docstring.
 
     Args:
@@ -134,16 +123,18 @@ def bench_overlap(config: str | None = None, overrides: list[str] | None = None,
     """
     from moefast.config import load_config
 
-    overrides = [*DEFAULT_MESH, *(overrides or [])]
-    cfg = load_config(config, overrides)
-    if cfg.mesh.expert < 2:
-        raise ValueError(f"bench overlap needs an expert axis (mesh.expert >= 2), got mesh.expert={cfg.mesh.expert}")
-    step_s, reports = _step_times(cfg, steps, overrides)
-    prefetch = _prefetch_runs(overrides, config, steps, rounds, cpu_devices, max(cfg.data.prefetch_batches("gpu"), 1))
     from moefast.parallel import make_mesh
 
+    overrides = [*DEFAULT_MESH, *(overrides or [])]
+    cfg = load_config(config, overrides)
+    mesh = dict(make_mesh(cfg).shape)  # resolves mesh.* = -1 against this process's devices
+    if mesh["expert"] < 2:
+        raise ValueError(f"bench overlap needs an expert axis of 2 or more devices, got mesh {mesh} (set mesh.expert, "
+                         "and --cpu-devices for more virtual CPU devices)")
+    step_s, reports = _step_times(cfg, steps, overrides)
+    prefetch = _prefetch_runs(overrides, config, steps, rounds, cpu_devices, max(cfg.data.prefetch_batches("gpu"), 1))
     return OverlapBenchResult(
-        config=cfg.name, mesh=dict(make_mesh(cfg).shape), platform=f"{jax.devices()[0].platform} "
+        config=cfg.name, mesh=mesh, platform=f"{jax.devices()[0].platform} "
         f"({jax.device_count()} device(s))", tokens_per_step=cfg.data.batch_size * cfg.data.seq_len, steps=steps,
         step_s=step_s, collectives=reports, prefetch_tokens_per_s=prefetch)
 

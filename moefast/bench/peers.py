@@ -458,21 +458,10 @@ class _Instr:
     frame: int | None  # stack_frame_id
 
 
-def _skip_shape(rest: str) -> str:
-    depth = 0
-    for i, ch in enumerate(rest):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == " " and depth == 0:
-            return rest[i:]
-    return ""
-
-
 def _parse_hlo(text: str) -> tuple[dict[str, _Instr], dict[str, list[str]], dict[int, tuple[str, str]]]:
     """Instructions by name, instruction names per computation, and stack frame id -> (innermost
     file, function) from a compiled module's text (``compiled.as_text()``)."""
+    from moefast.parallel.hlo import split_type
     instrs: dict[str, _Instr] = {}
     comps: dict[str, list[str]] = {}
     tables: dict[str, dict[int, str]] = {}
@@ -497,7 +486,7 @@ def _parse_hlo(text: str) -> tuple[dict[str, _Instr], dict[str, list[str]], dict
         m = _INSTR.match(line)
         if comp is None or not m:
             continue
-        name, rest = m.group(1), _skip_shape(m.group(2))
+        name, rest = m.group(1), split_type(m.group(2))[1]
         op = _OPCODE.match(rest)
         if not op:
             continue

@@ -1,4 +1,5 @@
-"""A real ``moefast train`` process, as the benchmarks launch it."""
+"""What the benchmarks share: a real ``moefast train`` process, and compiled train steps timed in
+alternation."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["train_process"]
+__all__ = ["alternating_step_times", "train_process"]
 
 
 def train_process(run_dir: Path, args: list[str], config: str | None = None) -> tuple[dict[str, Any], float]:
@@ -37,3 +38,29 @@ def train_process(run_dir: Path, args: list[str], config: str | None = None) -> 
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["kind"] == "summary"][-1], wall
+
+
+def alternating_step_times(runners: list[list[Any]], steps: int) -> list[list[float]]:
+    """Seconds per call of several compiled train steps, their calls interleaved (a, b, a, b, ...)
+    so machine noise hits all alike; one untimed warm-up call each first.
+
+    Args:
+      runners: ``[trainer, compiled_step, state, batch]`` per variant; ``state`` is replaced by
+        each call's new state (the step donates it).
+      steps: timed calls per variant.
+    """
+    import jax
+
+    times: list[list[float]] = [[] for _ in runners]
+    for i in range(steps + 1):
+        for j, r in enumerate(runners):
+            trainer, step, state, batch = r
+            t0 = time.perf_counter()
+            with jax.set_mesh(trainer.mesh):
+                state, metrics = step(state, batch, trainer.base_key)
+            jax.block_until_ready((state, metrics))
+            if i:
+                times[j].append(time.perf_counter() - t0)
+            r[2] = state
+    return times
+

@@ -208,6 +208,10 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     num_experts = router_de.shape[1]
     x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
     chunks = spec.overlap_chunks if ep > 1 else 1  # no exchange, nothing to overlap
+    unrounded, _ = _capacity(spec, b * t, num_experts, load_ema_e, drop_tokens, 1)
+    if chunks > unrounded:
+        raise ValueError(f"moe.overlap_chunks={chunks} is more than the capacity ({unrounded} slots per expert "
+                         "on a device): every chunk would hold at most one slot; use fewer chunks")
     capacity, limit = _capacity(spec, b * t, num_experts, load_ema_e, drop_tokens, chunks)
     logits_te = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
     if warmup:  # (key, active)

@@ -20,7 +20,8 @@ import dataclasses
 import re
 from functools import cached_property
 
-__all__ = ["COLLECTIVE_KINDS", "Collective", "HloModule", "collectives", "depends_on", "format_collectives"]
+__all__ = ["COLLECTIVE_KINDS", "Collective", "HloModule", "collectives", "depends_on", "format_collectives",
+           "split_type"]
 
 COLLECTIVE_KINDS = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                     "ragged-all-to-all", "collective-broadcast")
@@ -85,7 +86,7 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
-def _split_type(rest: str) -> tuple[str, str]:
+def split_type(rest: str) -> tuple[str, str]:
     """``"f32[2]{0} add(%a, %b), ..."`` -> (type, remainder starting at the opcode)."""
     depth = 0
     for i, ch in enumerate(rest):
@@ -152,7 +153,7 @@ class HloModule:
             m = _INSTR.match(line)
             if comp is None or not m:
                 continue
-            shape, rest = _split_type(m.group(2))
+            shape, rest = split_type(m.group(2))
             op = _OPCODE.match(rest)
             if not op:
                 continue

@@ -214,9 +214,15 @@ def test_capacity_is_rounded_up_to_a_multiple_of_the_chunks(devices):
     assert float(stats[2].dropped_fraction) < float(stats[1].dropped_fraction)
 
 
-def test_overlap_chunks_must_be_positive():
-    with pytest.raises(ConfigError, match="moe.overlap_chunks"):
-        load_config(None, ["moe.overlap_chunks=0"])
+def test_overlap_chunks_are_bounded(devices):
+    for bad in ("moe.overlap_chunks=0", "moe.overlap_chunks=17"):
+        with pytest.raises(ConfigError, match="moe.overlap_chunks"):
+            load_config(None, [bad])
+    # more chunks than slots (capacity 4 per expert here): one clear error when the layer is traced
+    x, mask = overlap_inputs()
+    spec = RoutingSpec(top_k=K, capacity_factor=1.0, min_capacity=1, overlap_chunks=8)
+    with jax.set_mesh(mesh_of(2, 1, 4)), pytest.raises(ValueError, match="more than the capacity"):
+        jax.eval_shape(lambda x, w: moe_ffn(x, mask, *w, spec)[0], x, weights(3))
 
 
 def _exchange_hlo(chunks, chain=False, compiled=True):
