@@ -73,7 +73,7 @@ def exchange_report(hlo_text: str, moe_layers: int, chunks: int) -> dict[str, An
             "async_with_compute_inside": sum(c.is_async and c.compute_between > 0 for c in a2a)}
 
 
-def _step_times(cfg, steps: int, mesh_overrides) -> tuple[dict[int, float], dict[int, dict[str, Any]]]:
+def _step_times(cfg, steps: int) -> tuple[dict[int, float], dict[int, dict[str, Any]]]:
     from moefast.data import load_corpus, train_dataset
     from moefast.train import Trainer
 
@@ -131,7 +131,7 @@ def bench_overlap(config: str | None = None, overrides: list[str] | None = None,
     if mesh["expert"] < 2:
         raise ValueError(f"bench overlap needs an expert axis of 2 or more devices, got mesh {mesh} (set mesh.expert, "
                          "and --cpu-devices for more virtual CPU devices)")
-    step_s, reports = _step_times(cfg, steps, overrides)
+    step_s, reports = _step_times(cfg, steps)
     prefetch = _prefetch_runs(overrides, config, steps, rounds, cpu_devices, max(cfg.data.prefetch_batches("gpu"), 1))
     return OverlapBenchResult(
         config=cfg.name, mesh=mesh, platform=f"{jax.devices()[0].platform} "

@@ -167,16 +167,14 @@ def _warmup_logits(logits_te, key, active, spec: RoutingSpec, token_axes: tuple[
     return jnp.where(active, noisy, logits_te)
 
 
-def _capacity(spec: RoutingSpec, num_tokens: int, num_experts: int, load_ema, drop_tokens: bool, chunks: int):
-    """Buffer capacity (static int; a multiple of ``chunks``) and the optional dynamic per-expert
-    limit [E] int32."""
+def _capacity(spec: RoutingSpec, num_tokens: int, num_experts: int, load_ema, drop_tokens: bool):
+    """Buffer capacity (static int) and the optional dynamic per-expert limit [E] int32."""
     if not drop_tokens or spec.capacity_factor == 0:
-        # an expert receives each token at most once: nothing drops
-        return exchange_capacity(num_tokens, chunks), None
+        return num_tokens, None  # an expert receives each token at most once: nothing drops
     cap = lambda cf: routing.compute_capacity(num_tokens, num_experts, spec.top_k, cf, spec.min_capacity)
     if spec.capacity_mode == "static" or load_ema is None:
-        return exchange_capacity(cap(spec.capacity_factor), chunks), None
-    c_max, c_min = exchange_capacity(cap(spec.capacity_factor_max), chunks), cap(spec.capacity_factor_min)
+        return cap(spec.capacity_factor), None
+    c_max, c_min = cap(spec.capacity_factor_max), cap(spec.capacity_factor_min)
     want = jnp.ceil(spec.capacity_factor * num_tokens * spec.top_k * load_ema)
     return c_max, jnp.clip(want, c_min, c_max).astype(jnp.int32)
 
@@ -208,11 +206,11 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     num_experts = router_de.shape[1]
     x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
     chunks = spec.overlap_chunks if ep > 1 else 1  # no exchange, nothing to overlap
-    unrounded, _ = _capacity(spec, b * t, num_experts, load_ema_e, drop_tokens, 1)
-    if chunks > unrounded:
-        raise ValueError(f"moe.overlap_chunks={chunks} is more than the capacity ({unrounded} slots per expert "
+    capacity, limit = _capacity(spec, b * t, num_experts, load_ema_e, drop_tokens)
+    if chunks > capacity:
+        raise ValueError(f"moe.overlap_chunks={chunks} is more than the capacity ({capacity} slots per expert "
                          "on a device): every chunk would hold at most one slot; use fewer chunks")
-    capacity, limit = _capacity(spec, b * t, num_experts, load_ema_e, drop_tokens, chunks)
+    capacity = exchange_capacity(capacity, chunks)  # the buffer splits evenly (a dynamic limit stays below it)
     logits_te = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
     if warmup:  # (key, active)
         logits_te = _warmup_logits(logits_te, *warmup, spec, reduce_axes)

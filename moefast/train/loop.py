@@ -295,7 +295,7 @@ class Trainer:
                  corpus: Corpus | None = None, devices: list | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir or Path("runs") / cfg.name)
-        self.xla_flags_added = xla_flags.configure(cfg.overlap.xla_flags, log=log or (lambda s: None))
+        xla_flags.configure(cfg.overlap.xla_flags, log=log or (lambda s: None))  # before JAX starts, if it has not
         self.is_main = jax.process_index() == 0
         self._log = log if (log is not None and self.is_main) else (lambda s: None)
         # Checkpoint warnings (e.g. a corrupt step skipped) go to the console log; without one, to
