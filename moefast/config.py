@@ -151,6 +151,13 @@ class MoEConfig:
         grouped kernels on GPU/TPU, but dense work on XLA:CPU, ≈ E× the FLOPs), ``"tiled"`` (the real
         rows plus less than 128 rows per expert, in 512-row tiles with a run-time trip count; for
         CPU) or ``"auto"`` (``tiled`` on CPU, ``ragged_dot`` elsewhere).
+      dispatch: how tokens move into the experts' [E, C, D] buffers and back (see
+        :mod:`moefast.routing.dispatch`): ``"slot"`` (gathers by the routing's slots, linear in the
+        tokens) or ``"onehot"`` (GShard's [T, E, C] dispatch and combine einsums, quadratic in the
+        tokens per device: the baseline of ``moefast bench train --ablate``, the way most JAX MoE
+        code does it). Same routing and results to float rounding. ``"onehot"`` needs a capacity
+        (``capacity_factor > 0``); evaluation and generation, which route without capacity
+        (C = tokens), always dispatch by slot.
       overlap_chunks: n, chunks of the expert-parallel exchange (expert axis > 1; ignored without
         one): each device's [E, C, D] buffer is split along capacity into n independent dispatch
         ``all_to_all`` → experts → return ``all_to_all`` chains, so communication can overlap the
@@ -197,6 +204,7 @@ class MoEConfig:
     capacity_factor: float | None = None
     min_capacity: int = 4
     grouped_matmul: Literal["auto", "ragged_dot", "tiled"] = "auto"
+    dispatch: Literal["slot", "onehot"] = "slot"
     overlap_chunks: int = 1
     overlap_chain: bool = False
     routing_policy: Literal["position", "priority"] = "position"
@@ -225,6 +233,9 @@ class MoEConfig:
             object.__setattr__(self, "capacity_factor", DEFAULT_CAPACITY_FACTOR)
         _require(self.capacity_factor >= 0 and math.isfinite(self.capacity_factor), "moe.capacity_factor",
                  f"must be a finite number > 0, or 0 for dropless routing; got {self.capacity_factor}")
+        _require(self.dispatch == "slot" or not self.dropless, "moe.dispatch",
+                 "'onehot' needs a capacity (its tensors are [tokens, experts, capacity]); dropless routing "
+                 "(moe.capacity_factor=0) dispatches by slot: use moe.dispatch=slot or a capacity_factor > 0")
         if self.capacity_mode == "dynamic":
             _require(not self.dropless, "moe.capacity_mode",
                      "dynamic capacity needs a capacity (moe.capacity_factor > 0); dropless has none")
@@ -315,6 +326,9 @@ class TrainConfig:
       max_consecutive_nonfinite: a step whose loss or gradients are not finite is skipped
         (parameters, optimizer and routing state unchanged) and logged; after this many skipped
         steps in a row the run stops with an error naming the last good checkpoint.
+      peak_tflops: peak TFLOP/s of one device, the denominator of MFU (on CPU: of the whole
+        processor); ``None`` = from the table of known accelerators, or on CPU a matmul probe
+        measured at start (:mod:`moefast.train.mfu`).
     """
 
     steps: int = 600
@@ -332,6 +346,7 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 200
     max_consecutive_nonfinite: int = 5
+    peak_tflops: float | None = None
 
     def __post_init__(self):
         _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
@@ -350,6 +365,8 @@ class TrainConfig:
         _require(self.eval_batches >= 1, "train.eval_batches", f"must be >= 1, got {self.eval_batches}")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every",
                  f"must be >= 0, got {self.checkpoint_every}")
+        _require(self.peak_tflops is None or self.peak_tflops > 0, "train.peak_tflops",
+                 f"must be null (known accelerator or CPU probe) or > 0 TFLOP/s per device, got {self.peak_tflops}")
         _require(self.max_consecutive_nonfinite >= 1, "train.max_consecutive_nonfinite",
                  f"must be >= 1, got {self.max_consecutive_nonfinite}")
 

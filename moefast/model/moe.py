@@ -30,7 +30,8 @@ class MoELayer(nnx.Module):
                  capacity_factor: float, min_capacity: int, policy: str = "position", impl: str = "auto",
                  capacity_mode: str = "static", capacity_factor_min: float = 0.5,
                  capacity_factor_max: float = 2.0, warmup_routing: str = "noise", warmup_noise: float = 1.0,
-                 grouped_matmul: str = "auto", overlap_chunks: int = 1, overlap_chain: bool = False,
+                 grouped_matmul: str = "auto", dispatch: str = "slot", overlap_chunks: int = 1,
+                 overlap_chain: bool = False,
                  dtype=jnp.float32, init_std: float = 0.02,
                  out_std: float | None = None, rngs: nnx.Rngs):
         self.num_experts, self.top_k, self.d_ff = num_experts, top_k, d_ff
@@ -38,7 +39,7 @@ class MoELayer(nnx.Module):
                                 policy=policy, impl=impl, capacity_mode=capacity_mode,
                                 capacity_factor_min=capacity_factor_min, capacity_factor_max=capacity_factor_max,
                                 warmup_routing=warmup_routing, warmup_noise=warmup_noise,
-                                grouped_matmul=grouped_matmul, overlap_chunks=overlap_chunks,
+                                grouped_matmul=grouped_matmul, dispatch=dispatch, overlap_chunks=overlap_chunks,
                                 overlap_chain=overlap_chain)
         self.dtype = dtype
         init = jax.nn.initializers.normal(init_std)

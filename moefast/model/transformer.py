@@ -180,7 +180,8 @@ class Block(nnx.Module):
                                 capacity_factor_min=moe.capacity_factor_min,
                                 capacity_factor_max=moe.capacity_factor_max,
                                 warmup_routing=moe.warmup_routing, warmup_noise=moe.warmup_noise,
-                                grouped_matmul=moe.grouped_matmul, overlap_chunks=moe.overlap_chunks,
+                                grouped_matmul=moe.grouped_matmul, dispatch=moe.dispatch,
+                                overlap_chunks=moe.overlap_chunks,
                                 overlap_chain=moe.overlap_chain, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
         else:
             self.ffn = DenseMLP(m.d_model, m.d_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)

@@ -143,6 +143,7 @@ class RoutingSpec:
     warmup_routing: str = "noise"  # or "uniform"; applied only while the step's warm-up flag is on
     warmup_noise: float = 1.0
     grouped_matmul: str = "auto"  # dropless experts: "auto" | "ragged_dot" | "tiled"
+    dispatch: str = "slot"  # or "onehot" (GShard einsums; only where there is a capacity)
     overlap_chunks: int = 1  # expert exchange chunks (expert axis > 1 only)
     overlap_chain: bool = False
 
@@ -220,13 +221,18 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     if spec.capacity_factor == 0 and ep == 1:
         y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, spec.grouped_matmul)
     else:
-        x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
+        onehot = spec.dispatch == "onehot" and drop_tokens and spec.capacity_factor > 0
+        if onehot:  # the GShard baseline; without capacity (C = T) its [T, E, C] tensors would be [T, E, T]
+            dispatch_tec, combine_tec = routing.onehot_masks(r, num_experts, capacity)
+            x_ecd = routing.dispatch_onehot(x_td, dispatch_tec)
+        else:
+            x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
         if ep > 1:
             y_ecd = exchange_experts(x_ecd, w_in_edf, w_out_efd, dtype, ep=ep, chunks=chunks,
                                      chain=spec.overlap_chain)
         else:
             y_ecd = expert_ffn(x_ecd, w_in_edf, w_out_efd, dtype)
-        y_td = routing.combine(y_ecd, r)
+        y_td = routing.combine_onehot(y_ecd, combine_tec) if onehot else routing.combine(y_ecd, r)
 
     logp_te = jax.nn.log_softmax(jax.lax.stop_gradient(logits_te), axis=-1)
     entropy_sum = jnp.sum(jnp.where(mask_t, -jnp.sum(jnp.exp(logp_te) * logp_te, axis=-1), 0.0))

@@ -1,11 +1,19 @@
-"""Slot-indexed dispatch and combine: the data movement around the experts.
+"""Dispatch and combine: the data movement around the experts.
 
 Dimension letters: T tokens, E experts, K top_k, C capacity, D d_model.
 
-``dispatch`` builds an [E, C] table of token indices from the slots (a scatter of T*K ints, no
-one-hot [T, E, C] tensor) and gathers the tokens into per-expert buffers; ``combine`` gathers every
-assignment's expert output back and sums them weighted by the gates. Both are linear in T; gradients
-flow to the tokens through the gather and to the gates through the combine.
+By slot (``moe.dispatch: slot``, the default): ``dispatch`` builds an [E, C] table of token indices
+from the slots (a scatter of T*K ints, no one-hot [T, E, C] tensor) and gathers the tokens into
+per-expert buffers; ``combine`` gathers every assignment's expert output back and sums them
+weighted by the gates. Both are linear in T; gradients flow to the tokens through the gather and to
+the gates through the combine.
+
+One-hot (``moe.dispatch: onehot``, the baseline of ``moefast bench train --ablate``): GShard's
+dispatch and combine tensors (Lepikhin et al. 2020, sec. 2.2 and its algorithm 1): a 0/1 mask
+[T, E, C] and the gate-weighted [T, E, C] combine weights, applied with two einsums, the way most
+JAX MoE code moves tokens. Their cost is O(T * E * C * D), quadratic in the tokens per group.
+Same routing and the same results as by slot (the one-hot einsums add exact zeros; the sums may
+round differently).
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import jax.numpy as jnp
 
 from moefast.routing.core import RoutingResult
 
-__all__ = ["combine", "combine_rows", "dispatch"]
+__all__ = ["combine", "combine_onehot", "combine_rows", "dispatch", "dispatch_onehot", "onehot_masks"]
 
 
 def dispatch(x_td: jax.Array, r: RoutingResult, num_experts: int, capacity: int) -> jax.Array:
@@ -71,3 +79,36 @@ def combine_rows(y_nd: jax.Array, row_tk: jax.Array, r: RoutingResult) -> jax.Ar
     w_tk = jnp.where(kept_tk, r.gates, 0.0)
     out = jnp.sum(jnp.where(kept_tk[..., None], y_tkd.astype(jnp.float32) * w_tk[..., None], 0.0), axis=1)
     return out.astype(y_nd.dtype)
+
+
+def onehot_masks(r: RoutingResult, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """GShard's dispatch mask and combine weights of a routing.
+
+    Args:
+      r: the routing (``r.slot`` [T, K] < capacity, -1 for dropped or masked assignments).
+      num_experts: E.
+      capacity: C.
+
+    Returns:
+      ``(dispatch_tec, combine_tec)``: float32 [T, E, C]; ``dispatch`` is 1 where token t holds
+      slot c of expert e, ``combine`` is that assignment's gate there; both 0 elsewhere.
+    """
+    kept_tk = r.slot >= 0
+    expert_tke = jax.nn.one_hot(r.expert_index, num_experts, dtype=jnp.float32)
+    slot_tkc = jax.nn.one_hot(jnp.where(kept_tk, r.slot, -1), capacity, dtype=jnp.float32)  # -1: all zeros
+    dispatch_tec = jnp.einsum("tke,tkc->tec", expert_tke, slot_tkc)
+    combine_tec = jnp.einsum("tke,tkc,tk->tec", expert_tke, slot_tkc, jnp.where(kept_tk, r.gates, 0.0))
+    return dispatch_tec, combine_tec
+
+
+def dispatch_onehot(x_td: jax.Array, dispatch_tec: jax.Array) -> jax.Array:
+    """Per-expert buffers by one-hot einsum: [T, D] tokens and the [T, E, C] mask of
+    :func:`onehot_masks` -> [E, C, D] in ``x_td.dtype`` (empty slots hold zeros)."""
+    return jnp.einsum("tec,td->ecd", dispatch_tec.astype(x_td.dtype), x_td)
+
+
+def combine_onehot(y_ecd: jax.Array, combine_tec: jax.Array) -> jax.Array:
+    """Gate-weighted sum by one-hot einsum: [E, C, D] expert outputs and the [T, E, C] combine
+    weights of :func:`onehot_masks` -> [T, D] in ``y_ecd.dtype``, summed in float32."""
+    out = jnp.einsum("tec,ecd->td", combine_tec, y_ecd.astype(jnp.float32))
+    return out.astype(y_ecd.dtype)

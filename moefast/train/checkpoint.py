@@ -72,7 +72,8 @@ class Restored:
 _FIXED_SECTIONS = ("model", "moe", "data")
 # Keys of those sections that choose how the same model is computed, not what it is: a resume may
 # change them (like the mesh), e.g. the exchange's chunks after moving to another expert axis.
-_FREE_KEYS = {"moe": {"grouped_matmul", "routing_impl", "overlap_chunks", "overlap_chain"}, "data": {"prefetch"}}
+_FREE_KEYS = {"moe": {"grouped_matmul", "routing_impl", "dispatch", "overlap_chunks", "overlap_chain"},
+              "data": {"prefetch"}}
 
 
 def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from moefast.data import Corpus, eval_batches, load_corpus, train_dataset
 from moefast.parallel.distributed import assert_same_config
 from moefast.train.checkpoint import Checkpointer, CheckpointError
 from moefast.train.compile_cache import configure_compilation_cache
+from moefast.model.flops import model_flops_per_token
+from moefast.train import mfu as mfu_lib
 from moefast.train.metrics import MetricsWriter
 from moefast.train.monitor import ExpertLoadMonitor, load_stats
 from moefast.train.prefetch import DevicePrefetcher
@@ -124,13 +126,17 @@ class TrainSummary:
     page_faults_per_step: float | None = None  # minor page faults of the process per timed step (as
     # tokens_per_s: after the first step, evaluation excluded); ~0 when host memory stays mapped
     stopped_by: str | None = None  # the signal that ended the run early (after a checkpoint)
+    mfu: float | None = None  # model FLOPs utilisation at tokens_per_s (moefast.train.mfu), a fraction
+    model_flops_per_token: float | None = None  # training FLOPs per token (moefast.model.flops)
 
     def format(self) -> str:
         f = lambda v, spec: "n/a" if v is None else format(v, spec)
         return (f"steps {self.steps} ({self.steps_this_run} this run) | train loss {f(self.final_loss, '.4f')} | "
                 f"val loss {f(self.eval_loss, '.4f')} | val bits/byte {f(self.eval_bits_per_byte, '.4f')}"
                 + (f" (at step {self.eval_step})" if self.eval_step not in (None, self.steps) else "") + " | "
-                f"{f(self.tokens_per_s, ',.0f')} tokens/s | time to first step {f(self.first_step_s, '.2f')} s | "
+                f"{f(self.tokens_per_s, ',.0f')} tokens/s"
+                + (f" (MFU {100 * self.mfu:.1f}%)" if self.mfu is not None else "")
+                + f" | time to first step {f(self.first_step_s, '.2f')} s | "
                 f"wall {self.wall_s:.1f} s | checkpoint {self.checkpoint or 'none'}"
                 + (f" | {self.skipped_steps} non-finite steps skipped" if self.skipped_steps else "")
                 + (f" | stopped by {self.stopped_by}" if self.stopped_by else "")
@@ -155,10 +161,11 @@ class _StepBook:
     """
 
     def __init__(self, cfg: ExperimentConfig, *, t_start: float, last: int, writer: MetricsWriter,
-                 say: Callable[[str], None], bar, ckpt: Checkpointer):
+                 say: Callable[[str], None], bar, ckpt: Checkpointer, flops_per_token: float, peak: mfu_lib.Peak):
         self.tc, self.last, self.writer, self.say, self.bar, self.ckpt = cfg.train, last, writer, say, bar, ckpt
         self.t_start = t_start
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        self.flops_per_token, self.peak = flops_per_token, peak
         self.monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience)
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []
         self.first_step_s: float | None = None
@@ -237,6 +244,8 @@ class _StepBook:
         self.timed_faults += faults
         rec = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in m.items()}
         rec["tokens_per_s"] = rate
+        rec["mfu"] = mfu_lib.mfu(rate, self.flops_per_token, self.peak)
+        rec["model_flops_per_token"] = self.flops_per_token
         rec["page_faults_per_step"] = faults / steps if steps else None
         alerts = []
         if "tokens_per_expert" in m:
@@ -247,7 +256,8 @@ class _StepBook:
         load = f" | max/mean load {float(np.max(rec['max_load_ratio'])):.2f}" if "max_load_ratio" in rec else ""
         self.say(f"step {step:>6} | loss {rec['loss']:.4f} | aux {rec['aux_loss']:.4f} | "
                  f"z {rec['z_loss']:.3f} | dropped {drop:.3f}{load} | lr {rec['learning_rate']:.2e} | "
-                 + (f"{rate:,.0f} tokens/s" if rate is not None else "compiled"))
+                 + (f"{rate:,.0f} tokens/s" if rate is not None else "compiled")
+                 + (f" | MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else ""))
         for alert in alerts:
             self.writer.write("alert", step, alert)
             self.say(f"warning: step {step}: MoE layer {alert['layer']}: {alert['reason']}")
@@ -320,6 +330,8 @@ class Trainer:
         self.batch_sharding = NamedSharding(self.mesh, parallel.batch_spec(self.mesh))
         self.state_sharding = self._state_sharding()
         self.trace_count = 0
+        self.flops_per_token = model_flops_per_token(cfg, self.corpus.tokenizer.vocab_size)
+        self.peak = mfu_lib.peak_flops(self.mesh.devices.flat, cfg.train.peak_tflops)
 
         def counted_step(state, batch, key):
             self.trace_count += 1  # runs only while tracing: counts (re)compilations
@@ -452,6 +464,11 @@ class Trainer:
         self._log(f"model: {n_params / 1e6:.2f}M parameters | mesh {dict(self.mesh.shape)} on "
                   f"{jax.device_count()} {jax.devices()[0].platform} device(s) | compilation cache "
                   f"{self.compile_cache_dir or 'off'} | host malloc {self.host_malloc}")
+        peak = self.peak
+        self._log(f"MFU: {self.flops_per_token / 1e6:,.1f} MFLOP per token (6 x active parameters + attention); peak "
+                  + (f"{peak.flops_per_s / 1e12:,.3g} TFLOP/s" + (f" ({peak.devices} x {peak.per_device_tflops:,.4g})"
+                                                                   if peak.devices > 1 else "")
+                     if peak.flops_per_s else "unknown") + f" [{peak.source}]")
 
         if ckpt.latest_step() is not None:
             restored = ckpt.restore(self.abstract_state(), cfg)  # fails before anything is written
@@ -492,7 +509,8 @@ class Trainer:
         if bar is not None and self._log is not print:
             say = self._log
 
-        book = _StepBook(cfg, t_start=t_start, last=last, writer=writer, say=say, bar=bar, ckpt=ckpt)
+        book = _StepBook(cfg, t_start=t_start, last=last, writer=writer, say=say, bar=bar, ckpt=ckpt,
+                         flops_per_token=self.flops_per_token, peak=self.peak)
         eval_metrics: dict[str, float] = {}
         eval_at = None  # the step eval_metrics belong to
         stopped_by = None
@@ -564,7 +582,8 @@ class Trainer:
             eval_bits_per_byte=eval_metrics.get("eval_bits_per_byte"), eval_step=eval_at,
             tokens_per_s=tokens_per_s, first_step_s=book.first_step_s, wall_s=time.perf_counter() - t_start,
             checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory,
-            skipped_steps=book.skipped_steps, stopped_by=stopped_by, page_faults_per_step=faults_per_step)
+            skipped_steps=book.skipped_steps, stopped_by=stopped_by, page_faults_per_step=faults_per_step,
+            mfu=mfu_lib.mfu(tokens_per_s, self.flops_per_token, self.peak), model_flops_per_token=self.flops_per_token)
         writer.write("summary", summary.steps, {k: v for k, v in dataclasses.asdict(summary).items()
                                                 if k not in ("steps", "memory")})
         writer.close()

@@ -320,3 +320,35 @@ def test_mixed_meshes_compile_without_involuntary_rematerialization(text_dir, tm
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("compiled") == len(meshes)
     assert "Involuntary full rematerialization" not in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("shape", [None, (2, 1, 4)], ids=["one-device", "2x1x4"])
+def test_onehot_dispatch_equals_slot_dispatch(shape, devices):
+    """moe.dispatch=onehot (GShard's [T, E, C] einsums, the ablation baseline): same routing, same
+    outputs and gradients as dispatch by slot, with drops and padding, alone and expert-parallel."""
+    x, mask = inputs()
+    router, w_in, w_out = weights()
+
+    def run(dispatch):
+        def f(x, router, w_in, w_out):
+            spec = RoutingSpec(top_k=K, capacity_factor=0.5, min_capacity=1, dispatch=dispatch)  # drops
+            y, s = moe_ffn(x, mask, router, w_in, w_out, spec, drop_tokens=True)
+            return jnp.sum(jnp.sin(y)) + s.aux_loss + 0.1 * s.z_loss, (y, s)
+        g = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
+        return jax.jit(g)(x, router, w_in, w_out) if shape is None else run_on_mesh(mesh_of(*shape), g, x, router,
+                                                                                    w_in, w_out)
+
+    (l_slot, (y_slot, s_slot)), g_slot = run("slot")
+    (l_hot, (y_hot, s_hot)), g_hot = run("onehot")
+    assert float(s_slot.dropped_fraction) > 0.1  # the case has drops
+    np.testing.assert_array_equal(np.asarray(s_hot.tokens_per_expert), np.asarray(s_slot.tokens_per_expert))
+    np.testing.assert_array_equal(float(s_hot.dropped_fraction), float(s_slot.dropped_fraction))
+    np.testing.assert_allclose(np.asarray(y_hot), np.asarray(y_slot), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(l_hot), float(l_slot), rtol=1e-6)
+    for a, b in zip(g_hot, g_slot):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_onehot_dispatch_needs_a_capacity():
+    with pytest.raises(ConfigError, match=r"moe\.dispatch: 'onehot' needs a capacity"):
+        load_config(None, ["moe.dispatch=onehot", "moe.capacity_factor=0"])

@@ -16,8 +16,10 @@ def read_records(run_dir, kind):
 
 
 def test_train_step_is_traced_once(small_config, tmp_path):
-    cfg = small_config("train.steps=10", "train.log_every=1", "train.eval_every=5", "train.checkpoint_every=5")
-    trainer = Trainer(cfg, tmp_path, log=None, progress=False)
+    cfg = small_config("train.steps=10", "train.log_every=1", "train.eval_every=5", "train.checkpoint_every=5",
+                       "train.peak_tflops=0.001")
+    lines = []
+    trainer = Trainer(cfg, tmp_path, log=lines.append, progress=False)
     summary = trainer.run()
     assert summary.steps == 10
     assert trainer.trace_count == 1, "the train step was retraced; check for weak types or changing shapes"
@@ -27,6 +29,14 @@ def test_train_step_is_traced_once(small_config, tmp_path):
         assert {"loss", "tokens_per_s", "aux_loss", "z_loss", "learning_rate", "tokens_per_expert",
                 "dropped_fraction"} <= r.keys()
         assert np.asarray(r["tokens_per_expert"]).shape == (2, 4)
+        assert r["model_flops_per_token"] == trainer.flops_per_token > 0
+    # MFU = tokens/s * FLOPs per token / peak (train.peak_tflops: 1 GFLOP/s for the whole CPU)
+    for r in recs[1:]:
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["model_flops_per_token"] / 1e9)
+    assert recs[0]["mfu"] is None  # the compiling step has no rate
+    step_lines = [ln for ln in lines if ln.startswith("step") and "tokens/s" in ln]
+    assert len(step_lines) == 9 and all(f"MFU {100 * r['mfu']:.1f}%" in ln for ln, r in zip(step_lines, recs[1:]))
+    assert summary.mfu == pytest.approx(summary.tokens_per_s * trainer.flops_per_token / 1e9)
     evals = read_records(tmp_path, "eval")
     assert [r["step"] for r in evals] == [5, 10]
     assert all(np.isfinite(r["eval_loss"]) and r["eval_bits_per_byte"] > 0 for r in evals)

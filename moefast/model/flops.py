@@ -1,0 +1,101 @@
+"""Parameter counts and model FLOPs per token of a config (the numerator of MFU).
+
+Dimension letters: D d_model, H query heads, G key/value heads, Hd head_dim, F d_ff, E experts,
+K top_k, V vocab, L layers (L_moe of them MoE), T sequence length.
+
+The convention is PaLM's (Chowdhery et al. 2022, appendix B): training FLOPs per token are
+
+    6 * N_active + 12 * L * H * Hd * T
+
+* ``6 * N_active``: every weight a token's computation multiplies by costs 2 FLOPs (multiply and
+  add) in the forward pass and 4 in the backward (gradients of its input and of the weight).
+  ``N_active`` counts the weights of the matmuls one token goes through: the attention projections
+  (q, k, v and out: ``D * (H + 2G) * Hd + H * Hd * D`` per layer), the router (``D * E``) and
+  ``top_k`` SwiGLU experts (``K * 3 * D * F``) of each MoE layer, the dense SwiGLU (``3 * D * F``)
+  of each dense layer, and the LM head (``D * V``, the tied embedding matrix when
+  ``model.tie_embeddings``). The input embedding lookup is a gather (no FLOPs), so an untied input
+  embedding matrix is not counted; nor are the RMSNorm scales (no matmul).
+* ``12 * L * H * Hd * T``: the attention scores ``Q K^T`` and the weighted values ``P V``, 2 * 2 * T
+  * H * Hd FLOPs per token and layer forward, times 3 for training. Like PaLM this counts the full
+  T x T score matrix, although a causal model needs only its lower triangle (moefast's block-causal
+  attention skips most of the rest), so it slightly over-credits short blocks and under-credits
+  nothing.
+
+This is *model* FLOPs: the work of exact top-k routing, whatever the implementation does. Capacity
+padding (``capacity_factor`` > 1 computes empty slots), rematerialisation and the optimizer are not
+counted, so MFU is lower when they cost time, as it should be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moefast.config import ExperimentConfig
+
+__all__ = ["ParamCounts", "model_flops_per_token", "param_counts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of a config, by where they are (counts of scalars, not bytes).
+
+    Attributes:
+      total: every parameter of the model (embeddings, head, norms, all experts).
+      active: the weights one token multiplies by (the ``N_active`` of :mod:`moefast.model.flops`):
+        attention projections, routers, ``top_k`` experts per MoE layer, dense feed-forwards, LM head.
+      active_with_embedding: ``active`` plus the input embedding matrix when it is untied (the way
+        model cards count "active parameters", e.g. Mixtral 8x7B's 12.9B).
+      experts: parameters of all experts of all MoE layers.
+    """
+
+    total: int
+    active: int
+    active_with_embedding: int
+    experts: int
+
+
+def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamCounts:
+    """Counts the parameters of ``cfg``'s model analytically (no arrays are built).
+
+    Args:
+      cfg: the experiment (``model`` and ``moe`` sections).
+      vocab_size: V when ``model.vocab_size`` is null (the tokenizer's size).
+
+    Raises:
+      ValueError: neither ``model.vocab_size`` nor ``vocab_size`` is given.
+    """
+    m, e = cfg.model, cfg.moe
+    v = m.vocab_size or vocab_size
+    if not v:
+        raise ValueError("model.vocab_size is null: pass vocab_size (the tokenizer's vocabulary size)")
+    d, f = m.d_model, m.d_ff
+    attn = d * (m.num_heads + 2 * m.kv_heads) * m.head_dim + m.num_heads * m.head_dim * d
+    norms = 2 * d
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    n_dense = m.num_layers - n_moe
+    expert = 3 * d * f
+    experts = n_moe * e.num_experts * expert
+    layers_total = m.num_layers * (attn + norms) + n_moe * d * e.num_experts + experts + n_dense * expert
+    embed = v * d
+    total = layers_total + embed + d + (0 if m.tie_embeddings else embed)  # + final norm
+    active = m.num_layers * attn + n_moe * (d * e.num_experts + e.top_k * expert) + n_dense * expert + embed
+    return ParamCounts(total=total, active=active,
+                       active_with_embedding=active + (0 if m.tie_embeddings else embed), experts=experts)
+
+
+def model_flops_per_token(cfg: ExperimentConfig, vocab_size: int | None = None, seq_len: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward): ``6 * N_active + 12 * L * H * Hd * T``
+    (PaLM, Chowdhery et al. 2022, appendix B; see the module docstring for what is counted).
+
+    Args:
+      cfg: the experiment.
+      vocab_size: V when ``model.vocab_size`` is null.
+      seq_len: T; ``None`` = ``data.seq_len``.
+
+    Returns:
+      FLOPs per trained token (a float; multiply by tokens/s for model FLOP/s).
+    """
+    m = cfg.model
+    t = cfg.data.seq_len if seq_len is None else seq_len
+    n_active = param_counts(cfg, vocab_size).active
+    return float(6 * n_active + 12 * m.num_layers * m.num_heads * m.head_dim * t)

@@ -1,0 +1,81 @@
+"""Model FLOPs per token and parameter counts: cross-checked against XLA's cost analysis of the
+compiled train step and against the built model; the peak table and MFU."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from moefast.config import CONFIG_DIR, load_config
+from moefast.model.flops import model_flops_per_token, param_counts
+from moefast.train import ModelDef, Trainer
+from moefast.train.mfu import Peak, mfu, peak_flops
+
+BYTE_VOCAB = 259
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["model.vocab_size=512", "model.tie_embeddings=false", "model.num_dense_layers=1", "model.num_kv_heads=2"],
+], ids=["tiny", "untied-dense-gqa"])
+def test_flops_per_token_match_xla_cost_analysis(overrides, text_dir, tmp_path):
+    """XLA counts every FLOP of the compiled step (the matmuls plus elementwise work, softmaxes and
+    AdamW); the model count must be just below it. The case makes XLA's work equal the model's:
+    capacity factor 1.0 with tokens * top_k divisible by the experts (capacity = the exact mean load,
+    so the experts compute exactly top_k assignments per token), and one attention block (T = 128),
+    so the full score matrix that the PaLM term counts is computed. Forgetting the attention term
+    or the LM head moves the ratio out of [1, 1.025]."""
+    cfg = load_config(None, ["data.seq_len=128", "data.batch_size=8", "moe.capacity_factor=1.0",
+                             f"data.source={text_dir}", "cache.compile_dir=null", *overrides])
+    trainer = Trainer(cfg, tmp_path, log=None, progress=False, devices=jax.devices()[:1])
+    cost = trainer.compiled_train_step().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    xla_per_token = cost["flops"] / (cfg.data.batch_size * cfg.data.seq_len)
+    ours = model_flops_per_token(cfg, trainer.corpus.tokenizer.vocab_size)
+    assert 1.0 <= xla_per_token / ours <= 1.025, (xla_per_token, ours)
+
+
+def test_param_counts_equal_the_built_model():
+    cfg = load_config(None, ["model.vocab_size=300", "model.tie_embeddings=false", "model.num_dense_layers=1",
+                             "model.moe_every=2", "model.num_layers=5", "model.num_kv_heads=2"])
+    built = sum(x.size for x in jax.tree.leaves(ModelDef(cfg, BYTE_VOCAB).abstract_params))
+    assert param_counts(cfg).total == built
+
+
+def test_mixtral_8x7b_config_has_mixtrals_parameter_counts():
+    """46.7B total, 12.9B active (Mixtral of Experts, Jiang et al. 2024), from the model built
+    abstractly (no arrays) and from the analytic count."""
+    cfg = load_config(CONFIG_DIR / "mixtral_8x7b.yaml")
+    built = sum(x.size for x in jax.tree.leaves(ModelDef(cfg, BYTE_VOCAB).abstract_params))
+    counts = param_counts(cfg)
+    assert counts.total == built
+    assert abs(built / 46.7e9 - 1) < 0.01, built
+    assert abs(counts.active_with_embedding / 12.9e9 - 1) < 0.01, counts
+
+
+def test_h200_config_is_about_1b_parameters():
+    counts = param_counts(load_config(CONFIG_DIR / "h200_1b.yaml"), BYTE_VOCAB)
+    assert 0.9e9 < counts.total < 1.2e9 and counts.active < counts.total / 3
+
+
+def test_peak_table_override_and_unknown_devices():
+    gpu = lambda kind: types.SimpleNamespace(platform="gpu", device_kind=kind)
+    p = peak_flops([gpu("NVIDIA H100 80GB HBM3")] * 8)
+    assert p.per_device_tflops == 989.4 and p.devices == 8 and p.flops_per_s == pytest.approx(8 * 989.4e12)
+    assert peak_flops([gpu("NVIDIA H100 PCIe")]).per_device_tflops == 756.0
+    assert peak_flops([gpu("NVIDIA A100-SXM4-80GB")]).per_device_tflops == 312.0
+    assert peak_flops([types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")]).per_device_tflops == 197.0
+    unknown = peak_flops([gpu("Some Future GPU")])
+    assert unknown.flops_per_s is None and "train.peak_tflops" in unknown.source
+    assert mfu(1000.0, 1e9, unknown) is None
+    assert peak_flops([gpu("Some Future GPU")] * 2, override_tflops=100.0).flops_per_s == 200e12
+    cpu = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+    assert peak_flops([cpu] * 8, override_tflops=0.5).flops_per_s == 0.5e12  # virtual devices share one CPU
+    assert mfu(2000.0, 1e9, Peak(4e12, 4.0, 1, "x")) == pytest.approx(0.5)
+
+
+def test_cpu_peak_is_a_measured_estimate():
+    p = peak_flops(jax.devices()[:8])
+    assert p.devices == 1 and "estimate" in p.source
+    assert 1e9 < p.flops_per_s < 1e14 and np.isfinite(p.flops_per_s)
