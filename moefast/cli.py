@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="multi-process: address of process 0 (auto-detected under SLURM / Open MPI)")
     t.add_argument("--num-processes", type=int, default=None, help="multi-process: number of processes")
     t.add_argument("--process-id", type=int, default=None, help="multi-process: this process, 0-based")
+    t.add_argument("--profile", default=None, metavar="START:END",
+                   help="write a jax.profiler trace of optimizer steps START to END (1-based, inclusive) into "
+                        "RUN_DIR/profile (TensorBoard's profile plugin or ui.perfetto.dev read it)")
     t.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
                    help="multi-process: seconds to wait for peers to join, and for a dead peer's "
                         "heartbeat before stopping with an error (default 300)")
@@ -66,8 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
-    b.add_argument("target", choices=["routing", "cache", "peers", "overlap"],
-                   help="routing: routing + dispatch + combine, forward+backward; cache: step time with "
+    b.add_argument("target", choices=["train", "routing", "cache", "peers", "overlap"],
+                   help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
+                        "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
+                        "fused routing), interleaved in rounds; routing: routing + dispatch + combine, "
+                        "forward+backward; cache: step time with "
                         "cached tables on vs off and time to first step with a cold vs warm compilation cache; "
                         "peers: tokens/s of moefast (bare compiled step and moefast train) vs Hugging Face "
                         "transformers' Mixtral with the same shapes and batches on this machine (needs "
@@ -76,24 +82,31 @@ def _parser() -> argparse.ArgumentParser:
                         "mesh.expert=4 on 8 CPU devices), the compiled step's all-to-alls, and moefast train "
                         "tokens/s with device prefetch on vs off")
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="peers: config overrides for the moefast side (the HF model follows its shapes); "
-                        "overlap: overrides of the benchmarked experiment")
-    b.add_argument("--config", default=None, help="peers, overlap: YAML config (default: configs/tiny.yaml)")
+                   help="train, overlap: overrides of the benchmarked experiment; peers: config overrides for "
+                        "the moefast side (the HF model follows its shapes)")
+    b.add_argument("--config", default=None, help="train, peers, overlap: YAML config (default: configs/tiny.yaml)")
+    b.add_argument("--ablate", action="store_true",
+                   help="train: the lever table (baseline, +caching, +overlap, +routing, all levers)")
     b.add_argument("--quick", action="store_true",
                    help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
     b.add_argument("--repeats", type=int, default=5, help="routing: timed runs per point; the median is reported")
     b.add_argument("--steps", type=int, default=None,
-                   help="cache: timed train steps per variant (default 10); peers: timed steps per side and "
+                   help="train: timed steps per variant and round (default 10); cache: timed train steps per "
+                        "variant (default 10); peers: timed steps per side and "
                         "round (default 30; with --profile: unprofiled timed steps before 3 profiled ones); "
                         "overlap: timed steps per chunk count and per train process (default 10)")
     b.add_argument("--pairs", type=int, default=2, help="cache: cold/warm process pairs (default 2)")
     b.add_argument("--rounds", type=int, default=3,
-                   help="peers: rounds of the three sides, each side a fresh process (default 3); overlap: "
+                   help="train: rounds over the variants (default 3); peers: rounds of the three sides, each "
+                        "side a fresh process (default 3); overlap: "
                         "train processes per prefetch setting, 0 = none (default 3)")
     b.add_argument("--profile", default=None, metavar="DIR",
-                   help="peers: instead of the rounds, one profiled process per side (jax.profiler / "
-                        "torch.profiler); time per step by kind of work in DIR/profile.md, traces in DIR")
+                   help="train: after the rounds, 3 profiled steps per variant, traces in DIR/<variant>/ and the "
+                        "share of step time by kind of work (matmul, routing, dispatch/combine, collectives, "
+                        "optimizer, other) printed; peers: instead of the rounds, one profiled process per side "
+                        "(jax.profiler / torch.profiler); time per step by kind of work in DIR/profile.md, traces "
+                        "in DIR")
     b.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     return p
 
@@ -110,6 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"error: --cpu-devices must be >= 1, got {args.cpu_devices}", file=sys.stderr)
         return 2
+    profile = None
+    if args.command == "train" and args.profile is not None:
+        try:
+            a, b = (int(x) for x in args.profile.split(":"))
+            assert 1 <= a <= b
+            profile = (a, b)
+        except (ValueError, AssertionError):
+            print(f"error: --profile {args.profile}: expected START:END, optimizer steps with 1 <= START <= END "
+                  "(e.g. --profile 10:12)", file=sys.stderr)
+            return 2
     if args.command == "generate" and args.temperature < 0:
         print(f"error: --temperature must be >= 0 (0 = greedy), got {args.temperature}", file=sys.stderr)
         return 2
@@ -123,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     cfg = None
-    if args.command == "train":
+    if args.command == "train" or (args.command == "bench" and args.target == "train"):
         try:
             cfg = load_config(args.config, args.overrides)
         except ConfigError as e:
@@ -151,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "train":
-            trainer = Trainer(cfg, args.run_dir, progress=not args.no_progress)
+            trainer = Trainer(cfg, args.run_dir, progress=not args.no_progress, profile=profile)
             summary = trainer.run()
             if trainer.is_main:
                 print(f"done: {summary.format()}")
@@ -174,9 +197,21 @@ def main(argv: list[str] | None = None) -> int:
             if args.json and (os.path.isdir(args.json) or args.json.endswith(".md")):
                 raise ConfigError(f"--json {args.json}: give a file name for the JSON records (e.g. out.json); the "
                                   "markdown table is written next to it with the suffix .md")
-            if args.target not in ("peers", "overlap") and (args.overrides or args.config):
-                raise ConfigError(f"--config and section.key=value overrides apply to bench peers and overlap only, "
-                                  f"not to bench {args.target}")
+            if args.target not in ("train", "peers", "overlap") and (args.overrides or args.config):
+                raise ConfigError(f"--config and section.key=value overrides apply to bench train, peers and overlap "
+                                  f"only, not to bench {args.target}")
+            if args.ablate and args.target != "train":
+                raise ConfigError(f"--ablate applies to bench train only, not to bench {args.target}")
+            if args.target == "train":
+                from moefast.bench import train as train_bench
+
+                steps = 10 if args.steps is None else args.steps
+                if steps < 1 or args.rounds < 1:
+                    raise ConfigError(f"--steps and --rounds must be >= 1, got {steps} and {args.rounds}")
+                if args.profile is not None and os.path.exists(args.profile) and not os.path.isdir(args.profile):
+                    raise ConfigError(f"--profile {args.profile} exists and is not a directory; choose another path")
+                return train_bench.run_cli(json_out=args.json, steps=steps, rounds=args.rounds, ablate=args.ablate,
+                                           config=args.config, overrides=args.overrides, profile_dir=args.profile)
             if args.target == "overlap":
                 import jax
 

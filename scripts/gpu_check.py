@@ -19,17 +19,15 @@ Checks, in order (each a function registered with :func:`register_check`; add ch
 3. ``kernel`` — the routing kernel alone (``routing_blocks``) over block sizes / warps, against the
    memory floor: (logits read once + kernel outputs written once) / measured bandwidth.
 4. ``route`` — ``route(impl=...)`` forward and forward+backward for every impl and policy.
-5. ``train_step`` — the compiled moefast train step (``Trainer.compiled_train_step``) of a ~1B-parameter
-   MoE in bf16 (1.07B parameters, 0.19B active per token, 16,384 tokens per step; see
-   ``TRAIN_STEP_GPU``) on one device: median step time, tokens/s and MFU = model FLOPs per step /
-   (step time × ``--peak-tflops``), model FLOPs from PaLM appendix B (``train_step_flops``), with
-   XLA's ``cost_analysis()`` FLOPs as a cross-check column (``xla_mfu``). Then each lever against
-   the baseline (``cache.tables=true``, ``moe.routing_impl=reference``) in alternating timed steps:
-   ``cache.tables=false`` and ``moe.routing_impl=pallas`` (``x_baseline`` = variant / baseline step
-   time); a variant that fails is an error row, one that does not fit the budget a skipped row.
-   It gets ``--train-reserve-s`` of the budget (the earlier checks stop sooner); ``--only
-   train_step`` gives it the whole budget. ``--train-override model.num_layers=8`` etc. change the
-   config.
+5. ``train_step`` — ``moefast bench train --ablate`` (the library's :mod:`moefast.bench.train`) on
+   ``configs/h200_1b.yaml`` with 8 of its 16 layers (``TRAIN_GPU_OVERRIDES``; ``--train-override``
+   adds overrides): the baseline (tables recomputed per layer, GShard one-hot dispatch, no chunks,
+   no prefetch, reference routing), each lever alone and all levers, in 2 interleaved rounds of
+   ``--train-runs`` steps: tokens/s, step time, MFU (model FLOPs of
+   ``moefast.model.flops``, peak from ``moefast.train.mfu``'s table or ``--peak-tflops``), memory
+   per device, compile time, ratios to the baseline and to all levers. It gets
+   ``--train-reserve-s`` of the budget (the earlier checks stop sooner); ``--only train_step``
+   gives it the whole budget.
 6. ``overlap`` — with 2+ GPUs: the train step of a 4-layer MoE on an expert axis over the GPUs for
    ``moe.overlap_chunks`` 1, 2, 4 (alternating timed steps) and the compiled program's all-to-alls:
    count, bytes, how many are asynchronous with compute scheduled between start and done. With
@@ -108,11 +106,6 @@ def compile_fn(fn: Callable, *args):
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     return compiled, time.perf_counter() - t0
-
-
-def mfu(flops: float, seconds: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved FLOP/s over the device peak (dimensionless)."""
-    return flops / seconds / peak_flops
 
 
 def floor_ms(nbytes: float, bandwidth_gbs: float | None) -> float | None:
@@ -357,18 +350,9 @@ def check_route(ctx: Context) -> list[dict]:
 # The largest activations are XLA attention's materialised [B, H, T, T] scores (16·8·1024² = 134M
 # elements per layer, float32 logits and bf16 probabilities) and the [E, C, 2F] expert hidden
 # states (C = 1.25·16384·2/16 = 2560 slots per expert), kept for the backward pass. XLA:CPU's
-# memory_analysis() of this exact step (compiled on a CPU) gives 60 GiB of temporaries + 12 GiB of
-# arguments; with 32 rows it gave 116 GiB, too close to the 75% of the H200's 139 GiB that JAX
-# preallocates, hence 16 rows. Two variants' states are alive at once while they alternate (2 × 12
-# GiB). The rows report the GPU's own numbers (``temp_GiB``, and ``device_peak_GiB`` on the config
-# row). 8 heads of 128 rather than 16 of 64 halve the score tensors for the same parameters and
-# attention FLOPs.
-TRAIN_STEP_GPU = (
-    "model.d_model=1024", "model.num_layers=16", "model.num_heads=8", "model.head_dim=128",
-    "model.d_ff=1280", "model.max_seq_len=1024", "model.dtype=bfloat16",
-    "moe.num_experts=16", "moe.top_k=2", "moe.capacity_factor=1.25",
-    "data.seq_len=1024", "data.batch_size=16",
-)
+# train_step: configs/h200_1b.yaml with half its layers, so five compiles (the ablation's variants)
+# fit the budget; the step's shapes are the config's. --train-override model.num_layers=16 for all.
+TRAIN_GPU_OVERRIDES = ("model.num_layers=8",)
 # --cpu-smoke: the same code path on a model that compiles and steps on a CPU in seconds.
 TRAIN_STEP_SMOKE = (
     "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.head_dim=16",
@@ -376,14 +360,6 @@ TRAIN_STEP_SMOKE = (
     "moe.num_experts=4", "moe.top_k=2", "moe.capacity_factor=1.25",
     "data.seq_len=32", "data.batch_size=8",
 )
-# The lever pairs: each variant is timed against the baseline (cache.tables=true,
-# moe.routing_impl=reference) in alternating steps, so machine noise hits both alike.
-TRAIN_STEP_PAIRS = {
-    "tables": ("cache.tables=true", "cache.tables=false"),
-    "routing_impl": ("moe.routing_impl=reference", "moe.routing_impl=pallas"),
-}
-
-
 def synthetic_text_dir(root: str, *, docs: int, doc_bytes: int, seed: int = 0) -> str:
     """Writes ``docs`` files of random lowercase words (deterministic) under ``root``: a corpus
     that needs no network; the step's cost does not depend on the text."""
@@ -394,45 +370,6 @@ def synthetic_text_dir(root: str, *, docs: int, doc_bytes: int, seed: int = 0) -
         with open(os.path.join(root, f"doc{i:03d}.txt"), "wb") as f:
             f.write(alphabet[rng.integers(0, len(alphabet), doc_bytes)].tobytes())
     return root
-
-
-def train_param_counts(params: dict, cfg) -> dict[str, int]:
-    """Parameter counts of a moefast pure-dict parameter tree (abstract arrays are fine).
-
-    ``active`` is the parameters one token's forward pass multiplies by: everything except the
-    embedding table and the experts, plus ``top_k / num_experts`` of the expert weights (the
-    average over tokens; capacity padding and dropped assignments are not counted: model FLOPs,
-    not hardware FLOPs), plus the LM head. The embedding lookup is a gather (no FLOPs) and is left
-    out; with tied embeddings the same [V, D] table is the LM head matmul and is counted once as
-    such (with an untied ``lm_head`` that matrix is already among the non-embedding parameters).
-    """
-    import jax
-    total = expert = embed = 0
-    for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
-        n = math.prod(a.shape)
-        total += n
-        if keys[0] == "embed":
-            embed += n
-        elif "ffn" in keys and keys[-1] in ("w_in", "w_out") and len(a.shape) == 3:  # [E, ., .]: MoE experts
-            expert += n
-    lm_head = embed if cfg.model.tie_embeddings else 0
-    active = total - embed - expert + expert * cfg.moe.top_k / cfg.moe.num_experts + lm_head
-    return {"total": total, "expert": expert, "embedding": embed, "active": int(round(active))}
-
-
-def train_step_flops(active_params: int, cfg) -> float:
-    """Model FLOPs of one training step (forward + backward), excluding the optimizer update.
-
-    PaLM (Chowdhery et al. 2022, arXiv:2204.02311), appendix B: per token ``6·N + 12·L·H·Q·T``,
-    N the parameters a token is multiplied by (here ``active_params``, see
-    :func:`train_param_counts`), L layers, H query heads, Q head dim (H·Q is d_model there), T the
-    sequence length. The attention term counts the full T×T score and value matmuls, as PaLM does
-    (no halving for the causal mask). Times the B·T tokens of the step.
-    """
-    m, d = cfg.model, cfg.data
-    per_token = 6 * active_params + 12 * m.num_layers * m.num_heads * m.head_dim * d.seq_len
-    return float(per_token) * d.batch_size * d.seq_len
 
 
 def compiled_stats(compiled) -> dict:
@@ -498,120 +435,30 @@ def time_alternating(ctx: Context, runners: list[StepRunner], *, runs: int, warm
 
 @register_check("train_step")
 def check_train_step(ctx: Context) -> list[dict]:
-    """The compiled moefast train step of a ~1B-parameter MoE: step time, tokens/s, MFU, and the
-    levers (``cache.tables``, ``moe.routing_impl``) side by side with the baseline."""
-    import gc
-    import tempfile
-    import jax
-    import moefast
-    from moefast.data import train_dataset
+    """``moefast bench train --ablate`` (:func:`moefast.bench.train.bench_train`) on
+    ``configs/h200_1b.yaml`` with :data:`TRAIN_GPU_OVERRIDES`: tokens/s, step time, MFU (peak from
+    moefast's accelerator table unless ``--peak-tflops``), memory and compile time of the baseline,
+    each lever alone and all levers, on the machine's devices (data-parallel)."""
+    from moefast.bench.train import bench_train
 
     smoke = ctx.args.cpu_smoke
-    min_s = 5.0 if smoke else 90.0  # a compile of the GPU config and a few steps
+    min_s = 5.0 if smoke else 150.0  # five compiles of the GPU config and the rounds
     if ctx.time_left() < min_s:
-        return [{"pair": "-", "variant": "baseline",
-                 "status": f"skipped (budget: {ctx.time_left():.0f} s left, needs ~{min_s:.0f} s)"}]
-    peak = ctx.args.peak_tflops * 1e12
-    devices = jax.devices()[:1]  # one chip: MFU against one chip's peak
-    pairs = [p for p in ctx.args.train_pairs.split(",") if p]
-    unknown = [p for p in pairs if p not in TRAIN_STEP_PAIRS]
-    if unknown:
-        raise SystemExit(f"--train-pairs: {unknown} not in {sorted(TRAIN_STEP_PAIRS)}")
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
-        corpus_dir = os.path.join(tmp, "corpus")
-        os.makedirs(corpus_dir)
-        base_overrides = [*(TRAIN_STEP_SMOKE if smoke else TRAIN_STEP_GPU), f"data.source={corpus_dir}",
-                          "data.val_fraction=0.1", "cache.compile_dir=null",
-                          *(TRAIN_STEP_PAIRS[p][0] for p in TRAIN_STEP_PAIRS)]
-        user = list(ctx.args.train_override or [])
-        cfg = moefast.load_config(None, base_overrides + user)
-        d = cfg.data
-        # 64 documents holding 4 batches of text in all: both splits non-empty, enough train rows.
-        synthetic_text_dir(corpus_dir, docs=64, doc_bytes=max(256, 4 * d.batch_size * d.seq_len // 64))
-        corpus = moefast.load_corpus(d)  # data.source may be overridden (e.g. stdlib)
-        host_batch = next(iter(train_dataset(corpus, d, seed=0)))
-
-        def build(extra: list[str], name: str) -> StepRunner:
-            c = moefast.load_config(None, base_overrides + extra + user)
-            t0 = time.perf_counter()
-            trainer = moefast.Trainer(c, os.path.join(tmp, name), log=None, progress=False, corpus=corpus,
-                                      devices=devices)
-            step = trainer.compiled_train_step()
-            compile_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            with jax.set_mesh(trainer.mesh):
-                state = trainer.init_state()
-                batch = trainer.put_batch(host_batch)
-            jax.block_until_ready((state, batch))
-            r = StepRunner(trainer, step, state, batch, compile_s, time.perf_counter() - t0, compiled_stats(step))
-            r.first_step_s = r()
-            r.warm_step_s = r()
-            return r
-
-        base = build([], "baseline")
-        counts = train_param_counts(base.trainer.model_def.abstract_params, cfg)
-        flops = train_step_flops(counts["active"], cfg)
-        tokens = d.batch_size * d.seq_len
-        m = cfg.model
-        summary = (f"D{m.d_model} L{m.num_layers} H{m.num_heads}x{m.head_dim} KV{m.kv_heads} "
-                   f"E{cfg.moe.num_experts} K{cfg.moe.top_k} F{m.d_ff} cf{cfg.moe.capacity_factor:g} "
-                   f"B{d.batch_size} T{d.seq_len} {m.dtype} vocab{corpus.tokenizer.vocab_size}")
-        ctx.shared["train_step"] = {"overrides": base_overrides + user, "params": counts, "tokens_per_step": tokens,
-                                    "model_flops_per_step": flops, "peak_flops": peak, "config": cfg.to_dict()}
-        info = {"pair": "config", "variant": summary, "status": "ok", "params_M": counts["total"] / 1e6,
-                "active_params_M": counts["active"] / 1e6, "tokens_per_step": tokens,
-                "model_TFLOP_per_step": flops / 1e12}
-        rows.append(info)
-
-        def row(pair: str, variant: str, r: StepRunner, times: list[float], ref_s: float | None) -> dict:
-            med = statistics.median(times)
-            out = {"pair": pair, "variant": variant, "status": "ok", "compile_s": r.compile_s,
-                   "setup_s": r.setup_s, "first_step_s": r.first_step_s, "median_ms": med * 1e3,
-                   "min_ms": min(times) * 1e3,
-                   "runs": len(times), "tokens_per_s": tokens / med, "mfu": mfu(flops, med, peak)}
-            if "xla_flops" in r.stats:
-                out["xla_TFLOP"] = r.stats["xla_flops"] / 1e12
-                out["xla_mfu"] = mfu(r.stats["xla_flops"], med, peak)
-            if ref_s is not None:
-                out["x_baseline"] = med / ref_s  # > 1: the variant is slower than the baseline
-            out["temp_GiB"] = r.stats.get("temp_GiB")
-            out["loss"] = float(r.loss)
-            return out
-
-        est_step_s = base.warm_step_s
-        runs = ctx.args.train_runs
-        timed_base = False
-        for pair in pairs:
-            on, off = TRAIN_STEP_PAIRS[pair]
-            need = 1.25 * (base.compile_s + base.setup_s) + (runs + 3) * 2 * est_step_s + 15.0
-            if ctx.time_left() < need:
-                rows.append({"pair": pair, "variant": off, "status":
-                             f"skipped (budget: {ctx.time_left():.0f} s left, needs ~{need:.0f} s)"})
-                continue
-            other = None
-            try:
-                other = build([off], pair)
-                tb, to = time_alternating(ctx, [base, other], runs=runs)
-                rows.append(row(pair, on, base, tb, None))
-                rows.append(row(pair, off, other, to, statistics.median(tb)))
-                est_step_s = max(statistics.median(tb), statistics.median(to))
-                timed_base = True
-            except Exception:
-                rows.append(error_row(pair=pair, variant=off))
-            finally:
-                del other  # free its state and executable before the next variant
-                gc.collect()
-        if not timed_base:  # no pair measured the baseline: time it alone
-            if ctx.time_left() > (runs + 1) * est_step_s + 5.0:
-                (tb,) = time_alternating(ctx, [base], runs=runs)
-                rows.append(row("-", "baseline", base, tb, None))
-            else:
-                rows.append({"pair": "-", "variant": "baseline", "status": "skipped timing (budget)",
-                             "compile_s": base.compile_s, "first_step_s": base.first_step_s})
-        stats = devices[0].memory_stats() or {}
-        if "peak_bytes_in_use" in stats:
-            info["device_peak_GiB"] = stats["peak_bytes_in_use"] / 2**30  # whole process so far
+        return [{"variant": "-", "status": f"skipped (budget: {ctx.time_left():.0f} s left, needs ~{min_s:.0f} s)"}]
+    config = None if smoke else os.path.join(REPO, "configs", "h200_1b.yaml")
+    overrides = [*(TRAIN_STEP_SMOKE if smoke else TRAIN_GPU_OVERRIDES), *ctx.args.train_override,
+                 *([f"train.peak_tflops={ctx.args.peak_tflops}"] if ctx.args.peak_tflops else [])]
+    r = bench_train(config, overrides, steps=ctx.args.train_runs, rounds=2, ablate=True)
+    base, every = r.records[0].tokens_per_s, r.records[-1].tokens_per_s
+    rows = [{"variant": "config", "status": "ok", "config": r.config, "overrides": " ".join(overrides),
+             "tokens_per_step": r.tokens_per_step, "model_flops_per_token": r.model_flops_per_token,
+             "peak_tflops": r.peak_tflops, "peak_source": r.peak_source, "mesh": r.mesh}]
+    for v in r.records:
+        rows.append({"variant": v.name, "status": "ok", "tokens_per_s": v.tokens_per_s, "step_ms": v.step_ms,
+                     "step_ms_p10": v.step_ms_p10, "step_ms_p90": v.step_ms_p90, "mfu": v.mfu,
+                     "x_baseline": v.tokens_per_s / base, "x_all_levers": v.tokens_per_s / every,
+                     "memory_GiB": None if v.memory_bytes is None else v.memory_bytes / 2**30,
+                     "compile_s": v.compile_s, "settings": " ".join(v.settings)})
     return rows
 
 
@@ -722,14 +569,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-methods", default="cumsum,matmul", help="kernel within-block rank methods to sweep")
     p.add_argument("--runs", type=int, default=20, help="timed runs per measurement (median)")
     p.add_argument("--copy-mib", type=float, default=2048, help="size of the bandwidth copy, MiB")
-    p.add_argument("--peak-tflops", type=float, default=989.0,
-                   help="device peak for MFU, TFLOP/s (989: H200 SXM, dense bf16)")
-    p.add_argument("--train-runs", type=int, default=10, help="train_step: timed steps per variant (median)")
-    p.add_argument("--train-pairs", default="tables,routing_impl",
-                   help=f"train_step: lever pairs to time against the baseline, of {sorted(TRAIN_STEP_PAIRS)}")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="train_step: device peak for MFU, TFLOP/s (default: moefast's table, 989.4 for an H200)")
+    p.add_argument("--train-runs", type=int, default=10,
+                   help="train_step: timed steps per variant and round; overlap: timed steps per variant")
     p.add_argument("--train-override", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="train_step: a moefast config override on top of the built-in config (repeatable)")
-    p.add_argument("--train-reserve-s", type=float, default=180.0,
+    p.add_argument("--train-reserve-s", type=float, default=240.0,
                    help="seconds of --budget-s kept for train_step: the checks before it see an earlier deadline")
     p.add_argument("--only", default="", help="comma-separated subset of checks to run")
     return p

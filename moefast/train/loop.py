@@ -298,11 +298,23 @@ class Trainer:
       progress: show a tqdm progress bar (only when the output is a terminal).
       corpus: reuse an already loaded corpus (tests, notebooks).
       devices: devices of the mesh (default: all devices of all processes).
+      profile: ``(start, end)``: write a ``jax.profiler`` trace of optimizer steps ``start`` to
+        ``end`` (1-based, inclusive) into ``<run_dir>/profile`` (TensorBoard's profile plugin and
+        ui.perfetto.dev read it). The devices finish the steps before ``start`` first, and the
+        trace stops once step ``end`` is done (or the run ends).
+
+    Raises:
+      ValueError: ``profile`` is not ``1 <= start <= end``.
     """
 
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path | None = None, *,
                  log: Callable[[str], None] | None = print, progress: bool = True,
-                 corpus: Corpus | None = None, devices: list | None = None):
+                 corpus: Corpus | None = None, devices: list | None = None,
+                 profile: tuple[int, int] | None = None):
+        if profile is not None and not (isinstance(profile, tuple) and len(profile) == 2 and 1 <= profile[0] <= profile[1]):
+            raise ValueError(f"profile={profile!r}: expected (start, end) optimizer steps with 1 <= start <= end, "
+                             "e.g. (10, 12) or --profile 10:12")
+        self.profile = profile
         self.cfg = cfg
         self.run_dir = Path(run_dir or Path("runs") / cfg.name)
         xla_flags.configure(cfg.overlap.xla_flags, log=log or (lambda s: None))  # before JAX starts, if it has not
@@ -522,6 +534,14 @@ class Trainer:
         done, data_state = start, data_iter.get_state()
         prefetch = cfg.data.prefetch_batches(jax.default_backend()) if last > start else 0
         batches = DevicePrefetcher(data_iter, self.put_batch, prefetch)
+        trace_from = trace_to = None
+        if self.profile is not None:
+            trace_from, trace_to = max(self.profile[0], start + 1), min(self.profile[1], last)
+            if trace_from > trace_to:
+                self._log(f"note: --profile {self.profile[0]}:{self.profile[1]} is outside the steps of this run "
+                          f"({start + 1} to {last}); no trace is written")
+                trace_from = trace_to = None
+        tracing = False
         try:
             with jax.set_mesh(self.mesh):
                 for step in range(start, last):
@@ -529,6 +549,10 @@ class Trainer:
                         stopped_by = stop.signal
                         say(f"{stopped_by}: stopped before the first step of this run; no step was run")
                         break
+                    if step + 1 == trace_from:  # the trace holds these steps only: earlier ones finish first
+                        jax.block_until_ready(state)
+                        jax.profiler.start_trace(str(self.run_dir / "profile"))
+                        tracing = True
                     # Steady state: nothing comes back from the devices (metrics stay there until a
                     # log, save or evaluation point), so the host runs ahead and the devices never wait.
                     with jax.transfer_guard_device_to_host("disallow"):
@@ -536,6 +560,12 @@ class Trainer:
                         state, metrics = step_fn(state, batch, self.base_key)
                         book.record(step + 1, metrics)
                     done = step + 1
+                    if tracing and done == trace_to:
+                        jax.block_until_ready(state)
+                        jax.profiler.stop_trace()
+                        tracing = False
+                        say(f"profile of steps {trace_from} to {trace_to} written to {self.run_dir / 'profile'} "
+                            f"(tensorboard --logdir {self.run_dir / 'profile'}, or ui.perfetto.dev)")
                     is_last = done == last
                     save_now = bool(tc.checkpoint_every and done % tc.checkpoint_every == 0) or is_last
                     eval_now = bool(tc.eval_every and done % tc.eval_every == 0) or is_last
@@ -570,6 +600,8 @@ class Trainer:
             writer.close()
             raise
         finally:
+            if tracing:  # the run ended inside the traced steps
+                jax.profiler.stop_trace()
             batches.close()
             if bar is not None:
                 bar.close()
