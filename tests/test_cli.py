@@ -22,20 +22,23 @@ def moefast(*args, timeout=300):
 def trained_run(tmp_path_factory, text_dir):
     run = tmp_path_factory.mktemp("cli") / "run"
     p = moefast("train", "--run-dir", str(run), "--cpu-devices", "2", "--no-progress", *SMALL,
-                f"data.source={text_dir}", "train.steps=6", "train.log_every=3", "train.eval_every=3")
+                f"data.source={text_dir}", "train.steps=6", "train.log_every=3", "train.eval_every=3",
+                "--profile", "4:5")
     assert p.returncode == 0, p.stderr
     return run, p.stdout
 
 
 def test_train_prints_logs_and_summary(trained_run):
     run, out = trained_run
-    assert "step      3 | loss" in out and "tokens/s" in out
+    assert "step      3 | loss" in out and "tokens/s" in out and "| MFU " in out
+    assert f"profile of steps 4 to 5 written to {run / 'profile'}" in out
+    assert list((run / "profile").rglob("*.trace.json.gz"))  # --profile 4:5: a jax.profiler trace
     assert "eval bits/byte" in out
     summary = [line for line in out.splitlines() if line.startswith("done:")]
     assert summary and "steps 6" in summary[0] and "checkpoint" in summary[0] and "wall" in summary[0]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [3, 6] and all("tokens_per_s" in r for r in train)
+    assert [r["step"] for r in train] == [3, 6] and all("tokens_per_s" in r and "mfu" in r for r in train)
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "6").is_dir()
 
 
@@ -105,6 +108,9 @@ def test_overrides_may_sit_among_options_and_steps_change_is_reported(trained_ru
     (["train", "data.source={empty}"], "holds no regular non-hidden files"),
     (["train", "data.source={corrupt}"], "a.jsonl:2: not valid JSON"),
     (["train", "cache.compile_dir=None"], "write null or false (unquoted) to turn the cache off"),
+    (["train", "--profile", "5:2"], "--profile 5:2: expected START:END, optimizer steps with 1 <= START <= END"),
+    (["bench", "cache", "--ablate"], "--ablate applies to bench train only"),
+    (["bench", "train", "--ablate", "moe.capacity_factor=0"], "one-hot dispatch, which needs a capacity"),
     (["bench", "cache", "--json", "/nonexistent/dir/x.json"], "the directory /nonexistent/dir does not exist"),
     (["bench", "routing", "--json", "/tmp/table.md"], "give a file name for the JSON records"),
     (["bench", "cache", "--json", "/tmp"], "give a file name for the JSON records"),

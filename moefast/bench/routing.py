@@ -4,7 +4,7 @@ Three ways to move T tokens of width D to their top-k of E experts (capacity C p
 back, each differentiated with respect to the tokens and the router logits:
 
 * ``onehot`` — GShard-style dispatch/combine einsums over a [T, E, C] one-hot tensor (what most
-  JAX MoE code does): memory and FLOPs grow as T·E·C, i.e. quadratically in T at a fixed capacity
+  JAX MoE code does; the model's ``moe.dispatch=onehot``): memory and FLOPs grow as T·E·C, i.e. quadratically in T at a fixed capacity
   factor.
 * ``sort`` — argsort the assignments by expert, rank inside each expert, scatter into [E, C, D].
 * ``fused`` — moefast: :func:`moefast.kernels.routing.route` with ``impl="auto"`` (the compiled
@@ -53,16 +53,10 @@ class RoutingBenchRecord:
 
 def _onehot_fn(top_k: int, capacity: int):
     def f(x_td, logits_te):
-        t, e = logits_te.shape
+        e = logits_te.shape[1]
         r = routing.route(logits_te, top_k=top_k, capacity=capacity, impl="reference")
-        kept = r.slot >= 0
-        # [T, K, E] x [T, K, C] -> [T, E, C]
-        expert_tke = jax.nn.one_hot(r.expert_index, e, dtype=x_td.dtype)
-        slot_tkc = jax.nn.one_hot(jnp.where(kept, r.slot, capacity), capacity, dtype=x_td.dtype)
-        dispatch_tec = jnp.einsum("tke,tkc->tec", expert_tke, slot_tkc)
-        combine_tec = jnp.einsum("tke,tkc->tec", expert_tke * r.gates[..., None], slot_tkc)
-        x_ecd = jnp.einsum("tec,td->ecd", dispatch_tec, x_td)
-        return jnp.einsum("tec,ecd->td", combine_tec, x_ecd)
+        dispatch_tec, combine_tec = routing.onehot_masks(r, e, capacity)  # moe.dispatch=onehot's
+        return routing.combine_onehot(routing.dispatch_onehot(x_td, dispatch_tec), combine_tec)
     return f
 
 

@@ -343,7 +343,6 @@ class Trainer:
         self.state_sharding = self._state_sharding()
         self.trace_count = 0
         self.flops_per_token = model_flops_per_token(cfg, self.corpus.tokenizer.vocab_size)
-        self.peak = mfu_lib.peak_flops(self.mesh.devices.flat, cfg.train.peak_tflops)
 
         def counted_step(state, batch, key):
             self.trace_count += 1  # runs only while tracing: counts (re)compilations
@@ -359,6 +358,11 @@ class Trainer:
         self.base_key = jax.random.key(cfg.train.seed)
         self._compiled_step = None
         self._eval_data: list[dict[str, np.ndarray]] | None = None
+
+    @functools.cached_property
+    def peak(self) -> mfu_lib.Peak:
+        """Peak FLOP/s of the mesh's devices, the denominator of MFU (on CPU measured on first use)."""
+        return mfu_lib.peak_flops(self.mesh.devices.flat, self.cfg.train.peak_tflops)
 
     # ------------------------------------------------------------------ state
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:

@@ -49,14 +49,14 @@ class Peak(NamedTuple):
 @functools.cache
 def cpu_matmul_peak() -> float:
     """Estimated peak FLOP/s of this CPU: the best of :data:`PROBE_RUNS` timed float32
-    [1024, 1024] x [1024, 1024] matmuls compiled by XLA on the first CPU device (after one untimed
+    [1024, 1024] x [1024, 1024] matmuls compiled by XLA on this process's first CPU device (after one untimed
     run), measured once per process (about 0.1 s on a 2-core machine). An estimate: it is what XLA's
     matmul reaches on a large square product, not the vendor's peak, and it drifts with the
     machine's load."""
     import jax
     import numpy as np
 
-    dev = jax.devices("cpu")[0]
+    dev = jax.local_devices(backend="cpu")[0]  # this process's own: never a peer's device
     a = jax.device_put(np.random.default_rng(0).standard_normal((PROBE_SIZE, PROBE_SIZE), np.float32), dev)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
