@@ -49,13 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--process-id", type=int, default=None, help="multi-process: this process, 0-based")
     t.add_argument("--profile", default=None, metavar="START:END",
                    help="write a jax.profiler trace of optimizer steps START to END (1-based, inclusive) into "
-                        "RUN_DIR/profile (TensorBoard's profile plugin or ui.perfetto.dev read it)")
+                        "RUN_DIR/profile (ui.perfetto.dev opens its *.trace.json.gz; TensorBoard needs "
+                        "tensorboard-plugin-profile); those steps are left out of tokens/s")
     t.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
                    help="multi-process: seconds to wait for peers to join, and for a dead peer's "
                         "heartbeat before stopping with an error (default 300)")
     t.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="config overrides, e.g. train.steps=200 moe.top_k=1; the keys are the fields "
-                        "of configs/tiny.yaml (a typo is rejected with the valid keys)")
+                   help="config overrides, e.g. train.steps=200 moe.top_k=1; the keys are the fields of "
+                        "the config sections in moefast/config.py, documented there (configs/tiny.yaml sets "
+                        "some of them; a typo is rejected with the valid keys)")
 
     e = sub.add_parser("eval", help="validation loss and bits per byte of a run's latest checkpoint")
     e.add_argument("--run-dir", required=True, help="run directory written by moefast train")
@@ -108,7 +110,33 @@ def _parser() -> argparse.ArgumentParser:
                         "(jax.profiler / torch.profiler); time per step by kind of work in DIR/profile.md, traces "
                         "in DIR")
     b.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    p.bench_parser = b
     return p
+
+
+# The options of each benchmark; any other option given to it is an error, not silently ignored.
+BENCH_OPTIONS = {
+    "train": {"overrides", "config", "ablate", "json", "steps", "rounds", "profile", "cpu_devices"},
+    "routing": {"quick", "json", "repeats", "cpu_devices"},
+    "cache": {"json", "steps", "pairs", "cpu_devices"},
+    "peers": {"overrides", "config", "json", "steps", "rounds", "profile", "cpu_devices"},
+    "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
+}
+
+
+def _unused_bench_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """An error naming the first option given to ``bench TARGET`` that TARGET does not use."""
+    b = parser.bench_parser
+    for action in b._actions:
+        dest = action.dest
+        if dest in ("help", "target") or dest in BENCH_OPTIONS[args.target]:
+            continue
+        if getattr(args, dest, None) != b.get_default(dest) and not (dest == "overrides" and not args.overrides):
+            users = sorted(t for t, opts in BENCH_OPTIONS.items() if dest in opts)
+            name = "section.key=value overrides" if dest == "overrides" else action.option_strings[0]
+            verb = "apply" if dest == "overrides" else "applies"
+            return f"{name} {verb} to bench {', '.join(users)} only, not to bench {args.target}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,19 +225,23 @@ def main(argv: list[str] | None = None) -> int:
             if args.json and (os.path.isdir(args.json) or args.json.endswith(".md")):
                 raise ConfigError(f"--json {args.json}: give a file name for the JSON records (e.g. out.json); the "
                                   "markdown table is written next to it with the suffix .md")
-            if args.target not in ("train", "peers", "overlap") and (args.overrides or args.config):
-                raise ConfigError(f"--config and section.key=value overrides apply to bench train, peers and overlap "
-                                  f"only, not to bench {args.target}")
-            if args.ablate and args.target != "train":
-                raise ConfigError(f"--ablate applies to bench train only, not to bench {args.target}")
+            unused = _unused_bench_options(parser, args)
+            if unused:
+                raise ConfigError(unused)
+            if args.json == "" or args.profile == "":
+                raise ConfigError("--json and --profile need a path (got an empty string)")
             if args.target == "train":
                 from moefast.bench import train as train_bench
 
                 steps = 10 if args.steps is None else args.steps
                 if steps < 1 or args.rounds < 1:
                     raise ConfigError(f"--steps and --rounds must be >= 1, got {steps} and {args.rounds}")
-                if args.profile is not None and os.path.exists(args.profile) and not os.path.isdir(args.profile):
-                    raise ConfigError(f"--profile {args.profile} exists and is not a directory; choose another path")
+                if args.profile is not None:
+                    try:  # before the benchmark runs: a bad path fails now, not after minutes
+                        os.makedirs(args.profile, exist_ok=True)
+                    except OSError as e:
+                        raise ConfigError(f"--profile {args.profile}: cannot create the directory ({e.strerror}); "
+                                          "choose another path") from None
                 return train_bench.run_cli(json_out=args.json, steps=steps, rounds=args.rounds, ablate=args.ablate,
                                            config=args.config, overrides=args.overrides, profile_dir=args.profile)
             if args.target == "overlap":

@@ -646,14 +646,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Loads a YAML config and applies ``section.key=value`` overrides.
 
     Args:
-      path: YAML file; ``None`` loads ``configs/tiny.yaml``. The config's ``name`` defaults to the
-        file's stem.
+      path: YAML file; ``None`` loads ``configs/tiny.yaml``. A bare file name that does not exist
+        here but is a shipped config (``h200_1b.yaml``) loads the shipped one. The config's
+        ``name`` defaults to the file's stem.
       overrides: e.g. ``["train.steps=200", "moe.top_k=1"]``.
 
     Raises:
       ConfigError: missing/unparsable file, unknown key, wrong type or impossible value.
     """
     path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file() and path.parent == Path(".") and (CONFIG_DIR / path.name).is_file():
+        path = CONFIG_DIR / path.name  # a shipped config by name, from any directory
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; shipped configs: "
                           f"{sorted(p.name for p in CONFIG_DIR.glob('*.yaml'))}")

@@ -114,3 +114,10 @@ def test_prefetch_auto_means_one_on_accelerators_and_none_on_cpu():
             load_config(None, [bad])
     with pytest.raises(ConfigError, match="int or 'auto'"):  # names what is accepted
         load_config(None, ["data.prefetch=1.5"])
+
+
+def test_shipped_configs_load_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config("h200_1b.yaml").name == "h200_1b"
+    with pytest.raises(ConfigError, match="config file nope.yaml not found"):
+        load_config("nope.yaml")

@@ -37,6 +37,7 @@ optimizer, other).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import glob
 import json
 import os
@@ -44,7 +45,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["BASELINE", "LEVERS", "PROFILE_STEPS", "TrainBenchResult", "VariantRecord", "bench_train",
            "format_profile_table", "format_table", "variant_overrides"]
@@ -110,6 +111,8 @@ class TrainBenchResult:
     peak_tflops: float | None  # all devices together
     peak_source: str
     records: list[VariantRecord]
+    jax: str = ""  # jax version
+    date: str = ""  # when it ran (UTC, ISO 8601)
 
     def record(self, name: str) -> VariantRecord:
         return next(r for r in self.records if r.name == name)
@@ -174,7 +177,8 @@ def _profile(runner: _Runner, state, out_dir: Path):
 
 
 def bench_train(config: str | None = None, overrides: list[str] | None = None, *, steps: int = 10, rounds: int = 3,
-                ablate: bool = False, profile_dir: str | Path | None = None) -> TrainBenchResult:
+                ablate: bool = False, profile_dir: str | Path | None = None,
+                log: Callable[[str], None] | None = None) -> TrainBenchResult:
     """Runs the measurements of the module docstring.
 
     Args:
@@ -183,6 +187,7 @@ def bench_train(config: str | None = None, overrides: list[str] | None = None, *
       rounds: rounds over the variants.
       ablate: the five variants of the lever table instead of the config alone.
       profile_dir: also profile each variant (traces under ``profile_dir/<variant>``).
+      log: progress printer (``print``-like); ``None`` prints nothing.
 
     Raises:
       ConfigError: a bad config, or ``--ablate`` on a dropless config (the one-hot baseline needs a
@@ -203,13 +208,17 @@ def bench_train(config: str | None = None, overrides: list[str] | None = None, *
     if ablate and cfg0.moe.dropless:
         raise ConfigError("moe.capacity_factor: --ablate compares against GShard's one-hot dispatch, which needs a "
                           "capacity; dropless (0) has none: benchmark it without --ablate, or set a capacity_factor > 0")
+    say = log or (lambda _: None)
+    tokens_per_step = cfg0.data.batch_size * cfg0.data.seq_len
     mesh = dict(make_mesh(cfg0).shape)
     corpus = load_corpus(cfg0.data)
+    say(f"corpus: {corpus.summary()} | mesh {mesh}")
     runners: list[_Runner] = []
     with tempfile.TemporaryDirectory(prefix="moefast-bench-train-") as tmp:
         for name, extra, settings in variant_overrides(ablate, mesh.get("expert", 1)):
             cfg = load_config(config, [*user, *_FIXED, *extra])
             runners.append(_Runner(name, extra, settings, cfg, corpus, Path(tmp) / str(len(runners))))
+            say(f"compiled {name} in {runners[-1].compile_s:.1f} s")
         first = runners[0].trainer
         with jax.set_mesh(first.mesh):
             state = first.init_state()
@@ -219,14 +228,17 @@ def bench_train(config: str | None = None, overrides: list[str] | None = None, *
                 for runner in runners[k:] + runners[:k]:
                     state = runner.run(state, 1, timed=False)  # warm: the switch between programs is not timed
                     state = runner.run(state, steps)
+                say(f"round {r + 1}/{rounds}: " + ", ".join(
+                    f"{v.name} {tokens_per_step * steps / v.round_s[-1]:,.0f} tokens/s" for v in runners))
             profiles = {}
             if profile_dir is not None:
                 for i, runner in enumerate(runners):
                     state, profiles[runner.name] = _profile(runner, state, Path(profile_dir) / _slug(runner.name, i))
+                    say(f"profiled {runner.name}")
         finally:
             for runner in runners:
                 runner.batches.close()
-    tokens = cfg0.data.batch_size * cfg0.data.seq_len
+    tokens = tokens_per_step
     peak = first.peak
     records = []
     for runner in runners:
@@ -245,7 +257,8 @@ def bench_train(config: str | None = None, overrides: list[str] | None = None, *
         config=cfg0.name, platform=f"{jax.devices()[0].platform} ({jax.device_count()} device(s))", mesh=mesh,
         tokens_per_step=tokens, steps=steps, rounds=rounds, model_flops_per_token=first.flops_per_token,
         peak_tflops=None if peak.flops_per_s is None else peak.flops_per_s / 1e12, peak_source=peak.source,
-        records=records)
+        records=records, jax=jax.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
 def _slug(name: str, i: int) -> str:
@@ -294,7 +307,7 @@ def format_profile_table(r: TrainBenchResult) -> str:
         lines.append(f"| {k} | " + " | ".join(
             f"{100 * v.profile['kinds_ms'][k] / totals[v.name]:.0f}% ({v.profile['kinds_ms'][k]:.1f} ms)"
             for v in profiled) + " |")
-    lines.append("| traced op time, ms/step | " + " | ".join(f"{totals[v.name]:.1f}" for v in profiled) + " |")
+    lines.append("| op time summed over XLA's threads, ms/step | " + " | ".join(f"{totals[v.name]:.1f}" for v in profiled) + " |")
     lines.append("| wall time, ms/step (profiled) | " + " | ".join(f"{v.profile['profiled_step_ms']:.1f}"
                                                                 for v in profiled) + " |")
     return "\n".join(lines)
@@ -302,11 +315,12 @@ def format_profile_table(r: TrainBenchResult) -> str:
 
 def run_cli(*, json_out: str | None, steps: int, rounds: int, ablate: bool, config: str | None = None,
             overrides: list[str] | None = None, profile_dir: str | None = None) -> int:
-    r = bench_train(config, overrides, steps=steps, rounds=rounds, ablate=ablate, profile_dir=profile_dir)
+    r = bench_train(config, overrides, steps=steps, rounds=rounds, ablate=ablate, profile_dir=profile_dir, log=print)
     peak = "unknown" if r.peak_tflops is None else f"{r.peak_tflops:,.3g} TFLOP/s"
-    print(f"\ntrain step, config {r.config} ({r.tokens_per_step:,} tokens/step, "
-          f"{r.model_flops_per_token / 1e6:,.1f} MFLOP/token), mesh {r.mesh}, {r.platform}; {r.rounds} round(s) of "
-          f"{r.steps} timed steps per variant; MFU against {peak} [{r.peak_source}]\n")
+    header = (f"train step, config {r.config} ({r.tokens_per_step:,} tokens/step, "
+              f"{r.model_flops_per_token / 1e6:,.1f} MFLOP/token), mesh {r.mesh}, {r.platform}, jax {r.jax}, {r.date}; "
+              f"{r.rounds} round(s) of {r.steps} timed steps per variant; MFU against {peak} [{r.peak_source}]")
+    print(f"\n{header}\n")
     table = format_table(r)
     print(table)
     prof = format_profile_table(r)
@@ -319,6 +333,6 @@ def run_cli(*, json_out: str | None, steps: int, rounds: int, ablate: bool, conf
             json.dump(dataclasses.asdict(r), f, indent=1)
         md = str(Path(json_out).with_suffix(".md"))
         with open(md, "w") as f:
-            f.write(table + "\n" + (f"\n{prof}\n" if prof else ""))
+            f.write(f"{header}\n\n{table}\n" + (f"\n{prof}\n" if prof else ""))
         print(f"\nwrote {json_out} and {md}")
     return 0

@@ -174,6 +174,7 @@ class _StepBook:
         self.window_t: float | None = None  # start of the log window (None until the first step is done)
         self.window_steps = self.window_faults = 0
         self.timed_steps, self.timed_s, self.timed_faults = 0, 0.0, 0  # steps after the first one
+        self.untimed: str | None = None  # inside untimed(): why these steps have no rate
 
     @staticmethod
     def _faults() -> int:
@@ -208,7 +209,7 @@ class _StepBook:
         self.final_loss = float(m["loss"])
         if self.window_t is None:  # the run's first step (compiled or loaded from the cache)
             self.window_t, self.window_faults, self.first_step_s = now, self._faults(), now - self.t_start
-        else:
+        elif self.untimed is None:
             self.window_steps += 1
         if int(m["nonfinite"]):
             self._nonfinite(step, m)
@@ -237,11 +238,12 @@ class _StepBook:
                 "check the data) and restart from an earlier checkpoint or a new --run-dir.")
 
     def _log_line(self, step: int, m: dict[str, Any], now: float) -> None:
-        steps = self.window_steps
+        steps = self.window_steps if self.untimed is None else 0
         rate = self.tokens_per_step * steps / (now - self.window_t) if steps else None
         faults = self._faults() - self.window_faults
-        self.timed_steps, self.timed_s = self.timed_steps + steps, self.timed_s + (now - self.window_t)
-        self.timed_faults += faults
+        if self.untimed is None:
+            self.timed_steps, self.timed_s = self.timed_steps + steps, self.timed_s + (now - self.window_t)
+            self.timed_faults += faults
         rec = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in m.items()}
         rec["tokens_per_s"] = rate
         rec["mfu"] = mfu_lib.mfu(rate, self.flops_per_token, self.peak)
@@ -256,12 +258,27 @@ class _StepBook:
         load = f" | max/mean load {float(np.max(rec['max_load_ratio'])):.2f}" if "max_load_ratio" in rec else ""
         self.say(f"step {step:>6} | loss {rec['loss']:.4f} | aux {rec['aux_loss']:.4f} | "
                  f"z {rec['z_loss']:.3f} | dropped {drop:.3f}{load} | lr {rec['learning_rate']:.2e} | "
-                 + (f"{rate:,.0f} tokens/s" if rate is not None else "compiled")
+                 + (f"{rate:,.0f} tokens/s" if rate is not None else self.untimed or "compiled")
                  + (f" | MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else ""))
         for alert in alerts:
             self.writer.write("alert", step, alert)
             self.say(f"warning: step {step}: MoE layer {alert['layer']}: {alert['reason']}")
         self.window_t, self.window_steps, self.window_faults = now, 0, self._faults()
+
+    @contextlib.contextmanager
+    def untimed_steps(self, label: str):
+        """Steps recorded inside have no rate (their log lines say ``label``) and count in neither
+        tokens/s nor page faults per step (e.g. the profiled steps). The steps before are read back
+        first, and the window restarts when the block ends."""
+        self.flush()
+        self.untimed = label
+        try:
+            yield
+            self.flush()
+        finally:
+            self.untimed = None
+            if self.window_t is not None:
+                self.window_t, self.window_steps, self.window_faults = time.perf_counter(), 0, self._faults()
 
     @contextlib.contextmanager
     def paused(self):
@@ -541,11 +558,12 @@ class Trainer:
         trace_from = trace_to = None
         if self.profile is not None:
             trace_from, trace_to = max(self.profile[0], start + 1), min(self.profile[1], last)
-            if trace_from > trace_to:
+            if trace_from > trace_to and last > start:
                 self._log(f"note: --profile {self.profile[0]}:{self.profile[1]} is outside the steps of this run "
                           f"({start + 1} to {last}); no trace is written")
+            if trace_from > trace_to:
                 trace_from = trace_to = None
-        tracing = False
+        tracing = None  # the untimed_steps() context of the traced steps while tracing
         try:
             with jax.set_mesh(self.mesh):
                 for step in range(start, last):
@@ -554,9 +572,10 @@ class Trainer:
                         say(f"{stopped_by}: stopped before the first step of this run; no step was run")
                         break
                     if step + 1 == trace_from:  # the trace holds these steps only: earlier ones finish first
+                        tracing = book.untimed_steps("profiled")
+                        tracing.__enter__()
                         jax.block_until_ready(state)
                         jax.profiler.start_trace(str(self.run_dir / "profile"))
-                        tracing = True
                     # Steady state: nothing comes back from the devices (metrics stay there until a
                     # log, save or evaluation point), so the host runs ahead and the devices never wait.
                     with jax.transfer_guard_device_to_host("disallow"):
@@ -567,9 +586,11 @@ class Trainer:
                     if tracing and done == trace_to:
                         jax.block_until_ready(state)
                         jax.profiler.stop_trace()
-                        tracing = False
+                        tracing.__exit__(None, None, None)  # reads the traced steps back (their log lines)
+                        tracing = None
                         say(f"profile of steps {trace_from} to {trace_to} written to {self.run_dir / 'profile'} "
-                            f"(tensorboard --logdir {self.run_dir / 'profile'}, or ui.perfetto.dev)")
+                            f"(ui.perfetto.dev opens its *.trace.json.gz; TensorBoard needs the "
+                            f"tensorboard-plugin-profile package); these steps are not in tokens/s")
                     is_last = done == last
                     save_now = bool(tc.checkpoint_every and done % tc.checkpoint_every == 0) or is_last
                     eval_now = bool(tc.eval_every and done % tc.eval_every == 0) or is_last
@@ -604,8 +625,9 @@ class Trainer:
             writer.close()
             raise
         finally:
-            if tracing:  # the run ended inside the traced steps
+            if tracing is not None:  # the run ended inside the traced steps
                 jax.profiler.stop_trace()
+                book.untimed = None
             batches.close()
             if bar is not None:
                 bar.close()

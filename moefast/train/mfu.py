@@ -34,7 +34,7 @@ PEAK_TFLOPS: tuple[tuple[str, float, str], ...] = (
 )
 
 PROBE_SIZE = 1024  # the CPU probe multiplies two [N, N] float32 matrices (2 N^3 FLOPs)
-PROBE_RUNS = 5
+PROBE_RUNS = 10
 
 
 class Peak(NamedTuple):
@@ -50,9 +50,10 @@ class Peak(NamedTuple):
 def cpu_matmul_peak() -> float:
     """Estimated peak FLOP/s of this CPU: the best of :data:`PROBE_RUNS` timed float32
     [1024, 1024] x [1024, 1024] matmuls compiled by XLA on this process's first CPU device (after one untimed
-    run), measured once per process (about 0.1 s on a 2-core machine). An estimate: it is what XLA's
-    matmul reaches on a large square product, not the vendor's peak, and it drifts with the
-    machine's load."""
+    run), measured once per process (about 0.15 s on a 2-core machine). An estimate: it is what
+    XLA's matmul reaches on a large square product, not the vendor's peak; on a machine that other
+    work keeps busy it is too low (half, with one of two cores taken), and the MFU against it too
+    high, even above 1."""
     import jax
     import numpy as np
 
@@ -92,7 +93,9 @@ def peak_flops(devices, override_tflops: float | None = None) -> Peak:
 
 
 def mfu(tokens_per_s: float | None, flops_per_token: float, peak: Peak) -> float | None:
-    """Model FLOPs utilisation, a fraction in [0, 1] (``None`` when the rate or the peak is unknown)."""
+    """Model FLOPs utilisation, a fraction (``None`` when the rate or the peak is unknown). Above 1
+    means the peak is underestimated: a CPU probe taken while the machine was busy, or a wrong
+    ``train.peak_tflops``."""
     if tokens_per_s is None or not peak.flops_per_s:
         return None
     return tokens_per_s * flops_per_token / peak.flops_per_s

@@ -19,7 +19,7 @@ def test_train_step_is_traced_once(small_config, tmp_path):
     cfg = small_config("train.steps=10", "train.log_every=1", "train.eval_every=5", "train.checkpoint_every=5",
                        "train.peak_tflops=0.001")
     lines = []
-    trainer = Trainer(cfg, tmp_path, log=lines.append, progress=False)
+    trainer = Trainer(cfg, tmp_path, log=lines.append, progress=False, profile=(4, 5))
     summary = trainer.run()
     assert summary.steps == 10
     assert trainer.trace_count == 1, "the train step was retraced; check for weak types or changing shapes"
@@ -31,11 +31,17 @@ def test_train_step_is_traced_once(small_config, tmp_path):
         assert np.asarray(r["tokens_per_expert"]).shape == (2, 4)
         assert r["model_flops_per_token"] == trainer.flops_per_token > 0
     # MFU = tokens/s * FLOPs per token / peak (train.peak_tflops: 1 GFLOP/s for the whole CPU)
-    for r in recs[1:]:
+    timed = [r for r in recs if r["step"] not in (1, 4, 5)]  # not the compiling one, not the profiled ones
+    for r in timed:
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["model_flops_per_token"] / 1e9)
-    assert recs[0]["mfu"] is None  # the compiling step has no rate
+    assert all(r["mfu"] is None and r["tokens_per_s"] is None for r in recs if r["step"] in (1, 4, 5))
     step_lines = [ln for ln in lines if ln.startswith("step") and "tokens/s" in ln]
-    assert len(step_lines) == 9 and all(f"MFU {100 * r['mfu']:.1f}%" in ln for ln, r in zip(step_lines, recs[1:]))
+    assert len(step_lines) == 7 and all(f"MFU {100 * r['mfu']:.1f}%" in ln for ln, r in zip(step_lines, timed))
+    # profile=(4, 5): a trace of those steps, which are left out of the rates
+    assert list((tmp_path / "profile").rglob("*.trace.json.gz"))
+    assert [ln.split("|")[0].strip() for ln in lines if ln.endswith("| profiled")] == ["step      4", "step      5"]
+    assert lines.index(next(ln for ln in lines if ln.startswith("profile of steps 4 to 5"))) > lines.index(
+        next(ln for ln in lines if ln.startswith("step      5")))
     assert summary.mfu == pytest.approx(summary.tokens_per_s * trainer.flops_per_token / 1e9)
     evals = read_records(tmp_path, "eval")
     assert [r["step"] for r in evals] == [5, 10]
