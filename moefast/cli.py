@@ -155,9 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and args.profile is not None:
         try:
             a, b = (int(x) for x in args.profile.split(":"))
-            assert 1 <= a <= b
+        except ValueError:
+            a = b = 0
+        if 1 <= a <= b:
             profile = (a, b)
-        except (ValueError, AssertionError):
+        else:
             print(f"error: --profile {args.profile}: expected START:END, optimizer steps with 1 <= START <= END "
                   "(e.g. --profile 10:12)", file=sys.stderr)
             return 2

@@ -15,15 +15,13 @@ Two measurements on a config (default: the tiny config):
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 
-from moefast.bench.process import alternating_step_times, train_process
+from moefast.bench.process import alternating_step_times, train_process, write_results
 
 __all__ = ["CacheBenchResult", "bench_cache", "first_step_times", "format_table", "step_times"]
 
@@ -137,10 +135,5 @@ def run_cli(*, json_out: str | None, steps: int, pairs: int, config: str | None 
     if json_out:
         rec = dataclasses.asdict(r) | {"step_ratio_off_over_on": r.step_ratio,
                                        "first_step_ratio_cold_over_warm": r.first_step_ratio}
-        with open(json_out, "w") as f:
-            json.dump(rec, f, indent=1)
-        md = str(Path(json_out).with_suffix(".md"))
-        with open(md, "w") as f:
-            f.write(table + "\n")
-        print(f"\nwrote {json_out} and {md}")
+        write_results(json_out, rec, table)
     return 0

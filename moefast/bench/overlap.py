@@ -19,7 +19,6 @@ point is that chunking costs little (and the results are right, see the tests).
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 import jax
 
-from moefast.bench.process import alternating_step_times, train_process
+from moefast.bench.process import alternating_step_times, train_process, write_results
 
 __all__ = ["CHUNKS", "DEFAULT_MESH", "OverlapBenchResult", "bench_overlap", "exchange_report", "format_table"]
 
@@ -167,10 +166,5 @@ def run_cli(*, json_out: str | None, steps: int, rounds: int, config: str | None
     table = format_table(r)
     print(table)
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(dataclasses.asdict(r), f, indent=1)
-        md = str(Path(json_out).with_suffix(".md"))
-        with open(md, "w") as f:
-            f.write(table + "\n")
-        print(f"\nwrote {json_out} and {md}")
+        write_results(json_out, dataclasses.asdict(r), table)
     return 0

@@ -349,12 +349,9 @@ def run_cli(*, json_out: str | None, rounds: int, steps: int, config: str | None
               f"{med(r.hf.tokens_per_s for r in records):,.0f} tokens/s | train / HF "
               f"{med(r.train_over_hf for r in records):.2f}× | bare / HF {med(r.bare_over_hf for r in records):.2f}×")
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump([r.to_dict() for r in records], f, indent=1)
-        md = str(Path(json_out).with_suffix(".md"))
-        with open(md, "w") as f:
-            f.write(table + "\n")
-        print(f"\nwrote {json_out} and {md}")
+        from moefast.bench.process import write_results
+
+        write_results(json_out, [r.to_dict() for r in records], table)
     return 0
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["alternating_step_times", "train_process"]
+__all__ = ["alternating_step_times", "train_process", "write_results"]
 
 
 def train_process(run_dir: Path, args: list[str], config: str | None = None) -> tuple[dict[str, Any], float]:
@@ -38,6 +38,17 @@ def train_process(run_dir: Path, args: list[str], config: str | None = None) -> 
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["kind"] == "summary"][-1], wall
+
+
+def write_results(json_out: str, records: Any, markdown: str) -> None:
+    """Writes a benchmark's records to ``json_out`` (JSON) and its markdown to the same path with
+    the suffix ``.md``, and says so."""
+    with open(json_out, "w") as f:
+        json.dump(records, f, indent=1)
+    md = str(Path(json_out).with_suffix(".md"))
+    with open(md, "w") as f:
+        f.write(markdown.rstrip("\n") + "\n")
+    print(f"\nwrote {json_out} and {md}")
 
 
 def alternating_step_times(runners: list[list[Any]], steps: int) -> list[list[float]]:

@@ -19,8 +19,6 @@ temporary allocation (``compiled.memory_analysis()``).
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 import statistics
 import time
 from typing import Callable
@@ -208,10 +206,7 @@ def run_cli(*, quick: bool, json_out: str | None, repeats: int) -> int:
           "(fewer for runs over 2 s)\n")
     print(table)
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump([dataclasses.asdict(r) for r in records], f, indent=1)
-        md = str(Path(json_out).with_suffix(".md"))
-        with open(md, "w") as f:
-            f.write(table + "\n")
-        print(f"\nwrote {json_out} and {md}")
+        from moefast.bench.process import write_results
+
+        write_results(json_out, [dataclasses.asdict(r) for r in records], table)
     return 0

@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import glob
-import json
 import os
 import statistics
 import tempfile
@@ -329,10 +328,7 @@ def run_cli(*, json_out: str | None, steps: int, rounds: int, ablate: bool, conf
               f"{profile_dir})\n")
         print(prof)
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(dataclasses.asdict(r), f, indent=1)
-        md = str(Path(json_out).with_suffix(".md"))
-        with open(md, "w") as f:
-            f.write(f"{header}\n\n{table}\n" + (f"\n{prof}\n" if prof else ""))
-        print(f"\nwrote {json_out} and {md}")
+        from moefast.bench.process import write_results
+
+        write_results(json_out, dataclasses.asdict(r), f"{header}\n\n{table}\n" + (f"\n{prof}\n" if prof else ""))
     return 0

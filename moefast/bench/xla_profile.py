@@ -106,6 +106,22 @@ def parse_hlo(text: str) -> tuple[dict[str, _Instr], dict[str, list[str]], dict[
     return instrs, comps, frames
 
 
+def _leaves(instrs: dict[str, _Instr], comps: dict[str, list[str]], name: str, seen: set[str]) -> list[_Instr]:
+    """The ops an instruction is made of: itself, or (a fusion, call, loop) the ops of the
+    computations it calls, recursively (each computation once)."""
+    ins = instrs[name]
+    if not ins.calls:
+        return [ins]
+    out = []
+    for c in ins.calls:
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for n in comps[c]:
+            out += _leaves(instrs, comps, n, seen)
+    return out or [ins]
+
+
 def _is_optimizer_frame(frame: tuple[str, str] | None) -> bool:
     if frame is None:
         return False
@@ -136,22 +152,10 @@ def classify_hlo(text: str) -> dict[str, str]:
     """
     instrs, comps, frames = parse_hlo(text)
 
-    def leaves(name: str, seen: set[str]) -> list[_Instr]:
-        ins = instrs[name]
-        if not ins.calls:
-            return [ins]
-        out = []
-        for c in ins.calls:
-            if c in seen or c not in comps:
-                continue
-            seen.add(c)
-            for n in comps[c]:
-                out += leaves(n, seen)
-        return out or [ins]
 
     kinds = {}
     for name, ins in instrs.items():
-        ops = [i for i in leaves(name, set()) if i.opcode not in _TRIVIAL_OPS]
+        ops = [i for i in _leaves(instrs, comps, name, set()) if i.opcode not in _TRIVIAL_OPS]
         codes = {i.opcode for i in ops}
         if ins.opcode in ("while", "conditional") or (not ops and not ins.calls and ins.opcode != "bitcast"):
             kinds[name] = "other"  # a loop's body has trace events of its own; parameters, constants, tuples
@@ -226,22 +230,10 @@ def classify_work(text: str) -> dict[str, str]:
     """
     instrs, comps, frames = parse_hlo(text)
 
-    def leaves(name: str, seen: set[str]) -> list[_Instr]:
-        ins = instrs[name]
-        if not ins.calls:
-            return [ins]
-        out = []
-        for c in ins.calls:
-            if c in seen or c not in comps:
-                continue
-            seen.add(c)
-            for n in comps[c]:
-                out += leaves(n, seen)
-        return out or [ins]
 
     kinds = {}
     for name, ins in instrs.items():
-        ops = [i for i in leaves(name, set()) if i.opcode not in _TRIVIAL_OPS]
+        ops = [i for i in _leaves(instrs, comps, name, set()) if i.opcode not in _TRIVIAL_OPS]
         codes = {i.opcode for i in ops}
         work = collections.Counter(_work_frame(frames.get(i.frame)) for i in ops)
         half = lambda k: ops and 2 * work[k] >= len(ops)
