@@ -118,6 +118,8 @@ class TrainBenchResult:
 
 
 class _Runner:
+    """One variant: its Trainer, compiled step, data pipeline and the times of its timed steps."""
+
     def __init__(self, name: str, overrides: list[str], settings: list[str], cfg, corpus, run_dir: Path):
         import jax
 
@@ -125,7 +127,7 @@ class _Runner:
         from moefast.train import Trainer
         from moefast.train.prefetch import DevicePrefetcher
 
-        self.name, self.overrides, self.settings, self.cfg = name, overrides, settings, cfg
+        self.name, self.overrides, self.settings = name, overrides, settings
         self.trainer = Trainer(cfg, run_dir, log=None, progress=False, corpus=corpus)
         t0 = time.perf_counter()
         self.step = self.trainer.compiled_train_step()
