@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
 import json
 import os
 import re
@@ -588,14 +587,10 @@ def _child_moefast(spec: dict[str, Any]) -> dict[str, Any]:
         timing, out, _ = _warm_timed_profiled(
             step, spec, lambda: jax.profiler.trace(spec["profile_dir"], create_perfetto_trace=True))
         if spec.get("profile_dir"):
-            traces = sorted(glob.glob(os.path.join(spec["profile_dir"], "**", "*.trace.json.gz"), recursive=True),
-                            key=os.path.getmtime)
-            if not traces:
-                raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {spec['profile_dir']}")
-            from moefast.bench.xla_profile import classify_hlo, xla_trace_times
+            from moefast.bench.xla_profile import classify_hlo, latest_trace, xla_trace_times
 
-            out["profile"] = xla_trace_times(traces[-1], classify_hlo(step_fn.as_text()), spec["profile_steps"])
-            out["trace"] = traces[-1]
+            out["trace"] = latest_trace(spec["profile_dir"])
+            out["profile"] = xla_trace_times(out["trace"], classify_hlo(step_fn.as_text()), spec["profile_steps"])
     loss = float(box["metrics"]["loss"])
     return out | {
         "timing": {"tokens_per_s": tokens / timing["step_s"], **timing},

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import glob
-import os
 import statistics
 import tempfile
 import time
@@ -161,7 +159,7 @@ class _Runner:
 def _profile(runner: _Runner, state, out_dir: Path):
     import jax
 
-    from moefast.bench.xla_profile import WORK_KINDS, classify_work, xla_trace_times
+    from moefast.bench.xla_profile import WORK_KINDS, classify_work, latest_trace, xla_trace_times
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state = runner.run(state, 1, timed=False)
@@ -169,11 +167,9 @@ def _profile(runner: _Runner, state, out_dir: Path):
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
         state = runner.run(state, PROFILE_STEPS, timed=False)
     wall = (time.perf_counter() - t0) / PROFILE_STEPS
-    traces = sorted(glob.glob(os.path.join(out_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
-    if not traces:
-        raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {out_dir}")
-    times = xla_trace_times(traces[-1], classify_work(runner.step.as_text()), PROFILE_STEPS, kind_names=WORK_KINDS)
-    return state, {"kinds_ms": times["kinds"], "profiled_step_ms": 1e3 * wall, "trace": traces[-1],
+    trace = latest_trace(out_dir)
+    times = xla_trace_times(trace, classify_work(runner.step.as_text()), PROFILE_STEPS, kind_names=WORK_KINDS)
+    return state, {"kinds_ms": times["kinds"], "profiled_step_ms": 1e3 * wall, "trace": trace,
                    "unattributed_worker_ms": times["unattributed_worker_ms"]}
 
 
@@ -239,11 +235,10 @@ def bench_train(config: str | None = None, overrides: list[str] | None = None, *
         finally:
             for runner in runners:
                 runner.batches.close()
-    tokens = tokens_per_step
     peak = first.peak
     records = []
     for runner in runners:
-        tps_rounds = [tokens * steps / s for s in runner.round_s]
+        tps_rounds = [tokens_per_step * steps / s for s in runner.round_s]
         tps = statistics.median(tps_rounds)
         ms = sorted(1e3 * s for s in runner.step_s)
         mem = runner.memory
@@ -256,7 +251,7 @@ def bench_train(config: str | None = None, overrides: list[str] | None = None, *
             memory=mem, profile=profiles.get(runner.name)))
     return TrainBenchResult(
         config=cfg0.name, platform=f"{jax.devices()[0].platform} ({jax.device_count()} device(s))", mesh=mesh,
-        tokens_per_step=tokens, steps=steps, rounds=rounds, model_flops_per_token=first.flops_per_token,
+        tokens_per_step=tokens_per_step, steps=steps, rounds=rounds, model_flops_per_token=first.flops_per_token,
         peak_tflops=None if peak.flops_per_s is None else peak.flops_per_s / 1e12, peak_source=peak.source,
         records=records, jax=jax.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))

@@ -16,7 +16,9 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import glob
 import gzip
+import os
 import json
 import re
 from pathlib import Path
@@ -24,7 +26,7 @@ from typing import Any
 
 from moefast.bench.peers import KINDS  # by operation, comparable with torch.profiler op kinds
 
-__all__ = ["WORK_KINDS", "classify_hlo", "classify_work", "parse_hlo", "xla_trace_times"]
+__all__ = ["WORK_KINDS", "classify_hlo", "classify_work", "latest_trace", "parse_hlo", "xla_trace_times"]
 
 
 _MATMUL_OPS = {"dot", "convolution", "ragged-dot"}
@@ -267,6 +269,18 @@ def _intervals_minus(a: float, b: float, cuts: list[tuple[float, float]]) -> lis
     if cur < b:
         out.append((cur, b))
     return out
+
+
+def latest_trace(directory: str | Path) -> str:
+    """The newest ``*.trace.json.gz`` that ``jax.profiler`` wrote under ``directory``.
+
+    Raises:
+      RuntimeError: there is none.
+    """
+    traces = sorted(glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    if not traces:
+        raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {directory}")
+    return traces[-1]
 
 
 def _op_name(event: dict[str, Any], kinds: dict[str, str]) -> str | None:

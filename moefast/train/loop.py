@@ -174,7 +174,7 @@ class _StepBook:
         self.window_t: float | None = None  # start of the log window (None until the first step is done)
         self.window_steps = self.window_faults = 0
         self.timed_steps, self.timed_s, self.timed_faults = 0, 0.0, 0  # steps after the first one
-        self.untimed: str | None = None  # inside untimed(): why these steps have no rate
+        self.untimed: str | None = None  # between start_untimed() and end_untimed(): why these steps have no rate
 
     @staticmethod
     def _faults() -> int:
@@ -265,15 +265,16 @@ class _StepBook:
             self.say(f"warning: step {step}: MoE layer {alert['layer']}: {alert['reason']}")
         self.window_t, self.window_steps, self.window_faults = now, 0, self._faults()
 
-    @contextlib.contextmanager
-    def untimed_steps(self, label: str):
-        """Steps recorded inside have no rate (their log lines say ``label``) and count in neither
-        tokens/s nor page faults per step (e.g. the profiled steps). The steps before are read back
-        first, and the window restarts when the block ends."""
+    def start_untimed(self, label: str) -> None:
+        """The steps recorded from now until :meth:`end_untimed` have no rate (their log lines say
+        ``label``) and count in neither tokens/s nor page faults per step (e.g. profiled steps).
+        The steps before are read back first."""
         self.flush()
         self.untimed = label
+
+    def end_untimed(self) -> None:
+        """Reads the untimed steps back and starts a new log window."""
         try:
-            yield
             self.flush()
         finally:
             self.untimed = None
@@ -563,7 +564,7 @@ class Trainer:
                           f"({start + 1} to {last}); no trace is written")
             if trace_from > trace_to:
                 trace_from = trace_to = None
-        tracing = None  # the untimed_steps() context of the traced steps while tracing
+        tracing = False
         try:
             with jax.set_mesh(self.mesh):
                 for step in range(start, last):
@@ -572,10 +573,10 @@ class Trainer:
                         say(f"{stopped_by}: stopped before the first step of this run; no step was run")
                         break
                     if step + 1 == trace_from:  # the trace holds these steps only: earlier ones finish first
-                        tracing = book.untimed_steps("profiled")
-                        tracing.__enter__()
+                        book.start_untimed("profiled")
                         jax.block_until_ready(state)
                         jax.profiler.start_trace(str(self.run_dir / "profile"))
+                        tracing = True
                     # Steady state: nothing comes back from the devices (metrics stay there until a
                     # log, save or evaluation point), so the host runs ahead and the devices never wait.
                     with jax.transfer_guard_device_to_host("disallow"):
@@ -586,8 +587,8 @@ class Trainer:
                     if tracing and done == trace_to:
                         jax.block_until_ready(state)
                         jax.profiler.stop_trace()
-                        tracing.__exit__(None, None, None)  # reads the traced steps back (their log lines)
-                        tracing = None
+                        tracing = False
+                        book.end_untimed()  # reads the traced steps back (their log lines)
                         say(f"profile of steps {trace_from} to {trace_to} written to {self.run_dir / 'profile'} "
                             f"(ui.perfetto.dev opens its *.trace.json.gz; TensorBoard needs the "
                             f"tensorboard-plugin-profile package); these steps are not in tokens/s")
@@ -625,9 +626,8 @@ class Trainer:
             writer.close()
             raise
         finally:
-            if tracing is not None:  # the run ended inside the traced steps
+            if tracing:  # the run ended inside the traced steps
                 jax.profiler.stop_trace()
-                book.untimed = None
             batches.close()
             if bar is not None:
                 bar.close()
