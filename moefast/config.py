@@ -86,7 +86,21 @@ class ModelConfig:
       dropout: dropout rate on attention and feed-forward outputs (training only).
       norm_eps: RMSNorm epsilon.
       init_std: standard deviation of the normal initialiser of weight matrices.
-    """
+      remat: activation rematerialisation of each block in the backward pass (``jax.checkpoint``
+        with a policy from ``jax.checkpoint_policies``; :data:`moefast.model.REMAT_POLICIES`):
+        ``"none"`` keeps every activation; ``"full"`` keeps only each block's input and recomputes
+        the block, the routing and (expert axis > 1) both expert all-to-alls included, so the
+        forward exchange runs twice; ``"save_dots"`` keeps every matmul output (``dots_saveable``)
+        and ``"save_dots_no_batch"`` those without batch dimensions
+        (``dots_with_no_batch_dims_saveable``: not the experts' batched matmuls), both recompute the
+        exchange; ``"minimal"`` keeps the routing decisions and the expert buffers on either side of
+        the exchange (:data:`moefast.model.MINIMAL_SAVED`) and recomputes the rest, never the
+        routing or the all-to-alls. Results are bitwise those of ``"none"`` on CPU.
+      scan_layers: run identical blocks with ``jax.lax.scan`` over parameters stacked on a leading
+        ``layers`` axis (:mod:`moefast.model.layout`): the leading dense blocks form one stack and
+        the MoE/dense pattern of ``moe_every`` one stack per position in the pattern; compile time
+        no longer grows with depth. A checkpoint written with either layout restores into the other.
+"""
 
     d_model: int = 256
     num_layers: int = 4
@@ -105,6 +119,8 @@ class ModelConfig:
     dropout: float = 0.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    remat: Literal["none", "full", "save_dots", "save_dots_no_batch", "minimal"] = "none"
+    scan_layers: bool = False
 
     def __post_init__(self):
         for k in ("d_model", "num_layers", "num_heads", "head_dim", "d_ff", "max_seq_len", "moe_every"):
@@ -326,6 +342,15 @@ class TrainConfig:
       max_consecutive_nonfinite: a step whose loss or gradients are not finite is skipped
         (parameters, optimizer and routing state unchanged) and logged; after this many skipped
         steps in a row the run stops with an error naming the last good checkpoint.
+      grad_accum_steps: M, micro-batches per optimizer step: the global batch
+        (``data.batch_size`` rows) is split into M micro-batches of ``batch_size / M`` rows (micro-batch
+        m holds rows m, m + M, m + 2M, ... so each device keeps its own rows) run one after another
+        inside the jitted step (``jax.lax.scan``), their gradients summed before one update. The
+        cross-entropy is normalised by the loss weight of the whole global batch and the z-loss by
+        its non-padding tokens, so both equal M = 1's; the load-balancing loss is the mean of the
+        micro-batches' values (it is not linear in the batch; never scaled by M or the data-parallel
+        size). Capacity counts the tokens of one micro-batch on one device. Memory of activations
+        falls about M-fold; tokens per step, the data stream and resume are unchanged.
       peak_tflops: peak TFLOP/s of one device, the denominator of MFU (on CPU: of the whole
         processor); ``None`` = from the table of known accelerators, or on CPU a matmul probe
         measured at start (:mod:`moefast.train.mfu`).
@@ -347,6 +372,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     max_consecutive_nonfinite: int = 5
     peak_tflops: float | None = None
+    grad_accum_steps: int = 1
 
     def __post_init__(self):
         _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
@@ -367,6 +393,8 @@ class TrainConfig:
                  f"must be >= 0, got {self.checkpoint_every}")
         _require(self.peak_tflops is None or self.peak_tflops > 0, "train.peak_tflops",
                  f"must be null (known accelerator or CPU probe) or > 0 TFLOP/s per device, got {self.peak_tflops}")
+        _require(self.grad_accum_steps >= 1, "train.grad_accum_steps",
+                 f"must be >= 1 (1 = no accumulation), got {self.grad_accum_steps}")
         _require(self.max_consecutive_nonfinite >= 1, "train.max_consecutive_nonfinite",
                  f"must be >= 1, got {self.max_consecutive_nonfinite}")
 
@@ -515,6 +543,9 @@ class ExperimentConfig:
         _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
                  f"{self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                  "lower data.seq_len or raise model.max_seq_len")
+        m = self.train.grad_accum_steps
+        _require(self.data.batch_size % m == 0, "train.grad_accum_steps",
+                 f"must divide data.batch_size={self.data.batch_size} (micro-batches of whole rows), got {m}")
 
     def replace(self, **sections: Any) -> "ExperimentConfig":
         return dataclasses.replace(self, **sections)

@@ -26,10 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moefast.config import ExperimentConfig
+from moefast.model.layout import layer_layout
 from moefast.model.moe import MoELayer, MoEStats
+from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
 from moefast.model.positional import apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
 
-__all__ = ["ATTENTION_BLOCK", "KVCache", "ModelOutput", "Transformer", "build_model", "causal_attention", "init_cache",
+__all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "ModelOutput", "REMAT_POLICIES", "Transformer", "build_model", "causal_attention", "init_cache",
            "init_routing_state"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -166,7 +168,7 @@ class Block(nnx.Module):
         m = cfg.model
         dtype = _DTYPES[m.dtype]
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
-        self.layer, self.dropout = layer, m.dropout
+        self.dropout = m.dropout
         self.attn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
         self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, dtype=dtype,
                               init_std=m.init_std, out_std=out_std, rngs=rngs)
@@ -186,10 +188,13 @@ class Block(nnx.Module):
         else:
             self.ffn = DenseMLP(m.d_model, m.d_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
 
-    def __call__(self, x, rope, attn_mask, token_mask, *, cache, cache_index, step_key, drop_tokens,
-                 routing_state=None, routing_warmup=None):
+    def __call__(self, x, layer, rope, attn_mask, token_mask, cache=None, cache_index=0, step_key=None,
+                 routing_state=None, routing_warmup=None, *, drop_tokens=True):
+        """One block; ``layer`` is its index (an int, or a traced int32 under ``scan_layers``), the
+        other arguments are :meth:`Transformer.__call__`'s, per layer. Returns ``(x, stats or None,
+        new cache or None)``."""
         a, new_cache = self.attn(self.attn_norm(x), rope, attn_mask, cache, cache_index)
-        x = x + _dropout(a, self.dropout, step_key, 3 * self.layer)
+        x = x + _dropout(a, self.dropout, step_key, 3 * layer)
         h = self.ffn_norm(x)
         stats = None
         if self.is_moe:
@@ -197,12 +202,48 @@ class Block(nnx.Module):
             warm = step_key is not None and routing_warmup is not None
             f, stats = self.ffn(h, token_mask, drop_tokens=drop_tokens, bias_e=rs.get("bias"),
                                 load_ema_e=rs.get("load_ema"),
-                                warmup_key=jax.random.fold_in(step_key, 3 * self.layer + 2) if warm else None,
+                                warmup_key=jax.random.fold_in(step_key, 3 * layer + 2) if warm else None,
                                 warmup_active=routing_warmup if warm else None)
         else:
             f = self.ffn(h)
-        x = x + _dropout(f, self.dropout, step_key, 3 * self.layer + 1)
+        x = x + _dropout(f, self.dropout, step_key, 3 * layer + 1)
         return x, stats, new_cache
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_saveable,
+    "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "minimal": jax.checkpoint_policies.save_only_these_names(ROUTING, EXPERT_IN, EXPERT_OUT),
+}
+"""``model.remat`` -> ``jax.checkpoint`` policy of each block (``None``: no rematerialisation)."""
+MINIMAL_SAVED = (ROUTING, EXPERT_IN, EXPERT_OUT)
+"""What ``model.remat=minimal`` keeps (``checkpoint_name`` in :mod:`moefast.parallel.expert`)."""
+
+
+def _block_fn(graphdef, remat: str, drop_tokens: bool):
+    """``f(state, x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
+    routing_warmup) -> (x, stats, cache)``: the block of ``graphdef`` as a pure function, under
+    ``jax.checkpoint`` with the policy of ``remat``."""
+
+    def f(state, *args):
+        return nnx.merge(graphdef, state)(*args, drop_tokens=drop_tokens)
+
+    if REMAT_POLICIES[remat] is None:
+        return f
+    return jax.checkpoint(f, policy=REMAT_POLICIES[remat])
+
+
+def _stack_blocks(blocks: list[Block]) -> Block:
+    """One :class:`Block` whose parameters are those of ``blocks`` stacked on a leading ``layers``
+    axis (the blocks must be of one kind: all MoE or all dense)."""
+    graphdef, _ = nnx.split(blocks[0])
+    states = [nnx.state(b) for b in blocks]
+    stacked = jax.tree.map(lambda *vs: jnp.stack(vs), *states)
+    for _, v in nnx.to_flat_state(stacked):
+        v.set_metadata(logical_axes=("layers", *v.get_metadata()["logical_axes"]))
+    return nnx.merge(graphdef, stacked)
 
 
 class Transformer(nnx.Module):
@@ -221,7 +262,19 @@ class Transformer(nnx.Module):
         self.tie_embeddings = m.tie_embeddings
         self.embed = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (vocab_size, m.d_model)),
                                logical_axes=("vocab", "embed"))
-        self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)])
+        self.num_layers, self.num_kv_heads = m.num_layers, m.kv_heads
+        self.remat, self.scan_layers = m.remat, m.scan_layers
+        blocks = [Block(cfg, i, rngs=rngs) for i in range(m.num_layers)]  # one init order for both layouts
+        if not m.scan_layers:
+            self.blocks = nnx.List(blocks)
+        else:  # see moefast.model.layout
+            self.layout = layer_layout(m)
+            if self.layout.prefix:
+                self.prefix = _stack_blocks([blocks[i] for i in self.layout.prefix])
+            if self.layout.groups:
+                self.groups = nnx.List([_stack_blocks([blocks[i] for i in ids]) for ids in self.layout.groups])
+            if self.layout.tail:
+                self.tail = nnx.List([blocks[i] for i in self.layout.tail])
         self.final_norm = _rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
         if not m.tie_embeddings:
             self.lm_head = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (m.d_model, vocab_size)),
@@ -302,26 +355,109 @@ class Transformer(nnx.Module):
         if self.position_encoding == "sinusoidal":
             x = x + sinusoidal_encoding(positions_bt, self.max_seq_len, x.shape[-1], self.dtype,
                                         cached=self.cache_tables)
+        layer_args = dict(token_mask=token_mask, cache_index=cache_index, step_key=step_key,
+                          routing_warmup=routing_warmup, drop_tokens=drop_tokens)
+        if not self.cache_tables:  # the baseline: every layer rebuilds them
+            make = lambda: (make_mask(), make_rope())
+        else:
+            make = lambda: (attn_mask, rope)
+        if self.scan_layers and cache is None:
+            x, moe = self._scanned(x, make, routing_state, **layer_args)
+            new_cache = None
+        else:
+            x, moe, new_cache = self._unrolled(x, make, routing_state, cache, **layer_args)
+        x = self.final_norm(x)
+        head = self.embed[...].T if self.tie_embeddings else self.lm_head[...]
+        logits = (x @ head.astype(self.dtype)).astype(jnp.float32)
+        return ModelOutput(logits=logits, moe=moe, cache=new_cache)
+
+    def layer_modules(self) -> list[Block]:
+        """The L blocks in order, as modules (scanned stacks sliced, so each holds one layer's
+        parameters)."""
+        if not self.scan_layers:
+            return list(self.blocks)
+        out: dict[int, Block] = {}
+
+        def sliced(stack, k):
+            graphdef, state = nnx.split(stack)
+            return nnx.merge(graphdef, jax.tree.map(lambda a: a[k], state))
+
+        for k, i in enumerate(self.layout.prefix):
+            out[i] = sliced(self.prefix, k)
+        for j, ids in enumerate(self.layout.groups):
+            for k, i in enumerate(ids):
+                out[i] = sliced(self.groups[j], k)
+        for j, i in enumerate(self.layout.tail):
+            out[i] = self.tail[j]
+        return [out[i] for i in range(self.num_layers)]
+
+    def _unrolled(self, x, make, routing_state, cache, *, drop_tokens, **kw):
+        """Every block in a Python loop (the unrolled layout, and any layout with a KV cache)."""
         stats, new_cache = [], [] if cache is not None else None
-        for i, block in enumerate(self.blocks):
-            if not self.cache_tables:  # the baseline: every layer rebuilds them
-                attn_mask, rope = make_mask(), make_rope()
+        for i, block in enumerate(self.layer_modules()):
             rs = None
             if routing_state is not None and block.is_moe:
                 rs = {k: v[len(stats)] for k, v in routing_state.items()}
-            x, s_i, c_i = block(x, rope, attn_mask, token_mask,
-                                cache=None if cache is None else cache[i], cache_index=cache_index,
-                                step_key=step_key, drop_tokens=drop_tokens, routing_state=rs,
-                                routing_warmup=routing_warmup)
+            attn_mask, rope = make()
+            graphdef, state = nnx.split(block)
+            x, s_i, c_i = _block_fn(graphdef, self.remat, drop_tokens)(
+                state, x, i, rope, attn_mask, kw["token_mask"], None if cache is None else cache[i],
+                kw["cache_index"], kw["step_key"], rs, kw["routing_warmup"])
             if s_i is not None:
                 stats.append(s_i)
             if cache is not None:
                 new_cache.append(c_i)
-        x = self.final_norm(x)
-        head = self.embed[...].T if self.tie_embeddings else self.lm_head[...]
-        logits = (x @ head.astype(self.dtype)).astype(jnp.float32)
         moe = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
-        return ModelOutput(logits=logits, moe=moe, cache=new_cache)
+        return x, moe, new_cache
+
+    def _scanned(self, x, make, routing_state, *, drop_tokens, **kw):
+        """The scanned layout: ``jax.lax.scan`` over the prefix stack and over the whole groups
+        (each iteration runs one group's blocks in order), then the tail unrolled. MoE layer j's
+        routing-state row and statistics stay row j of [L_moe, ...] (groups first, then the tail's
+        MoE block)."""
+        layout = self.layout
+        rest = (kw["token_mask"], None, kw["cache_index"], kw["step_key"])
+
+        def run(fn, state, x, layer, rs):  # make(): the cached tables, or (baseline) built in this layer
+            attn_mask, rope = make()
+            return fn(state, x, layer, rope, attn_mask, *rest, rs, kw["routing_warmup"])
+
+        if layout.prefix:
+            graphdef, state = nnx.split(self.prefix)
+            fn = _block_fn(graphdef, self.remat, drop_tokens)
+
+            def prefix_body(x, xs):
+                st, layer = xs
+                return run(fn, st, x, layer, None)[0], None
+
+            x, _ = jax.lax.scan(prefix_body, x, (state, jnp.asarray(layout.prefix, jnp.int32)))
+        stats = []
+        if layout.groups:
+            g = layout.num_groups
+            parts = [nnx.split(stack) for stack in self.groups]
+            fns = [_block_fn(gd, self.remat, drop_tokens) for gd, _ in parts]
+            rs_groups = None if routing_state is None else {k: v[:g] for k, v in routing_state.items()}
+
+            def group_body(x, xs):
+                states, layers, rs = xs
+                group_stats = None
+                for j, fn in enumerate(fns):
+                    x, s_j, _ = run(fn, states[j], x, layers[j], rs if j == 0 else None)
+                    group_stats = s_j if j == 0 else group_stats
+                return x, group_stats
+
+            layers = jnp.asarray(layout.groups, jnp.int32)  # [moe_every, G]
+            x, group_stats = jax.lax.scan(group_body, x, ([st for _, st in parts], list(layers), rs_groups))
+            stats.append(group_stats)
+        if layout.tail:
+            rs = None if routing_state is None else {k: v[layout.num_groups] for k, v in routing_state.items()}
+            for j, i in enumerate(layout.tail):
+                graphdef, state = nnx.split(self.tail[j])
+                x, s_i, _ = run(_block_fn(graphdef, self.remat, drop_tokens), state, x, i, rs if j == 0 else None)
+                if s_i is not None:
+                    stats.append(jax.tree.map(lambda a: a[None], s_i))
+        moe = jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
+        return x, moe
 
 
 def build_model(cfg: ExperimentConfig, vocab_size: int, *, seed: int | None = None) -> Transformer:
@@ -351,9 +487,6 @@ def init_routing_state(cfg: ExperimentConfig) -> dict[str, jax.Array]:
 
 def init_cache(model: Transformer, batch: int, length: int, dtype: Any = None) -> KVCache:
     """Zeroed KV cache: per layer ``{"k", "v"}`` of shape [B, S, G, Hd]."""
-    out = []
-    for block in model.blocks:
-        a = block.attn
-        shape = (batch, length, a.num_kv_heads, a.head_dim)
-        out.append({"k": jnp.zeros(shape, dtype or a.dtype), "v": jnp.zeros(shape, dtype or a.dtype)})
-    return out
+    shape = (batch, length, model.num_kv_heads, model.head_dim)
+    dtype = dtype or model.dtype
+    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(model.num_layers)]

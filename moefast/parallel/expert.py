@@ -30,15 +30,23 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from moefast import routing
 from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.parallel.mesh import BATCH_AXES
 
-__all__ = ["MoEStats", "RoutingSpec", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
+__all__ = ["EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "RoutingSpec", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
 
 EXPERT_AXIS = "expert"
+# Names of the values the "minimal" remat policy keeps (``jax.ad_checkpoint.checkpoint_name``): the
+# routing decisions and each expert buffer where it enters and leaves the experts, i.e. after the
+# dispatch all-to-all and after the return all-to-all (expert axis > 1), so the backward pass never
+# recomputes the routing or the exchange.
+ROUTING = "moe_routing"
+EXPERT_IN = "moe_expert_in"
+EXPERT_OUT = "moe_expert_out"
 
 
 class MoEStats(NamedTuple):
@@ -124,7 +132,8 @@ def exchange_experts(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array
         xc = x_ecd[:, i * cn:(i + 1) * cn]
         if chain and i >= 2:  # chunk i leaves only once chunk i-2's experts are done
             xc, _ = jax.lax.optimization_barrier((xc, outs[i - 2]))
-        outs.append(_from_experts(expert_ffn(_to_experts(xc, ep), w_in_edf, w_out_efd, dtype), ep))
+        received = checkpoint_name(_to_experts(xc, ep), EXPERT_IN)
+        outs.append(checkpoint_name(_from_experts(expert_ffn(received, w_in_edf, w_out_efd, dtype), ep), EXPERT_OUT))
     return outs[0] if chunks == 1 else jnp.concatenate(outs, axis=1)
 
 
@@ -194,10 +203,11 @@ def _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, impl: str):
     token_tk = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], (t, k))
     src_n = jnp.full((t * k,), t, jnp.int32).at[dest_tk.reshape(-1)].set(
         token_tk.reshape(-1), mode="drop", unique_indices=True)
-    x_sorted = jnp.concatenate([x_td.astype(dtype), jnp.zeros((1, d), dtype)])[src_n]
+    x_sorted = checkpoint_name(jnp.concatenate([x_td.astype(dtype), jnp.zeros((1, d), dtype)])[src_n], EXPERT_IN)
     h = grouped_matmul(x_sorted, w_in_edf.astype(dtype), counts, impl=impl)
     gate, up = jnp.split(h, 2, axis=-1)
-    y_sorted = grouped_matmul(jax.nn.silu(gate) * up, w_out_efd.astype(dtype), counts, impl=impl)
+    y_sorted = checkpoint_name(grouped_matmul(jax.nn.silu(gate) * up, w_out_efd.astype(dtype), counts, impl=impl),
+                               EXPERT_OUT)
     return routing.combine_rows(y_sorted, dest_tk, r)
 
 
@@ -217,6 +227,7 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
         logits_te = _warmup_logits(logits_te, *warmup, spec, reduce_axes)
     r = routing.route(logits_te, top_k=spec.top_k, capacity=capacity, mask_t=mask_t, policy=spec.policy,
                       impl=spec.impl, bias=bias_e, capacity_limit=limit)
+    r = jax.tree.map(lambda a: checkpoint_name(a, ROUTING), r)
 
     if spec.capacity_factor == 0 and ep == 1:
         y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, spec.grouped_matmul)
@@ -227,11 +238,12 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
             x_ecd = routing.dispatch_onehot(x_td, dispatch_tec)
         else:
             x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
-        if ep > 1:
+        if ep > 1:  # names the buffers on the experts' side of the exchange
             y_ecd = exchange_experts(x_ecd, w_in_edf, w_out_efd, dtype, ep=ep, chunks=chunks,
                                      chain=spec.overlap_chain)
         else:
-            y_ecd = expert_ffn(x_ecd, w_in_edf, w_out_efd, dtype)
+            y_ecd = checkpoint_name(expert_ffn(checkpoint_name(x_ecd, EXPERT_IN), w_in_edf, w_out_efd, dtype),
+                                    EXPERT_OUT)
         y_td = routing.combine_onehot(y_ecd, combine_tec) if onehot else routing.combine(y_ecd, r)
 
     logp_te = jax.nn.log_softmax(jax.lax.stop_gradient(logits_te), axis=-1)

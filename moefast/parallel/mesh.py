@@ -48,6 +48,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "expert": "expert",
     "router": None,  # the router's expert dimension: every device routes over all experts
     "norm": None,
+    "layers": None,  # the stacked axis of scanned blocks (model.scan_layers): never split
 }
 
 
@@ -56,8 +57,8 @@ def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
 
     Raises:
       ConfigError: more than one ``-1``, a product that differs from the device count, an expert
-        axis that does not divide ``moe.num_experts``, or a global batch that the token axes do
-        not divide.
+        axis that does not divide ``moe.num_experts``, or a global batch (or micro-batch,
+        ``train.grad_accum_steps``) that the token axes do not divide.
     """
     sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
     rest = [a for a, s in sizes.items() if s == -1]
@@ -80,6 +81,11 @@ def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
     if cfg.data.batch_size % shards:
         raise ConfigError(f"data.batch_size: {cfg.data.batch_size} is not divisible by the "
                           f"{shards} batch shards (data×fsdp×expert); use a multiple of {shards}")
+    m = cfg.train.grad_accum_steps
+    if (cfg.data.batch_size // m) % shards:
+        raise ConfigError(f"train.grad_accum_steps: micro-batches of {cfg.data.batch_size}/{m} = "
+                          f"{cfg.data.batch_size // m} rows cannot be split over the {shards} batch shards; "
+                          f"use data.batch_size a multiple of {m * shards} or fewer micro-batches")
     return sizes
 
 
@@ -144,8 +150,10 @@ def param_specs(abstract_model_state: nnx.State, mesh: jax.sharding.Mesh) -> dic
     return nnx.to_pure_dict(specs)
 
 
-def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
-    """A parameter's spec with ``data`` added on its first free dimension divisible by it (ZeRO-1).
+def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh, *, layers: bool = False) -> P:
+    """A parameter's spec with ``data`` added on its first free dimension divisible by it (ZeRO-1);
+    with ``layers`` (a stacked parameter of scanned blocks) never on the leading ``layers`` axis, so
+    each scanned layer's slice is split like the unrolled layer's.
 
     Scalars and leaves with no such dimension keep the parameter's spec.
     """
@@ -154,7 +162,7 @@ def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> 
         return spec
     parts = list(spec) + [None] * (len(shape) - len(spec))
     for i, (p, d) in enumerate(zip(parts, shape)):
-        if p is None and d % n == 0:
+        if p is None and d % n == 0 and not (i == 0 and layers):
             parts[i] = "data"
             return P(*parts)
     return spec

@@ -41,6 +41,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from moefast.config import ExperimentConfig
+from moefast.model import layout
 
 __all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Restored"]
 
@@ -72,7 +73,10 @@ class Restored:
 _FIXED_SECTIONS = ("model", "moe", "data")
 # Keys of those sections that choose how the same model is computed, not what it is: a resume may
 # change them (like the mesh), e.g. the exchange's chunks after moving to another expert axis.
-_FREE_KEYS = {"moe": {"grouped_matmul", "routing_impl", "dispatch", "overlap_chunks", "overlap_chain"},
+# ``model.scan_layers`` changes where the parameters live, not what they are: a checkpoint of the
+# other layout is converted on restore (:func:`moefast.model.layout.to_layout`).
+_FREE_KEYS = {"model": {"remat", "scan_layers"},
+              "moe": {"grouped_matmul", "routing_impl", "dispatch", "overlap_chunks", "overlap_chain"},
               "data": {"prefetch"}}
 
 
@@ -307,16 +311,28 @@ class Checkpointer:
                 raise CheckpointError(
                     f"checkpoint {self._step_dir(step)} was written with a different '{sec}' "
                     f"config (keys {diff}); use the same config or a new --run-dir")
+        scanned_now = cfg.model.scan_layers
+        scanned_then = bool((saved.get("model") or {}).get("scan_layers", False))
+        target = abstract_state
+        if scanned_then != scanned_now:  # read in the checkpoint's layout, then convert
+            target = layout.to_layout(abstract_state, cfg.model, scanned_then)
         r, error = None, None
         try:
             r = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
                 meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
             error = e
         if not _all_processes_ok(error is None):
             raise _Unreadable(_reason(error) if error else "failed on another process")
-        return Restored(step=step, state=r.state, data_state=r.data, meta=r.meta)
+        state = r.state
+        if scanned_then != scanned_now:
+            out_shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
+            state = jax.jit(lambda t: layout.to_layout(t, cfg.model, scanned_now), out_shardings=out_shardings,
+                            donate_argnums=0)(state)
+            self._note(f"checkpoint {self._step_dir(step)} was written with model.scan_layers={scanned_then}; "
+                       f"its layers were converted to scan_layers={scanned_now}")
+        return Restored(step=step, state=state, data_state=r.data, meta=r.meta)
 
     def _set_aside(self, skipped: list[tuple[int, str]], restored_step: int) -> None:
         """Moves unreadable steps newer than the restored one to ``<step>.corrupt-<n>`` and warns."""

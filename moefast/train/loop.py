@@ -397,8 +397,9 @@ class Trainer:
         param_spec = parallel.param_specs(self.model_def.abstract_model_state, mesh)
         abstract = self.model_def.abstract_state()
         opt_spec = optax.tree_utils.tree_map_params(
-            make_optimizer(self.cfg), lambda p, spec: parallel.optimizer_spec(spec, p.shape, mesh),
-            abstract["opt_state"], param_spec, transform_non_params=lambda _: P(),
+            make_optimizer(self.cfg),
+            lambda p, spec, stacked: parallel.optimizer_spec(spec, p.shape, mesh, layers=stacked),
+            abstract["opt_state"], param_spec, self.model_def.stacked, transform_non_params=lambda _: P(),
             is_leaf=lambda x: isinstance(x, P))
         specs = {"params": param_spec, "opt_state": opt_spec, "step": P(),
                  "routing": jax.tree.map(lambda _: P(), abstract["routing"])}

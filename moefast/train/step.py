@@ -22,14 +22,17 @@ from flax import nnx
 from moefast import parallel
 from moefast.config import ExperimentConfig
 from moefast.model import ModelOutput, Transformer, build_model, init_routing_state
+from moefast.model.layout import is_stacked_path
 
 __all__ = [
     "BATCH_KEYS",
     "ModelDef",
     "eval_step",
     "learning_rate_schedule",
+    "loss_and_grads",
     "loss_fn",
     "make_optimizer",
+    "micro_batches",
     "train_step",
     "update_routing_state",
 ]
@@ -51,7 +54,9 @@ def learning_rate_schedule(cfg: ExperimentConfig) -> optax.Schedule:
 def make_optimizer(cfg: ExperimentConfig) -> optax.GradientTransformation:
     """AdamW (decoupled weight decay on matrices only) after global-norm clipping."""
     t = cfg.train
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    # Matrices decay, vectors (norm scales) do not; a scanned stack's leading layers axis does not count.
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, p: p.ndim - is_stacked_path(path) >= 2, params)
     parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     parts.append(optax.adamw(learning_rate_schedule(cfg), b1=t.b1, b2=t.b2,
                              weight_decay=t.weight_decay, mask=decay_mask))
@@ -72,6 +77,8 @@ class ModelDef:
         abstract = nnx.eval_shape(lambda: build_model(cfg, vocab_size))
         self.graphdef, self.abstract_model_state = nnx.split(abstract)  # keeps logical_axes metadata
         self.abstract_params = nnx.to_pure_dict(self.abstract_model_state)
+        # True for parameters stacked on a leading layers axis (model.scan_layers)
+        self.stacked = jax.tree_util.tree_map_with_path(lambda path, _: is_stacked_path(path), self.abstract_params)
 
     def init_params(self, seed: int) -> dict:
         """Fresh float32 parameters (pure dict)."""
@@ -112,7 +119,8 @@ def aux_loss_coef(cfg: ExperimentConfig, step: jax.Array) -> jax.Array:
 
 
 def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step_key: jax.Array | None,
-            routing_state: dict[str, jax.Array] | None = None, step: jax.Array | None = None
+            routing_state: dict[str, jax.Array] | None = None, step: jax.Array | None = None,
+            micro: tuple[jax.Array, jax.Array, int] | None = None
             ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, Any]]:
     """Training loss: mean cross-entropy over tokens with non-zero ``loss_weight`` plus
     the load-balancing coefficient (:func:`aux_loss_coef`) times the load-balancing loss and
@@ -123,6 +131,11 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step
       step_key: this step's key (``None``: no dropout, no warm-up noise);
       routing_state: the train state's ``routing`` entry (``None``: no bias, uniform load);
       step: [] int32 optimizer step (expert warm-up and the aux coefficient schedule); ``None`` = 0.
+      micro: ``batch`` is one of M micro-batches of a global batch (gradient accumulation):
+        ``(weight_total, tokens_total, M)``, the global batch's summed ``loss_weight`` and its
+        non-padding tokens ([] float32). Each term is then this micro-batch's share of the global
+        batch's term, so the M values add up to it: cross-entropy sum / ``weight_total``, z-loss
+        times this micro-batch's tokens / ``tokens_total``, load-balancing loss / M.
 
     Returns:
       ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats))``, float32 scalars; ``moe_stats`` is a
@@ -135,11 +148,17 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step
                                    step_key=step_key, drop_tokens=True, routing_state=routing_state,
                                    routing_warmup=warmup)
     ce_sum, weight_sum = _loss_terms(out, batch, cfg)
-    ce = ce_sum / jnp.maximum(weight_sum, 1.0)
     if out.moe is not None:
         aux, z = jnp.mean(out.moe.aux_loss), jnp.mean(out.moe.z_loss)
     else:
         aux = z = jnp.zeros((), jnp.float32)
+    if micro is None:
+        ce = ce_sum / jnp.maximum(weight_sum, 1.0)
+    else:
+        weight_total, tokens_total, m = micro
+        ce = ce_sum / jnp.maximum(weight_total, 1.0)
+        z = z * (_num_tokens(batch) / jnp.maximum(tokens_total, 1.0))
+        aux = aux / m
     loss = ce + aux_loss_coef(cfg, step) * aux + cfg.moe.z_loss_coef * z
     return loss, (ce, aux, z, out.moe)
 
@@ -148,6 +167,7 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
                base_key: jax.Array) -> tuple[dict[str, Any], dict[str, jax.Array]]:
     """One optimizer step on :func:`loss_fn`. Pure: jit it with the state donated.
 
+    The gradient is :func:`loss_and_grads`'s (``train.grad_accum_steps`` micro-batches summed).
     A step whose loss or gradient norm is not finite changes nothing but the step counter:
     parameters, optimizer state (and its count, so the learning-rate schedule does not advance)
     and routing state keep their values, and ``metrics["nonfinite"]`` is 1.
@@ -168,21 +188,8 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     step = state["step"]
     random = cfg.model.dropout > 0 or cfg.moe.warmup_steps > 0
     step_key = jax.random.fold_in(base_key, step) if random else None
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, model_def), has_aux=True)
-    (loss, (ce, aux, z, moe)), grads = grad_fn(state["params"], batch, step_key, state["routing"], step)
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
-        # Gradients in their parameters' shardings, summed over the token axes here. Left free, XLA
-        # propagates the optimizer moments' ZeRO-1 sharding (``data`` on a free dimension) back
-        # into the weight-gradient dots and reshards activations by full rematerialisation.
-        specs = parallel.param_specs(model_def.abstract_model_state, mesh)
-        if mesh.shape.get("fsdp", 1) > 1:
-            # FSDP: the full gradient first, then its fsdp slice (XLA turns the pair into a
-            # reduce-scatter); asking for the slice directly makes XLA reshard the activations.
-            unsplit = jax.tree.map(lambda sp: P(*(None if a == "fsdp" else a for a in sp)), specs,
-                                   is_leaf=lambda x: isinstance(x, P))
-            grads = jax.lax.with_sharding_constraint(grads, unsplit)
-        grads = jax.lax.with_sharding_constraint(grads, specs)
+    loss, (ce, aux, z, moe), grads = loss_and_grads(model_def, state["params"], state["routing"], batch,
+                                                    step_key, step)
     tx = make_optimizer(cfg)
     grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -217,6 +224,89 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
                  "step": step + 1,
                  "routing": routing_state}
     return new_state, metrics
+
+
+def _constrain_grads(model_def: ModelDef, grads: dict) -> dict:
+    """Gradients in their parameters' shardings (under a mesh of more than one device), summed over
+    the token axes here. Left free, XLA propagates the optimizer moments' ZeRO-1 sharding (``data``
+    on a free dimension) back into the weight-gradient dots and reshards activations by full
+    rematerialisation."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return grads
+    specs = parallel.param_specs(model_def.abstract_model_state, mesh)
+    if mesh.shape.get("fsdp", 1) > 1:
+        # FSDP: the full gradient first, then its fsdp slice (XLA turns the pair into a
+        # reduce-scatter); asking for the slice directly makes XLA reshard the activations.
+        unsplit = jax.tree.map(lambda sp: P(*(None if a == "fsdp" else a for a in sp)), specs,
+                               is_leaf=lambda x: isinstance(x, P))
+        grads = jax.lax.with_sharding_constraint(grads, unsplit)
+    return jax.lax.with_sharding_constraint(grads, specs)
+
+
+def _num_tokens(batch: dict[str, jax.Array]) -> jax.Array:
+    """Non-padding tokens of a batch (the ones routed), float32 []."""
+    return jnp.sum(batch["segment_ids"] != 0).astype(jnp.float32)
+
+
+def micro_batches(batch: dict[str, jax.Array], m: int) -> dict[str, jax.Array]:
+    """[B, T] arrays -> [M, B/M, T]: micro-batch i holds rows i, i + M, i + 2M, ... so that, with
+    the rows split over devices in contiguous blocks of a multiple of M rows, every device's
+    micro-batch rows are its own (no data moves)."""
+    def split(a):
+        b = a.shape[0]
+        out = jnp.moveaxis(a.reshape(b // m, m, *a.shape[1:]), 1, 0)
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and mesh.size > 1:
+            out = jax.lax.with_sharding_constraint(out, P(None, *parallel.batch_spec(mesh)))
+        return out
+
+    return {k: split(v) for k, v in batch.items()}
+
+
+def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch: dict[str, jax.Array],
+                   step_key: jax.Array | None, step: jax.Array) -> tuple[jax.Array, tuple, dict]:
+    """:func:`loss_fn` and its gradient with respect to ``params`` over the global ``batch``.
+
+    With ``train.grad_accum_steps`` = M > 1 the batch is split by :func:`micro_batches` and the M
+    micro-batches run one after another (``jax.lax.scan``); the gradients are summed and the
+    returned losses and MoE statistics are the global batch's: cross-entropy and z-loss normalised
+    by the whole batch (equal to M = 1's up to float rounding when routing drops nothing), the
+    load-balancing loss (and ``aux_loss`` per layer) the mean of the micro-batches' values,
+    assignments per expert summed, dropped fraction and router entropy weighted by each
+    micro-batch's tokens. Micro-batch i's dropout and warm-up key is ``fold_in(step_key, i)``.
+
+    Returns:
+      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats), grads)``; ``grads`` in the parameters'
+      shardings under a mesh.
+    """
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, model_def), has_aux=True)
+    m = model_def.cfg.train.grad_accum_steps
+    if m == 1:
+        (loss, terms), grads = grad_fn(params, batch, step_key, routing_state, step)
+        return loss, terms, _constrain_grads(model_def, grads)
+    weight_total = jnp.sum(batch["loss_weight"].astype(jnp.float32))
+    tokens_total = _num_tokens(batch)
+    micro = micro_batches(batch, m)
+
+    def body(grad_sum, xs):
+        mb, i = xs
+        key = None if step_key is None else jax.random.fold_in(step_key, i)
+        (loss, (ce, aux, z, moe)), g = grad_fn(params, mb, key, routing_state, step,
+                                                (weight_total, tokens_total, m))
+        grad_sum = jax.tree.map(jnp.add, grad_sum, _constrain_grads(model_def, g))
+        return grad_sum, (loss, ce, aux, z, moe, _num_tokens(mb) / jnp.maximum(tokens_total, 1.0))
+
+    zeros = _constrain_grads(model_def, jax.tree.map(jnp.zeros_like, params))
+    grads, (loss, ce, aux, z, moe, share) = jax.lax.scan(body, zeros, (micro, jnp.arange(m)))
+    if moe is not None:  # [M, L_moe, ...] -> [L_moe, ...]
+        w = share[:, None]
+        moe = type(moe)(tokens_per_expert=jnp.sum(moe.tokens_per_expert, axis=0),
+                        aux_loss=jnp.mean(moe.aux_loss, axis=0),
+                        z_loss=jnp.sum(moe.z_loss * w, axis=0),
+                        dropped_fraction=jnp.sum(moe.dropped_fraction * w, axis=0),
+                        router_entropy=jnp.sum(moe.router_entropy * w, axis=0))
+    return jnp.sum(loss), (jnp.sum(ce), jnp.sum(aux), jnp.sum(z), moe), grads
 
 
 def _schedule_count(opt_state) -> jax.Array:

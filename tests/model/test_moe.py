@@ -74,7 +74,7 @@ def test_block_output_equals_residual_for_dropped_tokens():
     x = jnp.asarray(np.abs(np.random.default_rng(1).normal(size=(1, 8, 16))).astype(np.float32) + 1.0)
     rope = rope_cos_sin(jnp.arange(8)[None], 64, 8, 10000.0)
     mask = jnp.tril(jnp.ones((8, 8), bool))[None, None]
-    out, stats, _ = block(x, rope, mask, jnp.ones((1, 8), bool), cache=None, cache_index=0,
+    out, stats, _ = block(x, 0, rope, mask, jnp.ones((1, 8), bool), cache=None, cache_index=0,
                           step_key=None, drop_tokens=True)
     attn, _ = block.attn(block.attn_norm(x), rope, mask, None, 0)
     residual = x + attn

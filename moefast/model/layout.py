@@ -1,0 +1,149 @@
+"""Where each block's parameters live with ``model.scan_layers``, and conversion between layouts.
+
+Dimension letters: L layers, G whole groups of the ``moe_every`` pattern.
+
+Unrolled (``scan_layers: false``), the parameters hold one entry per block,
+``params["blocks"][i]`` for block i. Scanned (``scan_layers: true``), identical blocks are stacked
+on a new leading axis (logical axis ``layers``, never sharded) so ``jax.lax.scan`` can run them:
+
+* ``params["prefix"]``: the ``num_dense_layers`` leading dense blocks, stacked [num_dense_layers, ...];
+* ``params["groups"][j]``: after them the layers repeat the pattern of ``moe_every`` (an MoE block
+  followed by ``moe_every - 1`` dense ones); the G = (L - num_dense_layers) // moe_every whole
+  groups are scanned, position j of the pattern stacked [G, ...] (position 0 is the MoE block);
+* ``params["tail"][i]``: the blocks of a last, partial group (fewer than ``moe_every``), unrolled.
+
+Every other parameter (embedding, final norm, head) is the same in both layouts. Stacking only
+moves numbers, so :func:`to_layout` converts a whole train state (parameters and the optimizer's
+moments, abstract or concrete) either way and back exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+__all__ = ["LayerLayout", "STACKED_KEYS", "is_param_dict", "is_stacked_path", "layer_layout", "to_layout"]
+
+STACKED_KEYS = ("prefix", "groups")  # top-level parameter entries whose leaves carry a leading layers axis
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLayout:
+    """Which blocks form each stack of the scanned layout (0-based layer indices).
+
+    Attributes:
+      prefix: the leading dense blocks (one stack; empty without them).
+      groups: ``groups[j]`` = the layers at position j of the repeating pattern, one per whole group
+        (each a stack of G layers; empty when no whole group fits).
+      tail: the blocks of the last, partial group, unrolled.
+    """
+
+    prefix: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...]
+    tail: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups[0]) if self.groups else 0
+
+
+def layer_layout(model_cfg) -> LayerLayout:
+    """The :class:`LayerLayout` of a :class:`~moefast.config.ModelConfig`."""
+    nd, every, n = model_cfg.num_dense_layers, model_cfg.moe_every, model_cfg.num_layers
+    g = (n - nd) // every
+    groups = tuple(tuple(nd + k * every + j for k in range(g)) for j in range(every)) if g else ()
+    return LayerLayout(prefix=tuple(range(nd)), groups=groups, tail=tuple(range(nd + g * every, n)))
+
+
+def is_param_dict(x: Any) -> bool:
+    """Whether ``x`` is a whole model's parameter tree (pure dict) in either layout, e.g. the
+    parameters themselves or an Adam moment inside the optimizer state."""
+    return isinstance(x, dict) and "embed" in x and "final_norm" in x
+
+
+def is_stacked_path(path) -> bool:
+    """Whether a key path into a parameter tree (a ``jax.tree_util`` path) is under a stack, i.e.
+    its leaf has a leading ``layers`` axis."""
+    return bool(path) and getattr(path[0], "key", None) in STACKED_KEYS
+
+
+def _stack(leaves: list[Any]) -> Any:
+    first = leaves[0]
+    if isinstance(first, jax.ShapeDtypeStruct):
+        sharding = first.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, P(None, *sharding.spec))
+        return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
+    return jnp.stack(leaves)
+
+
+def _take(leaf: Any, i: int) -> Any:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = leaf.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
+    return leaf[i]
+
+
+def _stack_blocks(blocks: list[Any]) -> Any:
+    return jax.tree.map(lambda *xs: _stack(list(xs)), *blocks)
+
+
+def _take_block(stack: Any, i: int) -> Any:
+    return jax.tree.map(lambda a: _take(a, i), stack)
+
+
+def _scan_params(layout: LayerLayout, p: dict) -> dict:
+    blocks = p["blocks"]
+    out = {k: v for k, v in p.items() if k != "blocks"}
+    if layout.prefix:
+        out["prefix"] = _stack_blocks([blocks[i] for i in layout.prefix])
+    if layout.groups:
+        out["groups"] = {j: _stack_blocks([blocks[i] for i in ids]) for j, ids in enumerate(layout.groups)}
+    if layout.tail:
+        out["tail"] = {j: blocks[i] for j, i in enumerate(layout.tail)}
+    return out
+
+
+def _unroll_params(layout: LayerLayout, p: dict) -> dict:
+    out = {k: v for k, v in p.items() if k not in ("prefix", "groups", "tail")}
+    blocks = {}
+    for k, i in enumerate(layout.prefix):
+        blocks[i] = _take_block(p["prefix"], k)
+    for j, ids in enumerate(layout.groups):
+        for k, i in enumerate(ids):
+            blocks[i] = _take_block(p["groups"][j], k)
+    for j, i in enumerate(layout.tail):
+        blocks[i] = p["tail"][j]
+    out["blocks"] = {i: blocks[i] for i in sorted(blocks)}
+    return out
+
+
+def to_layout(tree: Any, model_cfg, scanned: bool) -> Any:
+    """Converts every model parameter tree inside ``tree`` (a train state, its ``params``, an
+    optimizer state; arrays or ``jax.ShapeDtypeStruct`` with shardings) to the scanned
+    (``scanned=True``) or unrolled layout of ``model_cfg``; trees already in it are returned as they
+    are. Exact: values are only moved (stacking adds an unsharded leading axis to a sharding,
+    unstacking removes it).
+
+    Raises:
+      ValueError: an unrolled parameter tree does not have ``model_cfg.num_layers`` blocks.
+    """
+    layout = layer_layout(model_cfg)
+
+    def convert(x):
+        if not is_param_dict(x) or ("blocks" not in x) == scanned:
+            return x
+        if not scanned:
+            return _unroll_params(layout, x)
+        if sorted(x["blocks"]) != list(range(model_cfg.num_layers)):
+            raise ValueError(f"parameters hold blocks {sorted(x['blocks'])}, the model has "
+                             f"model.num_layers={model_cfg.num_layers}")
+        return _scan_params(layout, x)
+
+    return jax.tree.map(convert, tree, is_leaf=is_param_dict)
