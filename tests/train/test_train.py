@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moefast.data import load_corpus
+from moefast.model.layout import to_layout
 from moefast.train import Checkpointer, Trainer
 
 
@@ -56,9 +57,12 @@ STATEFUL = ["model.dropout=0.1", "moe.capacity_mode=dynamic", "moe.aux_free_bias
 PREFETCH = (["data.prefetch=0"], ["data.prefetch=3"], ["data.prefetch=1"])  # full run; first and second half
 
 
+FIT = ["data.batch_size=16", "train.grad_accum_steps=2", "model.scan_layers=true", "model.remat=minimal", "model.dropout=0.1"]
+
+
 @pytest.mark.parametrize("extra,prefetch", [([], PREFETCH), (["model.dropout=0.1"], ([], [], [])),
-                                            (STATEFUL, ([], [], []))],
-                         ids=["plain-prefetch-0-3-1", "dropout", "stateful-routing"])
+                                            (STATEFUL, ([], [], [])), (FIT, ([], [], []))],
+                         ids=["plain-prefetch-0-3-1", "dropout", "stateful-routing", "accumulate-scan-remat"])
 def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
     """A run of 2N steps equals a run stopped at N and restarted to 2N, bit for bit. With dropout
     and expert warm-up the step's keys derive from the seed and the restored step, so they repeat;
@@ -91,6 +95,39 @@ def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
     assert jax.tree.structure(b.state) == jax.tree.structure(second.init_state())  # no list/tuple drift
     for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("first,then", [(False, True), (True, False)], ids=["unrolled-to-scanned", "scanned-to-unrolled"])
+def test_checkpoint_converts_between_scanned_and_unrolled_layers(small_config, tmp_path, first, then):
+    """A run checkpointed with one layer layout resumes with the other: the restored state is the
+    checkpoint's, converted exactly, and training continues as the uninterrupted run to fp32
+    rounding; the next checkpoint is written in the new layout."""
+    common = ["train.steps=6", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=3",
+              "model.num_layers=3", "model.moe_every=2"]
+    corpus = load_corpus(small_config(*common).data)
+    layers = lambda scanned: f"model.scan_layers={str(scanned).lower()}"
+    full, split = tmp_path / "full", tmp_path / "split"
+    Trainer(small_config(*common, layers(first)), full, log=None, progress=False, corpus=corpus).run()
+    Trainer(small_config(*common, layers(first), "train.stop_at=3"), split, log=None, progress=False,
+            corpus=corpus).run()
+    lines = []
+    second = Trainer(small_config(*common, layers(then)), split, log=lines.append, progress=False, corpus=corpus)
+    # the converted step-3 state equals the checkpoint's, read in its own layout and converted here
+    before = Trainer(small_config(*common, layers(first)), split, log=None, progress=False, corpus=corpus)
+    a = Checkpointer(split / "checkpoints").restore(before.abstract_state(), before.cfg, step=3)
+    b = Checkpointer(split / "checkpoints", log=lines.append).restore(second.abstract_state(), second.cfg, step=3)
+    assert any("converted to scan_layers" in ln for ln in lines)
+    converted = to_layout(jax.device_get(a.state), second.cfg.model, then)
+    assert jax.tree.structure(converted) == jax.tree.structure(b.state)
+    for x, y in zip(jax.tree.leaves(converted), jax.tree.leaves(b.state)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    summary = second.run()
+    assert summary.steps == 6 and summary.steps_this_run == 3
+    np.testing.assert_allclose([r["loss"] for r in read_records(split, "train")],
+                               [r["loss"] for r in read_records(full, "train")], rtol=2e-5)
+    final = Checkpointer(split / "checkpoints").restore(second.abstract_state(), second.cfg)
+    assert final.step == 6 and ("blocks" in final.state["params"]) == (not then)
 
 
 def test_resume_with_incompatible_config_fails_clearly(small_config, tmp_path):
