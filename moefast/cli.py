@@ -71,8 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
-    b.add_argument("target", choices=["train", "routing", "cache", "peers", "overlap"],
+    b.add_argument("target", choices=["train", "memory", "routing", "cache", "peers", "overlap"],
                    help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
+                        "memory: per-device bytes of parameters, optimizer state, compiled arguments and "
+                        "temporaries of the config's train step for each model.remat policy, scan_layers off/on "
+                        "and train.grad_accum_steps 2 and 4 (keys given as overrides are not varied), from XLA's "
+                        "memory_analysis without running a step, and compile time; "
                         "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
                         "fused routing), interleaved in rounds; routing: routing + dispatch + combine, "
                         "forward+backward; cache: step time with "
@@ -84,9 +88,13 @@ def _parser() -> argparse.ArgumentParser:
                         "mesh.expert=4 on 8 CPU devices), the compiled step's all-to-alls, and moefast train "
                         "tokens/s with device prefetch on vs off")
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="train, overlap: overrides of the benchmarked experiment; peers: config overrides for "
+                   help="train, memory, overlap: overrides of the benchmarked experiment; peers: config overrides for "
                         "the moefast side (the HF model follows its shapes)")
-    b.add_argument("--config", default=None, help="train, peers, overlap: YAML config (default: configs/tiny.yaml)")
+    b.add_argument("--config", default=None,
+                   help="train, memory, peers, overlap: YAML config (default: configs/tiny.yaml)")
+    b.add_argument("--device-gib", type=float, default=None, metavar="GIB",
+                   help="memory: memory of one device in GiB; adds a column saying whether each variant fits "
+                        "(default on a GPU: its own limit)")
     b.add_argument("--ablate", action="store_true",
                    help="train: the lever table (baseline, +caching, +overlap, +routing, all levers)")
     b.add_argument("--quick", action="store_true",
@@ -94,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
     b.add_argument("--repeats", type=int, default=5, help="routing: timed runs per point; the median is reported")
     b.add_argument("--steps", type=int, default=None,
-                   help="train: timed steps per variant and round (default 10); cache: timed train steps per "
+                   help="train: timed steps per variant and round (default 10); memory: also time this many "
+                        "steps of each variant, interleaved (default 0: compile only); cache: timed train steps per "
                         "variant (default 10); peers: timed steps per side and "
                         "round (default 30; with --profile: unprofiled timed steps before 3 profiled ones); "
                         "overlap: timed steps per chunk count and per train process (default 10)")
@@ -117,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
 # The options of each benchmark; any other option given to it is an error, not silently ignored.
 BENCH_OPTIONS = {
     "train": {"overrides", "config", "ablate", "json", "steps", "rounds", "profile", "cpu_devices"},
+    "memory": {"overrides", "config", "json", "device_gib", "steps", "cpu_devices"},
     "routing": {"quick", "json", "repeats", "cpu_devices"},
     "cache": {"json", "steps", "pairs", "cpu_devices"},
     "peers": {"overrides", "config", "json", "steps", "rounds", "profile", "cpu_devices"},
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     cfg = None
-    if args.command == "train" or (args.command == "bench" and args.target == "train"):
+    if args.command == "train" or (args.command == "bench" and args.target in ("train", "memory")):
         try:
             cfg = load_config(args.config, args.overrides)
         except ConfigError as e:
@@ -246,6 +256,16 @@ def main(argv: list[str] | None = None) -> int:
                                           "choose another path") from None
                 return train_bench.run_cli(json_out=args.json, steps=steps, rounds=args.rounds, ablate=args.ablate,
                                            config=args.config, overrides=args.overrides, profile_dir=args.profile)
+            if args.target == "memory":
+                from moefast.bench import memory
+
+                if args.device_gib is not None and not args.device_gib > 0:
+                    raise ConfigError(f"--device-gib must be > 0 (GiB of one device), got {args.device_gib}")
+                steps = 0 if args.steps is None else args.steps
+                if steps < 0:
+                    raise ConfigError(f"--steps must be >= 0 (0: compile only), got {steps}")
+                return memory.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
+                                      device_gib=args.device_gib, steps=steps)
             if args.target == "overlap":
                 import jax
 
@@ -285,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)
             _, params, routing_state = trainer.restore_params()
-            text = generate(trainer.model_def, params, trainer.corpus.tokenizer, args.prompt,
+            text = generate(trainer.model_def, params, trainer.tokenizer, args.prompt,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                             routing_state=routing_state)
             print(args.prompt + text)

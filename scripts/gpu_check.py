@@ -433,6 +433,36 @@ def time_alternating(ctx: Context, runners: list[StepRunner], *, runs: int, warm
     return times
 
 
+@register_check("memory")
+def check_memory(ctx: Context) -> list[dict]:
+    """``moefast bench memory`` (:func:`moefast.bench.memory.bench_memory`) on ``configs/h200_1b.yaml``
+    with :data:`TRAIN_GPU_OVERRIDES`: XLA's per-device memory of the compiled train step for each
+    ``model.remat`` policy with scanned layers, each timed over interleaved steps (the remat step-time
+    cost on the GPU), then unrolled layers without and with full remat (memory only: does remat pay
+    off without scan on the GPU's scheduler, as it does not on XLA:CPU's)."""
+    from moefast.bench.memory import bench_memory
+
+    smoke = ctx.args.cpu_smoke
+    min_s = 5.0 if smoke else 120.0  # five + two compiles of the GPU config and 3 steps of five
+    if ctx.time_left() < min_s:
+        return [{"variant": "-", "status": f"skipped (budget: {ctx.time_left():.0f} s left, needs ~{min_s:.0f} s)"}]
+    config = None if smoke else os.path.join(REPO, "configs", "h200_1b.yaml")
+    base = [*(TRAIN_STEP_SMOKE if smoke else TRAIN_GPU_OVERRIDES), *ctx.args.train_override, "train.grad_accum_steps=1"]
+    runs = [(bench_memory(config, [*base, "model.scan_layers=true"], steps=3), "scanned, timed")]
+    for policy in ("none", "full"):
+        if ctx.time_left() > min_s / 4:
+            runs.append((bench_memory(config, [*base, "model.scan_layers=false", f"model.remat={policy}"]), "unrolled"))
+    rows = []
+    for r, what in runs:
+        for x in r.records:
+            rows.append({"variant": f"remat={x.remat} scan={'on' if x.scan_layers else 'off'}", "status": "ok",
+                         "what": what, "temp_GiB": None if x.temp_bytes is None else x.temp_bytes / 2**30,
+                         "total_GiB": None if x.total_bytes is None else x.total_bytes / 2**30,
+                         "param_GiB": x.param_bytes / 2**30, "optimizer_GiB": x.optimizer_bytes / 2**30,
+                         "compile_s": x.compile_s, "step_ms": x.step_ms, "tokens_per_s": x.tokens_per_s})
+    return rows
+
+
 @register_check("train_step")
 def check_train_step(ctx: Context) -> list[dict]:
     """``moefast bench train --ablate`` (:func:`moefast.bench.train.bench_train`) on

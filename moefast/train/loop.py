@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moefast import host_memory, parallel
 from moefast.parallel import xla_flags
 from moefast.config import ConfigError, ExperimentConfig
-from moefast.data import Corpus, eval_batches, load_corpus, train_dataset
+from moefast.data import Corpus, eval_batches, get_tokenizer, load_corpus, train_dataset
 from moefast.parallel.distributed import assert_same_config
 from moefast.train.checkpoint import Checkpointer, CheckpointError
 from moefast.train.compile_cache import configure_compilation_cache
@@ -354,13 +354,15 @@ class Trainer:
             raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
                               f"inside the expert-parallel shard_map over {self.mesh.size} devices; use "
                               "'reference' or 'auto' here, or one CPU device (--cpu-devices 1)")
-        self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
-        self.model_def = ModelDef(cfg, self.corpus.tokenizer.vocab_size)
+        if corpus is not None:
+            self.corpus = corpus  # else read on first use (cached_property): compiling needs only the tokenizer
+        self.tokenizer = corpus.tokenizer if corpus is not None else get_tokenizer(cfg.data.tokenizer)
+        self.model_def = ModelDef(cfg, self.tokenizer.vocab_size)
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, parallel.batch_spec(self.mesh))
         self.state_sharding = self._state_sharding()
         self.trace_count = 0
-        self.flops_per_token = model_flops_per_token(cfg, self.corpus.tokenizer.vocab_size)
+        self.flops_per_token = model_flops_per_token(cfg, self.tokenizer.vocab_size)
 
         def counted_step(state, batch, key):
             self.trace_count += 1  # runs only while tracing: counts (re)compilations
@@ -370,12 +372,17 @@ class Trainer:
                                    in_shardings=(self.state_sharding, self.batch_sharding, self.replicated),
                                    out_shardings=(self.state_sharding, self.replicated))
         self._eval_step = jax.jit(
-            functools.partial(eval_step, self.model_def, bytes_per_token=self.corpus.tokenizer.bytes_per_token),
+            functools.partial(eval_step, self.model_def, bytes_per_token=self.tokenizer.bytes_per_token),
             in_shardings=(self.state_sharding["params"], self.state_sharding["routing"], self.batch_sharding),
             out_shardings=self.replicated)
         self.base_key = jax.random.key(cfg.train.seed)
         self._compiled_step = None
         self._eval_data: list[dict[str, np.ndarray]] | None = None
+
+    @functools.cached_property
+    def corpus(self) -> Corpus:
+        """The run's corpus (``data.*``), read on first use."""
+        return load_corpus(self.cfg.data)
 
     @functools.cached_property
     def peak(self) -> mfu_lib.Peak:
