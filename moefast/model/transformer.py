@@ -11,6 +11,11 @@ Caching (``cache.tables``): the positional rows (gathered from constant tables, 
 :mod:`moefast.model.positional`) and the attention mask are computed once per forward pass and
 shared by every layer; with ``cache.tables=False`` every layer recomputes both.
 
+Memory (``model.remat``, ``model.scan_layers``): each block may run under ``jax.checkpoint`` with a
+policy of :data:`REMAT_POLICIES`, and identical blocks may be stacked and run by ``jax.lax.scan``
+(parameter layout: :mod:`moefast.model.layout`). With a KV cache (generation) the stacked blocks are
+sliced and run one by one.
+
 Randomness: every random draw uses ``fold_in(step_key, site)`` with site ``3 * layer`` (dropout of
 the attention output), ``3 * layer + 1`` (dropout of the feed-forward output) and ``3 * layer + 2``
 (expert warm-up routing noise); no key is split or carried between calls.

@@ -44,8 +44,9 @@ def grads(*overrides, mesh_overrides=(), params=None, hlo=False):
     args = (params, state["routing"], batch(), jax.random.key(7))
     mesh = parallel.make_mesh(cfg) if mesh_overrides else None
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        loss, terms, g = fn(*args)
-        text = fn.lower(*args).compile().as_text() if hlo else None
+        compiled = fn.lower(*args).compile()  # compiled once: run and read its HLO
+        loss, terms, g = compiled(*args)
+        text = compiled.as_text() if hlo else None
     out = (loss, terms[:3], g)
     return (out, text) if hlo else out
 
@@ -74,13 +75,14 @@ def test_remat_policies_are_bitwise_equal_to_none(mesh_overrides):
     """Every policy gives the same losses and gradients as no remat, bit for bit (fp32, CPU);
     "minimal" leaves the all-to-alls as they are, "full" and "save_dots" re-run the forward
     exchange in the backward pass."""
-    ref, ref_hlo = grads(*STATEFUL, "model.remat=none", mesh_overrides=mesh_overrides, hlo=True)
+    ov = [*STATEFUL, "model.num_layers=1"]
+    ref, ref_hlo = grads(*ov, "model.remat=none", mesh_overrides=mesh_overrides, hlo=True)
     counts = {}
     for policy in ("full", "save_dots", "save_dots_no_batch", "minimal"):
-        out, hlo = grads(*STATEFUL, f"model.remat={policy}", mesh_overrides=mesh_overrides, hlo=True)
+        out, hlo = grads(*ov, f"model.remat={policy}", mesh_overrides=mesh_overrides, hlo=True)
         assert_trees_equal(out, ref)
         counts[policy] = all_to_alls(hlo)
-    if mesh_overrides:  # expert axis 4: 2 MoE layers x (2 forward + 2 backward) exchanges without remat
+    if mesh_overrides:  # expert axis 4: 2 forward + 2 backward exchanges without remat
         assert all_to_alls(ref_hlo) > 0
         assert counts["minimal"] == all_to_alls(ref_hlo)
         assert counts["full"] > all_to_alls(ref_hlo) and counts["save_dots"] > all_to_alls(ref_hlo)
@@ -123,10 +125,9 @@ def test_scanned_layers_match_unrolled(pattern):
     n_moe = sum(unrolled_def.cfg.model.is_moe_layer(i) for i in range(unrolled_def.cfg.model.num_layers))
     routing = {"bias": jnp.asarray(np.random.default_rng(0).normal(size=(n_moe, 8)) * 0.1, jnp.float32),
                "load_ema": jnp.full((n_moe, 8), 1 / 8, jnp.float32)}
-    outs = []
-    for md, p in ((unrolled_def, p_unrolled), (scanned_def, p_scanned)):
-        out = md.module(p)(batch()["tokens"], routing_state=routing, step_key=jax.random.key(1))
-        outs.append(out)
+    outs = [jax.jit(lambda p, md=md: md.module(p)(batch()["tokens"], routing_state=routing,
+                                                   step_key=jax.random.key(1)))(p)
+            for md, p in ((unrolled_def, p_unrolled), (scanned_def, p_scanned))]
     np.testing.assert_allclose(np.asarray(outs[0].logits), np.asarray(outs[1].logits), atol=2e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(outs[0].moe.tokens_per_expert), np.asarray(outs[1].moe.tokens_per_expert))
     assert outs[1].moe.tokens_per_expert.shape == (n_moe, 8)
@@ -173,3 +174,25 @@ def test_layout_of_every_pattern_covers_each_layer_once():
                 for j, g in enumerate(lay.groups):  # a stack holds one kind of block
                     assert {m.is_moe_layer(i) for i in g} == {j == 0}
                 assert len(lay.tail) < every
+
+
+def test_weight_decay_skips_the_same_parameters_in_both_layouts():
+    """Norm scales stacked to [L, D] are still vectors: with zero gradients the AdamW update is
+    -lr * weight_decay * p on matrices only, identical in both layouts."""
+    import optax
+
+    from moefast.train.step import make_optimizer
+
+    cfgs = [load_config(None, [*BASE, "model.num_layers=3", "model.moe_every=2", "train.warmup_steps=0", *ov])
+            for ov in ([], ["model.scan_layers=true"])]
+    updates = []
+    for cfg in cfgs:
+        params = ModelDef(cfg, 259).init_params(0)
+        tx = make_optimizer(cfg)
+        update = jax.jit(lambda p, tx=tx: tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p)[0])
+        updates.append(update(params))
+    assert_trees_equal(to_layout(updates[0], cfgs[1].model, True), updates[1])
+    flat = dict(jax.tree_util.tree_leaves_with_path(updates[1]))
+    norms = [v for k, v in flat.items() if "scale" in jax.tree_util.keystr(k)]
+    assert norms and all(float(jnp.abs(v).max()) == 0.0 for v in norms)
+    assert float(optax.tree_utils.tree_norm(updates[1])) > 0

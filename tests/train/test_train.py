@@ -102,20 +102,20 @@ def test_checkpoint_converts_between_scanned_and_unrolled_layers(small_config, t
     """A run checkpointed with one layer layout resumes with the other: the restored state is the
     checkpoint's, converted exactly, and training continues as the uninterrupted run to fp32
     rounding; the next checkpoint is written in the new layout."""
-    common = ["train.steps=6", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=3",
+    common = ["train.steps=4", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=2",
               "model.num_layers=3", "model.moe_every=2"]
     corpus = load_corpus(small_config(*common).data)
     layers = lambda scanned: f"model.scan_layers={str(scanned).lower()}"
     full, split = tmp_path / "full", tmp_path / "split"
     Trainer(small_config(*common, layers(first)), full, log=None, progress=False, corpus=corpus).run()
-    Trainer(small_config(*common, layers(first), "train.stop_at=3"), split, log=None, progress=False,
+    Trainer(small_config(*common, layers(first), "train.stop_at=2"), split, log=None, progress=False,
             corpus=corpus).run()
     lines = []
     second = Trainer(small_config(*common, layers(then)), split, log=lines.append, progress=False, corpus=corpus)
-    # the converted step-3 state equals the checkpoint's, read in its own layout and converted here
+    # the converted step-2 state equals the checkpoint's, read in its own layout and converted here
     before = Trainer(small_config(*common, layers(first)), split, log=None, progress=False, corpus=corpus)
-    a = Checkpointer(split / "checkpoints").restore(before.abstract_state(), before.cfg, step=3)
-    b = Checkpointer(split / "checkpoints", log=lines.append).restore(second.abstract_state(), second.cfg, step=3)
+    a = Checkpointer(split / "checkpoints").restore(before.abstract_state(), before.cfg, step=2)
+    b = Checkpointer(split / "checkpoints", log=lines.append).restore(second.abstract_state(), second.cfg, step=2)
     assert any("converted to scan_layers" in ln for ln in lines)
     converted = to_layout(jax.device_get(a.state), second.cfg.model, then)
     assert jax.tree.structure(converted) == jax.tree.structure(b.state)
@@ -123,11 +123,11 @@ def test_checkpoint_converts_between_scanned_and_unrolled_layers(small_config, t
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
     summary = second.run()
-    assert summary.steps == 6 and summary.steps_this_run == 3
+    assert summary.steps == 4 and summary.steps_this_run == 2
     np.testing.assert_allclose([r["loss"] for r in read_records(split, "train")],
                                [r["loss"] for r in read_records(full, "train")], rtol=2e-5)
     final = Checkpointer(split / "checkpoints").restore(second.abstract_state(), second.cfg)
-    assert final.step == 6 and ("blocks" in final.state["params"]) == (not then)
+    assert final.step == 4 and ("blocks" in final.state["params"]) == (not then)
 
 
 def test_resume_with_incompatible_config_fails_clearly(small_config, tmp_path):
