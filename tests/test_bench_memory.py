@@ -23,7 +23,7 @@ def test_variants_cover_remat_scan_and_accumulation_unless_fixed():
 
 def test_table_json_and_interleaved_steps(tmp_path, text_dir, capsys):
     out = tmp_path / "memory.json"
-    overrides = SMALL_MODEL + [f"data.source={text_dir}", "model.num_layers=2", "model.remat=none",
+    overrides = SMALL_MODEL + [f"data.source={text_dir}", "model.num_layers=1", "model.remat=none",
                                "train.grad_accum_steps=1"]
     assert bench.run_cli(json_out=str(out), config=None, overrides=overrides, device_gib=0.01, steps=1) == 0
     r = json.loads(out.read_text())

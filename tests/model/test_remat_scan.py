@@ -78,7 +78,9 @@ def test_remat_policies_are_bitwise_equal_to_none(mesh_overrides):
     ov = [*STATEFUL, "model.num_layers=1"]
     ref, ref_hlo = grads(*ov, "model.remat=none", mesh_overrides=mesh_overrides, hlo=True)
     counts = {}
-    for policy in ("full", "save_dots", "save_dots_no_batch", "minimal"):
+    # every policy on the mesh (shard_map path); on one device the two that recompute most and least
+    policies = ("full", "save_dots", "save_dots_no_batch", "minimal") if mesh_overrides else ("full", "minimal")
+    for policy in policies:
         out, hlo = grads(*ov, f"model.remat={policy}", mesh_overrides=mesh_overrides, hlo=True)
         assert_trees_equal(out, ref)
         counts[policy] = all_to_alls(hlo)
@@ -108,11 +110,10 @@ def test_remat_lowers_temporary_memory():
     assert minimal < none, (minimal, none)
 
 
-PATTERNS = [[], ["model.num_layers=6", "model.num_dense_layers=1", "model.moe_every=2"],
-            ["model.num_layers=3", "model.moe_every=2"]]
+PATTERNS = [[], ["model.num_layers=6", "model.num_dense_layers=1", "model.moe_every=2"]]
 
 
-@pytest.mark.parametrize("pattern", PATTERNS, ids=["all-moe", "dense-prefix-groups-tail", "tail-only-pattern"])
+@pytest.mark.parametrize("pattern", PATTERNS, ids=["all-moe", "dense-prefix-groups-tail"])
 def test_scanned_layers_match_unrolled(pattern):
     """Same initial parameters (the scanned ones are the unrolled ones stacked), same losses and
     gradients to fp32 rounding, MoE statistics and routing-state rows in [L_moe, ...] order."""

@@ -70,12 +70,12 @@ def test_load_balancing_loss_is_the_mean_over_micro_batches(mesh_overrides):
     single = ModelDef(load_config(None, [*BASE, "data.batch_size=8"]), 259)
     params = single.init_params(0)  # the same initialisation (same seed and shapes)
     micro = micro_batches(batch(), m)
-    per_micro = [loss_fn(single, params, {k: v[i] for k, v in micro.items()}, None, None, STEP)[1]
-                 for i in range(m)]
+    one = jax.jit(lambda mb: loss_fn(single, params, mb, None, None, STEP)[1])
+    per_micro = [one({k: v[i] for k, v in micro.items()}) for i in range(m)]
     expected_layers = np.mean([np.asarray(t[3].aux_loss) for t in per_micro], axis=0)
     np.testing.assert_allclose(np.asarray(moe.aux_loss), expected_layers, rtol=1e-5)
     np.testing.assert_allclose(float(aux), float(np.mean([float(t[1]) for t in per_micro])), rtol=1e-5)
-    whole = loss_fn(ModelDef(load_config(None, BASE), 259), params, batch(), None, None, STEP)[1][1]
+    whole = jax.jit(lambda b: loss_fn(ModelDef(load_config(None, BASE), 259), params, b, None, None, STEP)[1][1])(batch())
     assert abs(float(aux) - float(whole)) > 1e-6  # not the whole batch's value: it is not linear
 
 

@@ -100,14 +100,15 @@ def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
 @pytest.mark.parametrize("first,then", [(False, True), (True, False)], ids=["unrolled-to-scanned", "scanned-to-unrolled"])
 def test_checkpoint_converts_between_scanned_and_unrolled_layers(small_config, tmp_path, first, then):
     """A run checkpointed with one layer layout resumes with the other: the restored state is the
-    checkpoint's, converted exactly, and training continues as the uninterrupted run to fp32
-    rounding; the next checkpoint is written in the new layout."""
+    checkpoint's, converted exactly (both directions), and (unrolled to scanned) training continues
+    as the uninterrupted run to fp32 rounding; the next checkpoint is written in the new layout."""
     common = ["train.steps=4", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=2",
               "model.num_layers=3", "model.moe_every=2"]
     corpus = load_corpus(small_config(*common).data)
     layers = lambda scanned: f"model.scan_layers={str(scanned).lower()}"
     full, split = tmp_path / "full", tmp_path / "split"
-    Trainer(small_config(*common, layers(first)), full, log=None, progress=False, corpus=corpus).run()
+    if then:  # the uninterrupted run to compare with (one direction is enough for training on)
+        Trainer(small_config(*common, layers(first)), full, log=None, progress=False, corpus=corpus).run()
     Trainer(small_config(*common, layers(first), "train.stop_at=2"), split, log=None, progress=False,
             corpus=corpus).run()
     lines = []
@@ -122,6 +123,8 @@ def test_checkpoint_converts_between_scanned_and_unrolled_layers(small_config, t
     for x, y in zip(jax.tree.leaves(converted), jax.tree.leaves(b.state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
+    if not then:
+        return
     summary = second.run()
     assert summary.steps == 4 and summary.steps_this_run == 2
     np.testing.assert_allclose([r["loss"] for r in read_records(split, "train")],
