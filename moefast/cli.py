@@ -73,12 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
     b.add_argument("target", choices=["train", "memory", "routing", "cache", "peers", "overlap"],
                    help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
+                        "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
+                        "fused routing), interleaved in rounds; "
                         "memory: per-device bytes of parameters, optimizer state, compiled arguments and "
                         "temporaries of the config's train step for each model.remat policy, scan_layers off/on "
                         "and train.grad_accum_steps 2 and 4 (keys given as overrides are not varied), from XLA's "
                         "memory_analysis without running a step, and compile time; "
-                        "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
-                        "fused routing), interleaved in rounds; routing: routing + dispatch + combine, "
+                        "routing: routing + dispatch + combine, "
                         "forward+backward; cache: step time with "
                         "cached tables on vs off and time to first step with a cold vs warm compilation cache; "
                         "peers: tokens/s of moefast (bare compiled step and moefast train) vs Hugging Face "

@@ -38,6 +38,7 @@ def test_table_json_and_interleaved_steps(tmp_path, text_dir, capsys):
     assert r["records"][0]["param_bytes"] == r["records"][1]["param_bytes"]  # the same model either way
     md = out.with_suffix(".md").read_text()
     assert "| none | on | 1 |" in md and "fits 0.0 GiB" in md and "step time vs first" in md
+    assert r["overrides"] == overrides and "with model.d_model=32" in md
 
 
 def test_cli_rejects_options_bench_memory_does_not_use(capsys):
@@ -45,3 +46,11 @@ def test_cli_rejects_options_bench_memory_does_not_use(capsys):
     assert "--ablate applies to bench train only, not to bench memory" in capsys.readouterr().err
     assert main(["bench", "memory", "--device-gib", "0"]) == 2
     assert "--device-gib must be > 0" in capsys.readouterr().err
+
+
+def test_variants_that_do_not_fit_the_mesh_are_named():
+    skipped = []
+    variants = bench.memory_variants([], load_config(None, ["data.batch_size=8"]), skipped)  # 8 devices here
+    assert len(variants) == 2 * len(bench.REMAT_ORDER)
+    assert skipped == ["train.grad_accum_steps=2 (data.batch_size=8 over 8 batch shards)",
+                       "train.grad_accum_steps=4 (data.batch_size=8 over 8 batch shards)"]

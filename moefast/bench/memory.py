@@ -56,14 +56,17 @@ class MemoryBenchResult:
     device_bytes: int | None  # memory of one device (--device-gib, or the GPU's own limit)
     device_source: str
     records: list[MemoryRecord]
+    overrides: list[str] = dataclasses.field(default_factory=list)  # the user's, on top of the config
+    skipped: list[str] = dataclasses.field(default_factory=list)  # variants that do not fit the mesh
     steps: int = 0  # timed steps per variant (0: none run)
     jax: str = ""
     date: str = ""
 
 
-def memory_variants(overrides: list[str], cfg) -> list[list[str]]:
+def memory_variants(overrides: list[str], cfg, skipped: list[str] | None = None) -> list[list[str]]:
     """The overrides of each variant (see the module docstring), given the user's overrides and the
-    config they load."""
+    config they load; accumulation steps that do not fit the batch over the mesh are left out and
+    named in ``skipped`` (if given)."""
     from moefast.parallel.mesh import BATCH_AXES, mesh_shape
     import jax
 
@@ -79,9 +82,14 @@ def memory_variants(overrides: list[str], cfg) -> list[list[str]]:
         for a in BATCH_AXES:
             shards *= sizes[a]
         for m in ACCUM_STEPS:
-            if m != m0 and cfg.data.batch_size % (m * shards) == 0:
+            if m == m0:
+                continue
+            if cfg.data.batch_size % (m * shards) == 0:
                 out.append([f"model.remat={cfg.model.remat}", f"model.scan_layers={str(cfg.model.scan_layers).lower()}",
                             f"train.grad_accum_steps={m}"])
+            elif skipped is not None:
+                skipped.append(f"train.grad_accum_steps={m} (data.batch_size={cfg.data.batch_size} over {shards} "
+                               "batch shards)")
     return out
 
 
@@ -132,7 +140,8 @@ def bench_memory(config: str | None = None, overrides: list[str] | None = None, 
     runners = []
     mesh = None
     with tempfile.TemporaryDirectory(prefix="moefast-bench-memory-") as tmp:
-        for i, variant in enumerate(memory_variants(overrides, base)):
+        skipped: list[str] = []
+        for i, variant in enumerate(memory_variants(overrides, base, skipped)):
             cfg = load_config(config, [*overrides, *variant, "cache.compile_dir=null"])
             trainer = Trainer(cfg, f"{tmp}/{i}", log=None, progress=False, corpus=corpus)
             mesh = dict(trainer.mesh.shape)
@@ -167,7 +176,8 @@ def bench_memory(config: str | None = None, overrides: list[str] | None = None, 
     return MemoryBenchResult(
         config=config or "configs/tiny.yaml", platform=jax.default_backend(), mesh=mesh or {},
         tokens_per_step=base.data.batch_size * base.data.seq_len, device_bytes=device_bytes,
-        device_source=device_source, records=records, steps=steps, jax=jax.__version__,
+        device_source=device_source, records=records, overrides=overrides, skipped=skipped, steps=steps,
+        jax=jax.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"))
 
 
@@ -206,10 +216,13 @@ def format_table(r: MemoryBenchResult) -> str:
 def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | None,
             device_gib: float | None, steps: int = 0) -> int:
     r = bench_memory(config, overrides, device_gib=device_gib, steps=steps, log=print)
-    header = (f"train-step memory per device, config {r.config} ({r.tokens_per_step:,} tokens/step), mesh {r.mesh}, "
-              f"{r.platform}, jax {r.jax}, {r.date}; XLA memory_analysis of the compiled step (nothing run); "
-              f"device memory: " + (_gib(r.device_bytes) if r.device_bytes else "") + f" [{r.device_source}]"
-              + (f"; step times: median of {r.steps} steps per variant, interleaved" if r.steps else ""))
+    header = (f"train-step memory per device, config {r.config}"
+              + (f" with {' '.join(r.overrides)}" if r.overrides else "")
+              + f" ({r.tokens_per_step:,} tokens/step), mesh {r.mesh}, {r.platform}, jax {r.jax}, {r.date}; "
+              "memory: XLA memory_analysis of the compiled step; device memory: "
+              + (f"{_gib(r.device_bytes)} [{r.device_source}]" if r.device_bytes else r.device_source)
+              + (f"; step times: median of {r.steps} steps per variant, interleaved" if r.steps else "")
+              + (f"; left out (do not fit the mesh): {', '.join(r.skipped)}" if r.skipped else ""))
     table = format_table(r)
     print(f"\n{header}\n\n{table}")
     if json_out:

@@ -83,8 +83,9 @@ def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
                           f"{shards} batch shards (data×fsdp×expert); use a multiple of {shards}")
     m = cfg.train.grad_accum_steps
     if (cfg.data.batch_size // m) % shards:
+        rows = cfg.data.batch_size // m
         raise ConfigError(f"train.grad_accum_steps: micro-batches of {cfg.data.batch_size}/{m} = "
-                          f"{cfg.data.batch_size // m} rows cannot be split over the {shards} batch shards; "
+                          f"{rows} row{'s' if rows != 1 else ''} cannot be split over the {shards} batch shards; "
                           f"use data.batch_size a multiple of {m * shards} or fewer micro-batches")
     return sizes
 

@@ -328,8 +328,8 @@ class Checkpointer:
         state = r.state
         if scanned_then != scanned_now:
             out_shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
-            state = jax.jit(lambda t: layout.to_layout(t, cfg.model, scanned_now), out_shardings=out_shardings,
-                            donate_argnums=0)(state)
+            # not donated: the stacked and unstacked buffers differ in shape, so none could be reused
+            state = jax.jit(lambda t: layout.to_layout(t, cfg.model, scanned_now), out_shardings=out_shardings)(state)
             self._note(f"checkpoint {self._step_dir(step)} was written with model.scan_layers={scanned_then}; "
                        f"its layers were converted to scan_layers={scanned_now}")
         return Restored(step=step, state=state, data_state=r.data, meta=r.meta)
