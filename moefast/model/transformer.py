@@ -240,7 +240,7 @@ def _block_fn(graphdef, remat: str, drop_tokens: bool):
     return jax.checkpoint(f, policy=REMAT_POLICIES[remat])
 
 
-def _stack_blocks(blocks: list[Block]) -> Block:
+def _stack_modules(blocks: list[Block]) -> Block:
     """One :class:`Block` whose parameters are those of ``blocks`` stacked on a leading ``layers``
     axis (the blocks must be of one kind: all MoE or all dense)."""
     graphdef, _ = nnx.split(blocks[0])
@@ -275,9 +275,9 @@ class Transformer(nnx.Module):
         else:  # see moefast.model.layout
             self.layout = layer_layout(m)
             if self.layout.prefix:
-                self.prefix = _stack_blocks([blocks[i] for i in self.layout.prefix])
+                self.prefix = _stack_modules([blocks[i] for i in self.layout.prefix])
             if self.layout.groups:
-                self.groups = nnx.List([_stack_blocks([blocks[i] for i in ids]) for ids in self.layout.groups])
+                self.groups = nnx.List([_stack_modules([blocks[i] for i in ids]) for ids in self.layout.groups])
             if self.layout.tail:
                 self.tail = nnx.List([blocks[i] for i in self.layout.tail])
         self.final_norm = _rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
