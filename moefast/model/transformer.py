@@ -33,11 +33,11 @@ from flax import nnx
 from moefast.config import ExperimentConfig
 from moefast.model.layout import layer_layout
 from moefast.model.moe import MoELayer, MoEStats
-from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
 from moefast.model.positional import apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
+from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
 
-__all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "ModelOutput", "REMAT_POLICIES", "Transformer", "build_model", "causal_attention", "init_cache",
-           "init_routing_state"]
+__all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "ModelOutput", "REMAT_POLICIES", "Transformer", "build_model",
+           "causal_attention", "init_cache", "init_routing_state"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -215,16 +215,16 @@ class Block(nnx.Module):
         return x, stats, new_cache
 
 
+MINIMAL_SAVED = (ROUTING, EXPERT_IN, EXPERT_OUT)
+"""What ``model.remat=minimal`` keeps (``checkpoint_name`` in :mod:`moefast.parallel.expert`)."""
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_saveable,
     "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "minimal": jax.checkpoint_policies.save_only_these_names(ROUTING, EXPERT_IN, EXPERT_OUT),
+    "minimal": jax.checkpoint_policies.save_only_these_names(*MINIMAL_SAVED),
 }
 """``model.remat`` -> ``jax.checkpoint`` policy of each block (``None``: no rematerialisation)."""
-MINIMAL_SAVED = (ROUTING, EXPERT_IN, EXPERT_OUT)
-"""What ``model.remat=minimal`` keeps (``checkpoint_name`` in :mod:`moefast.parallel.expert`)."""
 
 
 def _block_fn(graphdef, remat: str, drop_tokens: bool):
@@ -443,13 +443,12 @@ class Transformer(nnx.Module):
             fns = [_block_fn(gd, self.remat, drop_tokens) for gd, _ in parts]
             rs_groups = None if routing_state is None else {k: v[:g] for k, v in routing_state.items()}
 
-            def group_body(x, xs):
+            def group_body(x, xs):  # position 0 is the group's MoE block, the rest dense
                 states, layers, rs = xs
-                group_stats = None
-                for j, fn in enumerate(fns):
-                    x, s_j, _ = run(fn, states[j], x, layers[j], rs if j == 0 else None)
-                    group_stats = s_j if j == 0 else group_stats
-                return x, group_stats
+                x, moe_stats, _ = run(fns[0], states[0], x, layers[0], rs)
+                for j in range(1, len(fns)):
+                    x = run(fns[j], states[j], x, layers[j], None)[0]
+                return x, moe_stats
 
             layers = jnp.asarray(layout.groups, jnp.int32)  # [moe_every, G]
             x, group_stats = jax.lax.scan(group_body, x, ([st for _, st in parts], list(layers), rs_groups))
