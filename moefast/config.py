@@ -71,7 +71,17 @@ class ModelConfig:
       num_heads: query heads H.
       num_kv_heads: key/value heads (grouped-query attention); ``None`` means ``num_heads``.
       head_dim: per-head width.
-      d_ff: hidden width F of each SwiGLU expert (and of dense feed-forward layers).
+      d_ff: hidden width F of each SwiGLU expert (and of dense feed-forward layers unless
+        ``dense_d_ff`` is set; Hugging Face's ``moe_intermediate_size``).
+      dense_d_ff: hidden width of the dense feed-forward layers (Hugging Face's
+        ``intermediate_size`` in Qwen-MoE configs); ``None`` means ``d_ff``.
+      attention_bias: learned biases of the attention projections: ``"none"``, ``"qkv"`` (query,
+        key and value: Qwen2-MoE) or ``"all"`` (also the output projection: ``attention_bias`` in
+        Qwen3-MoE / OLMoE configs).
+      qk_norm: RMSNorm of queries and keys before RoPE (Dehghani et al. 2023, ViT-22B sec. 3.1):
+        ``"none"``, ``"per_head"`` (over each head's Hd features: Qwen3-MoE) or ``"full"`` (over
+        the whole query and key projections, before the split into heads: OLMoE). Each has its own
+        learned scale.
       vocab_size: V; ``None`` means the tokenizer's vocabulary size.
       max_seq_len: length of the positional tables, in tokens; positions must be below it.
       position_encoding: ``"rope"`` (rotary, applied to queries and keys; Su et al. 2021, RoFormer
@@ -108,6 +118,9 @@ class ModelConfig:
     num_kv_heads: int | None = None
     head_dim: int = 64
     d_ff: int = 512
+    dense_d_ff: int | None = None
+    attention_bias: Literal["none", "qkv", "all"] = "none"
+    qk_norm: Literal["none", "per_head", "full"] = "none"
     vocab_size: int | None = None
     max_seq_len: int = 1024
     position_encoding: Literal["rope", "sinusoidal"] = "rope"
@@ -125,6 +138,8 @@ class ModelConfig:
     def __post_init__(self):
         for k in ("d_model", "num_layers", "num_heads", "head_dim", "d_ff", "max_seq_len", "moe_every"):
             _require(getattr(self, k) >= 1, f"model.{k}", f"must be >= 1, got {getattr(self, k)}")
+        _require(self.dense_d_ff is None or self.dense_d_ff >= 1, "model.dense_d_ff",
+                 f"must be >= 1 or null (= model.d_ff), got {self.dense_d_ff}")
         kv = self.kv_heads
         _require(kv >= 1 and self.num_heads % kv == 0, "model.num_kv_heads",
                  f"must divide model.num_heads={self.num_heads}, got {kv}")
@@ -137,6 +152,11 @@ class ModelConfig:
         _require(self.rope_base > 1.0, "model.rope_base", f"must be > 1, got {self.rope_base}")
         _require(self.position_encoding != "sinusoidal" or self.d_model % 2 == 0, "model.d_model",
                  f"must be even for sinusoidal position encodings, got {self.d_model}")
+
+    @property
+    def dense_ff(self) -> int:
+        """Hidden width of the dense feed-forward layers (``dense_d_ff``, else ``d_ff``)."""
+        return self.d_ff if self.dense_d_ff is None else self.dense_d_ff
 
     @property
     def kv_heads(self) -> int:
@@ -213,6 +233,15 @@ class MoEConfig:
       warmup_noise: noise std, in logit units (``"noise"`` warm-up).
       aux_loss_coef_start: if set, the load-balancing coefficient starts at this value and decays
         linearly to ``aux_loss_coef`` at ``warmup_steps`` (needs ``warmup_steps > 0``).
+      norm_topk_prob: the K gates are the chosen softmax probabilities renormalised to sum to 1
+        (True: Mixtral, Qwen3-MoE checkpoints) or the probabilities as they are (False: Switch,
+        OLMoE, Qwen2-MoE); Hugging Face's name. Choices and capacity do not depend on it.
+      shared_expert_d_ff: hidden width of a shared SwiGLU expert that every token passes through
+        besides its routed experts (Qwen2-MoE ``shared_expert``; DeepSeekMoE, Dai et al. 2024,
+        sec. 3.2); 0: none.
+      shared_expert_gate: the shared expert's output is scaled per token by
+        ``sigmoid(x @ w_gate)`` (Qwen2-MoE ``shared_expert_gate``, a [D, 1] weight); False: added
+        as it is.
     """
 
     num_experts: int = 8
@@ -236,6 +265,9 @@ class MoEConfig:
     warmup_routing: Literal["noise", "uniform"] = "noise"
     warmup_noise: float = 1.0
     aux_loss_coef_start: float | None = None
+    norm_topk_prob: bool = True
+    shared_expert_d_ff: int = 0
+    shared_expert_gate: bool = True
 
     @property
     def dropless(self) -> bool:
@@ -263,6 +295,8 @@ class MoEConfig:
                  f"must be in [0, 1), got {self.load_ema_decay}")
         _require(self.aux_free_bias_rate >= 0, "moe.aux_free_bias_rate",
                  f"must be >= 0, got {self.aux_free_bias_rate}")
+        _require(self.shared_expert_d_ff >= 0, "moe.shared_expert_d_ff",
+                 f"must be >= 0 (0 = no shared expert), got {self.shared_expert_d_ff}")
         _require(self.min_capacity >= 1, "moe.min_capacity", f"must be >= 1, got {self.min_capacity}")
         _require(1 <= self.overlap_chunks <= MAX_OVERLAP_CHUNKS, "moe.overlap_chunks",
                  f"must be in [1, {MAX_OVERLAP_CHUNKS}] (1 = one exchange, no chunking; every chunk adds "
@@ -284,7 +318,7 @@ class DataConfig:
       source: ``"stdlib"`` (the running interpreter's standard-library ``.py`` files), a directory, a
         glob of text files, a ``.jsonl`` file (or glob) or a ``.parquet`` file (or glob).
       text_field: field holding the text in ``.jsonl`` / ``.parquet`` records.
-      tokenizer: ``"byte"`` (256 byte ids + BOS/EOS/PAD).
+      tokenizer: ``"byte"`` (256 byte ids + BOS/EOS/PAD) or a path to a Hugging Face tokenizer directory / tokenizer.json.
       seq_len: tokens per packed row (T).
       batch_size: global batch, in rows (B), summed over all processes and devices.
       val_fraction: fraction of documents (by hash of their path/id) held out for validation.
@@ -299,7 +333,7 @@ class DataConfig:
 
     source: str = "stdlib"
     text_field: str = "text"
-    tokenizer: Literal["byte"] = "byte"
+    tokenizer: str = "byte"
     seq_len: int = 256
     batch_size: int = 8
     val_fraction: float = 0.02

@@ -4,11 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moefast.config import MoEConfig
 from moefast.model import MoELayer
 
 
 def make_layer(d=16, f=24, e=4, k=2, cf=1.25, min_cap=1, seed=0, dtype=jnp.float32):
-    return MoELayer(d, f, e, k, capacity_factor=cf, min_capacity=min_cap, dtype=dtype, rngs=nnx.Rngs(seed))
+    moe = MoEConfig(num_experts=e, top_k=k, capacity_factor=cf, min_capacity=min_cap)
+    return MoELayer(d, f, moe, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
 def loop_reference(layer: MoELayer, x_td: np.ndarray, capacity: int, mask=None):

@@ -19,9 +19,10 @@ custom VJP).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from .ops import route_pallas
-from .reference import POLICIES, RoutingResult, route_reference
+from .reference import POLICIES, RoutingResult, raw_gates, route_reference
 
 __all__ = ["IMPLS", "POLICIES", "RoutingResult", "route"]
 
@@ -38,7 +39,7 @@ def _resolve(impl: str) -> str:
 
 def route(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "position", impl: str = "auto",
           mask: jax.Array | None = None, bias: jax.Array | None = None,
-          capacity_limit: jax.Array | None = None) -> RoutingResult:
+          capacity_limit: jax.Array | None = None, renormalize: bool = True) -> RoutingResult:
     """Routes T tokens to their top-k of E experts with a capacity of C slots per expert.
 
     Args:
@@ -50,6 +51,9 @@ def route(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "positi
       mask: [T] bool, False for padding (never routed, counted nowhere).
       bias: [E] float32 selection-only bias (aux-loss-free balancing, DeepSeek-V3).
       capacity_limit: [E] int32 dynamic per-expert limit <= C.
+      renormalize: gates are the chosen probabilities renormalised to sum to 1 over the K chosen
+        (True: Mixtral; ``norm_topk_prob``) or the chosen probabilities as they are (False:
+        Switch, Qwen2-MoE, OLMoE). Choices, slots and statistics do not depend on it.
 
     Returns:
       :class:`RoutingResult` (see :mod:`.reference` for the exact conventions). Gradients flow
@@ -59,8 +63,12 @@ def route(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "positi
       ValueError: bad shapes, top_k, capacity, policy or impl (at trace time).
     """
     impl = _resolve(impl)
-    if impl == "pallas":
-        return route_pallas(logits, top_k=top_k, capacity=capacity, policy=policy, mask=mask, bias=bias,
-                            capacity_limit=capacity_limit)
-    return route_reference(logits, top_k=top_k, capacity=capacity, policy=policy, mask=mask, bias=bias,
-                           capacity_limit=capacity_limit)
+    route_fn = route_pallas if impl == "pallas" else route_reference
+    r = route_fn(logits, top_k=top_k, capacity=capacity, policy=policy, mask=mask, bias=bias,
+                 capacity_limit=capacity_limit)
+    if renormalize:
+        return r
+    # The kernels' renormalised gates are left unused (dead code under jit); the raw ones are one
+    # softmax of the logits at the chosen experts, differentiable as they are.
+    m = jnp.ones(logits.shape[:1], bool) if mask is None else mask.astype(bool)
+    return r._replace(gates=raw_gates(logits, r.expert_index, m))

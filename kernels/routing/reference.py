@@ -9,7 +9,9 @@ Conventions (identical in every implementation):
     computed with one exact float add, so every implementation chooses bitwise the same experts
     (``bias`` is the aux-loss-free selection bias in logit units, zero by default; ties: the lower
     expert index wins). Their gates are the chosen *probabilities* (without bias) renormalised to
-    sum to 1 (Mixtral / ST-MoE convention; DeepSeek-V3 sec. 2.1.2 for a selection-only bias).
+    sum to 1 (Mixtral / ST-MoE convention; DeepSeek-V3 sec. 2.1.2 for a selection-only bias), or,
+    with ``renormalize=False`` in :func:`moefast.kernels.routing.route`, the chosen probabilities
+    themselves (Switch / Qwen2-MoE / OLMoE with ``norm_topk_prob=False``).
   * ``policy="position"``: slots follow GShard's position order (Lepikhin et al. 2020): all first
     choices in token order, then all second choices, ...; a token's k-th choice never displaces
     another token's earlier choice.
@@ -38,7 +40,7 @@ class RoutingResult(NamedTuple):
     """Routing of one group of T tokens over E experts."""
 
     expert_index: jax.Array  # [T, K] int32, chosen experts, best first
-    gates: jax.Array  # [T, K] float32, renormalised over the K chosen; 0 for masked tokens
+    gates: jax.Array  # [T, K] float32, renormalised over the K chosen (or raw probabilities); 0 for masked tokens
     slot: jax.Array  # [T, K] int32, position in the expert's buffer; -1 if dropped or masked
     tokens_per_expert: jax.Array  # [E] int32, assignments routed to each expert before capacity
     prob_sum: jax.Array  # [E] float32, sum over unmasked tokens of the full softmax probability
@@ -95,6 +97,13 @@ def differentiable_outputs(logits, expert_index, mask):
     lse = jax.nn.logsumexp(logits, axis=-1)
     z_sum = jnp.sum(jnp.where(mask, jnp.square(lse), 0.0))
     return gates, prob_sum, z_sum
+
+
+def raw_gates(logits, expert_index, mask):
+    """Gates without renormalisation: the chosen experts' softmax probabilities [T, K] float32 (0 for
+    masked tokens), differentiable in ``logits``."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.where(mask[:, None], jnp.take_along_axis(probs, expert_index, axis=-1), 0.0)
 
 
 def chosen_probs(logits, expert_index):

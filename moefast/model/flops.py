@@ -69,16 +69,22 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
     if not v:
         raise ValueError("model.vocab_size is null: pass vocab_size (the tokenizer's vocabulary size)")
     d, f = m.d_model, m.d_ff
-    attn = d * (m.num_heads + 2 * m.kv_heads) * m.head_dim + m.num_heads * m.head_dim * d
+    qkv = (m.num_heads + 2 * m.kv_heads) * m.head_dim
+    attn = d * qkv + m.num_heads * m.head_dim * d
+    attn += {"none": 0, "qkv": qkv, "all": qkv + d}[m.attention_bias]
+    attn += {"none": 0, "per_head": 2 * m.head_dim, "full": (m.num_heads + m.kv_heads) * m.head_dim}[m.qk_norm]
     norms = 2 * d
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     n_dense = m.num_layers - n_moe
     expert = 3 * d * f
+    dense = 3 * d * m.dense_ff
+    shared = 3 * d * e.shared_expert_d_ff + (d if e.shared_expert_d_ff and e.shared_expert_gate else 0)
     experts = n_moe * e.num_experts * expert
-    layers_total = m.num_layers * (attn + norms) + n_moe * d * e.num_experts + experts + n_dense * expert
+    layers_total = m.num_layers * (attn + norms) + n_moe * (d * e.num_experts + shared) + experts + n_dense * dense
     embed = v * d
     total = layers_total + embed + d + (0 if m.tie_embeddings else embed)  # + final norm
-    active = m.num_layers * attn + n_moe * (d * e.num_experts + e.top_k * expert) + n_dense * expert + embed
+    active = (m.num_layers * attn + n_moe * (d * e.num_experts + e.top_k * expert + shared) + n_dense * dense
+              + embed)
     return ParamCounts(total=total, active=active,
                        active_with_embedding=active + (0 if m.tie_embeddings else embed), experts=experts)
 

@@ -13,42 +13,60 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moefast.parallel.expert import MoEStats, RoutingSpec, moe_ffn
+from moefast.config import MoEConfig
+from moefast.parallel.expert import MoEStats, moe_ffn
 
 __all__ = ["MoELayer", "MoEStats"]
 
 
 class MoELayer(nnx.Module):
-    """Top-k routed SwiGLU experts.
+    """Top-k routed SwiGLU experts, with an optional shared expert.
 
     Parameters (float32, logical axes in brackets): ``router`` [D, E] (embed, router), ``w_in``
-    [E, D, 2F] (expert, embed, mlp) — gate and up projections fused — and ``w_out`` [E, F, D]
-    (expert, mlp, embed).
+    [E, D, 2F] (expert, embed, mlp) — gate and up projections fused, gate first — and ``w_out``
+    [E, F, D] (expert, mlp, embed). With ``moe.shared_expert_d_ff`` = Fs > 0 also ``shared_w_in``
+    [D, 2Fs] (embed, mlp), ``shared_w_out`` [Fs, D] (mlp, embed) and, with
+    ``moe.shared_expert_gate``, ``shared_gate`` [D, 1] (embed, None).
+
+    Args:
+      d_model: D.
+      d_ff: F, hidden width of each routed expert.
+      moe: every MoE option (:class:`~moefast.config.MoEConfig`), passed whole to
+        :func:`~moefast.parallel.expert.moe_ffn`.
+      dtype: compute dtype of the experts (the router is float32).
+      init_std: normal initialiser std of ``router`` and the input projections.
+      out_std: std of the output projections (default ``init_std``).
+      rngs: parameter initialisation keys.
+
+    Example::
+
+        layer = MoELayer(256, 512, MoEConfig(num_experts=8, top_k=2), rngs=nnx.Rngs(0))
+        y_btd, stats = layer(x_btd, mask_bt)
     """
 
-    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *,
-                 capacity_factor: float, min_capacity: int, policy: str = "position", impl: str = "auto",
-                 capacity_mode: str = "static", capacity_factor_min: float = 0.5,
-                 capacity_factor_max: float = 2.0, warmup_routing: str = "noise", warmup_noise: float = 1.0,
-                 grouped_matmul: str = "auto", dispatch: str = "slot", overlap_chunks: int = 1,
-                 overlap_chain: bool = False,
-                 dtype=jnp.float32, init_std: float = 0.02,
+    def __init__(self, d_model: int, d_ff: int, moe: MoEConfig, *, dtype=jnp.float32, init_std: float = 0.02,
                  out_std: float | None = None, rngs: nnx.Rngs):
-        self.num_experts, self.top_k, self.d_ff = num_experts, top_k, d_ff
-        self.spec = RoutingSpec(top_k=top_k, capacity_factor=capacity_factor, min_capacity=min_capacity,
-                                policy=policy, impl=impl, capacity_mode=capacity_mode,
-                                capacity_factor_min=capacity_factor_min, capacity_factor_max=capacity_factor_max,
-                                warmup_routing=warmup_routing, warmup_noise=warmup_noise,
-                                grouped_matmul=grouped_matmul, dispatch=dispatch, overlap_chunks=overlap_chunks,
-                                overlap_chain=overlap_chain)
-        self.dtype = dtype
+        self.moe, self.d_ff, self.dtype = moe, d_ff, dtype
+        e = moe.num_experts
         init = jax.nn.initializers.normal(init_std)
         out_init = jax.nn.initializers.normal(out_std or init_std)
-        self.router = nnx.Param(init(rngs.params(), (d_model, num_experts)), logical_axes=("embed", "router"))
-        self.w_in = nnx.Param(init(rngs.params(), (num_experts, d_model, 2 * d_ff)),
-                              logical_axes=("expert", "embed", "mlp"))
-        self.w_out = nnx.Param(out_init(rngs.params(), (num_experts, d_ff, d_model)),
-                               logical_axes=("expert", "mlp", "embed"))
+        self.router = nnx.Param(init(rngs.params(), (d_model, e)), logical_axes=("embed", "router"))
+        self.w_in = nnx.Param(init(rngs.params(), (e, d_model, 2 * d_ff)), logical_axes=("expert", "embed", "mlp"))
+        self.w_out = nnx.Param(out_init(rngs.params(), (e, d_ff, d_model)), logical_axes=("expert", "mlp", "embed"))
+        fs = moe.shared_expert_d_ff
+        if fs:
+            self.shared_w_in = nnx.Param(init(rngs.params(), (d_model, 2 * fs)), logical_axes=("embed", "mlp"))
+            self.shared_w_out = nnx.Param(out_init(rngs.params(), (fs, d_model)), logical_axes=("mlp", "embed"))
+            if moe.shared_expert_gate:
+                self.shared_gate = nnx.Param(init(rngs.params(), (d_model, 1)), logical_axes=("embed", None))
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.moe.top_k
 
     def __call__(self, x_btd: jax.Array, mask_bt: jax.Array, *, drop_tokens: bool = True,
                  bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None,
@@ -69,8 +87,20 @@ class MoELayer(nnx.Module):
             :func:`~moefast.parallel.expert.moe_ffn`); ``None``: no warm-up.
 
         Returns:
-          ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` and :class:`MoEStats`.
+          ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` — the routed experts' gated sum plus the
+          shared expert's output, if any — and :class:`MoEStats`.
+
+        Raises:
+          ValueError: see :func:`~moefast.parallel.expert.moe_ffn`.
         """
-        return moe_ffn(x_btd, mask_bt, self.router[...], self.w_in[...], self.w_out[...], self.spec,
-                       drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e,
-                       warmup_key=warmup_key, warmup_active=warmup_active)
+        y, stats = moe_ffn(x_btd, mask_bt, self.router[...], self.w_in[...], self.w_out[...], self.moe,
+                           drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e,
+                           warmup_key=warmup_key, warmup_active=warmup_active)
+        if self.moe.shared_expert_d_ff:
+            x = x_btd.astype(self.dtype)
+            gate, up = jnp.split(x @ self.shared_w_in[...].astype(self.dtype), 2, axis=-1)
+            shared = (jax.nn.silu(gate) * up) @ self.shared_w_out[...].astype(self.dtype)
+            if self.moe.shared_expert_gate:
+                shared = jax.nn.sigmoid(x @ self.shared_gate[...].astype(self.dtype)) * shared
+            y = y + shared.astype(y.dtype)
+        return y, stats

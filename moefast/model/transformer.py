@@ -120,17 +120,34 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query attention with RoPE (:func:`causal_attention`)."""
+    """Causal grouped-query attention with RoPE (:func:`causal_attention`).
+
+    Parameters: ``qkv`` [D, (H + 2G)·Hd] (embed, heads), fused q|k|v projections; ``out`` [H·Hd, D]
+    (heads, embed). Options (``model.attention_bias``): ``qkv_bias`` [(H + 2G)·Hd] and ``out_bias``
+    [D]. ``model.qk_norm``: ``q_norm``/``k_norm`` RMSNorm scales of [Hd] (``"per_head"``: each
+    head's query and key normalised, Qwen3) or of [H·Hd] and [G·Hd] (``"full"``: the whole query
+    and key projections, OLMoE), applied before RoPE.
+    """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
+                 dtype, init_std: float, out_std: float, bias: str = "none", qk_norm: str = "none",
+                 norm_eps: float = 1e-6, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.dtype = dtype
+        self.dtype, self.bias, self.qk_norm = dtype, bias, qk_norm
         init = jax.nn.initializers.normal(init_std)
-        self.qkv = nnx.Param(init(rngs.params(), (d_model, (num_heads + 2 * num_kv_heads) * head_dim)),
-                             logical_axes=("embed", "heads"))
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        self.qkv = nnx.Param(init(rngs.params(), (d_model, width)), logical_axes=("embed", "heads"))
         self.out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * head_dim, d_model)),
                              logical_axes=("heads", "embed"))
+        if bias != "none":
+            self.qkv_bias = nnx.Param(jnp.zeros((width,), jnp.float32), logical_axes=("heads",))
+        if bias == "all":
+            self.out_bias = nnx.Param(jnp.zeros((d_model,), jnp.float32), logical_axes=("norm",))
+        if qk_norm != "none":
+            q_dim, k_dim = (head_dim, head_dim) if qk_norm == "per_head" else (num_heads * head_dim,
+                                                                                num_kv_heads * head_dim)
+            self.q_norm = _rms_norm(q_dim, norm_eps, dtype, rngs)
+            self.k_norm = _rms_norm(k_dim, norm_eps, dtype, rngs)
 
     def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
         """``rope``: ``(cos, sin)`` float32 [B, T, 1, Hd/2] from :func:`rope_cos_sin`, or ``None``
@@ -139,9 +156,14 @@ class Attention(nnx.Module):
         b, t, _ = x_btd.shape
         h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = x_btd @ self.qkv[...].astype(self.dtype)
-        q = qkv[..., : h * hd].reshape(b, t, h, hd)
-        k = qkv[..., h * hd: (h + g) * hd].reshape(b, t, g, hd)
-        v = qkv[..., (h + g) * hd:].reshape(b, t, g, hd)
+        if self.bias != "none":
+            qkv = qkv + self.qkv_bias[...].astype(self.dtype)
+        q, k, v = qkv[..., : h * hd], qkv[..., h * hd: (h + g) * hd], qkv[..., (h + g) * hd:]
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, g, hd), v.reshape(b, t, g, hd)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         new_cache = None
@@ -150,7 +172,10 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1)
             new_cache = {"k": k, "v": v}
         o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts, causal=cache is None)
-        return o.reshape(b, t, h * hd) @ self.out[...].astype(self.dtype), new_cache
+        o = o.reshape(b, t, h * hd) @ self.out[...].astype(self.dtype)
+        if self.bias == "all":
+            o = o + self.out_bias[...].astype(self.dtype)
+        return o, new_cache
 
 
 class DenseMLP(nnx.Module):
@@ -176,22 +201,15 @@ class Block(nnx.Module):
         self.dropout = m.dropout
         self.attn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
         self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, dtype=dtype,
-                              init_std=m.init_std, out_std=out_std, rngs=rngs)
+                              init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
+                              norm_eps=m.norm_eps, rngs=rngs)
         self.ffn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
         self.is_moe = m.is_moe_layer(layer)
         if self.is_moe:
-            moe = cfg.moe
-            self.ffn = MoELayer(m.d_model, m.d_ff, moe.num_experts, moe.top_k,
-                                capacity_factor=moe.capacity_factor, min_capacity=moe.min_capacity,
-                                policy=moe.routing_policy, impl=moe.routing_impl, capacity_mode=moe.capacity_mode,
-                                capacity_factor_min=moe.capacity_factor_min,
-                                capacity_factor_max=moe.capacity_factor_max,
-                                warmup_routing=moe.warmup_routing, warmup_noise=moe.warmup_noise,
-                                grouped_matmul=moe.grouped_matmul, dispatch=moe.dispatch,
-                                overlap_chunks=moe.overlap_chunks,
-                                overlap_chain=moe.overlap_chain, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+            self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe, dtype=dtype, init_std=m.init_std, out_std=out_std,
+                                rngs=rngs)
         else:
-            self.ffn = DenseMLP(m.d_model, m.d_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+            self.ffn = DenseMLP(m.d_model, m.dense_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
 
     def __call__(self, x, layer, rope, attn_mask, token_mask, cache=None, cache_index=0, step_key=None,
                  routing_state=None, routing_warmup=None, *, drop_tokens=True):

@@ -1,6 +1,6 @@
 """Meshes, logical-axis sharding rules, expert parallelism and multi-process launch."""
 
-from moefast.parallel.expert import MoEStats, RoutingSpec, expert_ffn, moe_ffn
+from moefast.parallel.expert import MoEStats, expert_ffn, moe_ffn
 from moefast.parallel.mesh import (
     BATCH_AXES,
     LOGICAL_RULES,
@@ -14,6 +14,6 @@ from moefast.parallel.mesh import (
     shardings,
 )
 
-__all__ = ["BATCH_AXES", "LOGICAL_RULES", "MESH_AXES", "MoEStats", "RoutingSpec", "batch_spec", "expert_ffn",
+__all__ = ["BATCH_AXES", "LOGICAL_RULES", "MESH_AXES", "MoEStats", "batch_spec", "expert_ffn",
            "logical_to_spec", "make_mesh", "mesh_shape", "moe_ffn", "optimizer_spec", "param_specs",
            "shardings"]

@@ -25,7 +25,6 @@ expert output (``jax.lax.optimization_barrier``): at most two chunks' buffers ar
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -34,10 +33,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from moefast import routing
+from moefast.config import MoEConfig
 from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.parallel.mesh import BATCH_AXES
 
-__all__ = ["EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "RoutingSpec", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
+__all__ = ["EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
 
 EXPERT_AXIS = "expert"
 # Names of the values the "minimal" remat policy keeps (``jax.ad_checkpoint.checkpoint_name``): the
@@ -137,26 +137,6 @@ def exchange_experts(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array
     return outs[0] if chunks == 1 else jnp.concatenate(outs, axis=1)
 
 
-@dataclasses.dataclass(frozen=True)
-class RoutingSpec:
-    """Static routing configuration of an MoE layer (hashable; see :class:`moefast.config.MoEConfig`)."""
-
-    top_k: int
-    capacity_factor: float  # 0: dropless
-    min_capacity: int = 1
-    policy: str = "position"
-    impl: str = "auto"
-    capacity_mode: str = "static"  # or "dynamic"
-    capacity_factor_min: float = 0.5
-    capacity_factor_max: float = 2.0
-    warmup_routing: str = "noise"  # or "uniform"; applied only while the step's warm-up flag is on
-    warmup_noise: float = 1.0
-    grouped_matmul: str = "auto"  # dropless experts: "auto" | "ragged_dot" | "tiled"
-    dispatch: str = "slot"  # or "onehot" (GShard einsums; only where there is a capacity)
-    overlap_chunks: int = 1  # expert exchange chunks (expert axis > 1 only)
-    overlap_chain: bool = False
-
-
 def _shard_index(axes: tuple[str, ...]) -> jax.Array:
     """This device's linear index over the mesh ``axes`` (inside ``shard_map``)."""
     idx = jnp.zeros((), jnp.int32)
@@ -165,27 +145,27 @@ def _shard_index(axes: tuple[str, ...]) -> jax.Array:
     return idx
 
 
-def _warmup_logits(logits_te, key, active, spec: RoutingSpec, token_axes: tuple[str, ...]):
+def _warmup_logits(logits_te, key, active, moe: MoEConfig, token_axes: tuple[str, ...]):
     """Router logits randomised for expert warm-up (see ``MoEConfig.warmup_routing``) where
     ``active``; each token shard draws its own noise."""
     if token_axes:
         key = jax.random.fold_in(key, _shard_index(token_axes))
-    if spec.warmup_routing == "uniform":
+    if moe.warmup_routing == "uniform":
         noisy = 1e-3 * jax.random.gumbel(key, logits_te.shape, jnp.float32)
     else:
-        noisy = logits_te + spec.warmup_noise * jax.random.normal(key, logits_te.shape, jnp.float32)
+        noisy = logits_te + moe.warmup_noise * jax.random.normal(key, logits_te.shape, jnp.float32)
     return jnp.where(active, noisy, logits_te)
 
 
-def _capacity(spec: RoutingSpec, num_tokens: int, num_experts: int, load_ema, drop_tokens: bool):
+def _capacity(moe: MoEConfig, num_tokens: int, load_ema, drop_tokens: bool):
     """Buffer capacity (static int) and the optional dynamic per-expert limit [E] int32."""
-    if not drop_tokens or spec.capacity_factor == 0:
+    if not drop_tokens or moe.dropless:
         return num_tokens, None  # an expert receives each token at most once: nothing drops
-    cap = lambda cf: routing.compute_capacity(num_tokens, num_experts, spec.top_k, cf, spec.min_capacity)
-    if spec.capacity_mode == "static" or load_ema is None:
-        return cap(spec.capacity_factor), None
-    c_max, c_min = cap(spec.capacity_factor_max), cap(spec.capacity_factor_min)
-    want = jnp.ceil(spec.capacity_factor * num_tokens * spec.top_k * load_ema)
+    cap = lambda cf: routing.compute_capacity(num_tokens, moe.num_experts, moe.top_k, cf, moe.min_capacity)
+    if moe.capacity_mode == "static" or load_ema is None:
+        return cap(moe.capacity_factor), None
+    c_max, c_min = cap(moe.capacity_factor_max), cap(moe.capacity_factor_min)
+    want = jnp.ceil(moe.capacity_factor * num_tokens * moe.top_k * load_ema)
     return c_max, jnp.clip(want, c_min, c_max).astype(jnp.int32)
 
 
@@ -211,28 +191,28 @@ def _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, impl: str):
     return routing.combine_rows(y_sorted, dest_tk, r)
 
 
-def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, *warmup, spec: RoutingSpec,
+def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, *warmup, moe: MoEConfig,
                drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...]):
     b, t, d = x_btd.shape
-    num_experts = router_de.shape[1]
+    num_experts = moe.num_experts
     x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
-    chunks = spec.overlap_chunks if ep > 1 else 1  # no exchange, nothing to overlap
-    capacity, limit = _capacity(spec, b * t, num_experts, load_ema_e, drop_tokens)
+    chunks = moe.overlap_chunks if ep > 1 else 1  # no exchange, nothing to overlap
+    capacity, limit = _capacity(moe, b * t, load_ema_e, drop_tokens)
     if chunks > capacity:
         raise ValueError(f"moe.overlap_chunks={chunks} is more than the capacity ({capacity} slots per expert "
                          "on a device): every chunk would hold at most one slot; use fewer chunks")
     capacity = exchange_capacity(capacity, chunks)  # the buffer splits evenly (a dynamic limit stays below it)
     logits_te = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
     if warmup:  # (key, active)
-        logits_te = _warmup_logits(logits_te, *warmup, spec, reduce_axes)
-    r = routing.route(logits_te, top_k=spec.top_k, capacity=capacity, mask_t=mask_t, policy=spec.policy,
-                      impl=spec.impl, bias=bias_e, capacity_limit=limit)
+        logits_te = _warmup_logits(logits_te, *warmup, moe, reduce_axes)
+    r = routing.route(logits_te, top_k=moe.top_k, capacity=capacity, mask_t=mask_t, policy=moe.routing_policy,
+                      impl=moe.routing_impl, bias=bias_e, capacity_limit=limit, renormalize=moe.norm_topk_prob)
     r = jax.tree.map(lambda a: checkpoint_name(a, ROUTING), r)
 
-    if spec.capacity_factor == 0 and ep == 1:
-        y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, spec.grouped_matmul)
+    if moe.dropless and ep == 1:
+        y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul)
     else:
-        onehot = spec.dispatch == "onehot" and drop_tokens and spec.capacity_factor > 0
+        onehot = moe.dispatch == "onehot" and drop_tokens and not moe.dropless
         if onehot:  # the GShard baseline; without capacity (C = T) its [T, E, C] tensors would be [T, E, T]
             dispatch_tec, combine_tec = routing.onehot_masks(r, num_experts, capacity)
             x_ecd = routing.dispatch_onehot(x_td, dispatch_tec)
@@ -240,7 +220,7 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
             x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
         if ep > 1:  # names the buffers on the experts' side of the exchange
             y_ecd = exchange_experts(x_ecd, w_in_edf, w_out_efd, dtype, ep=ep, chunks=chunks,
-                                     chain=spec.overlap_chain)
+                                     chain=moe.overlap_chain)
         else:
             y_ecd = checkpoint_name(expert_ffn(checkpoint_name(x_ecd, EXPERT_IN), w_in_edf, w_out_efd, dtype),
                                     EXPERT_OUT)
@@ -254,16 +234,16 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     tokens_per_expert, prob_sum, z_sum, n, dropped, entropy_sum = sums
     stats = MoEStats(
         tokens_per_expert=tokens_per_expert,
-        aux_loss=routing.load_balancing_loss(tokens_per_expert, prob_sum, n, spec.top_k),
+        aux_loss=routing.load_balancing_loss(tokens_per_expert, prob_sum, n, moe.top_k),
         z_loss=routing.router_z_loss(z_sum, n),
-        dropped_fraction=dropped.astype(jnp.float32) / jnp.maximum(n * spec.top_k, 1.0),
+        dropped_fraction=dropped.astype(jnp.float32) / jnp.maximum(n * moe.top_k, 1.0),
         router_entropy=entropy_sum / jnp.maximum(n, 1.0),
     )
     return y_td.reshape(b, t, d).astype(x_btd.dtype), stats
 
 
 def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf: jax.Array,
-            w_out_efd: jax.Array, spec: RoutingSpec, *, drop_tokens: bool = True, dtype=jnp.float32,
+            w_out_efd: jax.Array, moe: MoEConfig, *, drop_tokens: bool = True, dtype=jnp.float32,
             bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None,
             warmup_key: jax.Array | None = None, warmup_active: jax.Array | None = None
             ) -> tuple[jax.Array, MoEStats]:
@@ -274,13 +254,14 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
       mask_bt: [B, T] bool, False for padding (never routed, counted nowhere).
       router_de: [D, E] router weights (used in float32).
       w_in_edf: [E, D, 2F]; w_out_efd: [E, F, D] — split over ``expert`` under a mesh.
-      spec: static routing configuration; capacities count the tokens of one device.
+      moe: the MoE options (static; hashable): routing, capacity, warm-up, dispatch and overlap.
+        Capacities count the tokens of one device.
       drop_tokens: False sets capacity = tokens per device, so nothing drops (evaluation,
         generation).
       dtype: compute dtype of the experts.
       bias_e: [E] float32 selection bias (aux-loss-free balancing); ``None``: none.
       load_ema_e: [E] float32 average share of assignments per expert (dynamic capacity).
-      warmup_key: PRNG key of this layer's warm-up routing noise (``spec.warmup_routing``);
+      warmup_key: PRNG key of this layer's warm-up routing noise (``moe.warmup_routing``);
         ``None``: no warm-up.
       warmup_active: [] bool, whether this step is in the warm-up (traced, so one compiled step
         serves the whole run).
@@ -291,14 +272,17 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
 
     Raises:
       ValueError: the expert axis does not divide E, or the batch is not divisible by the token
-        shards.
+        shards, or the router's E is not ``moe.num_experts``.
     """
-    num_experts = router_de.shape[1]
+    num_experts = moe.num_experts
+    if router_de.shape[1] != num_experts or w_in_edf.shape[0] != num_experts:
+        raise ValueError(f"router [D, {router_de.shape[1]}] and experts [{w_in_edf.shape[0]}, ...] do not match "
+                         f"moe.num_experts={num_experts}")
     if bias_e is None:
         bias_e = jnp.zeros((num_experts,), jnp.float32)
     if load_ema_e is None:
         load_ema_e = jnp.full((num_experts,), 1.0 / num_experts, jnp.float32)
-    kw = dict(spec=spec, drop_tokens=drop_tokens, dtype=dtype)
+    kw = dict(moe=moe, drop_tokens=drop_tokens, dtype=dtype)
     args = (x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e)
     if warmup_key is not None:
         args += (warmup_key, jnp.asarray(True if warmup_active is None else warmup_active))

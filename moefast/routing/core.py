@@ -60,7 +60,7 @@ def compute_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fac
 
 def route(logits_te: jax.Array, *, top_k: int, capacity: int, mask_t: jax.Array | None = None,
           policy: str = "position", impl: str = "auto", bias: jax.Array | None = None,
-          capacity_limit: jax.Array | None = None) -> RoutingResult:
+          capacity_limit: jax.Array | None = None, renormalize: bool = True) -> RoutingResult:
     """Top-k routing with capacity: :func:`moefast.kernels.routing.route` (see there for the
     conventions and implementations).
 
@@ -73,6 +73,7 @@ def route(logits_te: jax.Array, *, top_k: int, capacity: int, mask_t: jax.Array 
       impl: kernel implementation (``"auto"``: the fastest available).
       bias: [E] float32 selection bias (aux-loss-free balancing).
       capacity_limit: [E] int32 dynamic per-expert limit <= capacity.
+      renormalize: renormalise the K gates to sum to 1 (``moe.norm_topk_prob``).
 
     Returns:
       A :class:`RoutingResult`.
@@ -82,7 +83,7 @@ def route(logits_te: jax.Array, *, top_k: int, capacity: int, mask_t: jax.Array 
         of the wrong shape.
     """
     return kernel_routing.route(logits_te, top_k=top_k, capacity=capacity, policy=policy, impl=impl,
-                                mask=mask_t, bias=bias, capacity_limit=capacity_limit)
+                                mask=mask_t, bias=bias, capacity_limit=capacity_limit, renormalize=renormalize)
 
 
 def load_balancing_loss(tokens_per_expert: jax.Array, prob_sum: jax.Array, num_tokens: jax.Array,

@@ -20,7 +20,12 @@ def layer_with(**kw):
     d, f, e, k = base["d"], base["f"], kw.pop("e", 4), kw.pop("k", 2)
     from moefast.model import MoELayer
 
-    return MoELayer(d, f, e, k, capacity_factor=kw.pop("cf", 1.25), min_capacity=1, rngs=nnx.Rngs(0), **kw)
+    from moefast.config import MoEConfig
+
+    names = {"policy": "routing_policy", "impl": "routing_impl"}
+    moe = MoEConfig(num_experts=e, top_k=k, capacity_factor=kw.pop("cf", 1.25), min_capacity=1,
+                    **{names.get(n, n): v for n, v in kw.items()})
+    return MoELayer(d, f, moe, rngs=nnx.Rngs(0))
 
 
 def apply(layer, x, mask, **kw):

@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moefast.config import ConfigError, load_config
-from moefast.parallel import MESH_AXES, RoutingSpec, make_mesh, moe_ffn
+from moefast.config import MoEConfig
+from moefast.parallel import MESH_AXES, make_mesh, moe_ffn
 from moefast.parallel.expert import exchange_capacity
 from moefast.parallel.hlo import HloModule, collectives, format_collectives
 from moefast.train import ModelDef
@@ -39,7 +40,7 @@ def inputs(seed=1, batch=8, t=6):
 
 
 def layer_loss(x, mask, router, w_in, w_out, *, drop_tokens, capacity_factor=1.0):
-    spec = RoutingSpec(top_k=K, capacity_factor=capacity_factor, min_capacity=1)
+    spec = MoEConfig(num_experts=E, top_k=K, capacity_factor=capacity_factor, min_capacity=1)
     y, s = moe_ffn(x, mask, router, w_in, w_out, spec, drop_tokens=drop_tokens)
     loss = jnp.sum(jnp.sin(y)) + s.aux_loss + 0.1 * s.z_loss
     return loss, (y, s)
@@ -139,7 +140,7 @@ def test_warmup_noise_under_expert_parallelism_differs_per_shard(devices):
     router, w_in, w_out = weights()
     x = jnp.tile(jax.random.normal(jax.random.key(1), (1, 6, D)), (8, 1, 1))  # the same row on every device
     mask = jnp.ones((8, 6), bool)
-    spec = RoutingSpec(top_k=K, capacity_factor=4.0, min_capacity=1, warmup_routing="uniform")
+    spec = MoEConfig(num_experts=E, top_k=K, capacity_factor=4.0, min_capacity=1, warmup_routing="uniform")
 
     def fn(x, mask, router, w_in, w_out, key):
         y, s = moe_ffn(x, mask, router, w_in, w_out, spec, warmup_key=key, warmup_active=jnp.asarray(True))
@@ -162,7 +163,7 @@ def overlap_inputs(batch=8, t=16, seed=1):
 
 
 def loss_and_grads(x, mask, router, w_in, w_out, *, chunks, chain=False, drop_tokens, capacity_factor=1.0):
-    spec = RoutingSpec(top_k=K, capacity_factor=capacity_factor, min_capacity=1, overlap_chunks=chunks,
+    spec = MoEConfig(num_experts=E, top_k=K, capacity_factor=capacity_factor, min_capacity=1, overlap_chunks=chunks,
                        overlap_chain=chain)
 
     def loss(x, router, w_in, w_out):
@@ -220,14 +221,14 @@ def test_overlap_chunks_are_bounded(devices):
             load_config(None, [bad])
     # more chunks than slots (capacity 4 per expert here): one clear error when the layer is traced
     x, mask = overlap_inputs()
-    spec = RoutingSpec(top_k=K, capacity_factor=1.0, min_capacity=1, overlap_chunks=8)
+    spec = MoEConfig(num_experts=E, top_k=K, capacity_factor=1.0, min_capacity=1, overlap_chunks=8)
     with jax.set_mesh(mesh_of(2, 1, 4)), pytest.raises(ValueError, match="more than the capacity"):
         jax.eval_shape(lambda x, w: moe_ffn(x, mask, *w, spec)[0], x, weights(3))
 
 
 def _exchange_hlo(chunks, chain=False, compiled=True):
     x, mask = overlap_inputs()
-    spec = RoutingSpec(top_k=K, capacity_factor=1.0, min_capacity=1, overlap_chunks=chunks, overlap_chain=chain)
+    spec = MoEConfig(num_experts=E, top_k=K, capacity_factor=1.0, min_capacity=1, overlap_chunks=chunks, overlap_chain=chain)
     f = lambda x, r, wi, wo: moe_ffn(x, mask, r, wi, wo, spec)[0]
     with jax.set_mesh(mesh_of(2, 1, 4)):
         lowered = jax.jit(f).lower(x, *weights(3))
@@ -331,7 +332,7 @@ def test_onehot_dispatch_equals_slot_dispatch(shape, devices):
 
     def run(dispatch):
         def f(x, router, w_in, w_out):
-            spec = RoutingSpec(top_k=K, capacity_factor=0.5, min_capacity=1, dispatch=dispatch)  # drops
+            spec = MoEConfig(num_experts=E, top_k=K, capacity_factor=0.5, min_capacity=1, dispatch=dispatch)  # drops
             y, s = moe_ffn(x, mask, router, w_in, w_out, spec, drop_tokens=True)
             return jnp.sum(jnp.sin(y)) + s.aux_loss + 0.1 * s.z_loss, (y, s)
         g = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)

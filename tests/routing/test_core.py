@@ -148,7 +148,9 @@ def test_capacity_grid_forward_backward(t, e, k, cf):
     from moefast.model import MoELayer
     from flax import nnx
 
-    layer = MoELayer(8, 16, e, k, capacity_factor=cf, min_capacity=1, rngs=nnx.Rngs(0))
+    from moefast.config import MoEConfig
+
+    layer = MoELayer(8, 16, MoEConfig(num_experts=e, top_k=k, capacity_factor=cf, min_capacity=1), rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (1, t, 8))
 
     def loss(x):

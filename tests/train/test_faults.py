@@ -15,7 +15,8 @@ import pytest
 from conftest import SMALL_MODEL
 from moefast.config import load_config
 from moefast.data import load_corpus
-from moefast.parallel.expert import RoutingSpec, moe_ffn
+from moefast.config import MoEConfig
+from moefast.parallel.expert import moe_ffn
 from moefast.train import Trainer, TrainingError
 from moefast.train.monitor import ExpertLoadMonitor, load_stats
 from moefast.train.step import BATCH_KEYS, ModelDef, aux_loss_coef, eval_step, train_step
@@ -225,7 +226,8 @@ def _skewed_inputs(t=256, d=8, e=4):
 @pytest.mark.parametrize("mode", ["uniform", "noise"])
 def test_warmup_routing_spreads_tokens_and_is_off_outside_warmup(mode):
     x, mask, router, w_in, w_out = _skewed_inputs()
-    spec = RoutingSpec(top_k=1, capacity_factor=4.0, warmup_routing=mode, warmup_noise=2.0)
+    spec = MoEConfig(num_experts=4, top_k=1, capacity_factor=4.0, min_capacity=1, warmup_routing=mode,
+                     warmup_noise=2.0)
     key = jax.random.key(3)
     plain = moe_ffn(x, mask, router, w_in, w_out, spec)[1].tokens_per_expert
     assert np.asarray(plain).tolist() == [256, 0, 0, 0]
