@@ -1,9 +1,10 @@
 """Data: tokenizer, corpus sources, packing into rows, and the grain input pipeline.
 
-Depends on numpy, grain, pyarrow and the standard library only (no JAX).
+Depends on numpy, grain, pyarrow, Hugging Face ``tokenizers`` and the standard library only (no JAX).
 """
 
 from moefast.data.errors import DataError
+from moefast.data.hf_tokenizer import HFTokenizer
 from moefast.data.packing import ROW_KEYS, PackedRows, pack_documents
 from moefast.data.pipeline import Corpus, eval_batches, load_corpus, train_dataset
 from moefast.data.sources import Document, SourceStats, load_documents, split_documents
@@ -14,6 +15,7 @@ __all__ = [
     "Corpus",
     "DataError",
     "Document",
+    "HFTokenizer",
     "PackedRows",
     "ROW_KEYS",
     "SourceStats",

@@ -1,4 +1,5 @@
-"""Tokenizers: the :class:`Tokenizer` interface and the byte-level :class:`ByteTokenizer`.
+"""Tokenizers: the :class:`Tokenizer` interface, the byte-level :class:`ByteTokenizer`, and the
+selection by ``DataConfig.tokenizer`` (:func:`get_tokenizer`).
 
 A tokenizer maps bytes (or text, encoded as UTF-8) to int32 ids in ``[0, vocab_size)`` and back. It
 also reports how many bytes of text each id stands for (:attr:`Tokenizer.bytes_per_token`), which
@@ -6,13 +7,15 @@ turns a per-token loss in nats into bits per byte::
 
     bpb = sum(loss_nats) / (ln(2) * sum(bytes_per_token[targets]))
 
-Another tokenizer (SentencePiece, HF ``tokenizers``) plugs in by subclassing :class:`Tokenizer` and
-adding a name to :func:`get_tokenizer`.
+A Hugging Face tokenizer (:class:`~moefast.data.hf_tokenizer.HFTokenizer`) is chosen by passing its
+path instead of ``"byte"``; another tokenizer plugs in by subclassing :class:`Tokenizer` and adding a
+name to :data:`TOKENIZERS`.
 """
 
 from __future__ import annotations
 
 import abc
+import os
 
 import numpy as np
 
@@ -24,8 +27,11 @@ __all__ = ["ByteTokenizer", "Tokenizer", "TOKENIZERS", "get_tokenizer"]
 class Tokenizer(abc.ABC):
     """Maps bytes to token ids and back.
 
-    Ids are int32 in ``[0, vocab_size)``; ``pad_id``, ``bos_id`` and ``eos_id`` are three distinct
-    special ids that never come out of :meth:`encode`.
+    Ids are int32 in ``[0, vocab_size)``. ``eos_id`` and ``pad_id`` are special ids and ``bos_id`` is
+    one too, or ``None`` for a tokenizer without a BOS token (Qwen, GPT-NeoX/OLMoE): documents are
+    then not prefixed. ``bos_id`` differs from both others; ``pad_id`` may equal ``eos_id``, which is
+    safe because padding is never a target and never attended across (packing marks it by position,
+    not by id). Special ids never come out of :meth:`encode`.
     """
 
     @property
@@ -40,8 +46,8 @@ class Tokenizer(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def bos_id(self) -> int:
-        """Id put before every document."""
+    def bos_id(self) -> int | None:
+        """Id put before every document, or ``None``: the tokenizer has no BOS token."""
 
     @property
     @abc.abstractmethod
@@ -79,9 +85,14 @@ class Tokenizer(abc.ABC):
         """
 
     @property
-    def special_ids(self) -> tuple[int, int, int]:
-        """``(pad_id, bos_id, eos_id)``."""
-        return (self.pad_id, self.bos_id, self.eos_id)
+    def special_ids(self) -> tuple[int, ...]:
+        """The distinct ids among ``pad_id``, ``bos_id`` and ``eos_id``, in that order (``None`` and a
+        repeated id left out): ``(pad_id, bos_id, eos_id)`` for :class:`ByteTokenizer`."""
+        ids = []
+        for i in (self.pad_id, self.bos_id, self.eos_id):
+            if i is not None and i not in ids:
+                ids.append(i)
+        return tuple(ids)
 
 
 class ByteTokenizer(Tokenizer):
@@ -143,14 +154,27 @@ class ByteTokenizer(Tokenizer):
 TOKENIZERS = {"byte": ByteTokenizer}
 
 
-def get_tokenizer(name: str) -> Tokenizer:
-    """Builds a tokenizer by name (``DataConfig.tokenizer``).
+def get_tokenizer(name: str | os.PathLike) -> Tokenizer:
+    """Builds the tokenizer that ``DataConfig.tokenizer`` names.
+
+    Args:
+      name: a name in :data:`TOKENIZERS` (``"byte"``), or else a path: a Hugging Face tokenizer
+        directory holding ``tokenizer.json``, or a ``tokenizer.json`` file (``~`` is expanded;
+        relative to the working directory).
+
+    Returns:
+      The tokenizer; :class:`~moefast.data.hf_tokenizer.HFTokenizer` for a path.
 
     Raises:
-      DataError: unknown name; the message lists the valid ones.
+      DataError: neither a known name nor an existing path (the message lists the names and says
+        what path to pass), or any error of :class:`~moefast.data.hf_tokenizer.HFTokenizer`.
     """
-    try:
-        cls = TOKENIZERS[name]
-    except (KeyError, TypeError):
-        raise DataError(f"data.tokenizer: unknown tokenizer {name!r}; valid names: {sorted(TOKENIZERS)}") from None
-    return cls()
+    if isinstance(name, str) and name in TOKENIZERS:
+        return TOKENIZERS[name]()
+    path = os.path.expanduser(os.fspath(name)) if isinstance(name, (str, os.PathLike)) else None
+    if not path or not os.path.exists(path):
+        raise DataError(f"data.tokenizer: unknown tokenizer {name!r}; valid names: {sorted(TOKENIZERS)}, or the path "
+                        "of a Hugging Face tokenizer directory holding tokenizer.json or of a tokenizer.json file "
+                        f"(no such path: {os.path.abspath(path) if path else name!r})")
+    from moefast.data.hf_tokenizer import HFTokenizer  # here: that module imports this one
+    return HFTokenizer(path)

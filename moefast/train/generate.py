@@ -29,9 +29,10 @@ def generate(model_def: ModelDef, params: dict, tokenizer: Tokenizer, prompt: st
 
     Args:
       model_def: model structure; ``params``: its parameters (pure dict).
-      tokenizer: the run's tokenizer; the prompt is encoded after a BOS token.
-      prompt: text to continue.
-      max_new_tokens: tokens to sample at most (stops early at EOS).
+      tokenizer: the run's tokenizer; the prompt is encoded after its BOS token, when it has one.
+      prompt: text to continue (non-empty when the tokenizer has no BOS).
+      max_new_tokens: tokens to sample at most (stops early at EOS). BOS, PAD (unless it is EOS)
+        and ids at or above the tokenizer's ``vocab_size`` are never sampled.
       temperature: softmax temperature (> 0); 0 means greedy (argmax).
       seed: sampling seed.
       routing_state: the run's routing state (selection bias), from the checkpoint.
@@ -41,23 +42,27 @@ def generate(model_def: ModelDef, params: dict, tokenizer: Tokenizer, prompt: st
       The sampled text (without the prompt); with ``return_logits``, ``(text, logits)``.
 
     Raises:
-      ValueError: negative temperature, or prompt + ``max_new_tokens`` longer than
-        ``model.max_seq_len`` tokens.
+      ValueError: negative temperature, an empty prompt with a tokenizer without BOS (nothing to
+        condition on), or prompt + ``max_new_tokens`` longer than ``model.max_seq_len`` tokens.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     max_len = model_def.cfg.model.max_seq_len
-    ids = np.concatenate([[tokenizer.bos_id], tokenizer.encode(prompt)]).astype(np.int32)
+    bos = np.asarray([] if tokenizer.bos_id is None else [tokenizer.bos_id], np.int32)
+    ids = np.concatenate([bos, tokenizer.encode(prompt)]).astype(np.int32)
+    if not len(ids):
+        raise ValueError("the prompt is empty and the tokenizer has no BOS token to start from; pass a prompt")
     total = len(ids) + max_new_tokens
     if total > max_len:
-        raise ValueError(f"prompt ({len(ids)} tokens incl. BOS) + max_new_tokens ({max_new_tokens}) = "
+        incl = " incl. BOS" if len(bos) else ""
+        raise ValueError(f"prompt ({len(ids)} tokens{incl}) + max_new_tokens ({max_new_tokens}) = "
                          f"{total} exceeds model.max_seq_len={max_len}; shorten the prompt or "
                          "lower --max-new-tokens")
     cache_len = min(max_len, _round_up(total, 128))
     vocab = model_def.abstract_params["embed"].shape[0]
     banned = np.zeros((vocab,), bool)
     banned[tokenizer.vocab_size:] = True
-    banned[[tokenizer.bos_id, tokenizer.pad_id]] = True
+    banned[[i for i in tokenizer.special_ids if i != tokenizer.eos_id]] = True  # BOS, PAD; EOS stops
     banned = jnp.asarray(banned)
 
     @jax.jit

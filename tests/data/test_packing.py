@@ -141,3 +141,39 @@ def test_rows_are_not_materialised():
     assert isinstance(rows, PackedRows)
     held = [v for v in vars(rows).values() if isinstance(v, np.ndarray)]
     assert sum(a.size for a in held) <= rows.num_tokens + rows.num_documents
+
+
+def test_no_bos_and_pad_equal_to_eos():
+    # stream: 1 2 e 3 e (no BOS); PAD is EOS, yet the EOS targets keep their weight
+    rows = pack_documents([np.array([1, 2], np.int32), np.array([3], np.int32)], 3, bos_id=None, eos_id=EOS,
+                          pad_id=EOS)
+    assert len(rows) == 2 and rows.num_tokens == 5
+    _assert_row(rows[0], tokens=[1, 2, e], targets=[2, e, 3], segment_ids=[1, 1, 1], positions=[0, 1, 2],
+                loss_weight=[1, 1, 0])
+    _assert_row(rows[1], tokens=[3, e, e], targets=[e, e, e], segment_ids=[1, 1, 0], positions=[0, 1, 0],
+                loss_weight=[1, 0, 0])
+    empty = pack_documents([np.zeros((0,), np.int32)] * 2, 4, bos_id=None, eos_id=EOS, pad_id=PAD)  # e e
+    _assert_row(empty[0], tokens=[e, e, p, p], segment_ids=[1, 2, 0, 0], loss_weight=[0, 0, 0, 0])
+    with pytest.raises(DataError, match="distinct"):
+        pack_documents([np.array([1])], 4, bos_id=PAD, eos_id=EOS, pad_id=PAD)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 20), min_size=1, max_size=6), seq_len=st.integers(1, 9),
+       pad_is_eos=st.booleans(), seed=st.integers(0, 2**16))
+def test_rows_without_bos_cover_the_stream_once(lengths, seq_len, pad_is_eos, seed):
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 256, n) for n in lengths]
+    rows = pack_documents(docs, seq_len, bos_id=None, eos_id=EOS, pad_id=EOS if pad_is_eos else PAD)
+    stream = np.concatenate([np.r_[d, EOS] for d in docs]).astype(np.int32)
+    doc_of = np.concatenate([np.full(len(d) + 1, i) for i, d in enumerate(docs)])
+    np.testing.assert_array_equal(rows.stream, stream)
+    L = len(stream)
+    assert len(rows) == -(-(L - 1) // seq_len)
+    tok, tgt, w = (np.concatenate([np.zeros((0,)), *(rows[r][k] for r in range(len(rows)))])
+                   for k in ("tokens", "targets", "loss_weight"))
+    np.testing.assert_array_equal(tok[: L - 1], stream[:-1])
+    np.testing.assert_array_equal(tgt[: L - 1], stream[1:])  # every target once
+    np.testing.assert_array_equal(w[: L - 1], doc_of[:-1] == doc_of[1:])  # 0 exactly at EOS -> next document
+    assert not w[L - 1:].any()
+    assert w.sum() == sum(lengths)  # t0 -> t1 ... t_last -> EOS per document: its first token is no target
