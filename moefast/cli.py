@@ -1,8 +1,10 @@
-"""Command line: ``moefast train | eval | generate | bench`` — a thin layer over the Python API."""
+"""Command line: ``moefast train | eval | generate | bench | import-hf | export-hf`` — a thin layer over the
+Python API."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -39,7 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                 f"{DEFAULT_CPU_DEVICES}, the fastest on a small CPU; ignored on GPU)")
 
     t = sub.add_parser("train", help="train (or resume) a run")
-    t.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
+    t.add_argument("--config", default=None,
+                   help="YAML config (default: the run dir's own config.yaml when it has one, as after moefast "
+                        "import-hf or an earlier run, else configs/tiny.yaml)")
     t.add_argument("--run-dir", default=None, help="run directory (default: runs/<config name>)")
     t.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -70,6 +74,24 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature, 0 = greedy (default 0.8)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    i = sub.add_parser("import-hf", help="start a run from a Hugging Face checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, "
+                                         "OLMoE): its step-0 checkpoint holds the weights")
+    i.add_argument("hf_dir", metavar="DIR", help="local Hugging Face model directory (config.json, *.safetensors, "
+                                                 "tokenizer.json if any)")
+    i.add_argument("--run-dir", required=True, help="new run directory; continue with moefast train --run-dir")
+    i.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    i.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="settings of the run that the checkpoint does not fix, e.g. data.source=my.jsonl "
+                        "moe.capacity_factor=0 model.scan_layers=true (the data and moe sections can only be "
+                        "chosen here, not changed later; train.* can change at any moefast train)")
+    x = sub.add_parser("export-hf", help="write a run's latest checkpoint as a Hugging Face model directory")
+    x.add_argument("out_dir", metavar="OUT_DIR", help="new directory for config.json, *.safetensors and the tokenizer")
+    x.add_argument("--run-dir", required=True, help="run directory written by moefast train or import-hf")
+    x.add_argument("--layout", choices=["per_expert", "fused"], default="per_expert",
+                   help="expert tensors: one per expert (default; what save_pretrained writes) or fused "
+                        "gate_up_proj/down_proj")
+    x.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="saved tensors' dtype")
+    x.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
     b.add_argument("target", choices=["train", "memory", "routing", "cache", "peers", "overlap"],
                    help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
@@ -154,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may sit anywhere among the options: argparse leaves the ones after an option here.
-    strays = [a for a in extra if args.command not in ("train", "bench") or a.startswith("-") or "=" not in a]
+    with_overrides = ("train", "bench", "import-hf")
+    strays = [a for a in extra if args.command not in with_overrides or a.startswith("-") or "=" not in a]
     if strays:
         parser.error(f"unrecognized arguments: {' '.join(strays)}")
-    if args.command in ("train", "bench"):
+    if args.command in with_overrides:
         args.overrides = [*args.overrides, *extra]
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"error: --cpu-devices must be >= 1, got {args.cpu_devices}", file=sys.stderr)
@@ -188,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = None
     if args.command == "train" or (args.command == "bench" and args.target in ("train", "memory")):
+        config = args.config
+        if config is None and args.command == "train" and args.run_dir:
+            own = os.path.join(args.run_dir, "config.yaml")
+            config = own if os.path.isfile(own) else None  # continue a run (or an imported one) with its own config
         try:
-            cfg = load_config(args.config, args.overrides)
+            cfg = load_config(config, args.overrides)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -300,6 +327,16 @@ def main(argv: list[str] | None = None) -> int:
             from moefast.bench import routing
 
             return routing.run_cli(quick=args.quick, json_out=args.json, repeats=args.repeats)
+        elif args.command == "import-hf":
+            _import_hf(args)
+        elif args.command == "export-hf":
+            from moefast.interop import hf
+
+            cfg = _inference_config(load_run_config(args.run_dir))
+            trainer = Trainer(cfg, args.run_dir, progress=False)
+            step, params, _ = trainer.restore_params()
+            hf.save_hf(cfg, params, args.out_dir, layout=args.layout, dtype=args.dtype,
+                       log=lambda s: print(f"step {step}: {s}"))
         elif args.command == "generate":
             if args.max_new_tokens < 1:
                 raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -327,6 +364,41 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(130)
         return 130
     return 0
+
+
+def _import_hf(args) -> None:
+    """``moefast import-hf``: config from config.json, the tokenizer files copied into the run dir,
+    the weights streamed into the run's shardings, step 0 written."""
+    import shutil
+    from pathlib import Path
+
+    import jax
+
+    from moefast.interop import hf
+    from moefast.train import CheckpointError, Trainer
+
+    run_dir = Path(args.run_dir)
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        raise CheckpointError(f"--run-dir {run_dir} already holds checkpoints; import into a new run directory")
+    cfg = hf.config_from_hf(args.hf_dir, args.overrides)
+    src = Path(args.hf_dir)
+    if (src / "tokenizer.json").is_file() and cfg.data.tokenizer == str(src.resolve()):
+        tok_dir = run_dir / "tokenizer"  # the run keeps its own copy: the HF directory may move or go
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+                     "generation_config.json"):
+            if (src / name).is_file():
+                shutil.copy2(src / name, tok_dir / name)
+        cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer=str(tok_dir.resolve())))
+    elif cfg.data.tokenizer == "byte":
+        print(f"note: {src} has no tokenizer.json; the run uses the byte tokenizer (ids 0-258), which is not the "
+              "tokenizer the model was trained with")
+    trainer = Trainer(cfg, run_dir, progress=False)
+    params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"])
+    where = trainer.initialize(params)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    print(f"imported {hf.hf_config(src)['model_type']} ({n / 1e6:,.2f}M parameters) from {src} into {where}; "
+          f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
 
 
 if __name__ == "__main__":

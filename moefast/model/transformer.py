@@ -157,7 +157,7 @@ class Attention(nnx.Module):
         h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = x_btd @ self.qkv[...].astype(self.dtype)
         if self.bias != "none":
-            qkv = qkv + self.qkv_bias[...].astype(self.dtype)
+            qkv = qkv + self.qkv_bias[...].astype(self.dtype)[None, None]
         q, k, v = qkv[..., : h * hd], qkv[..., h * hd: (h + g) * hd], qkv[..., (h + g) * hd:]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -174,7 +174,7 @@ class Attention(nnx.Module):
         o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts, causal=cache is None)
         o = o.reshape(b, t, h * hd) @ self.out[...].astype(self.dtype)
         if self.bias == "all":
-            o = o + self.out_bias[...].astype(self.dtype)
+            o = o + self.out_bias[...].astype(self.dtype)[None, None]
         return o, new_cache
 
 

@@ -33,6 +33,7 @@ from moefast.data import Corpus, eval_batches, get_tokenizer, load_corpus, train
 from moefast.parallel.distributed import assert_same_config
 from moefast.train.checkpoint import Checkpointer, CheckpointError
 from moefast.train.compile_cache import configure_compilation_cache
+from moefast.model import init_routing_state
 from moefast.model.flops import model_flops_per_token
 from moefast.train import mfu as mfu_lib
 from moefast.train.metrics import MetricsWriter
@@ -515,7 +516,8 @@ class Trainer:
         if ckpt.latest_step() is not None:
             restored = ckpt.restore(self.abstract_state(), cfg)  # fails before anything is written
             state, start = restored.state, restored.step
-            data_iter.set_state(restored.data_state)
+            if restored.data_state is not None:  # None: an imported step 0 (Trainer.initialize), data not yet read
+                data_iter.set_state(restored.data_state)
             self._log(f"resuming from step {start} ({ckpt.directory / str(start)})")
             saved_mesh = restored.meta.get("config", {}).get("mesh")
             if saved_mesh is not None and saved_mesh != cfg.to_dict()["mesh"]:
@@ -524,6 +526,8 @@ class Trainer:
                           "match the old mesh bit for bit")
             saved_train = restored.meta.get("config", {}).get("train", {})
             saved_steps = saved_train.get("steps")
+            if start == 0:  # nothing trained yet (an imported run): no schedule to keep
+                saved_steps, saved_train = None, {}
             if saved_steps is not None and saved_steps != tc.steps:
                 self._log(f"note: train.steps changed from {saved_steps} to {tc.steps}: the learning-rate "
                           f"schedule now spans {tc.steps} steps, so this run is not a resume of the original "
@@ -654,6 +658,49 @@ class Trainer:
                                                 if k not in ("steps", "memory")})
         writer.close()
         return summary
+
+    def initialize(self, params: dict) -> Path:
+        """Starts a new run from given parameters: writes its step-0 checkpoint (``params`` with a
+        fresh optimizer state, routing state and step 0; no data position, so training reads the
+        data from its start) and ``config.yaml``. ``moefast train --run-dir`` then continues it
+        (``moefast import-hf`` uses this for imported weights).
+
+        Args:
+          params: parameters with the structure of :attr:`model_def` (e.g. from
+            :func:`moefast.interop.hf.load_hf_params`), float32, ideally already in
+            ``state_sharding["params"]``.
+
+        Returns:
+          The checkpoint's directory.
+
+        Raises:
+          CheckpointError: the run dir already holds a checkpoint (nothing is overwritten).
+          ValueError: ``params`` do not have the model's structure and shapes.
+        """
+        want = jax.tree.map(lambda a: (a.shape, a.dtype), self.model_def.abstract_params)
+        got = jax.tree.map(lambda a: (a.shape, a.dtype), params)
+        if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
+            raise ValueError("params do not have the structure, shapes and dtypes of this config's model")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.cfg.checkpoint.keep, async_save=False,
+                            log=self._ckpt_log)
+        try:
+            if ckpt.latest_step() is not None:
+                raise CheckpointError(f"{ckpt.directory} already holds checkpoints (latest step {ckpt.latest_step()}); "
+                                      "use a new --run-dir")
+            sharding = self.state_sharding
+            with jax.set_mesh(self.mesh):
+                params = jax.device_put(params, sharding["params"])
+                rest = jax.jit(lambda p: {"opt_state": make_optimizer(self.cfg).init(p),
+                                          "routing": init_routing_state(self.cfg), "step": jnp.zeros((), jnp.int32)},
+                               out_shardings={k: sharding[k] for k in ("opt_state", "routing", "step")})(params)
+            ckpt.save(0, {"params": params, **rest}, None, self.cfg)
+            ckpt.wait()
+        finally:
+            ckpt.close()
+        if self.is_main:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        return ckpt.directory / "0"
 
     def restore_params(self) -> tuple[int, dict, dict]:
         """Step, parameters and routing state of the latest checkpoint in the run dir.

@@ -1,0 +1,8 @@
+"""Interoperability with other checkpoint formats: Hugging Face (:mod:`moefast.interop.hf`).
+
+Depends on :mod:`moefast.config` and :mod:`moefast.model` only (never on training code).
+"""
+
+from moefast.interop.hf import FAMILIES, HFFormatError, config_from_hf, load_hf, load_hf_params, save_hf
+
+__all__ = ["FAMILIES", "HFFormatError", "config_from_hf", "load_hf", "load_hf_params", "save_hf"]

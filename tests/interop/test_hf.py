@@ -1,0 +1,249 @@
+"""Hugging Face import/export against transformers itself (offline: tiny random models built here).
+
+For each family a tiny model is built with transformers (fp32, every norm weight and bias
+re-randomised so defaults hide nothing), saved with ``save_pretrained`` in both expert layouts, read
+with :func:`moefast.interop.hf.load_hf` and run by moefast: logits within 1e-4 of transformers' on
+128-token sequences with a padded row, and the same experts chosen for every real token in every
+MoE layer. Then ``save_hf`` -> ``AutoModelForCausalLM.from_pretrained`` gives transformers' logits
+again, and ``load_hf(save_hf(x)) == x`` exactly.
+"""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+
+from moefast import routing  # noqa: E402
+from moefast.interop import hf  # noqa: E402
+from moefast.model import build_model  # noqa: E402
+
+V, B, T = 128, 2, 128
+PAD_FROM = 88  # row 1 is padding from here on
+COMMON = dict(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=256, num_experts_per_tok=2, tie_word_embeddings=False)
+FAMILIES = {
+    # every layer MoE, renormalised gates
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_hidden_layers=2, intermediate_size=32,
+                                                  num_local_experts=8),
+    # a leading dense layer of its own width, a gated shared expert, q/k/v biases, raw gates
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=8, mlp_only_layers=[0], norm_topk_prob=False),
+    # per-head q/k norms, biases on all four projections, head_dim != hidden / heads
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **{**COMMON, "head_dim": 32}, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, mlp_only_layers=[0], norm_topk_prob=True, attention_bias=True),
+    # q/k norms over the whole projections, tied embeddings
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **{**COMMON, "tie_word_embeddings": True}, num_hidden_layers=2, intermediate_size=32, num_experts=8,
+        attention_bias=True, eos_token_id=None, pad_token_id=None),
+}
+
+
+def _hf_model(family: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).float().eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0: randomise them so a wrong mapping shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _inputs():
+    tokens = np.random.default_rng(0).integers(0, V, (B, T))
+    mask = np.ones((B, T), np.int64)
+    mask[1, PAD_FROM:] = 0
+    return tokens, mask
+
+
+def _hf_forward(model, tokens, mask):
+    """Logits [B, T, V] and, per MoE layer, the chosen experts [B*T, K] (sorted)."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    chosen = [np.sort(torch.topk(r.float(), k, dim=-1).indices.numpy(), axis=-1) for r in out.router_logits]
+    return out.logits.numpy(), chosen
+
+
+def _module(cfg, params):
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, cfg.model.vocab_size)))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def _ours(cfg, params, tokens, mask, monkeypatch):
+    """moefast's logits and chosen experts (eagerly, recording every routing call)."""
+    calls = []
+    real_route = routing.route
+
+    def recording(*a, **kw):
+        r = real_route(*a, **kw)
+        calls.append(np.sort(np.asarray(r.expert_index), axis=-1))
+        return r
+
+    monkeypatch.setattr(routing, "route", recording)
+    with jax.default_matmul_precision("highest"):
+        out = _module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32),
+                                   drop_tokens=False)
+    monkeypatch.setattr(routing, "route", real_route)
+    return np.asarray(out.logits), calls
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    """(family, HF model, its directory per layout)."""
+    family = request.param
+    model = _hf_model(family)
+    dirs = {}
+    for layout, original in (("per_expert", True), ("fused", False)):
+        d = tmp_path_factory.mktemp(f"{family}-{layout}")
+        model.save_pretrained(d, save_original_format=original)
+        dirs[layout] = d
+    return family, model, dirs
+
+
+def test_saved_layouts_are_the_two_on_disk_layouts(saved):
+    family, _, dirs = saved
+    from safetensors import safe_open
+
+    def keys(d):
+        with safe_open(str(d / "model.safetensors"), framework="numpy") as f:
+            return list(f.keys())
+
+    assert any(".experts.0." in k for k in keys(dirs["per_expert"]))
+    assert any(k.endswith("experts.gate_up_proj") for k in keys(dirs["fused"]))
+
+
+def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
+    family, model, dirs = saved
+    tokens, mask = _inputs()
+    want, want_chosen = _hf_forward(model, tokens, mask)
+    cfg, params = hf.load_hf(dirs["per_expert"])
+    got, got_chosen = _ours(cfg, params, tokens, mask, monkeypatch)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
+    assert len(got_chosen) == len(want_chosen) == sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    for layer, (g, w) in enumerate(zip(got_chosen, want_chosen)):
+        assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)]), f"MoE layer {layer}: other experts chosen"
+    # the fused on-disk layout gives the very same parameters
+    _, fused = hf.load_hf(dirs["fused"])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, fused)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_export_reloads_in_transformers_and_round_trips_exactly(saved, layout, tmp_path):
+    family, model, dirs = saved
+    cfg, params = hf.load_hf(dirs["per_expert"])
+    out = hf.save_hf(cfg, params, tmp_path / "export", layout=layout)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                        output_loading_info=True)
+    assert type(reloaded).__name__ == hf.FAMILIES[family]
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    want_sd, got_sd = model.state_dict(), reloaded.state_dict()
+    assert sorted(got_sd) == sorted(want_sd)
+    for name, w in want_sd.items():  # every weight bit for bit
+        assert torch.equal(got_sd[name], w), name
+    tokens, mask = _inputs()
+    want, _ = _hf_forward(model, tokens, mask)
+    got, _ = _hf_forward(reloaded.eval(), tokens, mask)
+    # the same weights; torch's expert kernels may round differently for other memory layouts
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    cfg2, params2 = hf.load_hf(out)
+    assert cfg2.model == cfg.model and cfg2.moe == cfg.moe
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2)
+
+
+def test_scanned_layout_sharded_index_and_bf16(tmp_path):
+    """Reading into the scanned layout equals the unrolled read stacked; a sharded export (index)
+    reads back; bf16 tensors read back as the bf16-rounded parameters."""
+    model = _hf_model("qwen2_moe")
+    model.save_pretrained(tmp_path / "src")
+    cfg, params = hf.load_hf(tmp_path / "src")
+    scfg, sparams = hf.load_hf(tmp_path / "src", ["model.scan_layers=true"])
+    from moefast.model.layout import to_layout
+
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 to_layout(params, cfg.model, scanned=True), sparams)
+    out = hf.save_hf(scfg, sparams, tmp_path / "sharded", max_shard_bytes=64 * 1024)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    _, again = hf.load_hf(out)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, again)
+    half = hf.save_hf(cfg, params, tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    _, p16 = hf.load_hf(half)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a).astype(jnp.bfloat16).astype(np.float32),
+                                                            np.asarray(b)), params, p16)
+
+
+def test_loading_streams_into_shardings(tmp_path, devices):
+    """With an expert mesh each device's shard holds exactly its experts' weights."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    model = _hf_model("mixtral")
+    model.save_pretrained(tmp_path / "src", save_original_format=False)
+    cfg, params = hf.load_hf(tmp_path / "src")
+    mesh = Mesh(np.array(devices).reshape(2, 4), ("data", "expert"))
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda path, a: NamedSharding(mesh, P("expert") if path[-1].key in ("w_in", "w_out") else P()), params)
+    sharded = hf.load_hf_params(tmp_path / "src", cfg, shardings=shardings)
+    w_in = sharded["blocks"][0]["ffn"]["w_in"]
+    assert w_in.sharding == shardings["blocks"][0]["ffn"]["w_in"]
+    for shard in w_in.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(params["blocks"][0]["ffn"]["w_in"])[shard.index])
+
+
+def _edit_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("family,change,field", [
+    ("mixtral", {"sliding_window": 64}, "sliding_window"),
+    ("mixtral", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type"),
+    ("mixtral", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen2_moe", {"mlp_only_layers": [2]}, "mlp_only_layers"),  # MoE, MoE, dense: no moe_every pattern
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("mixtral", {"model_type": "deepseek_v3"}, "model_type"),
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_unsupported_options_name_the_field(tmp_path, family, change, field):
+    model = _hf_model(family)
+    model.save_pretrained(tmp_path / "src")
+    bad = _edit_config(tmp_path / "src", tmp_path / "bad", **change)
+    with pytest.raises(hf.HFFormatError, match=field):
+        hf.load_hf(bad)
+
+
+def test_mismatched_files_and_overrides_are_clear_errors(tmp_path):
+    model = _hf_model("mixtral")
+    model.save_pretrained(tmp_path / "src")
+    with pytest.raises(hf.HFFormatError, match="shape"):
+        hf.load_hf(_edit_config(tmp_path / "src", tmp_path / "wide", intermediate_size=48))
+    with pytest.raises(hf.HFFormatError, match="missing"):
+        hf.load_hf(_edit_config(tmp_path / "src", tmp_path / "deep", num_hidden_layers=3))
+    with pytest.raises(hf.HFFormatError, match="model.d_model is fixed"):
+        hf.config_from_hf(tmp_path / "src", ["model.d_model=128"])
+    cfg, params = hf.load_hf(tmp_path / "src")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("keep me")
+    with pytest.raises(hf.HFFormatError, match="not an empty directory"):
+        hf.save_hf(cfg, params, tmp_path / "taken")
+    assert (tmp_path / "taken" / "x").read_text() == "keep me"
+    with pytest.raises(hf.HFFormatError, match="norm_topk_prob"):
+        hf.save_hf(cfg.replace(moe=cfg.moe.__class__(**{**cfg.moe.__dict__, "norm_topk_prob": False})), params,
+                   tmp_path / "raw")
