@@ -247,3 +247,61 @@ def test_mismatched_files_and_overrides_are_clear_errors(tmp_path):
     with pytest.raises(hf.HFFormatError, match="norm_topk_prob"):
         hf.save_hf(cfg.replace(moe=cfg.moe.__class__(**{**cfg.moe.__dict__, "norm_topk_prob": False})), params,
                    tmp_path / "raw")
+
+
+def _moefast(*args, timeout=300):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-m", "moefast", *args], capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_import_fine_tune_export_from_the_cli(tmp_path, text_dir):
+    """moefast import-hf -> train 5 steps -> generate -> export-hf -> transformers loads the
+    fine-tuned model (with its tokenizer) and computes moefast's logits."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    src = tmp_path / "src"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(
+        **{**COMMON, "vocab_size": 320}, num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, mlp_only_layers=[0], norm_topk_prob=True)).float()
+    model.save_pretrained(src)
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator([p.read_text() for p in sorted(text_dir.glob("*.py"))[:4]], vocab_size=300,
+                            min_frequency=1, show_progress=False, special_tokens=["<|endoftext|>"])
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                           "tokenizer_class": "PreTrainedTokenizerFast"}))
+    run, out = tmp_path / "run", tmp_path / "out"
+    said = _moefast("import-hf", str(src), "--run-dir", str(run), f"data.source={text_dir}", "data.seq_len=64",
+                    "data.batch_size=4", "train.eval_batches=1", "train.warmup_steps=1")
+    assert "imported qwen3_moe" in said and (run / "checkpoints" / "0").is_dir()
+    assert (run / "tokenizer" / "tokenizer.json").is_file()  # the run keeps its own copy
+    said = _moefast("train", "--run-dir", str(run), "--no-progress", "train.steps=5", "train.log_every=5",
+                    "train.eval_every=5")
+    assert "resuming from step 0" in said and "steps 5 (5 this run)" in said
+    assert "not a resume of the original schedule" not in said  # nothing was trained before
+    assert _moefast("generate", "--run-dir", str(run), "--prompt", "def ", "--max-new-tokens", "5").startswith("def ")
+    assert "step 5: wrote qwen3_moe" in _moefast("export-hf", "--run-dir", str(run), str(out))
+
+    cfg, tuned = hf.load_hf(out)
+    _, original = hf.load_hf(src)
+    assert not np.array_equal(np.asarray(tuned["embed"]), np.asarray(original["embed"]))  # it trained
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = np.random.default_rng(1).integers(0, 300, (1, T))
+    with torch.no_grad():
+        want = reloaded(input_ids=torch.tensor(tokens)).logits.numpy()
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(_module(cfg, tuned)(jnp.asarray(tokens), drop_tokens=False).logits)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    from moefast.data import HFTokenizer
+
+    text = (text_dir / sorted(p.name for p in text_dir.glob("*.py"))[0]).read_text()[:500]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == HFTokenizer(out).encode(text).tolist()

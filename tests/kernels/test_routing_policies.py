@@ -89,3 +89,26 @@ def test_gradients_flow_through_gates_and_statistics():
     for policy in ("position", "priority"):
         g = jax.grad(f)(logits, policy)
         assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).sum()) > 0
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_raw_gates_are_the_chosen_probabilities_with_their_gradient(impl):
+    """``renormalize=False`` (norm_topk_prob false): gates = softmax probabilities of the chosen
+    experts, 0 for masked tokens; choices, slots and statistics as with renormalised gates; the
+    gradient is that of the probabilities (checked against a jnp formula)."""
+    logits = jax.random.normal(jax.random.key(0), (13, 8)) * 2
+    mask = jnp.arange(13) < 11
+    kw = dict(top_k=2, capacity=4, mask=mask, impl=impl)
+    raw, norm = route(logits, renormalize=False, **kw), route(logits, **kw)
+    probs = jax.nn.softmax(logits, axis=-1)
+    want = jnp.where(mask[:, None], jnp.take_along_axis(probs, raw.expert_index, axis=-1), 0.0)
+    np.testing.assert_allclose(raw.gates, want, rtol=1e-6, atol=1e-7)
+    assert float(jnp.max(jnp.abs(jnp.sum(raw.gates[:11], -1) - 1))) > 1e-3  # really not renormalised
+    for a, b in zip(raw._replace(gates=None), norm._replace(gates=None)):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+    w = jax.random.normal(jax.random.key(1), (13, 2))
+    g = jax.grad(lambda lg: jnp.sum(route(lg, renormalize=False, **kw).gates * w))(logits)
+    g_want = jax.grad(lambda lg: jnp.sum(jnp.where(mask[:, None], jnp.take_along_axis(
+        jax.nn.softmax(lg, axis=-1), raw.expert_index, axis=-1), 0.0) * w))(logits)
+    np.testing.assert_allclose(g, g_want, rtol=1e-5, atol=1e-7)

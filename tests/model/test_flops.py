@@ -42,6 +42,17 @@ def test_param_counts_equal_the_built_model():
     assert param_counts(cfg).total == built
 
 
+@pytest.mark.parametrize("extra", [
+    ["model.attention_bias=qkv", "model.qk_norm=per_head", "moe.shared_expert_d_ff=48", "model.dense_d_ff=96"],
+    ["model.attention_bias=all", "model.qk_norm=full", "moe.shared_expert_d_ff=48", "moe.shared_expert_gate=false"],
+])
+def test_param_counts_cover_the_hf_family_options(extra):
+    cfg = load_config(None, ["model.vocab_size=300", "model.num_dense_layers=1", "model.num_layers=3",
+                             "model.num_kv_heads=2", *extra])
+    built = sum(x.size for x in jax.tree.leaves(ModelDef(cfg, BYTE_VOCAB).abstract_params))
+    assert param_counts(cfg).total == built
+
+
 def test_mixtral_8x7b_config_has_mixtrals_parameter_counts():
     """46.7B total, 12.9B active (Mixtral of Experts, Jiang et al. 2024), from the model built
     abstractly (no arrays) and from the analytic count."""
