@@ -391,8 +391,15 @@ def _import_hf(args) -> None:
                 shutil.copy2(src / name, tok_dir / name)
         cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer=str(tok_dir.resolve())))
     elif cfg.data.tokenizer == "byte":
-        print(f"note: {src} has no tokenizer.json; the run uses the byte tokenizer (ids 0-258), which is not the "
-              "tokenizer the model was trained with")
+        from moefast.data import ByteTokenizer
+
+        byte_ids = ByteTokenizer().vocab_size
+        if cfg.model.vocab_size < byte_ids:
+            raise hf.HFFormatError(f"{src} has no tokenizer.json and its vocabulary ({cfg.model.vocab_size} ids) is "
+                                   f"smaller than the byte tokenizer's {byte_ids}: put the model's tokenizer.json in "
+                                   f"{src} or pass data.tokenizer=PATH")
+        print(f"note: {src} has no tokenizer.json; the run uses the byte tokenizer (ids 0-{byte_ids - 1}), which is "
+              "not the tokenizer the model was trained with")
     trainer = Trainer(cfg, run_dir, progress=False)
     params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"])
     where = trainer.initialize(params)

@@ -505,7 +505,7 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
         config (names the tensor and both shapes).
     """
     path = Path(path)
-    family = _hf_sections_family(path)
+    family = _family_of(path)
     files = _Files(path)
     m = cfg.model
     vocab = m.vocab_size
@@ -586,7 +586,7 @@ def _unflatten(like: Any, values: dict[tuple, Any]) -> Any:
     return build(like, ())
 
 
-def _hf_sections_family(path: Path) -> str:
+def _family_of(path: Path) -> str:
     hf = hf_config(path)
     _hf_sections(hf)  # rejects what moefast cannot represent
     return hf["model_type"]
