@@ -35,6 +35,8 @@ _API = {
     "TrainSummary": "moefast.train",
     "generate": "moefast.train",
     "load_run_config": "moefast.train",
+    "load_hf": "moefast.interop",
+    "save_hf": "moefast.interop",
 }
 
 __all__ = sorted(_API)

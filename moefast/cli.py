@@ -221,6 +221,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     mesh_devices = 8 if args.command == "bench" and args.target == "overlap" else 1  # its default mesh: 2 x 4
+    if args.command == "import-hf":  # its config is read later; the mesh it asks for is in the overrides
+        from moefast.config import parse_overrides
+
+        try:
+            mesh = parse_overrides(list(args.overrides)).get("mesh", {})
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for size in mesh.values():
+            mesh_devices *= size if isinstance(size, int) and size > 1 else 1
     if cfg is not None:
         from moefast.parallel import xla_flags
 
@@ -335,8 +345,11 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)
             step, params, _ = trainer.restore_params()
-            hf.save_hf(cfg, params, args.out_dir, layout=args.layout, dtype=args.dtype,
+            hf.save_hf(cfg.replace(data=trainer.data_cfg), params, args.out_dir, layout=args.layout, dtype=args.dtype,
                        log=lambda s: print(f"step {step}: {s}"))
+            if cfg.data.tokenizer == "byte":
+                print("note: the run uses the byte tokenizer, which has no tokenizer.json: ids 0-255 are the UTF-8 "
+                      "bytes, 256/257/258 PAD/BOS/EOS (in config.json)")
         elif args.command == "generate":
             if args.max_new_tokens < 1:
                 raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -380,16 +393,14 @@ def _import_hf(args) -> None:
     run_dir = Path(args.run_dir)
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise CheckpointError(f"--run-dir {run_dir} already holds checkpoints; import into a new run directory")
-    cfg = hf.config_from_hf(args.hf_dir, args.overrides)
     src = Path(args.hf_dir)
+    if src.name == "config.json" and src.is_file():
+        src = src.parent  # the directory was meant
+    cfg = hf.config_from_hf(src, args.overrides)
+    tok_files = []
     if (src / "tokenizer.json").is_file() and cfg.data.tokenizer == str(src.resolve()):
-        tok_dir = run_dir / "tokenizer"  # the run keeps its own copy: the HF directory may move or go
-        tok_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
-                     "generation_config.json"):
-            if (src / name).is_file():
-                shutil.copy2(src / name, tok_dir / name)
-        cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer=str(tok_dir.resolve())))
+        tok_files = [src / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                       "config.json", "generation_config.json") if (src / n).is_file()]
     elif cfg.data.tokenizer == "byte":
         from moefast.data import ByteTokenizer
 
@@ -400,12 +411,39 @@ def _import_hf(args) -> None:
                                    f"{src} or pass data.tokenizer=PATH")
         print(f"note: {src} has no tokenizer.json; the run uses the byte tokenizer (ids 0-{byte_ids - 1}), which is "
               "not the tokenizer the model was trained with")
-    trainer = Trainer(cfg, run_dir, progress=False)
+    trainer = Trainer(cfg, run_dir, progress=False)  # checks the config against the devices and tokenizer
     params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"])
-    where = trainer.initialize(params)
+    for key, want in _changed_from_hf(src, cfg):
+        print(f"note: {key}={want!r} differs from {src / 'config.json'}: the imported model computes something "
+              "else than the original")
+    created = not run_dir.exists()
+    try:  # nothing is left behind unless the whole import succeeds
+        if tok_files:  # the run keeps its own copy (the HF directory may move or go), found relative to it
+            (run_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
+            for f in tok_files:
+                shutil.copy2(f, run_dir / "tokenizer" / f.name)
+            cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer="tokenizer"))
+            trainer = Trainer(cfg, run_dir, progress=False)
+        where = trainer.initialize(params)
+    except BaseException:
+        shutil.rmtree(run_dir if created else run_dir / "tokenizer", ignore_errors=True)
+        if not created:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        raise
     n = sum(x.size for x in jax.tree.leaves(params))
     print(f"imported {hf.hf_config(src)['model_type']} ({n / 1e6:,.2f}M parameters) from {src} into {where}; "
           f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
+
+
+def _changed_from_hf(src, cfg) -> list[tuple[str, object]]:
+    """``(key, value)`` of the model/moe keys derived from config.json that overrides changed."""
+    from moefast.interop import hf
+
+    model, moe = hf._hf_sections(hf.hf_config(src))
+    model = {k: v for k, v in model.items() if k not in ("max_seq_len", "dropout", "init_std")}  # training choices
+    out = [(f"model.{k}", getattr(cfg.model, k)) for k, v in model.items() if getattr(cfg.model, k) != v]
+    return out + [(f"moe.{k}", getattr(cfg.moe, k)) for k, v in moe.items()
+                  if k != "aux_loss_coef" and getattr(cfg.moe, k) != v]
 
 
 if __name__ == "__main__":

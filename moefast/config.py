@@ -37,11 +37,18 @@ __all__ = [
     "OverlapConfig",
     "TrainConfig",
     "DEFAULT_CONFIG",
+    "PARAMETER_KEYS",
     "load_config",
     "parse_overrides",
 ]
 
 DEFAULT_CAPACITY_FACTOR = 1.25
+# The model / moe keys that decide the parameters' structure and shapes (everything else in those
+# sections chooses how the same parameters are used).
+PARAMETER_KEYS = {"model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "dense_d_ff",
+                            "vocab_size", "tie_embeddings", "num_dense_layers", "moe_every", "attention_bias",
+                            "qk_norm", "position_encoding"),
+                  "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate")}
 MAX_OVERLAP_CHUNKS = 16
 CONFIG_DIR = Path(str(importlib.resources.files("moefast.configs")))  # the repo's configs/, installed as moefast.configs
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
@@ -319,6 +326,8 @@ class DataConfig:
         glob of text files, a ``.jsonl`` file (or glob) or a ``.parquet`` file (or glob).
       text_field: field holding the text in ``.jsonl`` / ``.parquet`` records.
       tokenizer: ``"byte"`` (256 byte ids + BOS/EOS/PAD) or a path to a Hugging Face tokenizer directory / tokenizer.json.
+        A relative path is looked up in the run directory first (``moefast import-hf`` stores the
+        run's own copy as ``tokenizer``, so the run dir can move), then in the working directory.
       seq_len: tokens per packed row (T).
       batch_size: global batch, in rows (B), summed over all processes and devices.
       val_fraction: fraction of documents (by hash of their path/id) held out for validation.

@@ -43,7 +43,7 @@ import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so safetensors' 
 import numpy as np
 from flax import nnx
 
-from moefast.config import ConfigError, ExperimentConfig, _merge, load_config, parse_overrides
+from moefast.config import PARAMETER_KEYS, ConfigError, ExperimentConfig, _merge, load_config, parse_overrides
 from moefast.model.layout import layer_layout, to_layout
 from moefast.model.transformer import build_model
 
@@ -67,11 +67,6 @@ _FAMILY_DEFAULTS = {
 }
 _IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-# model / moe keys that decide the parameters' shapes: fixed by the checkpoint, never overridden
-_SHAPE_KEYS = {"model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "dense_d_ff",
-                         "vocab_size", "tie_embeddings", "num_dense_layers", "moe_every", "attention_bias",
-                         "qk_norm", "position_encoding"),
-               "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate")}
 
 
 class HFFormatError(ConfigError):
@@ -111,6 +106,8 @@ def _moe_layers(hf: dict, family: str, num_layers: int) -> list[bool]:
 def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model, moe)`` config sections of an HF ``config.json`` dict."""
     family = hf.get("model_type")
+    if family is None:
+        raise HFFormatError(f"config.json has no model_type; moefast reads {sorted(FAMILIES)}")
     if family not in FAMILIES:
         raise HFFormatError(f"config.json: model_type {family!r} is not supported; moefast reads "
                             f"{sorted(FAMILIES)}")
@@ -120,13 +117,15 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
 
     if hf.get("hidden_act", "silu") != "silu":
         reject("hidden_act", hf["hidden_act"], "moefast's experts are SwiGLU (silu)")
+    for field in ("rope_parameters", "rope_scaling"):  # 5.x writes the first; older files (and guides) the second
+        rope = hf.get(field) or {}
+        if "full_attention" in rope or "sliding_attention" in rope:
+            reject(field, rope, "RoPE parameters per layer type (sliding-window layers)")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in (None, "default"):
+            reject(f"{field}.rope_type", rope_type,
+                   "moefast implements plain RoPE only (no linear/dynamic/YaRN/LongRoPE/Llama-3 scaling)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if "full_attention" in rope or "sliding_attention" in rope:
-        reject("rope_parameters", rope, "RoPE parameters per layer type (sliding-window layers)")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in (None, "default"):
-        field = "rope_parameters.rope_type" if hf.get("rope_parameters") else "rope_scaling"
-        reject(field, rope_type, "moefast implements plain RoPE only (no linear/dynamic/YaRN/LongRoPE/Llama-3 scaling)")
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         reject("partial_rotary_factor", partial, "RoPE rotates every feature of a head in moefast")
@@ -212,7 +211,7 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
     if (path / "tokenizer.json").is_file():
         raw["data"] = {**raw["data"], "tokenizer": str(path.resolve())}
     extra = parse_overrides(list(overrides or []))
-    for sec, keys in _SHAPE_KEYS.items():
+    for sec, keys in PARAMETER_KEYS.items():
         for k in keys:
             if k in extra.get(sec, {}):
                 raise HFFormatError(f"{sec}.{k} is fixed by {path / 'config.json'} (the weights' shapes depend on "
@@ -599,9 +598,9 @@ def load_hf(path: str | Path, overrides: list[str] | None = None, *, base: Exper
 
     Example::
 
-        cfg, params = load_hf("path/to/Qwen3-30B-A3B", ["model.dtype=bfloat16"])
-        model = moefast.train.ModelDef(cfg, cfg.model.vocab_size).module(params)
-        logits = model(tokens_bt).logits  # [B, T, V] float32
+        cfg, params = moefast.load_hf("path/to/Qwen3-30B-A3B", ["model.dtype=bfloat16"])
+        model = moefast.ModelDef(cfg, cfg.model.vocab_size).module(params)
+        logits = model(tokens_bt, drop_tokens=False).logits  # [B, T, V] float32; no capacity: as HF computes
     """
     cfg = config_from_hf(path, overrides, base=base)
     return cfg, load_hf_params(path, cfg, shardings=shardings)
@@ -700,7 +699,12 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
         raise HFFormatError(f"parameters {unknown[:3]} have no Hugging Face name in {family}")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed export to the same place
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is for other tools and users
     is_main = jax.process_index() == 0
     try:
         shards: list[list[str]] = []

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from moefast.config import ExperimentConfig
+from moefast.config import PARAMETER_KEYS, ExperimentConfig
 from moefast.model import layout
 
 __all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Restored"]
@@ -198,7 +198,8 @@ class Checkpointer:
         if int(step) in self.all_steps():
             raise CheckpointError(f"checkpoint step {step} already exists in {self.directory}; it is not "
                                   "overwritten")
-        meta = {"step": int(step), "config": cfg.to_dict()}
+        # "fresh": no data position (an imported step 0, Trainer.initialize): nothing was trained on yet
+        meta = {"step": int(step), "config": cfg.to_dict(), "fresh": data_state is None}
         try:
             started = self.manager.save(int(step), args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
@@ -302,8 +303,11 @@ class Checkpointer:
             raise _Unreadable(f"metadata unreadable: {_reason(error) if error else 'failed on another process'}")
         saved = meta.get("config", {}) if isinstance(meta, dict) else {}
         saved = _with_defaults(saved)
+        fresh = isinstance(meta, dict) and meta.get("fresh", False)
         for sec in _FIXED_SECTIONS:
             free = _FREE_KEYS.get(sec, set())
+            if fresh:  # nothing trained yet: only what decides the parameters' shapes is fixed
+                free = {k for k in cfg.to_dict()[sec] if k not in PARAMETER_KEYS.get(sec, ())}
             now = {k: v for k, v in cfg.to_dict()[sec].items() if k not in free}
             was = {k: v for k, v in (saved.get(sec) or {}).items() if k not in free}
             if was != now:

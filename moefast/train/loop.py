@@ -357,7 +357,11 @@ class Trainer:
                               "'reference' or 'auto' here, or one CPU device (--cpu-devices 1)")
         if corpus is not None:
             self.corpus = corpus  # else read on first use (cached_property): compiling needs only the tokenizer
-        self.tokenizer = corpus.tokenizer if corpus is not None else get_tokenizer(cfg.data.tokenizer)
+        self.data_cfg = cfg.data  # with a run-dir-relative tokenizer path resolved
+        tok = cfg.data.tokenizer
+        if tok != "byte" and not Path(tok).is_absolute() and (self.run_dir / tok).exists():
+            self.data_cfg = dataclasses.replace(cfg.data, tokenizer=str((self.run_dir / tok).resolve()))
+        self.tokenizer = corpus.tokenizer if corpus is not None else get_tokenizer(self.data_cfg.tokenizer)
         self.model_def = ModelDef(cfg, self.tokenizer.vocab_size)
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, parallel.batch_spec(self.mesh))
@@ -383,7 +387,7 @@ class Trainer:
     @functools.cached_property
     def corpus(self) -> Corpus:
         """The run's corpus (``data.*``), read on first use."""
-        return load_corpus(self.cfg.data)
+        return load_corpus(self.data_cfg)
 
     @functools.cached_property
     def peak(self) -> mfu_lib.Peak:

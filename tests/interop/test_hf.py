@@ -215,6 +215,8 @@ def _edit_config(src, dst, **changes):
     ("mixtral", {"sliding_window": 64}, "sliding_window"),
     ("mixtral", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type"),
     ("mixtral", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    # Qwen's guide adds rope_scaling next to 5.x's rope_parameters; transformers then uses YaRN
+    ("mixtral", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
     ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen2_moe", {"mlp_only_layers": [2]}, "mlp_only_layers"),  # MoE, MoE, dense: no moe_every pattern
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
@@ -278,13 +280,15 @@ def test_import_fine_tune_export_from_the_cli(tmp_path, text_dir):
     tok.save(str(src / "tokenizer.json"))
     (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
                                                            "tokenizer_class": "PreTrainedTokenizerFast"}))
-    run, out = tmp_path / "run", tmp_path / "out"
-    said = _moefast("import-hf", str(src), "--run-dir", str(run), f"data.source={text_dir}", "data.seq_len=64",
-                    "data.batch_size=4", "train.eval_batches=1", "train.warmup_steps=1")
-    assert "imported qwen3_moe" in said and (run / "checkpoints" / "0").is_dir()
-    assert (run / "tokenizer" / "tokenizer.json").is_file()  # the run keeps its own copy
+    first, run, out = tmp_path / "first", tmp_path / "run", tmp_path / "out"
+    said = _moefast("import-hf", str(src / "config.json"), "--run-dir", str(first), "data.source=/no/such/dir",
+                    "data.seq_len=64", "data.batch_size=4", "train.eval_batches=1", "train.warmup_steps=1")
+    assert "imported qwen3_moe" in said and (first / "checkpoints" / "0").is_dir()
+    assert (first / "tokenizer" / "tokenizer.json").is_file()  # the run keeps its own copy
+    shutil.move(first, run)  # found relative to the run dir: the run can move
+    # nothing trained yet: data.* may still change (here: the typo made at import)
     said = _moefast("train", "--run-dir", str(run), "--no-progress", "train.steps=5", "train.log_every=5",
-                    "train.eval_every=5")
+                    "train.eval_every=5", f"data.source={text_dir}")
     assert "resuming from step 0" in said and "steps 5 (5 this run)" in said
     assert "not a resume of the original schedule" not in said  # nothing was trained before
     assert _moefast("generate", "--run-dir", str(run), "--prompt", "def ", "--max-new-tokens", "5").startswith("def ")
@@ -305,3 +309,12 @@ def test_import_fine_tune_export_from_the_cli(tmp_path, text_dir):
     text = (text_dir / sorted(p.name for p in text_dir.glob("*.py"))[0]).read_text()[:500]
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == HFTokenizer(out).encode(text).tolist()
+
+
+def test_a_failed_import_leaves_nothing(tmp_path):
+    from moefast import cli
+
+    _hf_model("mixtral").save_pretrained(tmp_path / "src")
+    bad = _edit_config(tmp_path / "src", tmp_path / "bad", intermediate_size=48)
+    assert cli.main(["import-hf", str(bad), "--run-dir", str(tmp_path / "run")]) == 2
+    assert not (tmp_path / "run").exists()

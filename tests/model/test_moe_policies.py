@@ -35,7 +35,8 @@ def apply(layer, x, mask, **kw):
         y, s = nnx.merge(graphdef, params)(x, mask, **kw)
         return jnp.sum(jnp.sin(y)) + s.aux_loss, (y, s)
 
-    (_, (y, s)), g = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(nnx.to_pure_dict(state), x)
+    # jitted: eagerly, the tiled grouped matmul's loop dispatches op by op (seconds per call)
+    (_, (y, s)), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(nnx.to_pure_dict(state), x)
     return y, s, g
 
 
