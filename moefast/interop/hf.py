@@ -734,6 +734,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
             names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
             for k, name in enumerate(names):
                 os.replace(tmp / f"shard-{k:05d}.safetensors", tmp / name)
+                os.chmod(tmp / name, 0o666 & ~umask)  # safetensors creates its files private (0600)
             if n > 1:
                 index = {"metadata": {"total_size": total},
                          "weight_map": {t: names[k] for k, ts in enumerate(shards) for t in ts}}
