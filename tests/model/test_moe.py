@@ -144,7 +144,7 @@ def test_router_is_float32_in_bfloat16_model(monkeypatch):
     cfg = load_config(None, ["model.dtype=bfloat16", "model.num_layers=1", "model.d_model=32",
                              "model.num_heads=2", "model.head_dim=16", "model.d_ff=32", "moe.num_experts=4"])
     model = build_model(cfg, 259)
-    out = model(jnp.zeros((2, 8), jnp.int32))
+    out = nnx.jit(lambda m, x: m(x))(model, jnp.zeros((2, 8), jnp.int32))  # eagerly: op by op, seconds
     assert seen == {"logits": jnp.float32, "gates": jnp.float32}
     assert out.moe.aux_loss.dtype == jnp.float32 and out.moe.z_loss.dtype == jnp.float32
     assert out.logits.dtype == jnp.float32

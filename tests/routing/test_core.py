@@ -87,7 +87,7 @@ def test_capacity_drops_follow_position_order():
     np.testing.assert_array_equal(np.asarray(r.slot), [[0, -1], [0, -1]])
 
 
-@settings(max_examples=15, deadline=None)  # each example compiles (CI time)
+@settings(max_examples=8, deadline=None)  # each example compiles (CI time)
 @given(data=st.data(), t=st.integers(1, 40), e=st.integers(1, 12), cap=st.integers(1, 40))
 def test_slots_unique_and_below_capacity(data, t, e, cap):
     k = data.draw(st.integers(1, e))
