@@ -215,7 +215,8 @@ class MoEConfig:
         (largest router probability first; batch-prioritised routing, V-MoE sec. 3.3).
       routing_impl: implementation of the routing kernel (``moefast.kernels.routing``):
         ``"reference"`` (jnp), ``"pallas"`` (the fused kernel; interpreted on CPU, so slow there, and
-        not usable under a multi-device mesh on CPU), or ``"auto"`` (currently the reference
+        not usable under a multi-device mesh on CPU), ``"triton"`` (the same kernel in Triton through
+        jax-triton, the ``[gpu]`` extra; GPU only), or ``"auto"`` (currently the reference
         everywhere, until the compiled kernel has been checked on a GPU with scripts/gpu_check.py).
       capacity_mode: ``"static"``, or ``"dynamic"``: the buffer is sized by ``capacity_factor_max``
         and each expert's slots are limited to ``capacity_factor * tokens * top_k * ema_e`` clamped
@@ -260,7 +261,7 @@ class MoEConfig:
     overlap_chunks: int = 1
     overlap_chain: bool = False
     routing_policy: Literal["position", "priority"] = "position"
-    routing_impl: Literal["auto", "reference", "pallas"] = "auto"
+    routing_impl: Literal["auto", "reference", "pallas", "triton"] = "auto"
     capacity_mode: Literal["static", "dynamic"] = "static"
     capacity_factor_min: float = 0.5
     capacity_factor_max: float = 2.0

@@ -173,11 +173,16 @@ def check_correctness(ctx: Context) -> list[dict]:
     from kernels.routing import route
     from kernels.routing.ops import route_pallas
 
+    from kernels.routing import triton as triton_kernel
+
+    variants = [("position", "normal", "cumsum"), ("position", "integer", "cumsum"),
+                ("priority", "normal", "cumsum"), ("priority", "integer", "cumsum"),
+                ("position", "integer", "matmul")]
+    if triton_kernel.available() is None:  # the Triton kernel through jax-triton (impl="triton")
+        variants += [("position", "normal", "triton"), ("priority", "integer", "triton")]
     rows = []
     for (t, e, k) in parse_shapes(ctx.args.check_shapes):
-        for policy, kind, method in (("position", "normal", "cumsum"), ("position", "integer", "cumsum"),
-                                     ("priority", "normal", "cumsum"), ("priority", "integer", "cumsum"),
-                                     ("position", "integer", "matmul")):
+        for policy, kind, method in variants:
             row = {"shape": f"{t}x{e}x{k}", "policy": policy, "logits": kind, "rank_method": method}
             if ctx.time_left() < 30:
                 rows.append({**row, "status": "skipped (budget)"})
@@ -193,8 +198,9 @@ def check_correctness(ctx: Context) -> list[dict]:
                             w = jnp.arange(1.0, k + 1.0)[None, :]
                             return jnp.sum(r.gates * w) + jnp.sum(r.prob_sum * jnp.arange(e)) + 1e-3 * r.z_sum, r
                         return jax.value_and_grad(f, has_aux=True)(lg)
-                    return (loss(lambda x: route_pallas(x, interpret=ctx.interpret, rank_method=method, **kw)),
-                            loss(lambda x: route(x, impl="reference", **kw)))
+                    kernel = (lambda x: route(x, impl="triton", **kw)) if method == "triton" else (
+                        lambda x: route_pallas(x, interpret=ctx.interpret, rank_method=method, **kw))
+                    return loss(kernel), loss(lambda x: route(x, impl="reference", **kw))
 
                 ((_, got), g_got), ((_, want), g_want) = jax.jit(both)(logits)
                 for name in ("expert_index", "slot", "tokens_per_expert", "num_dropped"):
@@ -301,6 +307,12 @@ def check_route(ctx: Context) -> list[dict]:
         raise SystemExit(f"--impls: {unknown} not in {IMPLS}")
     gbs = ctx.shared.get("bandwidth_gbs")
     rows = []
+    from kernels.routing import triton as triton_kernel
+
+    why = triton_kernel.available()
+    if "triton" in impls and why:
+        impls = [i for i in impls if i != "triton"]
+        rows.append({"impl": "triton", "status": f"skipped ({why})"})
     for (t, e, k) in parse_shapes(ctx.args.shapes):
         logits, mask = make_inputs(t, e, ctx.args.dtype)
         itemsize = logits.dtype.itemsize
@@ -590,7 +602,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="16384x64x2,65536x256x8", help="timed shapes TxExK")
     p.add_argument("--check-shapes", default="1x8x1,4099x7x2,16384x64x2,65536x256x8",
                    help="correctness shapes TxExK")
-    p.add_argument("--impls", default="reference,pallas", help="route impls to time")
+    p.add_argument("--impls", default="reference,pallas,triton",
+                   help="route impls to time (triton: skipped where jax-triton or a GPU is missing)")
     p.add_argument("--policies", default="position,priority", help="policies to time")
     p.add_argument("--dtype", default="float32", help="logits dtype")
     p.add_argument("--capacity-factor", type=float, default=1.25)

@@ -9,6 +9,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))  # shared helpers such as moe_reference.py
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Triton kernels run in the Triton interpreter on CPU tensors; triton reads this when first imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 # The persistent compilation cache (cache.compile_dir=auto) of this test session, shared by the
 # in-process runs and the CLI subprocesses, never the user's own ~/.cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="moefast-test-cache-")

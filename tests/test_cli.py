@@ -95,6 +95,7 @@ def test_overrides_may_sit_among_options_and_steps_change_is_reported(trained_ru
     (["train", "--distributed-timeout", "0"], "--distributed-timeout must be >= 1"),
     (["train", "--num-processes", "2"], "must be given together"),
     (["train", "--cpu-devices", "2", "moe.routing_impl=pallas"], "moe.routing_impl: 'pallas' runs in the Pallas interpreter"),
+    (["train", "moe.routing_impl=triton"], "moe.routing_impl: impl='triton' needs jax-triton"),
     (["train", "train.stepz=3"], "train.stepz: unknown key"),
     (["train", "moe.top_k=9"], "moe.top_k: must be in [1, moe.num_experts=8]"),
     (["train", "--config", "nope.yaml"], "config file nope.yaml not found"),

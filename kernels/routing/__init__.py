@@ -7,6 +7,9 @@ Implementations (``impl``) share one contract, checked bitwise on indices, slots
 * ``"pallas"`` — a Pallas kernel (:mod:`.pallas`, wrapped by :mod:`.ops`): one pass over the logits
   in token blocks, ranks from block counts without a sort. Compiled through the Pallas Triton
   backend on GPU; on CPU it runs in the Pallas interpreter (correct but slow: tests only).
+* ``"triton"`` — the same one-pass kernel written in Triton (:mod:`.triton`), called through
+  ``jax_triton.triton_call`` (the ``[gpu]`` extra); GPU only. Checked on CPU by running the kernel
+  itself under the Triton interpreter (torch tensors) against the reference.
 * ``"auto"`` — ``"reference"`` for now on every backend: the compiled Pallas kernel has been
   checked only by lowering it for CUDA from a CPU; ``scripts/gpu_check.py`` checks it against the
   reference and times both on a GPU, and ``auto`` will pick it there once that check has passed.
@@ -21,12 +24,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .ops import route_pallas
+from .ops import route_pallas, route_triton
 from .reference import POLICIES, RoutingResult, raw_gates, route_reference
 
 __all__ = ["IMPLS", "POLICIES", "RoutingResult", "route"]
 
-IMPLS = ("reference", "pallas", "auto")
+IMPLS = ("reference", "pallas", "triton", "auto")
 
 
 def _resolve(impl: str) -> str:
@@ -63,7 +66,7 @@ def route(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "positi
       ValueError: bad shapes, top_k, capacity, policy or impl (at trace time).
     """
     impl = _resolve(impl)
-    route_fn = route_pallas if impl == "pallas" else route_reference
+    route_fn = {"pallas": route_pallas, "triton": route_triton}.get(impl, route_reference)
     r = route_fn(logits, top_k=top_k, capacity=capacity, policy=policy, mask=mask, bias=bias,
                  capacity_limit=capacity_limit)
     if renormalize:

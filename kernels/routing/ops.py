@@ -30,7 +30,7 @@ import numpy as np
 from .pallas import check_block_tokens, default_interpret, routing_blocks
 from .reference import RoutingResult, chosen_probs, differentiable_outputs, finish, validate
 
-__all__ = ["route_pallas"]
+__all__ = ["route_pallas", "route_triton"]
 
 
 def _position_ranks(block_rank, counts, expert_index, block_tokens: int):
@@ -45,22 +45,29 @@ def _position_ranks(block_rank, counts, expert_index, block_tokens: int):
     return rank.astype(jnp.int32), jnp.sum(counts_kbe, axis=0).astype(jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _route_core(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps):
-    out = routing_blocks(logits, mask, bias, top_k=top_k, block_tokens=block_tokens, interpret=interpret,
-                         rank_method=rank_method, num_warps=num_warps)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _route_core(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps, kernel):
+    """``kernel``: ``"pallas"`` or ``"triton"`` (through jax-triton, GPU only)."""
+    if kernel == "triton":
+        from . import triton as triton_kernel
+
+        out = triton_kernel.routing_blocks(logits, mask, bias, top_k=top_k, block_tokens=block_tokens,
+                                           num_warps=num_warps)
+    else:
+        out = routing_blocks(logits, mask, bias, top_k=top_k, block_tokens=block_tokens, interpret=interpret,
+                             rank_method=rank_method, num_warps=num_warps)
     rank, tokens_per_expert = _position_ranks(out.block_rank, out.counts, out.expert_index, block_tokens)
     return (out.expert_index, out.gates, rank, tokens_per_expert, jnp.sum(out.prob_sum, axis=0),
             jnp.sum(out.z_sum))
 
 
-def _route_core_fwd(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps):
-    outs = _route_core(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps)
+def _route_core_fwd(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps, kernel):
+    outs = _route_core(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps, kernel)
     return outs, (logits, outs[0], mask, bias)
 
 
-def _route_core_bwd(top_k, block_tokens, interpret, rank_method, num_warps, residuals, cotangents):
-    del top_k, block_tokens, interpret, rank_method, num_warps
+def _route_core_bwd(top_k, block_tokens, interpret, rank_method, num_warps, kernel, residuals, cotangents):
+    del top_k, block_tokens, interpret, rank_method, num_warps, kernel
     logits, expert_index, mask, bias = residuals
     _, g_gates, _, _, g_prob_sum, g_z_sum = cotangents  # int outputs carry float0 cotangents
     _, vjp = jax.vjp(lambda lg: differentiable_outputs(lg.astype(jnp.float32), expert_index, mask), logits)
@@ -71,6 +78,34 @@ def _route_core_bwd(top_k, block_tokens, interpret, rank_method, num_warps, resi
 
 
 _route_core.defvjp(_route_core_fwd, _route_core_bwd)
+
+
+def route_triton(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "position",
+                 mask: jax.Array | None = None, bias: jax.Array | None = None,
+                 capacity_limit: jax.Array | None = None, block_tokens: int = 128,
+                 num_warps: int | None = None) -> RoutingResult:
+    """:func:`route_pallas` with the Triton kernel (:mod:`.triton`) called through jax-triton: the
+    same contract, custom VJP, capacity and policies. GPU only.
+
+    Raises:
+      ValueError: see :func:`.reference.validate` and a bad ``block_tokens``.
+      RuntimeError: jax-triton missing or not on a GPU (:func:`.triton.available`).
+    """
+    from . import triton as triton_kernel
+
+    why = triton_kernel.available()
+    if why:
+        raise RuntimeError(why)
+    logits32, mask = validate(logits, top_k, capacity, policy, mask, bias, capacity_limit)
+    check_block_tokens(block_tokens)
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        logits = logits32
+    bias_e = jnp.zeros((logits.shape[1],), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    index, gates, rank, tokens_per_expert, prob_sum, z_sum = _route_core(
+        logits, mask, bias_e, top_k, block_tokens, False, "cumsum", num_warps, "triton")
+    return finish(index, gates, rank, tokens_per_expert, prob_sum, z_sum, mask, capacity=capacity,
+                  policy=policy, capacity_limit=capacity_limit,
+                  priority_score=chosen_probs(logits32, index) if policy == "priority" else None)
 
 
 def route_pallas(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "position",
@@ -120,7 +155,7 @@ def route_pallas(logits: jax.Array, *, top_k: int, capacity: int, policy: str = 
         logits = logits32
     bias_e = jnp.zeros((logits.shape[1],), jnp.float32) if bias is None else bias.astype(jnp.float32)
     index, gates, rank, tokens_per_expert, prob_sum, z_sum = _route_core(
-        logits, mask, bias_e, top_k, block_tokens, bool(interpret), rank_method, num_warps)
+        logits, mask, bias_e, top_k, block_tokens, bool(interpret), rank_method, num_warps, "pallas")
     return finish(index, gates, rank, tokens_per_expert, prob_sum, z_sum, mask, capacity=capacity,
                   policy=policy, capacity_limit=capacity_limit,
                   priority_score=chosen_probs(logits32, index) if policy == "priority" else None)

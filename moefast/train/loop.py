@@ -355,6 +355,12 @@ class Trainer:
             raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
                               f"inside the expert-parallel shard_map over {self.mesh.size} devices; use "
                               "'reference' or 'auto' here, or one CPU device (--cpu-devices 1)")
+        if cfg.moe.routing_impl == "triton":
+            from moefast.kernels.routing import triton as triton_kernel
+
+            why = triton_kernel.available()
+            if why:
+                raise ConfigError(f"moe.routing_impl: {why}; use 'auto', 'reference' or 'pallas' here")
         if corpus is not None:
             self.corpus = corpus  # else read on first use (cached_property): compiling needs only the tokenizer
         self.data_cfg = cfg.data  # with a run-dir-relative tokenizer path resolved

@@ -1,0 +1,75 @@
+"""The Triton routing kernel itself, run by the Triton interpreter on CPU, against the reference.
+
+The kernel is launched on torch CPU tensors with ``TRITON_INTERPRET=1`` (:func:`routing_blocks_torch`);
+its per-block outputs go through the same global-rank and capacity code as the Pallas path
+(:mod:`moefast.kernels.routing.ops`), and the result must equal :func:`route_reference`: indices,
+slots and counts bitwise, gates and statistics to float32 rounding. The cases are the Pallas
+kernel's grid (every token count 1/13/129/4099, expert count 7/8/64/256, top_k 1/2/4/8, both
+dtypes, ties and ±1e4 logits, masks, both policies, block sizes that do not divide T).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
+pytest.importorskip("triton", reason="triton (a test dependency) is not installed")
+
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
+
+# The Pallas kernel test's cases and helpers (a sibling file, not a package).
+_spec = importlib.util.spec_from_file_location("_pallas_cases", pathlib.Path(__file__).with_name("test_routing_kernel.py"))
+_cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_cases)
+CASES, TOLERANCE, INT_FIELDS = _cases.CASES, _cases.TOLERANCE, _cases.INT_FIELDS
+capacity_of, make_logits, make_mask = _cases.capacity_of, _cases.make_logits, _cases.make_mask
+
+from moefast.kernels.routing import ops, triton as triton_kernel  # noqa: E402
+from moefast.kernels.routing.reference import chosen_probs, finish, route_reference  # noqa: E402
+
+
+def _torch(x):
+    x = np.asarray(x)
+    if x.dtype == jnp.bfloat16:
+        return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(x.copy())
+
+
+def route_with_triton_interpreter(logits, *, top_k, capacity, policy, mask, block_tokens):
+    t, e = logits.shape
+    m = jnp.ones((t,), bool) if mask is None else mask
+    out = triton_kernel.routing_blocks_torch(_torch(logits), _torch(m), torch.zeros(e), top_k=top_k,
+                                             block_tokens=block_tokens)
+
+    def global_result(lg, m, index, gates, block_rank, counts, prob_sum, z_sum):  # as ops does after the kernel
+        rank, tokens_per_expert = ops._position_ranks(block_rank, counts, index, block_tokens)
+        score = chosen_probs(lg.astype(jnp.float32), index) if policy == "priority" else None
+        return finish(index, gates, rank, tokens_per_expert, prob_sum.sum(0), z_sum.sum(), m, capacity=capacity,
+                      policy=policy, priority_score=score)
+
+    return _cases.run_once(global_result, logits, m, *map(jnp.asarray, out))
+
+
+@pytest.mark.parametrize("t,e,k,policy,dtype,kind,cap,masked,bt", CASES,
+                         ids=[f"T{c[0]}-E{c[1]}-K{c[2]}-{c[3]}-{jnp.dtype(c[4]).name}-{c[5]}-{c[6]}cap"
+                              f"{'-mask' if c[7] else ''}-bt{c[8]}" for c in CASES])
+def test_interpreted_triton_kernel_matches_reference(t, e, k, policy, dtype, kind, cap, masked, bt):
+    logits = make_logits(kind, t, e, dtype, seed=t + e + k)
+    capacity = capacity_of(cap, t, e, k)
+    mask = make_mask(t) if masked else None
+    kw = dict(top_k=k, capacity=capacity, policy=policy, mask=mask)
+    got = route_with_triton_interpreter(logits, block_tokens=bt, **kw)
+    want = _cases.run_once(lambda lg: route_reference(lg, **kw), logits)
+    for name in INT_FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+    for name in ("gates", "prob_sum", "z_sum", "num_tokens"):
+        np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name,
+                                   **TOLERANCE[name])
+
+
+def test_triton_impl_says_what_it_needs_off_gpu():
+    from moefast.kernels.routing import route
+
+    with pytest.raises(RuntimeError, match="triton"):
+        route(jnp.zeros((4, 8)), top_k=2, capacity=2, impl="triton")
