@@ -46,7 +46,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import math
 import os
 import platform
 import statistics
@@ -139,7 +138,10 @@ def make_inputs(t: int, e: int, dtype: str, kind: str = "normal", seed: int = 0)
 
 
 def capacity_for(t: int, e: int, k: int, factor: float) -> int:
-    return max(1, math.ceil(factor * t * k / e))
+    """The library's capacity (GShard's formula, clamped to [1, T])."""
+    from moefast.routing import compute_capacity
+
+    return compute_capacity(t, e, k, factor, 1)
 
 
 # --- Checks -----------------------------------------------------------------------------------------
