@@ -14,8 +14,9 @@ Implementations (``impl``) share one contract, checked bitwise on indices, slots
   checked only by lowering it for CUDA from a CPU; ``scripts/gpu_check.py`` checks it against the
   reference and times both on a GPU, and ``auto`` will pick it there once that check has passed.
 
-Every impl supports ``jax.grad``/``jax.vjp``, ``jax.vmap`` and ``jax.shard_map`` (the Pallas
-interpreter only with ``check_vma=False``); ``jax.jvp`` only ``"reference"`` (the kernel has a
+Every impl supports ``jax.grad``/``jax.vjp`` and ``jax.shard_map`` (the Pallas interpreter only
+with ``check_vma=False``), and all but ``"triton"`` ``jax.vmap`` (jax-triton's call has no batching
+rule; moefast never vmaps the routing); ``jax.jvp`` only ``"reference"`` (the kernels have a
 custom VJP).
 """
 

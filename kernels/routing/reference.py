@@ -79,7 +79,11 @@ def validate(logits, top_k: int, capacity: int, policy: str, mask, bias, capacit
 def select_topk(logits, top_k: int, bias=None):
     """Expert choice: indices [T, K] int32 of the K largest ``logits + bias`` (float32)."""
     b = jnp.zeros(logits.shape[-1:], jnp.float32) if bias is None else bias.astype(jnp.float32)
-    score = logits + b[None, :]  # adding 0 also turns -0.0 into +0.0, as the kernels do
+    score = logits + b[None, :]
+    # -0.0 -> +0.0 (a -0.0 logit plus a -0.0 bias entry stays -0.0): top_k orders -0.0 below +0.0,
+    # the kernels' max/== treat them as equal, so equal scores must be the same bits everywhere
+    # (an explicit select: XLA may fold ``x + 0.0`` into ``x``)
+    score = jnp.where(score == 0.0, 0.0, score)
     _, index = jax.lax.top_k(score, top_k)  # stable: lower index first among equal scores
     return index.astype(jnp.int32)
 

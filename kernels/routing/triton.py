@@ -58,8 +58,13 @@ def _kernel():
 
 def interpreting() -> bool:
     """Whether triton runs kernels in its interpreter: ``TRITON_INTERPRET=1`` in the environment
-    before triton was first imported (triton's own library functions are wrapped at import)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    before triton was first imported (triton wraps its own library functions, e.g. ``tl.max``, for
+    the interpreter at import: setting the variable later is not enough)."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    import triton.language as tl
+
+    return type(tl.max).__name__ == "InterpretedFunction"
 
 
 def _sizes(t: int, e: int, top_k: int, block_tokens: int) -> tuple[int, int, int]:
@@ -143,8 +148,9 @@ def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, n
               jax.ShapeDtypeStruct((nb, e), jnp.float32), jax.ShapeDtypeStruct((nb,), jnp.float32)]
     kw = dict(kernel=_kernel(), grid=(nb,), num_warps=num_warps, TOP_K=top_k, TB=block_tokens, EP=ep, KP=kp)
     args = (logits, mask.astype(jnp.int32), bias.astype(jnp.float32), np.int32(t), np.int32(e))
-    try:  # jax-triton >= 0.4 names the output types out_type; older releases out_shape
-        outs = jt.triton_call(*args, out_type=shapes, **kw)
-    except TypeError:
-        outs = jt.triton_call(*args, out_shape=shapes, **kw)
+    import inspect
+
+    # jax-triton >= 0.4 names the output types out_type; older releases out_shape
+    name = "out_type" if "out_type" in inspect.signature(jt.triton_call).parameters else "out_shape"
+    outs = jt.triton_call(*args, **{name: shapes}, **kw)
     return BlockOutputs(*outs)

@@ -112,3 +112,12 @@ def test_raw_gates_are_the_chosen_probabilities_with_their_gradient(impl):
     g_want = jax.grad(lambda lg: jnp.sum(jnp.where(mask[:, None], jnp.take_along_axis(
         jax.nn.softmax(lg, axis=-1), raw.expert_index, axis=-1), 0.0) * w))(logits)
     np.testing.assert_allclose(g, g_want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_negative_zero_scores_tie_like_positive_zero(impl):
+    """A -0.0 logit plus a -0.0 bias entry ties with +0.0 (lower expert index first), in the
+    reference as in the kernels (jax.lax.top_k alone would rank -0.0 below +0.0)."""
+    logits = jnp.asarray([[-0.0, 0.0], [0.0, -0.0]])
+    r = route(logits, top_k=1, capacity=2, bias=jnp.asarray([-0.0, 0.0]), impl=impl)
+    np.testing.assert_array_equal(r.expert_index, [[0], [0]])

@@ -8,6 +8,7 @@ kernel's grid (every token count 1/13/129/4099, expert count 7/8/64/256, top_k 1
 dtypes, ties and ±1e4 logits, masks, both policies, block sizes that do not divide T).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,11 +37,11 @@ def _torch(x):
     return torch.from_numpy(x.copy())
 
 
-def route_with_triton_interpreter(logits, *, top_k, capacity, policy, mask, block_tokens):
+def route_with_triton_interpreter(logits, *, top_k, capacity, policy, mask, block_tokens, bias=None):
     t, e = logits.shape
     m = jnp.ones((t,), bool) if mask is None else mask
-    out = triton_kernel.routing_blocks_torch(_torch(logits), _torch(m), torch.zeros(e), top_k=top_k,
-                                             block_tokens=block_tokens)
+    b = torch.zeros(e) if bias is None else _torch(bias)
+    out = triton_kernel.routing_blocks_torch(_torch(logits), _torch(m), b, top_k=top_k, block_tokens=block_tokens)
 
     def global_result(lg, m, index, gates, block_rank, counts, prob_sum, z_sum):  # as ops does after the kernel
         rank, tokens_per_expert = ops._position_ranks(block_rank, counts, index, block_tokens)
@@ -66,6 +67,18 @@ def test_interpreted_triton_kernel_matches_reference(t, e, k, policy, dtype, kin
     for name in ("gates", "prob_sum", "z_sum", "num_tokens"):
         np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name,
                                    **TOLERANCE[name])
+
+
+@pytest.mark.parametrize("policy", ["position", "priority"])
+def test_interpreted_triton_kernel_with_a_selection_bias(policy):
+    """A non-zero bias (with -0.0 entries on -0.0 logits: equal scores must tie as +0.0 does)."""
+    logits = jnp.round(2 * jax.random.normal(jax.random.key(0), (13, 8)))
+    bias = jnp.round(jax.random.normal(jax.random.key(5), (8,))).at[0].set(-0.0)
+    kw = dict(top_k=3, capacity=2, policy=policy, mask=make_mask(13), bias=bias)
+    got = route_with_triton_interpreter(logits, block_tokens=4, **kw)
+    want = _cases.run_once(lambda lg: route_reference(lg, **kw), logits)
+    for name in INT_FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
 
 
 def test_triton_impl_says_what_it_needs_off_gpu():
