@@ -416,19 +416,21 @@ def _import_hf(args) -> None:
     for key, want in _changed_from_hf(src, cfg):
         print(f"note: {key}={want!r} differs from {src / 'config.json'}: the imported model computes something "
               "else than the original")
-    created = not run_dir.exists()
-    try:  # nothing is left behind unless the whole import succeeds
+    # nothing this import creates is left behind unless it all succeeds (and nothing else is removed)
+    made = [p for p in (run_dir, run_dir / "tokenizer", run_dir / "checkpoints") if not p.exists()]
+    try:
         if tok_files:  # the run keeps its own copy (the HF directory may move or go), found relative to it
-            (run_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
+            if run_dir / "tokenizer" not in made:
+                raise CheckpointError(f"{run_dir / 'tokenizer'} already exists; import into a new run directory")
+            (run_dir / "tokenizer").mkdir(parents=True)
             for f in tok_files:
                 shutil.copy2(f, run_dir / "tokenizer" / f.name)
             cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer="tokenizer"))
             trainer = Trainer(cfg, run_dir, progress=False)
         where = trainer.initialize(params)
     except BaseException:
-        shutil.rmtree(run_dir if created else run_dir / "tokenizer", ignore_errors=True)
-        if not created:
-            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        for p in made:
+            shutil.rmtree(p, ignore_errors=True)
         raise
     n = sum(x.size for x in jax.tree.leaves(params))
     print(f"imported {hf.hf_config(src)['model_type']} ({n / 1e6:,.2f}M parameters) from {src} into {where}; "

@@ -311,6 +311,7 @@ class _Leaf:
     ``kind``:
       ``"t"``: ``names[0]`` transposed ([out, in] -> [in, out]); ``"id"``: as it is;
       ``"cat"``: ``names`` transposed and concatenated along the last axis (sizes ``sizes``);
+      ``"cat1"``: 1-D ``names`` (biases) concatenated as they are;
       ``"experts_in"`` / ``"experts_out"``: [E, D, 2F] gate|up or [E, F, D] down projections of the
       routed experts, from per-expert tensors (``names`` = (gate, up) or (down,) patterns with
       ``{e}``) or from the fused tensor ``fused``.
@@ -373,14 +374,6 @@ def _top_leaves(cfg: ExperimentConfig) -> dict[tuple, _Leaf]:
     if not cfg.model.tie_embeddings:
         out[("lm_head",)] = _Leaf("t", ("lm_head.weight",))
     return out
-
-
-def _leaf_names(leaf: _Leaf, num_experts: int) -> list[str]:
-    if not leaf.expert_axis:
-        return list(leaf.names)
-    if leaf.fused:
-        return [leaf.fused]
-    return [n.format(e=k) for k in range(num_experts) for n in leaf.names]
 
 
 # ---------------------------------------------------------------------------------------- reading
