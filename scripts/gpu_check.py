@@ -87,24 +87,18 @@ def register_check(name: str):
 # --- Measurement helpers (reusable by added checks) -------------------------------------------------
 
 def time_fn(fn: Callable, *args, runs: int, warmup: int = 2) -> dict:
-    """Median / min wall time in ms of ``fn(*args)`` (already compiled), ended by block_until_ready."""
-    import jax
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
+    """Median / min wall time in ms of ``fn(*args)`` (compiled): :func:`moefast.bench.process.call_times`."""
+    from moefast.bench.process import call_times
+
+    times = [1e3 * t for t in call_times(fn, *args, repeats=runs, warmup=warmup)]
     return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": runs}
 
 
 def compile_fn(fn: Callable, *args):
-    """jit + lower + compile, returning (compiled, compile seconds)."""
-    import jax
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    return compiled, time.perf_counter() - t0
+    """(compiled, compile seconds): :func:`moefast.bench.process.compile_timed`."""
+    from moefast.bench.process import compile_timed
+
+    return compile_timed(fn, *args)
 
 
 def floor_ms(nbytes: float, bandwidth_gbs: float | None) -> float | None:
@@ -137,13 +131,6 @@ def make_inputs(t: int, e: int, dtype: str, kind: str = "normal", seed: int = 0)
     return x.astype(dtype), mask
 
 
-def capacity_for(t: int, e: int, k: int, factor: float) -> int:
-    """The library's capacity (GShard's formula, clamped to [1, T])."""
-    from moefast.routing import compute_capacity
-
-    return compute_capacity(t, e, k, factor, 1)
-
-
 # --- Checks -----------------------------------------------------------------------------------------
 
 @register_check("lowering")
@@ -174,6 +161,7 @@ def check_correctness(ctx: Context) -> list[dict]:
     import numpy as np
     from kernels.routing import route
     from kernels.routing.ops import route_pallas
+    from moefast.routing import compute_capacity
 
     from kernels.routing import triton as triton_kernel
 
@@ -191,7 +179,7 @@ def check_correctness(ctx: Context) -> list[dict]:
                 continue
             try:
                 logits, mask = make_inputs(t, e, ctx.args.dtype, kind, seed=t + e + k)
-                kw = dict(top_k=k, capacity=capacity_for(t, e, k, 1.0), policy=policy, mask=mask)
+                kw = dict(top_k=k, capacity=compute_capacity(t, e, k, 1.0), policy=policy, mask=mask)
 
                 def both(lg):
                     def loss(fn):
@@ -302,6 +290,7 @@ def check_route(ctx: Context) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from kernels.routing import IMPLS, route
+    from moefast.routing import compute_capacity
 
     impls = [i for i in ctx.args.impls.split(",") if i]
     unknown = [i for i in impls if i not in IMPLS]
@@ -321,7 +310,7 @@ def check_route(ctx: Context) -> list[dict]:
         out_bytes = t * k * 12 + e * 8 + 16  # expert_index, gates, slot; tokens_per_expert, prob_sum; scalars
         for policy in ctx.args.policies.split(","):
             for impl in impls:
-                kw = dict(top_k=k, capacity=capacity_for(t, e, k, ctx.args.capacity_factor), policy=policy,
+                kw = dict(top_k=k, capacity=compute_capacity(t, e, k, ctx.args.capacity_factor), policy=policy,
                           impl=impl, mask=mask)
 
                 def fwd(lg, kw=kw):
@@ -352,20 +341,9 @@ def check_route(ctx: Context) -> list[dict]:
 
 # --- Train step: the compiled moefast step of a ~1B-parameter MoE -----------------------------------
 
-# The GPU config. 1.074B parameters (0.193B active per token), bf16 compute with float32 parameters
-# and AdamW moments, on one device:
-#   d_model 1024, 16 layers (all MoE), 8 query = 8 key/value heads of 128, 16 SwiGLU experts of
-#   width 1280, top-2, capacity factor 1.25; byte vocabulary (259 ids, tied embedding);
-#   16 rows x 1024 tokens = 16,384 tokens per step (22.3 model TFLOP per step).
-# Per layer: attention qkv + out 4·D² = 4.19M, router D·E = 16K, experts E·3·D·F = 62.9M; times 16
-# layers = 1.074B (embedding 0.27M, norms 33K). Active per token: 4.19M + 16K + 2/16 · 62.9M =
-# 12.07M per layer, 193M in all (+ the 0.27M LM head).
-# Memory: the train state (float32 parameters and two AdamW moments) is 12 GiB, gradients 4 GiB.
-# The largest activations are XLA attention's materialised [B, H, T, T] scores (16·8·1024² = 134M
-# elements per layer, float32 logits and bf16 probabilities) and the [E, C, 2F] expert hidden
-# states (C = 1.25·16384·2/16 = 2560 slots per expert), kept for the backward pass. XLA:CPU's
-# train_step: configs/h200_1b.yaml with half its layers, so five compiles (the ablation's variants)
-# fit the budget; the step's shapes are the config's. --train-override model.num_layers=16 for all.
+# The GPU config is configs/h200_1b.yaml (its header gives its size and memory). train_step takes
+# half its layers, so five compiles (the ablation's variants) fit the budget; the step's shapes are
+# the config's. --train-override model.num_layers=16 for all of them.
 TRAIN_GPU_OVERRIDES = ("model.num_layers=8",)
 # --cpu-smoke: the same code path on a model that compiles and steps on a CPU in seconds.
 TRAIN_STEP_SMOKE = (
@@ -374,77 +352,6 @@ TRAIN_STEP_SMOKE = (
     "moe.num_experts=4", "moe.top_k=2", "moe.capacity_factor=1.25",
     "data.seq_len=32", "data.batch_size=8",
 )
-def synthetic_text_dir(root: str, *, docs: int, doc_bytes: int, seed: int = 0) -> str:
-    """Writes ``docs`` files of random lowercase words (deterministic) under ``root``: a corpus
-    that needs no network; the step's cost does not depend on the text."""
-    import numpy as np
-    rng = np.random.default_rng(seed)
-    alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz      \n", np.uint8)
-    for i in range(docs):
-        with open(os.path.join(root, f"doc{i:03d}.txt"), "wb") as f:
-            f.write(alphabet[rng.integers(0, len(alphabet), doc_bytes)].tobytes())
-    return root
-
-
-def compiled_stats(compiled) -> dict:
-    """XLA's FLOP count and memory of a compiled step, where the backend reports them."""
-    out: dict[str, Any] = {}
-    try:
-        ca = compiled.cost_analysis()
-        if isinstance(ca, (list, tuple)):  # older jax: one dict per program
-            ca = ca[0] if ca else None
-        if ca and ca.get("flops"):
-            out["xla_flops"] = float(ca["flops"])
-    except Exception:
-        pass
-    try:
-        mem = compiled.memory_analysis()
-        if mem is not None:
-            out["temp_GiB"] = mem.temp_size_in_bytes / 2**30
-            out["arg_GiB"] = mem.argument_size_in_bytes / 2**30
-    except Exception:
-        pass
-    return out
-
-
-@dataclasses.dataclass
-class StepRunner:
-    """One compiled train step with its own state (donated at every step) and a device batch."""
-
-    trainer: Any
-    step: Any
-    state: Any
-    batch: Any
-    compile_s: float  # Trainer construction + tracing + lowering + XLA compilation
-    setup_s: float  # state initialisation (its own small compile) and the batch transfer
-    stats: dict
-    first_step_s: float = 0.0  # the first (untimed) call, including one-time runtime setup
-    warm_step_s: float = 0.0  # the second (untimed) call: the estimate used for budgeting
-    loss: Any = None
-
-    def __call__(self) -> float:
-        import jax
-        t0 = time.perf_counter()
-        with jax.set_mesh(self.trainer.mesh):
-            self.state, metrics = self.step(self.state, self.batch, self.trainer.base_key)
-        jax.block_until_ready((self.state, metrics))
-        self.loss = metrics["loss"]
-        return time.perf_counter() - t0
-
-
-def time_alternating(ctx: Context, runners: list[StepRunner], *, runs: int, warmup: int = 1,
-                     keep_s: float = 10.0) -> list[list[float]]:
-    """Seconds per step of each runner, their calls interleaved (a, b, a, b, ...). Stops early,
-    after at least one timed round, when fewer than ``keep_s`` seconds of budget are left."""
-    times: list[list[float]] = [[] for _ in runners]
-    for i in range(warmup + runs):
-        if i > warmup and ctx.time_left() < keep_s:
-            break
-        for j, r in enumerate(runners):
-            dt = r()
-            if i >= warmup:
-                times[j].append(dt)
-    return times
 
 
 @register_check("memory")
@@ -513,65 +420,28 @@ OVERLAP_GPU = ("model.d_model=1024", "model.num_layers=4", "model.num_heads=8", 
 
 @register_check("overlap")
 def check_overlap(ctx: Context) -> list[dict]:
-    """The overlap lever on an expert axis over every GPU (needs 2+): the train step for
-    ``moe.overlap_chunks`` 1, 2, 4 in alternating timed steps, and the compiled program's
-    all-to-alls (how many, whether asynchronous with compute scheduled between start and done;
-    ``moefast.bench.overlap.exchange_report``). Runs after ``train_step``'s reserve is set aside."""
-    import gc
-    import tempfile
+    """``moefast bench overlap`` (:func:`moefast.bench.overlap.bench_overlap`) on an expert axis over
+    every GPU (needs 2+): the train step for ``moe.overlap_chunks`` 1, 2, 4 in alternating timed
+    steps, and the compiled program's all-to-alls (how many, whether asynchronous with compute
+    scheduled between start and done). Runs after ``train_step``'s reserve is set aside."""
     import jax
-    import moefast
-    from moefast.bench.overlap import exchange_report
-    from moefast.data import train_dataset
+    from moefast.bench.overlap import CHUNKS, bench_overlap
 
     n_dev = len(jax.devices())
     if n_dev < 2:
         return [{"chunks": "-", "status": f"skipped (an expert axis needs 2+ devices; this machine has {n_dev})"}]
     smoke = ctx.args.cpu_smoke
+    min_s = 10.0 if smoke else 90.0  # three compiles of the 4-layer model and the alternating steps
+    if ctx.time_left() < min_s:
+        return [{"chunks": "-", "status": f"skipped (budget: {ctx.time_left():.0f} s left, needs ~{min_s:.0f} s)"}]
     experts = 4 if smoke else 16  # moe.num_experts of TRAIN_STEP_SMOKE / OVERLAP_GPU
     ep = max(d for d in (2, 4, 8, 16) if d <= n_dev and n_dev % d == 0 and experts % d == 0)
-    base = [*(TRAIN_STEP_SMOKE if smoke else OVERLAP_GPU), f"mesh.expert={ep}", f"mesh.data={n_dev // ep}",
-            f"data.batch_size={2 * n_dev}", "cache.compile_dir=null", "data.val_fraction=0.1"]
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="gpu_check_overlap_") as tmp:
-        corpus_dir = os.path.join(tmp, "corpus")
-        os.makedirs(corpus_dir)
-        cfg = moefast.load_config(None, base + [f"data.source={corpus_dir}"])
-        d = cfg.data
-        synthetic_text_dir(corpus_dir, docs=64, doc_bytes=max(256, 4 * d.batch_size * d.seq_len // 64))
-        corpus = moefast.load_corpus(d)
-        host_batch = next(iter(train_dataset(corpus, d, seed=0)))
-        moe_layers = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
-        runners, reports = [], []
-        for n in (1, 2, 4):
-            if ctx.time_left() < 30:
-                rows.append({"chunks": n, "status": f"skipped (budget: {ctx.time_left():.0f} s left)"})
-                continue
-            try:
-                c = moefast.load_config(None, base + [f"data.source={corpus_dir}", f"moe.overlap_chunks={n}"])
-                t0 = time.perf_counter()
-                trainer = moefast.Trainer(c, os.path.join(tmp, str(n)), log=None, progress=False, corpus=corpus)
-                step = trainer.compiled_train_step()
-                compile_s = time.perf_counter() - t0
-                with jax.set_mesh(trainer.mesh):
-                    state, batch = trainer.init_state(), trainer.put_batch(host_batch)
-                r = StepRunner(trainer, step, state, batch, compile_s, 0.0, compiled_stats(step))
-                r.first_step_s = r()
-                runners.append((n, r))
-                reports.append(exchange_report(step.as_text(), moe_layers, n))
-            except Exception:
-                rows.append(error_row(chunks=n))
-        if runners:
-            times = time_alternating(ctx, [r for _, r in runners], runs=ctx.args.train_runs)
-            ref = statistics.median(times[0])
-            for (n, r), t, rep in zip(runners, times, reports):
-                med = statistics.median(t)
-                rows.append({"chunks": n, "status": "ok", "mesh": dict(r.trainer.mesh.shape), "compile_s": r.compile_s,
-                             "median_ms": med * 1e3, "runs": len(t), "x_chunks_1": med / ref,
-                             "tokens_per_s": d.batch_size * d.seq_len / med, **rep, "loss": float(r.loss)})
-        del runners
-        gc.collect()
-    return rows
+    overrides = [*(TRAIN_STEP_SMOKE if smoke else OVERLAP_GPU), f"mesh.expert={ep}", f"mesh.data={n_dev // ep}",
+                 f"data.batch_size={2 * n_dev}", "cache.compile_dir=null"]
+    r = bench_overlap(None, overrides, steps=ctx.args.train_runs, rounds=0)
+    return [{"chunks": n, "status": "ok", "mesh": r.mesh, "median_ms": 1e3 * r.step_s[n], "runs": r.steps,
+             "x_chunks_1": r.ratio(n), "tokens_per_s": r.tokens_per_step / r.step_s[n], **r.collectives[n]}
+            for n in CHUNKS]
 
 
 # --- Driver -----------------------------------------------------------------------------------------

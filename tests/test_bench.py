@@ -62,3 +62,38 @@ def test_overlap_bench_writes_the_promised_json(tmp_path, text_dir, devices):
         assert c["independent_first_dispatches"] == int(n)
     assert rec["prefetch_tokens_per_s"] == {"1": [], "0": []}
     assert "| 4 |" in (tmp_path / "overlap.md").read_text()
+
+
+def test_call_times_respects_the_budget():
+    import time
+
+    import numpy as np
+
+    from moefast.bench.process import call_times
+
+    def slow():
+        time.sleep(0.05)
+        return np.zeros(1)
+
+    assert len(call_times(slow, repeats=3)) == 3
+    times = call_times(slow, repeats=50, budget_s=0.1)  # the warm-up took >= 0.05 s: at most 2 timed calls
+    assert 1 <= len(times) <= 2 and min(times) >= 0.05
+
+
+def test_gpu_check_runs_on_cpu(tmp_path):
+    """The GPU script itself, tiny and interpreted, so it does not first break on a lent GPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "gpu_check.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--cpu-smoke", "--only", "lowering,bandwidth,kernel",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    checks = json.loads(out.read_text())["checks"]
+    assert set(checks) == {"lowering", "bandwidth", "kernel"}
+    assert checks["lowering"]["rows"][0]["triton_custom_call"] is True
+    assert checks["bandwidth"]["rows"][0]["bandwidth_GBs"] > 0
+    kernel = checks["kernel"]["rows"]
+    assert len(kernel) == 8 and all(r["status"] == "ok" and r["median_ms"] > 0 for r in kernel)

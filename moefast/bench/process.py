@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["alternating_step_times", "train_process", "write_results"]
+__all__ = ["alternating_step_times", "call_times", "compile_timed", "train_process", "write_results"]
 
 
 def train_process(run_dir: Path, args: list[str], config: str | None = None) -> tuple[dict[str, Any], float]:
@@ -49,6 +49,46 @@ def write_results(json_out: str, records: Any, markdown: str) -> None:
     with open(md, "w") as f:
         f.write(markdown.rstrip("\n") + "\n")
     print(f"\nwrote {json_out} and {md}")
+
+
+def compile_timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    """``jax.jit(fn).lower(*args).compile()`` and the seconds it took (tracing, lowering and XLA
+    compilation; no persistent-cache read if the cache is off)."""
+    import jax
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def call_times(fn: Any, *args: Any, repeats: int, warmup: int = 1, budget_s: float | None = None) -> list[float]:
+    """Seconds per call of ``fn(*args)`` (a compiled function), each ended by ``block_until_ready``.
+
+    Args:
+      fn, args: what to call (the same arguments every time: nothing is donated).
+      repeats: timed calls, after ``warmup`` untimed ones (at least one warm-up is needed for
+        ``budget_s``).
+      budget_s: if given, at most ``budget_s / (last warm-up's seconds)`` timed calls (but at least
+        one), so a slow point does not take ``repeats`` times its cost.
+
+    Returns:
+      The timed calls' wall times, seconds, in order (take the median).
+    """
+    import jax
+
+    warm = 0.0
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        warm = time.perf_counter() - t0
+    if budget_s is not None and warmup:
+        repeats = max(1, min(repeats, int(budget_s / max(warm, 1e-9))))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def alternating_step_times(runners: list[list[Any]], steps: int) -> list[list[float]]:

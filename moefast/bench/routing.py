@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from moefast import routing
+from moefast.bench.process import call_times, compile_timed, write_results
 
 __all__ = ["IMPLS", "RoutingBenchRecord", "bench_routing", "format_table"]
 
@@ -92,7 +92,7 @@ _FNS: dict[str, Callable] = {"onehot": _onehot_fn, "sort": _sort_fn, "fused": _f
 def _fwd_bwd(fn):
     def loss(x, logits):
         return jnp.sum(fn(x, logits) * jnp.cos(x))
-    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return jax.grad(loss, argnums=(0, 1))
 
 
 def bench_routing(grid=QUICK_GRID, impls=IMPLS, *, top_k: int = 2, d_model: int = 256,
@@ -127,18 +127,10 @@ def bench_routing(grid=QUICK_GRID, impls=IMPLS, *, top_k: int = 2, d_model: int 
                 rec.skipped = f"[T, E, C] tensor would take {onehot_bytes / 1e9:.1f} GB"
                 out.append(rec)
                 continue
-            step = _fwd_bwd(_FNS[impl](top_k, capacity))
-            compiled = step.lower(x, logits).compile()
+            compiled, _ = compile_timed(_fwd_bwd(_FNS[impl](top_k, capacity)), x, logits)
             mem = compiled.memory_analysis()
             rec.temp_bytes = int(mem.temp_size_in_bytes) if mem is not None else None
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(x, logits))  # warm-up
-            warm = time.perf_counter() - t0
-            times = []
-            for _ in range(max(1, min(repeats, int(time_budget_s / max(warm, 1e-9))))):
-                t0 = time.perf_counter()
-                jax.block_until_ready(compiled(x, logits))
-                times.append(time.perf_counter() - t0)
+            times = call_times(compiled, x, logits, repeats=repeats, budget_s=time_budget_s)
             rec.time_ms, rec.runs = 1e3 * statistics.median(times), len(times)
             out.append(rec)
             if log:
@@ -154,8 +146,8 @@ def check_fused_matches_onehot(tokens: int = 256, experts: int = 8, top_k: int =
     x = jax.random.normal(jax.random.key(0), (tokens, 16))
     logits = jax.random.normal(jax.random.key(1), (tokens, experts))
     err = 0.0
-    for a, b in zip(_fwd_bwd(_FNS["fused"](top_k, capacity))(x, logits),
-                    _fwd_bwd(_FNS["onehot"](top_k, capacity))(x, logits)):
+    for a, b in zip(jax.jit(_fwd_bwd(_FNS["fused"](top_k, capacity)))(x, logits),
+                    jax.jit(_fwd_bwd(_FNS["onehot"](top_k, capacity)))(x, logits)):
         err = max(err, float(jnp.max(jnp.abs(a - b))))
     for impl in ("sort", "fused"):
         ya = _FNS[impl](top_k, capacity)(x, logits)
@@ -206,7 +198,6 @@ def run_cli(*, quick: bool, json_out: str | None, repeats: int) -> int:
           "(fewer for runs over 2 s)\n")
     print(table)
     if json_out:
-        from moefast.bench.process import write_results
 
         write_results(json_out, [dataclasses.asdict(r) for r in records], table)
     return 0
