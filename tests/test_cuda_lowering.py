@@ -36,8 +36,9 @@ def test_routing_kernel_lowers_for_every_block_size(block_tokens, rank_method):
         assert _lower_for_cuda(fn, x).count(TRITON_CALL) == 1
 
 
-@pytest.mark.parametrize("extra", [["moe.routing_impl=pallas"], ["moe.capacity_factor=0", "moe.grouped_matmul=ragged_dot"]],
-                         ids=["pallas-routing", "dropless-ragged-dot"])
+@pytest.mark.parametrize("extra", [["moe.routing_impl=pallas"], ["moe.capacity_factor=0", "moe.grouped_matmul=ragged_dot"],
+                                   ["moe.capacity_factor=0", "moe.grouped_matmul=tiled"]],
+                         ids=["pallas-routing", "dropless-ragged-dot", "dropless-tiled"])
 def test_train_step_lowers_for_cuda(extra, small_config, monkeypatch, tmp_path):
     """The whole train step (forward, backward, AdamW) with the compiled routing kernel, and the
     dropless path as it runs on GPU (``ragged_dot``)."""
@@ -55,4 +56,5 @@ def test_train_step_lowers_for_cuda(extra, small_config, monkeypatch, tmp_path):
         text = _lower_for_cuda(trainer._train_step, trainer.abstract_state(), batch, key)
     # the layers' kernels have one shape, so the lowering emits the launch once, in a shared function
     assert (TRITON_CALL in text) == ("moe.routing_impl=pallas" in extra)
-    assert "ragged" in text or "moe.routing_impl=pallas" in extra  # the dropless grouped matmul
+    if "moe.grouped_matmul=ragged_dot" in extra:
+        assert "ragged" in text  # the dropless grouped matmul
