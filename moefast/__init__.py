@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 _API = {
     "ConfigError": "moefast.config",
     "ExperimentConfig": "moefast.config",
+    "MoEConfig": "moefast.config",
     "load_config": "moefast.config",
     "Transformer": "moefast.model",
     "build_model": "moefast.model",
@@ -35,6 +36,11 @@ _API = {
     "TrainSummary": "moefast.train",
     "generate": "moefast.train",
     "load_run_config": "moefast.train",
+    "MoELayer": "moefast.model",
+    "compute_capacity": "moefast.routing",
+    "route": "moefast.routing",
+    "RoutingResult": "moefast.routing",
+    "plot_run": "moefast.plot",
     "load_hf": "moefast.interop",
     "save_hf": "moefast.interop",
 }

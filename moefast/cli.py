@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                         "gate_up_proj/down_proj")
     x.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="saved tensors' dtype")
     x.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    pl = sub.add_parser("plot", help="PNG plots of a run's metrics: loss and bits per byte, tokens/s and MFU, "
+                                     "expert load per layer, dropped fraction and router entropy, alerts marked")
+    pl.add_argument("--run-dir", required=True, help="run directory written by moefast train")
+    pl.add_argument("--out", default=None, metavar="DIR", help="where to write the PNGs (default: RUN_DIR/plots)")
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
     b.add_argument("target", choices=["train", "memory", "routing", "cache", "peers", "overlap"],
                    help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
@@ -182,6 +186,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(strays)}")
     if args.command in with_overrides:
         args.overrides = [*args.overrides, *extra]
+    if args.command == "plot":  # reads metrics.jsonl only: no JAX
+        from moefast.plot import plot_run
+
+        try:
+            paths = plot_run(args.run_dir, args.out)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"error: cannot write the plots to {args.out or os.path.join(args.run_dir, 'plots')} "
+                  f"({e.strerror or e}); choose another --out", file=sys.stderr)
+            return 2
+        for name, path in paths.items():
+            print(f"{name}: {path}")
+        return 0
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"error: --cpu-devices must be >= 1, got {args.cpu_devices}", file=sys.stderr)
         return 2
