@@ -147,7 +147,8 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
     _mark_alerts(ax, alert_steps)
     _token_axis(ax, tps)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right")
     s, v = _series(evals, "eval_bits_per_byte")
     if s.size:
         ax2.plot(s, v, "o-", color="tab:orange", label="validation")
@@ -179,7 +180,8 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
     if ratios:
         k = 100 * ratios[-1]
         ax.secondary_yaxis("right", functions=(lambda x: x * k, lambda m: m / k)).set_ylabel("MFU (% of device peak)")
-    ax.legend(loc="lower left")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower left")
     figs["throughput"] = fig
 
     # expert load: one heatmap per MoE layer
