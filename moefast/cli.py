@@ -27,11 +27,24 @@ def _set_cpu_devices(n: int | None, mesh_devices: int = 1) -> None:
 
 
 def _inference_config(cfg):
-    """A run's config for eval/generate on whatever devices this process has: the checkpoint is
-    restored into a plain data-parallel mesh, whatever mesh it was trained on."""
+    """A run's config for eval/generate/export on whatever devices this process has: the checkpoint
+    is restored into a plain data-parallel mesh, whatever mesh it was trained on, and a routing
+    kernel this machine cannot run (``triton`` off a GPU) is replaced by ``auto``: every
+    implementation computes the same routing."""
+    import dataclasses
+
     from moefast.config import MeshConfig
 
-    return cfg.replace(mesh=MeshConfig())
+    cfg = cfg.replace(mesh=MeshConfig())
+    if cfg.moe.routing_impl == "triton":
+        from moefast.kernels.routing import triton as triton_kernel
+
+        why = triton_kernel.available()
+        if why:
+            print(f"note: moe.routing_impl=triton cannot run here ({why.split(';')[0]}); using 'auto' "
+                  "(the same routing)", file=sys.stderr)
+            cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, routing_impl="auto"))
+    return cfg
 
 
 def _parser() -> argparse.ArgumentParser:

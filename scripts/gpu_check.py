@@ -12,27 +12,32 @@ and on a CPU, tiny and in the Pallas interpreter, to check the script itself::
 Checks, in order (each a function registered with :func:`register_check`; add checks the same way):
 
 0. ``lowering`` — the kernel lowers to a Triton custom call; deprecation warnings are recorded.
-1. ``correctness`` — the compiled Pallas kernel (``impl="pallas"``) against the reference on a few
-   shapes: expert_index, slot, tokens_per_expert, num_dropped bitwise; gates, prob_sum, z_sum and
+1. ``correctness`` — the compiled Pallas kernel (``impl="pallas"``; also ``impl="triton"`` where
+   jax-triton runs) against the reference on a few shapes, up to 1024 experts: expert_index, slot, tokens_per_expert, num_dropped bitwise; gates, prob_sum, z_sum and
    the logits gradient to float32 tolerance. Mismatching elements are counted, not just flagged.
 2. ``bandwidth`` — device memory bandwidth from a large elementwise copy (read + write).
 3. ``kernel`` — the routing kernel alone (``routing_blocks``) over block sizes / warps, against the
    memory floor: (logits read once + kernel outputs written once) / measured bandwidth.
 4. ``route`` — ``route(impl=...)`` forward and forward+backward for every impl and policy.
-5. ``train_step`` — ``moefast bench train --ablate`` (the library's :mod:`moefast.bench.train`) on
+5. ``overlap`` — with 2+ GPUs: ``moefast bench overlap`` (:mod:`moefast.bench.overlap`): the train step
+   of a 4-layer MoE on an expert axis over the GPUs for ``moe.overlap_chunks`` 1, 2, 4 (alternating
+   timed steps) and the compiled program's all-to-alls: count, bytes, how many are asynchronous
+   with compute scheduled between start and done. With one GPU it is a skipped row. moefast's GPU
+   XLA flags (``moefast.parallel.xla_flags``) are set before JAX starts, as ``moefast train`` does;
+   the ones added are in the environment record.
+6. ``memory`` — ``moefast bench memory`` (:mod:`moefast.bench.memory`) on the GPU config: XLA's
+   per-device memory of the compiled step for each ``model.remat`` policy with scanned layers (timed
+   over a few interleaved steps), then unrolled layers without and with full remat.
+7. ``train_step`` — ``moefast bench train --ablate`` (:mod:`moefast.bench.train`) on
    ``configs/h200_1b.yaml`` with 8 of its 16 layers (``TRAIN_GPU_OVERRIDES``; ``--train-override``
    adds overrides): the baseline (tables recomputed per layer, GShard one-hot dispatch, no chunks,
    no prefetch, reference routing), each lever alone and all levers, in 2 interleaved rounds of
    ``--train-runs`` steps: tokens/s, step time, MFU (model FLOPs of
    ``moefast.model.flops``, peak from ``moefast.train.mfu``'s table or ``--peak-tflops``), memory
-   per device, compile time, ratios to the baseline and to all levers. It gets
-   ``--train-reserve-s`` of the budget (the earlier checks stop sooner); ``--only train_step``
-   gives it the whole budget.
-6. ``overlap`` — with 2+ GPUs: the train step of a 4-layer MoE on an expert axis over the GPUs for
-   ``moe.overlap_chunks`` 1, 2, 4 (alternating timed steps) and the compiled program's all-to-alls:
-   count, bytes, how many are asynchronous with compute scheduled between start and done. With
-   one GPU it is a skipped row. moefast's GPU XLA flags (``moefast.parallel.xla_flags``) are set
-   before JAX starts, as ``moefast train`` does; the ones added are in the environment record.
+   per device, compile time, ratios to the baseline and to all levers. It runs last and gets
+   ``--train-reserve-s`` of the budget, ``memory`` ``--memory-reserve-s``: each check's deadline
+   leaves the reserves of the checks after it, and a check that would not fit says "skipped
+   (budget ...)"; ``--only train_step`` gives it the whole budget.
 
 Every row goes into one markdown table per check on stdout and into the JSON file (``--out``).
 Timings are medians of ``--runs`` runs (train steps: ``--train-runs``) after a warm-up, each ended
@@ -138,7 +143,7 @@ def check_lowering(ctx: Context) -> list[dict]:
     """Which GPU backend the kernel lowers to (a Triton custom call expected) and its warnings."""
     import jax
     import jax.numpy as jnp
-    from kernels.routing.ops import route_pallas
+    from moefast.kernels.routing.ops import route_pallas
 
     t, e, k = 4096, 64, 2
     with warnings.catch_warnings(record=True) as caught:
@@ -159,11 +164,11 @@ def check_correctness(ctx: Context) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from kernels.routing import route
-    from kernels.routing.ops import route_pallas
+    from moefast.kernels.routing import route
+    from moefast.kernels.routing.ops import route_pallas
     from moefast.routing import compute_capacity
 
-    from kernels.routing import triton as triton_kernel
+    from moefast.kernels.routing import triton as triton_kernel
 
     variants = [("position", "normal", "cumsum"), ("position", "integer", "cumsum"),
                 ("priority", "normal", "cumsum"), ("priority", "integer", "cumsum"),
@@ -241,7 +246,7 @@ def check_bandwidth(ctx: Context) -> list[dict]:
 
 def kernel_io_bytes(t: int, e: int, k: int, block_tokens: int, itemsize: int, rank_method: str) -> int:
     """Bytes the routing kernel must move: logits and mask in, [T, K] outputs and block stats out."""
-    from kernels.routing.pallas import next_power_of_2
+    from moefast.kernels.routing.pallas import next_power_of_2
     nb, ep, kp = -(-t // block_tokens), next_power_of_2(e), next_power_of_2(k)
     ep = max(ep, 16) if rank_method == "matmul" else ep
     tp = nb * block_tokens
@@ -253,7 +258,7 @@ def kernel_io_bytes(t: int, e: int, k: int, block_tokens: int, itemsize: int, ra
 @register_check("kernel")
 def check_kernel(ctx: Context) -> list[dict]:
     import jax.numpy as jnp
-    from kernels.routing.pallas import routing_blocks
+    from moefast.kernels.routing.pallas import routing_blocks
 
     rows = []
     gbs = ctx.shared.get("bandwidth_gbs")
@@ -289,7 +294,7 @@ def check_kernel(ctx: Context) -> list[dict]:
 def check_route(ctx: Context) -> list[dict]:
     import jax
     import jax.numpy as jnp
-    from kernels.routing import IMPLS, route
+    from moefast.kernels.routing import IMPLS, route
     from moefast.routing import compute_capacity
 
     impls = [i for i in ctx.args.impls.split(",") if i]
@@ -298,7 +303,7 @@ def check_route(ctx: Context) -> list[dict]:
         raise SystemExit(f"--impls: {unknown} not in {IMPLS}")
     gbs = ctx.shared.get("bandwidth_gbs")
     rows = []
-    from kernels.routing import triton as triton_kernel
+    from moefast.kernels.routing import triton as triton_kernel
 
     why = triton_kernel.available()
     if "triton" in impls and why:
@@ -354,6 +359,37 @@ TRAIN_STEP_SMOKE = (
 )
 
 
+OVERLAP_GPU = ("model.d_model=1024", "model.num_layers=4", "model.num_heads=8", "model.head_dim=128",
+               "model.d_ff=1280", "model.max_seq_len=1024", "model.dtype=bfloat16", "moe.num_experts=16",
+               "moe.top_k=2", "data.seq_len=1024")
+
+
+@register_check("overlap")
+def check_overlap(ctx: Context) -> list[dict]:
+    """``moefast bench overlap`` (:func:`moefast.bench.overlap.bench_overlap`) on an expert axis over
+    every GPU (needs 2+): the train step for ``moe.overlap_chunks`` 1, 2, 4 in alternating timed
+    steps, and the compiled program's all-to-alls (how many, whether asynchronous with compute
+    scheduled between start and done). Leaves the reserves of memory and train_step."""
+    import jax
+    from moefast.bench.overlap import CHUNKS, bench_overlap
+
+    n_dev = len(jax.devices())
+    if n_dev < 2:
+        return [{"chunks": "-", "status": f"skipped (an expert axis needs 2+ devices; this machine has {n_dev})"}]
+    smoke = ctx.args.cpu_smoke
+    min_s = 10.0 if smoke else 90.0  # three compiles of the 4-layer model and the alternating steps
+    if ctx.time_left() < min_s:
+        return [{"chunks": "-", "status": f"skipped (budget: {ctx.time_left():.0f} s left, needs ~{min_s:.0f} s)"}]
+    experts = 4 if smoke else 16  # moe.num_experts of TRAIN_STEP_SMOKE / OVERLAP_GPU
+    ep = max(d for d in (2, 4, 8, 16) if d <= n_dev and n_dev % d == 0 and experts % d == 0)
+    overrides = [*(TRAIN_STEP_SMOKE if smoke else OVERLAP_GPU), f"mesh.expert={ep}", f"mesh.data={n_dev // ep}",
+                 f"data.batch_size={2 * n_dev}", "cache.compile_dir=null"]
+    r = bench_overlap(None, overrides, steps=ctx.args.train_runs, rounds=0)
+    return [{"chunks": n, "status": "ok", "mesh": r.mesh, "median_ms": 1e3 * r.step_s[n], "runs": r.steps,
+             "x_chunks_1": r.ratio(n), "tokens_per_s": r.tokens_per_step / r.step_s[n], **r.collectives[n]}
+            for n in CHUNKS]
+
+
 @register_check("memory")
 def check_memory(ctx: Context) -> list[dict]:
     """``moefast bench memory`` (:func:`moefast.bench.memory.bench_memory`) on ``configs/h200_1b.yaml``
@@ -364,7 +400,7 @@ def check_memory(ctx: Context) -> list[dict]:
     from moefast.bench.memory import bench_memory
 
     smoke = ctx.args.cpu_smoke
-    min_s = 5.0 if smoke else 120.0  # five + two compiles of the GPU config and 3 steps of five
+    min_s = 5.0 if smoke else 90.0  # the scanned variants' compiles and 3 steps of each
     if ctx.time_left() < min_s:
         return [{"variant": "-", "status": f"skipped (budget: {ctx.time_left():.0f} s left, needs ~{min_s:.0f} s)"}]
     config = None if smoke else os.path.join(REPO, "configs", "h200_1b.yaml")
@@ -413,37 +449,6 @@ def check_train_step(ctx: Context) -> list[dict]:
     return rows
 
 
-OVERLAP_GPU = ("model.d_model=1024", "model.num_layers=4", "model.num_heads=8", "model.head_dim=128",
-               "model.d_ff=1280", "model.max_seq_len=1024", "model.dtype=bfloat16", "moe.num_experts=16",
-               "moe.top_k=2", "data.seq_len=1024")
-
-
-@register_check("overlap")
-def check_overlap(ctx: Context) -> list[dict]:
-    """``moefast bench overlap`` (:func:`moefast.bench.overlap.bench_overlap`) on an expert axis over
-    every GPU (needs 2+): the train step for ``moe.overlap_chunks`` 1, 2, 4 in alternating timed
-    steps, and the compiled program's all-to-alls (how many, whether asynchronous with compute
-    scheduled between start and done). Runs after ``train_step``'s reserve is set aside."""
-    import jax
-    from moefast.bench.overlap import CHUNKS, bench_overlap
-
-    n_dev = len(jax.devices())
-    if n_dev < 2:
-        return [{"chunks": "-", "status": f"skipped (an expert axis needs 2+ devices; this machine has {n_dev})"}]
-    smoke = ctx.args.cpu_smoke
-    min_s = 10.0 if smoke else 90.0  # three compiles of the 4-layer model and the alternating steps
-    if ctx.time_left() < min_s:
-        return [{"chunks": "-", "status": f"skipped (budget: {ctx.time_left():.0f} s left, needs ~{min_s:.0f} s)"}]
-    experts = 4 if smoke else 16  # moe.num_experts of TRAIN_STEP_SMOKE / OVERLAP_GPU
-    ep = max(d for d in (2, 4, 8, 16) if d <= n_dev and n_dev % d == 0 and experts % d == 0)
-    overrides = [*(TRAIN_STEP_SMOKE if smoke else OVERLAP_GPU), f"mesh.expert={ep}", f"mesh.data={n_dev // ep}",
-                 f"data.batch_size={2 * n_dev}", "cache.compile_dir=null"]
-    r = bench_overlap(None, overrides, steps=ctx.args.train_runs, rounds=0)
-    return [{"chunks": n, "status": "ok", "mesh": r.mesh, "median_ms": 1e3 * r.step_s[n], "runs": r.steps,
-             "x_chunks_1": r.ratio(n), "tokens_per_s": r.tokens_per_step / r.step_s[n], **r.collectives[n]}
-            for n in CHUNKS]
-
-
 # --- Driver -----------------------------------------------------------------------------------------
 
 def markdown_table(rows: list[dict]) -> str:
@@ -469,10 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="gpu_check.json", help="JSON results path")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on CPU in the Pallas interpreter (checks the script, times nothing useful)")
-    p.add_argument("--budget-s", type=float, default=420.0,
+    p.add_argument("--budget-s", type=float, default=440.0,
                    help="seconds after which remaining work is skipped (the whole run must stay under 8 min)")
     p.add_argument("--shapes", default="16384x64x2,65536x256x8", help="timed shapes TxExK")
-    p.add_argument("--check-shapes", default="1x8x1,4099x7x2,16384x64x2,65536x256x8",
+    p.add_argument("--check-shapes", default="1x8x1,4099x7x2,16384x64x2,65536x256x8,4096x1024x8",
                    help="correctness shapes TxExK")
     p.add_argument("--impls", default="reference,pallas,triton",
                    help="route impls to time (triton: skipped where jax-triton or a GPU is missing)")
@@ -492,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train_step: a moefast config override on top of the built-in config (repeatable)")
     p.add_argument("--train-reserve-s", type=float, default=240.0,
                    help="seconds of --budget-s kept for train_step: the checks before it see an earlier deadline")
+    p.add_argument("--memory-reserve-s", type=float, default=100.0,
+                   help="seconds of --budget-s kept for memory (before train_step's reserve)")
     p.add_argument("--only", default="", help="comma-separated subset of checks to run")
     return p
 
@@ -505,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         args.shapes, args.check_shapes = "256x8x2,130x64x4", "13x7x2,64x8x2"
         args.block_tokens, args.num_warps, args.runs, args.copy_mib = "32,128", "4", 3, 64
         args.train_runs = min(args.train_runs, 3)
-    sys.path.insert(0, REPO)  # kernels/ imports only jax; no install needed
+    # needs moefast installed (pip install -e .): the kernels are imported as moefast.kernels
     from moefast.parallel import xla_flags
 
     flags = xla_flags.configure(True)  # the GPU collective-overlap flags, before JAX starts (as moefast train)
@@ -522,13 +529,15 @@ def main(argv: list[str] | None = None) -> int:
            "argv": sys.argv[1:], "cpu_smoke": args.cpu_smoke}
     print(f"# gpu_check\n\n{json.dumps(env)}\n")
     only = {c for c in args.only.split(",") if c}
-    reserve = args.train_reserve_s if not only or "train_step" in only else 0.0
+    # each check's deadline leaves the reserves of the checks after it (memory, then train_step: last)
+    reserves = {"memory": 5.0 if args.cpu_smoke else args.memory_reserve_s, "train_step": args.train_reserve_s}
+    chosen = [name for name, _ in CHECKS if not only or name in only]
     results: dict[str, Any] = {"env": env, "checks": {}}
     for name, fn in CHECKS:
         if only and name not in only:
             continue
-        # train_step runs last; the checks before it stop early enough to leave it its reserve
-        ctx.deadline = start + args.budget_s - (0.0 if name == "train_step" else reserve)
+        later = chosen[chosen.index(name) + 1:]
+        ctx.deadline = start + args.budget_s - sum(reserves.get(n, 0.0) for n in later)
         t0 = time.monotonic()
         try:
             rows = fn(ctx)

@@ -95,7 +95,7 @@ def test_overrides_may_sit_among_options_and_steps_change_is_reported(trained_ru
     (["train", "--distributed-timeout", "0"], "--distributed-timeout must be >= 1"),
     (["train", "--num-processes", "2"], "must be given together"),
     (["train", "--cpu-devices", "2", "moe.routing_impl=pallas"], "moe.routing_impl: 'pallas' runs in the Pallas interpreter"),
-    (["train", "moe.routing_impl=triton"], "moe.routing_impl: impl='triton' needs jax-triton"),
+    (["train", "moe.routing_impl=triton"], "moe.routing_impl: impl='triton' runs on a GPU only"),
     (["train", "train.stepz=3"], "train.stepz: unknown key"),
     (["train", "moe.top_k=9"], "moe.top_k: must be in [1, moe.num_experts=8]"),
     (["train", "--config", "nope.yaml"], "config file nope.yaml not found"),
@@ -145,3 +145,16 @@ def test_garbled_run_config_is_one_clear_error(tmp_path, text, message):
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
     assert len([line for line in p.stderr.splitlines() if line.strip()]) == 1, p.stderr
     assert (tmp_path / "config.yaml").read_text() == text
+
+
+def test_eval_and_generate_of_a_triton_run_fall_back_off_gpu(capsys):
+    import dataclasses
+
+    from moefast import cli
+    from moefast.config import load_config
+
+    cfg = load_config(None, ["moe.routing_impl=triton", "mesh.expert=2"])
+    got = cli._inference_config(cfg)
+    assert got.moe.routing_impl == "auto" and got.mesh.expert == 1
+    assert dataclasses.replace(got.moe, routing_impl="triton") == cfg.moe  # nothing else changed
+    assert "moe.routing_impl=triton cannot run here" in capsys.readouterr().err

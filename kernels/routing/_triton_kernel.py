@@ -8,9 +8,11 @@ interpreter (which patches this module's ``tl``); importing :mod:`.triton` never
 import triton.language as tl
 
 
-def routing_kernel(logits_ptr, mask_ptr, bias_ptr, index_ptr, gates_ptr, rank_ptr, counts_ptr, prob_sum_ptr,
-                   z_ptr, num_tokens, num_experts, TOP_K: tl.constexpr, TB: tl.constexpr, EP: tl.constexpr,
+def routing_kernel(logits_ptr, mask_ptr, bias_ptr, num_tokens, num_experts, index_ptr, gates_ptr, rank_ptr,
+                   counts_ptr, prob_sum_ptr, z_ptr, TOP_K: tl.constexpr, TB: tl.constexpr, EP: tl.constexpr,
                    KP: tl.constexpr):
+    # Parameter order is jax-triton's calling convention: the inputs (arrays and scalars) as passed
+    # to triton_call, then one pointer per output of out_type, then the constexprs.
     pid = tl.program_id(0)
     rows = pid * TB + tl.arange(0, TB)  # [Tb]
     cols = tl.arange(0, EP)  # [Ep]

@@ -93,11 +93,11 @@ def route_triton(logits: jax.Array, *, top_k: int, capacity: int, policy: str = 
     """
     from . import triton as triton_kernel
 
+    logits32, mask = validate(logits, top_k, capacity, policy, mask, bias, capacity_limit)
+    check_block_tokens(block_tokens)
     why = triton_kernel.available()
     if why:
         raise RuntimeError(why)
-    logits32, mask = validate(logits, top_k, capacity, policy, mask, bias, capacity_limit)
-    check_block_tokens(block_tokens)
     if not jnp.issubdtype(logits.dtype, jnp.floating):
         logits = logits32
     bias_e = jnp.zeros((logits.shape[1],), jnp.float32) if bias is None else bias.astype(jnp.float32)

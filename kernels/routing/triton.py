@@ -4,7 +4,9 @@ Dimension letters: T tokens, E experts, K top_k, B token blocks, Tb tokens per b
 Kp >= K are the expert and choice axes padded to powers of two (Triton block shapes).
 
 One program per token block computes, in float32 whatever the logits' dtype, exactly what the
-Pallas kernel does (see :mod:`.pallas` for the conventions): the softmax statistics, the top-k of
+Pallas kernel does (see :mod:`.pallas` for the conventions; as there, NaN logits are not supported:
+a NaN row's choices may differ from the reference's, an expert index may be E, and rows with
+infinite logits give a NaN ``z_sum`` where the reference gives inf): the softmax statistics, the top-k of
 ``logits + bias`` by K rounds of "max over the experts not yet taken, then the lowest expert index
 reaching it" (ties to the lower index, as :func:`jax.lax.top_k`), the renormalised gates, per
 (choice rank, expert) the block's counts and each assignment's rank within the block (an inclusive
@@ -26,8 +28,6 @@ from __future__ import annotations
 import functools
 import os
 
-import numpy as np
-
 from .pallas import BlockOutputs, check_block_tokens, next_power_of_2
 
 __all__ = ["available", "routing_blocks", "routing_blocks_torch"]
@@ -35,15 +35,41 @@ __all__ = ["available", "routing_blocks", "routing_blocks_torch"]
 
 def available() -> str | None:
     """``None`` when the JAX launcher can run here, else why not (a sentence)."""
-    try:
-        import jax
-        import jax_triton  # noqa: F401
-    except ImportError:
-        return "impl='triton' needs jax-triton (pip install -c constraints.txt -e '.[gpu]')"
+    import jax
+
     if jax.default_backend() != "gpu":
         return (f"impl='triton' runs on a GPU only (default backend: {jax.default_backend()}); its kernel is "
                 "checked on CPU under the Triton interpreter by the tests")
+    try:
+        import jax_triton  # noqa: F401
+    except ModuleNotFoundError:
+        return ("impl='triton' needs jax-triton: pip install 'jax-triton>=0.3' into the environment whose "
+                "CUDA jaxlib runs this GPU (the [gpu] extra; not with constraints.txt, which pins the CPU jax)")
+    except Exception as e:  # installed but broken (e.g. built for another jaxlib)
+        return f"impl='triton': jax-triton is installed but failed to import ({type(e).__name__}: {e})"
     return None
+
+
+# Outputs of the kernel, in its parameter order: name, shape from (T, K, B, E), dtype.
+_OUTPUTS = (("index", "tk", "int32"), ("gates", "tk", "float32"), ("rank", "tk", "int32"),
+            ("counts", "bke", "int32"), ("prob_sum", "be", "float32"), ("z", "b", "float32"))
+
+
+def _output_shapes(t: int, e: int, top_k: int, nb: int) -> list[tuple[str, tuple[int, ...], str]]:
+    dims = {"tk": (t, top_k), "bke": (nb, top_k, e), "be": (nb, e), "b": (nb,)}
+    return [(name, dims[kind], dtype) for name, kind, dtype in _OUTPUTS]
+
+
+def _check(t: int, e: int, top_k: int, mask_shape, bias_shape) -> None:
+    """The launchers' argument checks (the kernel reads out of bounds on bad sizes)."""
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={e}]")
+    if tuple(mask_shape) != (t,) or tuple(bias_shape) != (e,):
+        raise ValueError(f"mask must be [{t}] and bias [{e}] for logits [{t}, {e}]; got {tuple(mask_shape)} and "
+                         f"{tuple(bias_shape)}")
+    if t * e >= 2**31:
+        raise ValueError(f"tokens x experts = {t * e} needs 64-bit offsets; the kernel indexes with int32 "
+                         "(route fewer tokens per call)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,18 +123,14 @@ def routing_blocks_torch(logits, mask, bias, *, top_k: int, block_tokens: int = 
                            "TRITON_INTERPRET=1 before triton is imported")
 
     t, e = logits.shape
+    _check(t, e, top_k, mask.shape, bias.shape)
     nb, ep, kp = _sizes(t, e, top_k, block_tokens)
     dev = logits.device
-    out = dict(index=torch.empty((t, top_k), dtype=torch.int32, device=dev),
-               gates=torch.empty((t, top_k), dtype=torch.float32, device=dev),
-               rank=torch.empty((t, top_k), dtype=torch.int32, device=dev),
-               counts=torch.empty((nb, top_k, e), dtype=torch.int32, device=dev),
-               prob_sum=torch.empty((nb, e), dtype=torch.float32, device=dev),
-               z=torch.empty((nb,), dtype=torch.float32, device=dev))
-    _kernel()[(nb,)](logits.contiguous(), mask.to(torch.int32).contiguous(),
-                              bias.to(torch.float32).contiguous(), out["index"], out["gates"], out["rank"],
-                              out["counts"], out["prob_sum"], out["z"], t, e, TOP_K=top_k, TB=block_tokens, EP=ep,
-                              KP=kp)
+    out = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+           for name, shape, dtype in _output_shapes(t, e, top_k, nb)}
+    # the order of jax-triton's triton_call (see routing_blocks): inputs, then the outputs
+    _kernel()[(nb,)](logits.contiguous(), mask.to(torch.int32).contiguous(), bias.to(torch.float32).contiguous(),
+                     t, e, *out.values(), TOP_K=top_k, TB=block_tokens, EP=ep, KP=kp)
     n = {k: (v.float() if v.dtype == torch.bfloat16 else v).cpu().numpy() for k, v in out.items()}
     return BlockOutputs(expert_index=n["index"], gates=n["gates"], block_rank=n["rank"], counts=n["counts"],
                         prob_sum=n["prob_sum"], z_sum=n["z"])
@@ -140,14 +162,15 @@ def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, n
     import jax_triton as jt
 
     t, e = logits.shape
+    _check(t, e, top_k, mask.shape, bias.shape)
     nb, ep, kp = _sizes(t, e, top_k, block_tokens)
     if num_warps is None:
         num_warps = 4 if block_tokens * ep <= 8192 else 8
-    shapes = [jax.ShapeDtypeStruct((t, top_k), jnp.int32), jax.ShapeDtypeStruct((t, top_k), jnp.float32),
-              jax.ShapeDtypeStruct((t, top_k), jnp.int32), jax.ShapeDtypeStruct((nb, top_k, e), jnp.int32),
-              jax.ShapeDtypeStruct((nb, e), jnp.float32), jax.ShapeDtypeStruct((nb,), jnp.float32)]
+    shapes = [jax.ShapeDtypeStruct(shape, getattr(jnp, dtype)) for _, shape, dtype in _output_shapes(t, e, top_k, nb)]
     kw = dict(kernel=_kernel(), grid=(nb,), num_warps=num_warps, TOP_K=top_k, TB=block_tokens, EP=ep, KP=kp)
-    args = (logits, mask.astype(jnp.int32), bias.astype(jnp.float32), np.int32(t), np.int32(e))
+    # jax-triton passes the array inputs, then the scalars (static: Python ints), in this order, then
+    # one pointer per output: the kernel's parameter order (kernels/routing/_triton_kernel.py)
+    args = (logits, mask.astype(jnp.int32), bias.astype(jnp.float32), int(t), int(e))
     import inspect
 
     # jax-triton >= 0.4 names the output types out_type; older releases out_shape

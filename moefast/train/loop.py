@@ -360,7 +360,9 @@ class Trainer:
 
             why = triton_kernel.available()
             if why:
-                raise ConfigError(f"moe.routing_impl: {why}; use 'auto', 'reference' or 'pallas' here")
+                others = "'auto' or 'reference'" if jax.default_backend() == "cpu" and self.mesh.size > 1 else \
+                    "'auto', 'reference' or 'pallas'"
+                raise ConfigError(f"moe.routing_impl: {why}; use {others} here")
         if corpus is not None:
             self.corpus = corpus  # else read on first use (cached_property): compiling needs only the tokenizer
         self.data_cfg = cfg.data  # with a run-dir-relative tokenizer path resolved

@@ -86,3 +86,65 @@ def test_triton_impl_says_what_it_needs_off_gpu():
 
     with pytest.raises(RuntimeError, match="triton"):
         route(jnp.zeros((4, 8)), top_k=2, capacity=2, impl="triton")
+
+
+def _fake_jax_triton():
+    """A stand-in for jax-triton that keeps its documented calling convention — the positional
+    arrays and scalars in order, then one pointer per ``out_type`` entry, then the keyword
+    constexprs — and runs the kernel in the Triton interpreter on the host (``jax.pure_callback``),
+    so the JAX launcher (:func:`triton_kernel.routing_blocks`) and ``route(impl="triton")`` run on
+    CPU exactly as they are wired on a GPU."""
+    import types
+
+    def triton_call(*args, kernel, out_type, grid, num_warps=None, **meta):
+        arrays = [a for a in args if isinstance(a, jax.Array)]
+        assert all(isinstance(a, int) for a in args if not isinstance(a, jax.Array)), "scalars must be Python ints"
+
+        def host(*values):
+            it = iter(values)
+            ordered = [_torch(next(it)) if isinstance(a, jax.Array) else a for a in args]
+            outs = [torch.empty(o.shape, dtype=getattr(torch, jnp.dtype(o.dtype).name)) for o in out_type]
+            kernel[grid](*ordered, *outs, **meta)
+            return tuple(o.numpy() for o in outs)
+
+        return jax.pure_callback(host, tuple(out_type), *arrays)
+
+    return types.SimpleNamespace(triton_call=triton_call)
+
+
+@pytest.mark.parametrize("policy,dtype", [("position", jnp.float32), ("priority", jnp.bfloat16)])
+def test_the_jax_launcher_binds_the_kernel_as_jax_triton_does(policy, dtype, monkeypatch):
+    """route(impl="triton") under jit, forward and backward, through routing_blocks and the custom
+    VJP, with jax-triton's argument order: equal to the reference."""
+    import sys
+
+    from moefast.kernels.routing import route
+
+    monkeypatch.setitem(sys.modules, "jax_triton", _fake_jax_triton())
+    monkeypatch.setattr(triton_kernel, "available", lambda: None)
+    logits = make_logits("normal", 129, 8, dtype, seed=3)
+    kw = dict(top_k=2, capacity=40, policy=policy, mask=make_mask(129))
+
+    def run(impl):
+        def loss(x):
+            r = route(x, impl=impl, **kw)
+            return jnp.sum(r.gates * jnp.arange(1.0, 3.0)[None, :]) + jnp.sum(r.prob_sum * jnp.arange(8)) + 1e-3 * r.z_sum, r
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(logits)
+
+    (_, got), g_got = run("triton")
+    (_, want), g_want = run("reference")
+    for name in INT_FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+    np.testing.assert_allclose(np.asarray(got.gates), np.asarray(want.gates), **TOLERANCE["gates"])
+    np.testing.assert_allclose(np.asarray(g_got, np.float32), np.asarray(g_want, np.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_the_launchers_check_their_arguments():
+    with pytest.raises(ValueError, match="top_k=9"):
+        triton_kernel.routing_blocks_torch(torch.zeros(4, 8), torch.ones(4), torch.zeros(8), top_k=9)
+    with pytest.raises(ValueError, match="mask must be"):
+        triton_kernel.routing_blocks_torch(torch.zeros(13, 8), torch.ones(5), torch.zeros(8), top_k=2)
+    with pytest.raises(ValueError, match="top_k=9"):  # a bad argument is named before any jax-triton message
+        from moefast.kernels.routing import route
+
+        route(jnp.zeros((4, 8)), top_k=9, capacity=2, impl="triton")
