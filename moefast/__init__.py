@@ -37,6 +37,7 @@ _API = {
     "generate": "moefast.train",
     "load_run_config": "moefast.train",
     "MoELayer": "moefast.model",
+    "MoEStats": "moefast.model",
     "compute_capacity": "moefast.routing",
     "route": "moefast.routing",
     "RoutingResult": "moefast.routing",
@@ -49,6 +50,8 @@ __all__ = sorted(_API)
 
 
 def __getattr__(name):
+    if name == "plot":  # the module (moefast.plot.run_figures, ...), importable without JAX
+        return importlib.import_module("moefast.plot")
     if name in _API:
         return getattr(importlib.import_module(_API[name]), name)
     raise AttributeError(f"module 'moefast' has no attribute {name!r}")

@@ -204,12 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             paths = plot_run(args.run_dir, args.out)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except OSError as e:
-            print(f"error: cannot write the plots to {args.out or os.path.join(args.run_dir, 'plots')} "
-                  f"({e.strerror or e}); choose another --out", file=sys.stderr)
+        except (OSError, ValueError) as e:  # read errors name metrics.jsonl, write errors the directory
+            print(f"error: {e}".replace("another output directory", "another --out"), file=sys.stderr)
             return 2
         for name, path in paths.items():
             print(f"{name}: {path}")

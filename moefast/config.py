@@ -63,6 +63,19 @@ def _suggest(name: str, valid) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def _check_choices(obj: Any, section: str) -> None:
+    """Every ``Literal`` field of a section holds one of its choices (also when the dataclass is
+    built in code, not only through :func:`load_config`)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if typing.get_origin(hints[f.name]) is Literal:
+            choices = typing.get_args(hints[f.name])
+            value = getattr(obj, f.name)
+            if value not in choices:
+                raise ConfigError(f"{section}.{f.name}: {value!r} is not one of {list(choices)}"
+                                  f"{_suggest(str(value), [str(c) for c in choices])}")
+
+
 def _require(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {msg}")
@@ -143,6 +156,7 @@ class ModelConfig:
     scan_layers: bool = False
 
     def __post_init__(self):
+        _check_choices(self, "model")
         for k in ("d_model", "num_layers", "num_heads", "head_dim", "d_ff", "max_seq_len", "moe_every"):
             _require(getattr(self, k) >= 1, f"model.{k}", f"must be >= 1, got {getattr(self, k)}")
         _require(self.dense_d_ff is None or self.dense_d_ff >= 1, "model.dense_d_ff",
@@ -282,6 +296,7 @@ class MoEConfig:
         return self.capacity_factor == 0
 
     def __post_init__(self):
+        _check_choices(self, "moe")
         _require(self.num_experts >= 1, "moe.num_experts", f"must be >= 1, got {self.num_experts}")
         _require(1 <= self.top_k <= self.num_experts, "moe.top_k",
                  f"must be in [1, moe.num_experts={self.num_experts}], got {self.top_k}")
@@ -350,6 +365,7 @@ class DataConfig:
     prefetch: int | Literal["auto"] = "auto"
 
     def __post_init__(self):
+        _check_choices(self, "data")
         _require(self.seq_len >= 2, "data.seq_len", f"must be >= 2, got {self.seq_len}")
         _require(self.batch_size >= 1, "data.batch_size", f"must be >= 1, got {self.batch_size}")
         _require(0.0 < self.val_fraction < 1.0, "data.val_fraction",
@@ -419,6 +435,7 @@ class TrainConfig:
     grad_accum_steps: int = 1
 
     def __post_init__(self):
+        _check_choices(self, "train")
         _require(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
         _require(self.stop_at is None or 1 <= self.stop_at <= self.steps, "train.stop_at",
                  f"must be null or in [1, train.steps={self.steps}], got {self.stop_at}")
@@ -463,6 +480,7 @@ class MeshConfig:
     expert: int = 1
 
     def __post_init__(self):
+        _check_choices(self, "mesh")
         for k in ("data", "fsdp", "expert"):
             v = getattr(self, k)
             _require(v == -1 or v >= 1, f"mesh.{k}", f"must be -1 (the rest) or >= 1, got {v}")
@@ -481,6 +499,7 @@ class CheckpointConfig:
     async_save: bool = True
 
     def __post_init__(self):
+        _check_choices(self, "checkpoint")
         _require(self.keep >= 1, "checkpoint.keep", f"must be >= 1, got {self.keep}")
 
 
@@ -507,6 +526,7 @@ class CacheConfig:
     compile_dir: str | bool | None = "auto"
 
     def __post_init__(self):
+        _check_choices(self, "cache")
         if self.compile_dir is False:  # YAML reads false / off / no as False
             object.__setattr__(self, "compile_dir", None)
         _require(self.compile_dir is not True, "cache.compile_dir",
@@ -550,6 +570,7 @@ class MonitorConfig:
     patience: int = 3
 
     def __post_init__(self):
+        _check_choices(self, "monitor")
         _require(self.max_load_ratio > 1.0, "monitor.max_load_ratio",
                  f"must be > 1 (1 = perfectly balanced), got {self.max_load_ratio}")
         _require(self.patience >= 1, "monitor.patience", f"must be >= 1, got {self.patience}")

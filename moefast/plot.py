@@ -3,11 +3,14 @@
 One figure per question, each a PNG (matplotlib, no display needed):
 
 * ``loss.png`` — is it learning? Training loss (nats per token, every log record) and validation
-  loss against step, validation bits per byte below; a top axis in tokens seen.
+  loss against step (a log scale when they span more than 30×, e.g. a diverged run; non-finite
+  values break the line, and steps skipped as non-finite are crosses), validation bits per byte
+  below; a top axis in tokens seen.
 * ``throughput.png`` — how fast? tokens/s per log interval against step, with MFU (percent of the
   device peak, where the run knew it) as the right-hand scale.
-* ``expert_load.png`` — are the experts used evenly? One heatmap per MoE layer: the share of the
-  layer's assignments (before capacity) that each expert got, per log record.
+* ``expert_load.png`` — are the experts used evenly? One heatmap per MoE layer (titled with its
+  block index where the run's config.yaml says): each expert's share of the layer's assignments
+  (before capacity) per log record, relative to a uniform split (1 = 1/E), so any E reads alike.
 * ``routing.png`` — is routing healthy? Fraction of assignments dropped by capacity and the router
   entropy (nats; ``log(num_experts)`` is uniform) per MoE layer against step.
 
@@ -40,13 +43,17 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
 
     Raises:
       FileNotFoundError: there is no ``metrics.jsonl`` in ``run_dir``.
-      ValueError: a line other than the last is not a JSON record (names the line).
+      ValueError: it cannot be read, or a line other than the last is not a JSON record (names
+        the line).
     """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a moefast run directory with metrics "
                                 "(moefast train --run-dir DIR writes them)")
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read {path} ({e.strerror or e})") from None
     by_kind: dict[str, dict[Any, dict[str, Any]]] = {}
     for i, line in enumerate(lines):
         if not line.strip():
@@ -64,21 +71,26 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
             for k, v in by_kind.items()}
 
 
-def _tokens_per_step(run_dir: Path) -> int | None:
-    """``data.batch_size * data.seq_len`` of ``config.yaml`` (what tokens/s counts), if readable."""
+def _run_shape(run_dir: Path) -> tuple[int | None, list[int] | None]:
+    """From ``config.yaml``, if readable: tokens per step (``data.batch_size * data.seq_len``, what
+    tokens/s counts) and the block index of each MoE layer."""
     import yaml
 
+    from moefast.config import ExperimentConfig
+
     try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
-        return int(data["batch_size"]) * int(data["seq_len"])
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
-        return None
+        cfg = ExperimentConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    except Exception:  # a missing or hand-edited config: plot without it
+        return None, None
+    blocks = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)]
+    return cfg.data.batch_size * cfg.data.seq_len, blocks
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """Steps and values of the records that have a finite scalar ``key``."""
-    pts = [(r["step"], float(r[key])) for r in records
-           if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    """Steps and values of the records that have a scalar ``key`` (non-finite values as NaN, so a
+    line breaks there instead of bridging them)."""
+    pts = [(r["step"], float(r[key]) if math.isfinite(r[key]) else math.nan) for r in records
+           if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
     return np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
 
 
@@ -98,15 +110,30 @@ def _mark_alerts(ax, alert_steps: list[int]) -> None:
                    label="expert-load alert" if i == 0 else None)
 
 
-def _token_axis(ax, tokens_per_step: int | None) -> None:
+def _token_axis(ax, tokens_per_step: int | None, last_step: float) -> None:
     if tokens_per_step:
-        top = ax.secondary_xaxis("top", functions=(lambda s: s * tokens_per_step / 1e6,
-                                                   lambda t: t * 1e6 / tokens_per_step))
-        top.set_xlabel("tokens seen (millions)")
+        unit, name = (1e6, "millions") if last_step * tokens_per_step >= 1e6 else (1e3, "thousands")
+        top = ax.secondary_xaxis("top", functions=(lambda s: s * tokens_per_step / unit,
+                                                   lambda t: t * unit / tokens_per_step))
+        top.set_xlabel(f"tokens seen ({name})")
+
+
+def _mark_skipped(ax, steps: list[int]) -> None:
+    """Non-finite steps (skipped updates) as crosses along the bottom of the axes."""
+    if steps:
+        ax.plot(steps, [0.02] * len(steps), "x", color="tab:red", transform=ax.get_xaxis_transform(),
+                label="non-finite step (skipped)")
+
+
+def _layer_colors(n: int) -> list:
+    from matplotlib import colormaps
+
+    return [colormaps["tab10"](i) for i in range(n)] if n <= 10 else \
+        [colormaps["viridis"](i / max(n - 1, 1)) for i in range(n)]
 
 
 def _no_data(ax, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} in metrics.jsonl yet", ha="center", va="center", transform=ax.transAxes,
+    ax.text(0.5, 0.5, f"no {what} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes,
             color="0.4")
 
 
@@ -119,15 +146,21 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
       ``{name: Figure}`` for the names in :data:`FIGURES`.
 
     Raises:
-      FileNotFoundError, ValueError: as :func:`read_metrics`.
+      FileNotFoundError, ValueError: as :func:`read_metrics`; ValueError also when it holds no
+        training or evaluation record yet.
     """
     from matplotlib.figure import Figure
 
     run_dir = Path(run_dir)
     rec = read_metrics(run_dir)
     train, evals = rec.get("train", []), rec.get("eval", [])
+    if not train and not evals:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no training or evaluation records yet (the first comes "
+                         "after train.log_every steps)")
     alert_steps = sorted({a["step"] for a in rec.get("alert", [])})
-    tps = _tokens_per_step(run_dir)
+    skipped = sorted({r["step"] for r in rec.get("nonfinite", [])})
+    tps, moe_blocks = _run_shape(run_dir)
+    last_step = max([r["step"] for r in train + evals])
     title = run_dir.resolve().name
     figs: dict[str, Any] = {}
 
@@ -135,17 +168,21 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
     fig = Figure(figsize=(8, 6.5), layout="constrained")
     ax, ax2 = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     s, v = _series(train, "loss")
+    finite = [x for x in v if math.isfinite(x) and x > 0]
     if s.size:
-        ax.plot(s, v, label="training loss", color="tab:blue")
+        ax.plot(s, v, ".-", label="training loss", color="tab:blue")
     s, v = _series(evals, "eval_loss")
+    finite += [x for x in v if math.isfinite(x) and x > 0]
     if s.size:
         ax.plot(s, v, "o-", label="validation loss", color="tab:orange")
-    if not train and not evals:
-        _no_data(ax, "loss records")
-    ax.set_ylabel("cross-entropy (nats / token)")
+    log_scale = bool(finite) and max(finite) / min(finite) > 30  # e.g. a diverged run: keep the rest readable
+    if log_scale:
+        ax.set_yscale("log")
+    _mark_skipped(ax, skipped)
+    ax.set_ylabel("cross-entropy (nats / token)" + (", log scale" if log_scale else ""))
     ax.set_title(f"{title}: loss")
     _mark_alerts(ax, alert_steps)
-    _token_axis(ax, tps)
+    _token_axis(ax, tps, last_step)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper right")
@@ -179,7 +216,10 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
               if isinstance(r.get("mfu"), float) and isinstance(r.get("tokens_per_s"), float) and r["tokens_per_s"] > 0]
     if ratios:
         k = 100 * ratios[-1]
-        ax.secondary_yaxis("right", functions=(lambda x: x * k, lambda m: m / k)).set_ylabel("MFU (% of device peak)")
+        # each start of a run measures its own peak on a CPU: the scale is the latest start's
+        same = max(ratios) <= 1.02 * min(ratios)
+        ax.secondary_yaxis("right", functions=(lambda x: x * k, lambda m: m / k)).set_ylabel(
+            "MFU (% of device peak)" if same else "MFU (% of peak, latest start's scale)")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower left")
     figs["throughput"] = fig
@@ -192,9 +232,10 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
     fig = Figure(figsize=(4 * cols + 1, 2.6 * rows + 0.6), layout="constrained")
     axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
     if layers:
-        share = frac / np.maximum(frac.sum(axis=-1, keepdims=True), 1.0)  # [S, L, E]
-        experts = share.shape[-1]
-        vmax = max(2.0 / experts, float(share.max()))
+        experts = frac.shape[-1]
+        # load relative to a uniform split: 1 = 1/E of the layer's assignments, whatever E
+        share = experts * frac / np.maximum(frac.sum(axis=-1, keepdims=True), 1.0)  # [S, L, E]
+        vmax = float(min(max(2.0, np.percentile(share, 99)), experts))
         alert_layers = {(a["step"], a["layer"]) for a in rec.get("alert", [])}
         edges = np.concatenate([[steps[0] - (steps[1] - steps[0] if steps.size > 1 else 1)], steps])
         image = None
@@ -202,7 +243,8 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
             ax = axes[layer]
             image = ax.pcolormesh(edges, np.arange(experts + 1) - 0.5, share[:, layer, :].T, cmap="viridis",
                                   vmin=0.0, vmax=vmax, shading="flat")
-            ax.set_title(f"MoE layer {layer}")
+            block = f" (block {moe_blocks[layer]})" if moe_blocks and len(moe_blocks) == layers else ""
+            ax.set_title(f"MoE layer {layer}{block}")
             ax.set_xlabel("step")
             ax.set_ylabel("expert")
             marks = [st for st in alert_steps if (st, layer) in alert_layers]
@@ -211,10 +253,11 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
                         label="alert")
         for ax in axes[layers:]:
             ax.set_visible(False)
-        fig.colorbar(image, ax=axes[:layers].tolist(), label=f"share of assignments (uniform = 1/{experts})")
+        fig.colorbar(image, ax=axes[:layers].tolist(), extend="max" if vmax < share.max() else "neither",
+                     label=f"load / uniform (1 = 1/{experts} of assignments)")
         fig.suptitle(f"{title}: expert load per log record (red ▼: expert-load alert)")
     else:
-        _no_data(axes[0], "expert counts")
+        _no_data(axes[0], "expert counts (no MoE layer?)")
         fig.suptitle(f"{title}: expert load")
     figs["expert_load"] = fig
 
@@ -225,8 +268,8 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
                            (ax2, "router_entropy", "router entropy (nats)")):
         s, v = _per_layer(train, key)
         if s.size:
-            for layer in range(v.shape[1]):
-                a.plot(s, v[:, layer], label=f"MoE layer {layer}")
+            for layer, color in zip(range(v.shape[1]), _layer_colors(v.shape[1])):
+                a.plot(s, v[:, layer], ".-", color=color, label=f"MoE layer {layer}")
         else:
             _no_data(a, key)
         a.set_ylabel(ylabel)
@@ -235,13 +278,16 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
     experts = frac.shape[-1] if frac.ndim == 3 else None
     if experts:
         ax2.axhline(math.log(experts), color="0.5", linestyle=":", label=f"uniform: log {experts}")
+        ax2.set_ylim(0, 1.05 * math.log(experts))  # from 0: how far from uniform, not a zoom on noise
     ax.set_ylim(bottom=0)
     ax.set_title(f"{title}: routing")
     ax2.set_xlabel("step")
     for a in (ax, ax2):
         handles, labels = a.get_legend_handles_labels()
-        if handles:
-            a.legend(fontsize="small", ncol=2 if len(handles) > 4 else 1, loc="best")
+        if len(handles) > 6:  # many layers: beside the axes, not over the data
+            a.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+        elif handles:
+            a.legend(fontsize="small", loc="best")
     figs["routing"] = fig
     return figs
 
@@ -258,13 +304,18 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, dpi: int
       ``{name: path}`` of the PNGs written (``<out_dir>/<name>.png`` for the names in :data:`FIGURES`).
 
     Raises:
-      FileNotFoundError, ValueError: as :func:`read_metrics`.
+      FileNotFoundError, ValueError: as :func:`run_figures`.
+      OSError: ``out_dir`` cannot be created or written (the message names it).
     """
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "plots"
     figs = run_figures(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for name, fig in figs.items():
-        paths[name] = out / f"{name}.png"
-        fig.savefig(paths[name], dpi=dpi)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, fig in figs.items():
+            paths[name] = out / f"{name}.png"
+            fig.savefig(paths[name], dpi=dpi)
+    except OSError as e:
+        raise OSError(f"cannot write the plots to {out} ({e.strerror or e}); choose another output "
+                      "directory") from None
     return paths

@@ -59,7 +59,7 @@ def test_figures_show_what_the_metrics_say(run_dir):
     assert len(heat) == len(records["train"][0]["tokens_per_expert"])  # one per MoE layer
     share = np.asarray(heat[0].collections[0].get_array()).reshape(4, len(steps))  # [E, S]
     tpe = np.array([r["tokens_per_expert"][0] for r in records["train"]], float)
-    np.testing.assert_allclose(share, (tpe / tpe.sum(axis=1, keepdims=True)).T)
+    np.testing.assert_allclose(share, (4 * tpe / tpe.sum(axis=1, keepdims=True)).T)  # relative to uniform (E=4)
     alerted = {a["layer"] for a in records["alert"]}
     marked = {i for i, ax in enumerate(heat) if any(ln.get_marker() == "v" for ln in ax.get_lines())}
     assert marked == alerted
@@ -80,8 +80,30 @@ def test_replayed_steps_and_a_cut_last_line(tmp_path):
         plot.read_metrics(tmp_path)
 
 
-def test_not_a_run_dir(tmp_path, capsys):
+def test_a_diverged_run_stays_readable(tmp_path):
+    """Losses spanning 1e8 get a log axis; a NaN breaks the line; skipped steps are marked."""
+    recs = [{"kind": "train", "step": s, "loss": v} for s, v in [(5, 5.0), (10, 1.9e8), (15, float("nan")),
+                                                                   (20, 5.5)]]
+    recs.append({"kind": "nonfinite", "step": 15, "loss": float("nan"), "grad_norm": 1.0, "in_a_row": 1})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    ax = plot.run_figures(tmp_path)["loss"].axes[0]
+    assert ax.get_yscale() == "log"
+    line = [ln for ln in ax.get_lines() if ln.get_label() == "training loss"][0]
+    assert np.isnan(line.get_ydata()[2])  # a gap, not a bridge
+    marks = [ln for ln in ax.get_lines() if ln.get_label() == "non-finite step (skipped)"][0]
+    assert list(marks.get_xdata()) == [15]
+
+
+def test_not_a_run_dir_and_bad_outputs(tmp_path, capsys, run_dir):
     from moefast import cli
 
     assert cli.main(["plot", "--run-dir", str(tmp_path / "nope")]) == 2
     assert "not a moefast run directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    assert cli.main(["plot", "--run-dir", str(tmp_path / "empty")]) == 2
+    assert "no training or evaluation records yet" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert cli.main(["plot", "--run-dir", str(run_dir), "--out", str(tmp_path / "file" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the plots to") and "choose another --out" in err

@@ -37,7 +37,16 @@ POLICIES = ("position", "priority")
 
 
 class RoutingResult(NamedTuple):
-    """Routing of one group of T tokens over E experts."""
+    """Routing of one group of T tokens over E experts (every field is an array; K = top_k).
+
+    Fields: ``expert_index`` [T, K] int32 chosen experts, best first; ``gates`` [T, K] float32
+    combine weights (renormalised over the K, or the raw probabilities; 0 for masked tokens);
+    ``slot`` [T, K] int32 position in the expert's buffer of ``capacity`` slots, -1 if dropped or
+    masked; ``tokens_per_expert`` [E] int32 assignments per expert before capacity; ``prob_sum``
+    [E] float32 and ``z_sum`` [] float32 the sums behind the load-balancing and z losses;
+    ``num_tokens`` [] float32 unmasked tokens; ``num_dropped`` [] int32 assignments dropped for
+    lack of capacity.
+    """
 
     expert_index: jax.Array  # [T, K] int32, chosen experts, best first
     gates: jax.Array  # [T, K] float32, renormalised over the K chosen (or raw probabilities); 0 for masked tokens

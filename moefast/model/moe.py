@@ -46,6 +46,8 @@ class MoELayer(nnx.Module):
 
     def __init__(self, d_model: int, d_ff: int, moe: MoEConfig, *, dtype=jnp.float32, init_std: float = 0.02,
                  out_std: float | None = None, rngs: nnx.Rngs):
+        if d_model < 1 or d_ff < 1:
+            raise ValueError(f"MoELayer: d_model and d_ff must be >= 1, got {d_model} and {d_ff}")
         self.moe, self.d_ff, self.dtype = moe, d_ff, dtype
         e = moe.num_experts
         init = jax.nn.initializers.normal(init_std)
@@ -91,8 +93,16 @@ class MoELayer(nnx.Module):
           shared expert's output, if any — and :class:`MoEStats`.
 
         Raises:
-          ValueError: see :func:`~moefast.parallel.expert.moe_ffn`.
+          ValueError: ``x_btd`` not [B, T, D] with this layer's D, ``mask_bt`` not [B, T], or see
+            :func:`~moefast.parallel.expert.moe_ffn`.
         """
+        d_model = self.router.shape[0]
+        if x_btd.ndim != 3 or x_btd.shape[-1] != d_model:
+            raise ValueError(f"MoELayer: x_btd must be [batch, tokens, d_model={d_model}], got shape {x_btd.shape}")
+        if mask_bt is None or tuple(mask_bt.shape) != tuple(x_btd.shape[:2]):
+            got = None if mask_bt is None else tuple(mask_bt.shape)
+            raise ValueError(f"MoELayer: mask_bt must be a [batch, tokens] = {tuple(x_btd.shape[:2])} bool array "
+                             f"(True for real tokens; jnp.ones(...) if every token is real), got {got}")
         y, stats = moe_ffn(x_btd, mask_bt, self.router[...], self.w_in[...], self.w_out[...], self.moe,
                            drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e,
                            warmup_key=warmup_key, warmup_active=warmup_active)
