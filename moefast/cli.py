@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             paths = plot_run(args.run_dir, args.out)
         except (OSError, ValueError) as e:  # read errors name metrics.jsonl, write errors the directory
-            print(f"error: {e}".replace("another output directory", "another --out"), file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr)
             return 2
         for name, path in paths.items():
             print(f"{name}: {path}")

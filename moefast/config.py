@@ -69,11 +69,7 @@ def _check_choices(obj: Any, section: str) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         if typing.get_origin(hints[f.name]) is Literal:
-            choices = typing.get_args(hints[f.name])
-            value = getattr(obj, f.name)
-            if value not in choices:
-                raise ConfigError(f"{section}.{f.name}: {value!r} is not one of {list(choices)}"
-                                  f"{_suggest(str(value), [str(c) for c in choices])}")
+            _coerce(f"{section}.{f.name}", getattr(obj, f.name), hints[f.name])
 
 
 def _require(cond: bool, key: str, msg: str) -> None:
@@ -654,7 +650,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     if origin is Literal:
         choices = typing.get_args(typ)
         if value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
+            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}"
+                              f"{_suggest(str(value), [str(c) for c in choices])}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(typ)

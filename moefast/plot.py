@@ -67,8 +67,7 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
             raise ValueError(f"{path}, line {i + 1}: not a moefast metrics record ({type(e).__name__}: {e})") from None
         key = (step, rec.get("layer"), rec.get("reason")) if kind == "alert" else step
         by_kind.setdefault(kind, {})[key] = rec
-    return {k: [v[key] for key in sorted(v, key=lambda x: x if isinstance(x, int) else (x[0], x[1] or 0, x[2] or ""))]
-            for k, v in by_kind.items()}
+    return {k: sorted(v.values(), key=lambda r: r["step"]) for k, v in by_kind.items()}  # stable: order kept
 
 
 def _run_shape(run_dir: Path) -> tuple[int | None, list[int] | None]:
@@ -316,6 +315,6 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, dpi: int
             paths[name] = out / f"{name}.png"
             fig.savefig(paths[name], dpi=dpi)
     except OSError as e:
-        raise OSError(f"cannot write the plots to {out} ({e.strerror or e}); choose another output "
-                      "directory") from None
+        raise OSError(f"cannot write the plots to {out} ({e.strerror or e}); choose another directory "
+                      "(moefast plot --out)") from None
     return paths

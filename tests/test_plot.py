@@ -106,4 +106,4 @@ def test_not_a_run_dir_and_bad_outputs(tmp_path, capsys, run_dir):
     (tmp_path / "file").write_text("")
     assert cli.main(["plot", "--run-dir", str(run_dir), "--out", str(tmp_path / "file" / "sub")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: cannot write the plots to") and "choose another --out" in err
+    assert err.startswith("error: cannot write the plots to") and "choose another directory (moefast plot --out)" in err

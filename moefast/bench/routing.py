@@ -198,6 +198,5 @@ def run_cli(*, quick: bool, json_out: str | None, repeats: int) -> int:
           "(fewer for runs over 2 s)\n")
     print(table)
     if json_out:
-
         write_results(json_out, [dataclasses.asdict(r) for r in records], table)
     return 0
