@@ -21,6 +21,7 @@ replayed step twice; the last record of a step wins (it is the one the run conti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -136,34 +137,27 @@ def _no_data(ax, what: str) -> None:
             color="0.4")
 
 
-def run_figures(run_dir: str | Path) -> dict[str, Any]:
-    """The figures of the module docstring as ``matplotlib.figure.Figure`` objects (not registered
-    with pyplot: no display or backend is needed; in a notebook, show one by evaluating it or save it
-    with ``fig.savefig``).
+@dataclasses.dataclass
+class _Run:
+    """What the figures of one run are drawn from."""
 
-    Returns:
-      ``{name: Figure}`` for the names in :data:`FIGURES`.
+    train: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    alerts: list[dict[str, Any]]
+    alert_steps: list[int]
+    skipped: list[int]  # non-finite steps
+    tokens_per_step: int | None
+    moe_blocks: list[int] | None  # block index of each MoE layer
+    last_step: int
+    title: str
 
-    Raises:
-      FileNotFoundError, ValueError: as :func:`read_metrics`; ValueError also when it holds no
-        training or evaluation record yet.
-    """
+
+def _loss_figure(run: _Run):
+    """``loss.png``: training and validation loss, validation bits per byte."""
     from matplotlib.figure import Figure
 
-    run_dir = Path(run_dir)
-    rec = read_metrics(run_dir)
-    train, evals = rec.get("train", []), rec.get("eval", [])
-    if not train and not evals:
-        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no training or evaluation records yet (the first comes "
-                         "after train.log_every steps)")
-    alert_steps = sorted({a["step"] for a in rec.get("alert", [])})
-    skipped = sorted({r["step"] for r in rec.get("nonfinite", [])})
-    tps, moe_blocks = _run_shape(run_dir)
-    last_step = max([r["step"] for r in train + evals])
-    title = run_dir.resolve().name
-    figs: dict[str, Any] = {}
+    train, evals, alert_steps, title = run.train, run.evals, run.alert_steps, run.title
 
-    # loss: training and validation loss, validation bits per byte
     fig = Figure(figsize=(8, 6.5), layout="constrained")
     ax, ax2 = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     s, v = _series(train, "loss")
@@ -177,11 +171,11 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
     log_scale = bool(finite) and max(finite) / min(finite) > 30  # e.g. a diverged run: keep the rest readable
     if log_scale:
         ax.set_yscale("log")
-    _mark_skipped(ax, skipped)
+    _mark_skipped(ax, run.skipped)
     ax.set_ylabel("cross-entropy (nats / token)" + (", log scale" if log_scale else ""))
     ax.set_title(f"{title}: loss")
     _mark_alerts(ax, alert_steps)
-    _token_axis(ax, tps, last_step)
+    _token_axis(ax, run.tokens_per_step, run.last_step)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper right")
@@ -194,9 +188,15 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
     ax2.set_xlabel("step")
     _mark_alerts(ax2, alert_steps)
     ax2.grid(alpha=0.3)
-    figs["loss"] = fig
+    return fig
 
-    # throughput: tokens/s and MFU
+
+def _throughput_figure(run: _Run):
+    """``throughput.png``: tokens/s, MFU as a second scale."""
+    from matplotlib.figure import Figure
+
+    train, alert_steps, title = run.train, run.alert_steps, run.title
+
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.subplots()
     s, v = _series(train, "tokens_per_s")
@@ -221,9 +221,15 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
             "MFU (% of device peak)" if same else "MFU (% of peak, latest start's scale)")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower left")
-    figs["throughput"] = fig
+    return fig
 
-    # expert load: one heatmap per MoE layer
+
+def _expert_load_figure(run: _Run):
+    """``expert_load.png``: one heatmap per MoE layer."""
+    from matplotlib.figure import Figure
+
+    train, alert_steps, title = run.train, run.alert_steps, run.title
+
     steps, frac = _per_layer(train, "tokens_per_expert")  # [S, L, E] as nested lists
     layers = frac.shape[1] if frac.ndim == 3 else 0
     cols = min(layers, 4) or 1
@@ -235,14 +241,14 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
         # load relative to a uniform split: 1 = 1/E of the layer's assignments, whatever E
         share = experts * frac / np.maximum(frac.sum(axis=-1, keepdims=True), 1.0)  # [S, L, E]
         vmax = float(min(max(2.0, np.percentile(share, 99)), experts))
-        alert_layers = {(a["step"], a["layer"]) for a in rec.get("alert", [])}
+        alert_layers = {(a["step"], a["layer"]) for a in run.alerts}
         edges = np.concatenate([[steps[0] - (steps[1] - steps[0] if steps.size > 1 else 1)], steps])
         image = None
         for layer in range(layers):
             ax = axes[layer]
             image = ax.pcolormesh(edges, np.arange(experts + 1) - 0.5, share[:, layer, :].T, cmap="viridis",
                                   vmin=0.0, vmax=vmax, shading="flat")
-            block = f" (block {moe_blocks[layer]})" if moe_blocks and len(moe_blocks) == layers else ""
+            block = f" (block {run.moe_blocks[layer]})" if run.moe_blocks and len(run.moe_blocks) == layers else ""
             ax.set_title(f"MoE layer {layer}{block}")
             ax.set_xlabel("step")
             ax.set_ylabel("expert")
@@ -258,9 +264,15 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
     else:
         _no_data(axes[0], "expert counts (no MoE layer?)")
         fig.suptitle(f"{title}: expert load")
-    figs["expert_load"] = fig
+    return fig
 
-    # routing: dropped fraction and router entropy per layer
+
+def _routing_figure(run: _Run):
+    """``routing.png``: dropped fraction and router entropy per layer."""
+    from matplotlib.figure import Figure
+
+    train, alert_steps, title = run.train, run.alert_steps, run.title
+
     fig = Figure(figsize=(8, 6.5), layout="constrained")
     ax, ax2 = fig.subplots(2, 1, sharex=True)
     for a, key, ylabel in ((ax, "dropped_fraction", "dropped by capacity (fraction)"),
@@ -274,6 +286,7 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
         a.set_ylabel(ylabel)
         a.grid(alpha=0.3)
         _mark_alerts(a, alert_steps)
+    _, frac = _per_layer(train, "tokens_per_expert")
     experts = frac.shape[-1] if frac.ndim == 3 else None
     if experts:
         ax2.axhline(math.log(experts), color="0.5", linestyle=":", label=f"uniform: log {experts}")
@@ -287,8 +300,34 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
             a.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
         elif handles:
             a.legend(fontsize="small", loc="best")
-    figs["routing"] = fig
-    return figs
+    return fig
+
+
+def run_figures(run_dir: str | Path) -> dict[str, Any]:
+    """The figures of the module docstring as ``matplotlib.figure.Figure`` objects (not registered
+    with pyplot: no display or backend is needed; in a notebook, show one by evaluating it or save it
+    with ``fig.savefig``).
+
+    Returns:
+      ``{name: Figure}`` for the names in :data:`FIGURES`.
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`read_metrics`; ValueError also when it holds no
+        training or evaluation record yet.
+    """
+    run_dir = Path(run_dir)
+    rec = read_metrics(run_dir)
+    train, evals = rec.get("train", []), rec.get("eval", [])
+    if not train and not evals:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no training or evaluation records yet (the first comes "
+                         "after train.log_every steps)")
+    tokens_per_step, moe_blocks = _run_shape(run_dir)
+    run = _Run(train=train, evals=evals, alerts=rec.get("alert", []),
+               alert_steps=sorted({a["step"] for a in rec.get("alert", [])}),
+               skipped=sorted({r["step"] for r in rec.get("nonfinite", [])}), tokens_per_step=tokens_per_step,
+               moe_blocks=moe_blocks, last_step=max(r["step"] for r in train + evals), title=run_dir.resolve().name)
+    return {"loss": _loss_figure(run), "throughput": _throughput_figure(run), "expert_load": _expert_load_figure(run),
+            "routing": _routing_figure(run)}
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, dpi: int = 110) -> dict[str, Path]:
