@@ -396,14 +396,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        import jax
-
-        if jax.process_count() > 1:
-            # Leave at once: a normal exit waits in jax.distributed's shutdown barrier for peers that
-            # are still training; they are stopped by the coordination service's heartbeat timeout.
-            sys.stderr.flush()
-            os._exit(130)
-        return 130
+        # Leave at once and quietly: a normal exit would wait for orbax's threads (a checkpoint being
+        # written: an interrupted write is never listed as a step, the next run removes it) and, with
+        # several processes, in jax.distributed's shutdown barrier for peers that are still training
+        # (they are stopped by the coordination service's heartbeat timeout).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     return 0
 
 

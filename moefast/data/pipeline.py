@@ -46,12 +46,24 @@ class Corpus:
       train: training rows.
       val: validation rows.
       stats: what was read from the source.
+      held_out_documents: validation documents are distinct from training documents; False when
+        the corpus had too few documents and each was cut in two (see :func:`split_documents`).
     """
 
     tokenizer: Tokenizer
     train: PackedRows
     val: PackedRows
     stats: SourceStats
+    held_out_documents: bool = True
+
+    def warnings(self, cfg: DataConfig) -> list[str]:
+        """What makes this corpus's validation figures weaker than they look (the run logs each)."""
+        if self.held_out_documents:
+            return []
+        return [f"data.source={self.stats.source!r} has {_plural(self.stats.documents, 'document')}, too few to hold "
+                f"whole documents out: validation is the last {cfg.val_fraction:.0%} of each document, whose "
+                "start is trained on, so the validation loss is not measured on unseen documents; add documents "
+                "for a held-out validation set"]
 
     def summary(self) -> str:
         """One line for the console: documents, bytes, rows, tokens, skipped files."""
@@ -93,7 +105,9 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     if len(train) < cfg.batch_size:
         raise DataError(f"{size}; training needs at least data.batch_size={cfg.batch_size} rows: use a larger "
                         f"corpus, or lower data.batch_size or data.seq_len")
-    return Corpus(tokenizer=tokenizer, train=train, val=val, stats=stats)
+    # split_documents cuts every document in two when whole ones cannot be held out
+    held_out = {d.id for d in train_docs}.isdisjoint(d.id.removesuffix("#val") for d in val_docs)
+    return Corpus(tokenizer=tokenizer, train=train, val=val, stats=stats, held_out_documents=held_out)
 
 
 def _check_processes(cfg: DataConfig, process_index: int, process_count: int) -> int:

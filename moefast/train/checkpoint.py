@@ -29,9 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
+import os
 import re
 import shutil
+import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -115,6 +119,128 @@ def _reason(e: BaseException, limit: int = 300) -> str:
     return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
+_ORBAX_ITEMS = ("state", "meta", "data")
+_JSON_FILES = ("state/_METADATA", "meta/metadata", "data/metadata")
+# A tensorstore read error: code, the array (its tree path) and what went wrong.
+_TS_READ = re.compile(r'([A-Z_]+): .*?Error reading "([^"/]+)[^"]*" in OCDBT database at local file "[^"]*": (.*)')
+_TS_CODES = {"OUT_OF_RANGE": "a data file is shorter than its index says (truncated)",
+             "DATA_LOSS": "a file is corrupt (its bytes do not decode)",
+             "FAILED_PRECONDITION": "a data file is corrupt or missing (its compressed bytes do not decode)",
+             "NOT_FOUND": "a data file is missing"}
+# Failures of the machine (memory, devices), not of the files: no fallback to an older step, and
+# no advice that the files may be damaged.
+_MACHINE = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|Cannot allocate memory|[Ss]harding|devices?\b")
+
+
+def _file_problem(step_dir: Path) -> str | None:
+    """What is visibly wrong with a step directory's files (a missing item or metadata file, an
+    empty file, metadata that is not JSON), or ``None`` when they look complete."""
+    for item in _ORBAX_ITEMS:
+        if not (step_dir / item).is_dir():
+            return f"{item}/ is missing"
+    for rel in _JSON_FILES:
+        path = step_dir / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        size = path.stat().st_size
+        if size == 0:
+            return f"{rel} is empty (0 bytes)"
+        try:
+            json.loads(path.read_bytes())
+        except ValueError as e:
+            return f"{rel} is not valid JSON ({size} bytes, {e}): cut short or overwritten"
+    if not (step_dir / "state" / "manifest.ocdbt").is_file():
+        return "state/manifest.ocdbt (the array index) is missing"
+    for root, _, files in os.walk(step_dir / "state"):
+        for f in files:
+            if os.path.getsize(os.path.join(root, f)) == 0:
+                return f"{os.path.relpath(os.path.join(root, f), step_dir)} is empty (0 bytes)"
+    return None
+
+
+def _describe(e: BaseException) -> str:
+    """``_reason(e)``, with tensorstore's read errors said in terms of the files."""
+    reason = _reason(e, limit=10_000)
+    m = _TS_READ.search(reason)
+    if m:
+        code, array, detail = m.groups()
+        what = _TS_CODES.get(code, "a data file cannot be read")
+        reason = f"the data of {array} cannot be read: {what} ({code}: {detail})"
+    return reason if len(reason) <= 300 else reason[:297] + "..."
+
+
+def _describe_write(e: BaseException) -> str:
+    """Why a write failed, the operating system's reason first (tensorstore puts it at the end of
+    a long message)."""
+    reason = _reason(e, limit=10_000)
+    m = re.search(r"os_error_code='?(\d+)", reason)
+    inner = e
+    while inner is not None and not isinstance(inner, OSError):
+        inner = inner.__cause__ or inner.__context__
+    if m:
+        code = int(m.group(1))
+        reason = f"{os.strerror(code)} [errno {code}]; {reason}"
+    elif isinstance(inner, OSError) and inner.strerror:
+        reason = f"{inner.strerror} [errno {inner.errno}]; {reason}"
+    return reason if len(reason) <= 300 else reason[:297] + "..."
+
+
+_quiet = False
+
+
+def _silence_orbax_aftermath() -> None:
+    """When a write or a restore fails part-way, orbax's other tasks still finish in the background
+    and report, at garbage collection or at exit, to an event loop already closed: "Task exception
+    was never retrieved" (the asyncio logger), "Exception ignored in: <coroutine ...>" (unraisable
+    exceptions), "coroutine ... was never awaited" warnings, "RuntimeError: Event loop is closed"
+    tracebacks, and its threads log their failure
+    with a traceback (absl) before it reaches the caller: dozens of reports, each repeating the
+    failure that :class:`Checkpointer` raises as one :class:`CheckpointError`. Drops exactly those
+    reports; nothing else is filtered. Installed once, by the first :class:`Checkpointer`."""
+    global _quiet
+    if _quiet:
+        return
+    _quiet = True
+
+    def closed_loop(exc: BaseException | None) -> bool:
+        return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+    def from_orbax(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "orbax" in text or "TensorStore" in text or "OCDBT" in text:
+            return True
+        tb = record.exc_info[2] if record.exc_info else None
+        return tb is not None and any("orbax" in f.filename for f in traceback.extract_tb(tb))
+
+    class _AsyncioFilter(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not ("exception was never retrieved" in record.getMessage() and from_orbax(record))
+
+    class _ThreadFailureFilter(logging.Filter):  # re-raised to the caller of save/wait/restore
+        def filter(self, record: logging.LogRecord) -> bool:
+            msg = record.getMessage()
+            return not (record.levelno >= logging.ERROR and msg.startswith("[process=") and "fail" in msg.lower())
+
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning,
+                            module=r"orbax\.")
+    logging.getLogger("asyncio").addFilter(_AsyncioFilter())
+    logging.getLogger("absl").addFilter(_ThreadFailureFilter())
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def quiet_unraisable(u) -> None:
+        code = getattr(u.object, "cr_code", None)
+        if closed_loop(u.exc_value) or (code is not None and "orbax" in code.co_filename):
+            return
+        unraisable(u)
+
+    def quiet_excepthook(typ, value, tb) -> None:
+        if closed_loop(value) and tb is not None and "asyncio" in traceback.extract_tb(tb)[-1].filename:
+            return
+        excepthook(typ, value, tb)
+
+    sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
+
+
 def _all_processes_ok(ok: bool) -> bool:
     """``ok`` on every process (one process restoring a step that another could not read would
     leave them on different steps). Single-process: ``ok`` itself."""
@@ -143,6 +269,7 @@ class Checkpointer:
         self._log = log
         self._is_primary = jax.process_index() == 0
         self._pending: int | None = None  # step of the save that may still run in the background
+        _silence_orbax_aftermath()
         self._leftovers_checked = False
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -175,13 +302,24 @@ class Checkpointer:
         """Steps listed by orbax, oldest first."""
         return sorted(self.manager.all_steps())
 
+    def complete_steps(self) -> list[int]:
+        """Steps whose directories are complete on disk now (orbax renames a step's directory to
+        ``<step>`` only once all of it is written), oldest first; also while a save runs."""
+        try:
+            return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+        except OSError:
+            return []
+
     def _step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: dict[str, Any], data_state: Any, cfg: ExperimentConfig,
-             *, force: bool = False) -> bool:
+             *, force: bool = False, loop_state: dict[str, Any] | None = None) -> bool:
         """Starts saving ``step`` (returns at once when asynchronous).
+
+        ``loop_state``: JSON-serialisable host state of the training loop at ``step`` (e.g. the
+        expert-load monitor's counters), stored in ``meta`` as ``"loop"``.
 
         The first save of this object (and the first after a failed write) removes unfinished
         writes (``<step>.orbax-checkpoint-tmp``) that a killed run or a failed write left behind.
@@ -199,7 +337,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {step} already exists in {self.directory}; it is not "
                                   "overwritten")
         # "fresh": no data position (an imported step 0, Trainer.initialize): nothing was trained on yet
-        meta = {"step": int(step), "config": cfg.to_dict(), "fresh": data_state is None}
+        meta = {"step": int(step), "config": cfg.to_dict(), "fresh": data_state is None, "loop": loop_state or {}}
         try:
             started = self.manager.save(int(step), args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
@@ -233,7 +371,7 @@ class Checkpointer:
                 else "there is no complete checkpoint in it")
         return CheckpointError(
             f"checkpoint step {step if step is not None else '?'} could not be written to {where} "
-            f"({_reason(e)}); {kept}. Check free disk space and write permissions of {self.directory} "
+            f"({_describe_write(e)}); {kept}. Check free disk space and write permissions of {self.directory} "
             "(e.g. df -h, ls -ld), then rerun to resume from the last complete checkpoint")
 
     def _remove_leftovers(self) -> None:
@@ -261,11 +399,26 @@ class Checkpointer:
         ``<step>.corrupt-<n>`` (kept, no longer listed). When no step restores nothing is moved
         (the cause may be the code, not the files).
 
+        Args:
+          abstract_state: the train state's structure with shapes, dtypes and shardings
+            (``jax.ShapeDtypeStruct`` leaves), e.g. :meth:`moefast.train.Trainer.abstract_state`;
+            the restored arrays get exactly this tree structure and these shardings.
+          cfg: the run's config; its model/moe/data sections must match the checkpoint's.
+          step: the step to restore (default: the newest that restores).
+
         Raises:
+          TypeError: ``abstract_state`` is ``None`` (orbax would then guess the structure from the
+            files: lists for tuples, string keys for integers, no empty states).
           CheckpointError: no checkpoint; one written with a different model/moe/data config (at
-            once, no fallback); no step could be restored (names the directory and each step tried
-            with its reason); or the given ``step`` could not be restored.
+            once, no fallback); one that this machine cannot hold (out of memory, devices: at
+            once, nothing skipped or moved); no step could be restored (names the directory and,
+            for each step tried, what is wrong with its files); or the given ``step`` could not be
+            restored.
         """
+        if abstract_state is None:
+            raise TypeError("Checkpointer.restore needs the target structure: pass the train state's abstract "
+                            "tree, e.g. Trainer(cfg, run_dir).abstract_state() (Trainer.restore_params() restores "
+                            "a run's parameters and routing state)")
         self._wait_pending()
         if step is not None:
             try:
@@ -300,7 +453,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             error = e
         if not _all_processes_ok(error is None):
-            raise _Unreadable(f"metadata unreadable: {_reason(error) if error else 'failed on another process'}")
+            raise self._failed(step, error, "metadata unreadable: ")
         saved = meta.get("config", {}) if isinstance(meta, dict) else {}
         saved = _with_defaults(saved)
         fresh = isinstance(meta, dict) and meta.get("fresh", False)
@@ -328,7 +481,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             error = e
         if not _all_processes_ok(error is None):
-            raise _Unreadable(_reason(error) if error else "failed on another process")
+            raise self._failed(step, error)
         state = r.state
         if scanned_then != scanned_now:
             out_shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
@@ -337,6 +490,23 @@ class Checkpointer:
             self._note(f"checkpoint {self._step_dir(step)} was written with model.scan_layers={scanned_then}; "
                        f"its layers were converted to scan_layers={scanned_now}")
         return Restored(step=step, state=state, data_state=r.data, meta=r.meta)
+
+    def _failed(self, step: int, error: BaseException | None, prefix: str = "") -> Exception:
+        """The exception for a step that did not restore: :class:`_Unreadable` (skip it, try an
+        older one) saying what is wrong with its files, or a :class:`CheckpointError` when the files
+        look complete and the machine is at fault (memory, devices)."""
+        if error is None:
+            return _Unreadable(prefix + "failed on another process")
+        problem = _file_problem(self._step_dir(step))
+        if problem is not None:
+            return _Unreadable(f"{prefix}{problem}")
+        if isinstance(error, MemoryError) or _MACHINE.search(_reason(error, limit=10_000)):
+            return CheckpointError(
+                f"checkpoint {self._step_dir(step)} could not be restored on this machine ({_describe(error)}). Its "
+                "files look complete, so nothing was skipped or moved aside: if it was written on a machine with "
+                "more memory or devices, restore it on such a machine, or on a mesh that splits the state further "
+                "(mesh.fsdp, mesh.expert)")
+        return _Unreadable(prefix + _describe(error))
 
     def _set_aside(self, skipped: list[tuple[int, str]], restored_step: int) -> None:
         """Moves unreadable steps newer than the restored one to ``<step>.corrupt-<n>`` and warns."""

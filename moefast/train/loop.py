@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
+import os
 import resource
 import signal
 import threading
@@ -36,12 +38,12 @@ from moefast.train.compile_cache import configure_compilation_cache
 from moefast.model import init_routing_state
 from moefast.model.flops import model_flops_per_token
 from moefast.train import mfu as mfu_lib
-from moefast.train.metrics import MetricsWriter
+from moefast.train.metrics import MetricsWriteError, MetricsWriter
 from moefast.train.monitor import ExpertLoadMonitor, load_stats
 from moefast.train.prefetch import DevicePrefetcher
 from moefast.train.step import BATCH_KEYS, LN2, ModelDef, eval_step, make_optimizer, train_step
 
-__all__ = ["Trainer", "TrainSummary", "TrainingError", "load_run_config"]
+__all__ = ["Trainer", "TrainSummary", "TrainingError", "config_warnings", "load_run_config"]
 
 
 class TrainingError(RuntimeError):
@@ -49,13 +51,22 @@ class TrainingError(RuntimeError):
     step and the last good checkpoint."""
 
 
+class _KeyboardInterruptFilter(logging.Filter):
+    """Drops log records carrying a KeyboardInterrupt: orbax logs (through absl) a second Ctrl-C
+    that lands while it waits for a checkpoint write as a failed save, with a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+
+
 class _StopRequest:
     """SIGTERM / SIGINT: finish the current step, checkpoint, return normally.
 
-    Single process: Python handlers for both signals set a flag (a second signal acts as usual, so
-    Ctrl-C twice still interrupts at once). Several processes: SIGTERM is taken by JAX's
-    preemption service (installed by ``jax.distributed.initialize``) and every process stops at the
-    same step through ``reached_preemption_sync_point``; SIGINT keeps its default behaviour.
+    Single process: Python handlers for both signals set a flag; a second signal acts as usual
+    (Ctrl-C twice interrupts at once: the run does not wait for the checkpoint being written and
+    resumes from the last complete one). Several processes: SIGTERM is taken by JAX's preemption
+    service (installed by ``jax.distributed.initialize``) and every process stops at the same step
+    through ``reached_preemption_sync_point``; SIGINT keeps its default behaviour.
     """
 
     def __init__(self):
@@ -85,6 +96,33 @@ class _StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replaces ``path`` by ``text`` so that a crash leaves the old or the new file, never a cut one."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def config_warnings(cfg: ExperimentConfig) -> list[str]:
+    """Settings that are valid but almost certainly not meant (the run logs each as a warning)."""
+    out = []
+    tc, moe = cfg.train, cfg.moe
+    if moe.warmup_steps > tc.steps:
+        out.append(f"moe.warmup_steps={moe.warmup_steps} > train.steps={tc.steps}: routing is randomised "
+                   f"({moe.warmup_routing} warm-up) for the whole run, so the router never trains on its own "
+                   "choices; lower moe.warmup_steps")
+    if tc.warmup_steps > tc.steps:
+        out.append(f"train.warmup_steps={tc.warmup_steps} > train.steps={tc.steps}: the learning rate never "
+                   f"reaches train.learning_rate={tc.learning_rate}; lower train.warmup_steps")
+    return out
 
 
 def load_run_config(run_dir: str | Path) -> ExperimentConfig:
@@ -498,10 +536,13 @@ class Trainer:
         """
         stop = _StopRequest()
         stop.install()
+        quiet = _KeyboardInterruptFilter()
+        logging.getLogger("absl").addFilter(quiet)
         try:
             return self._run(stop)
         finally:
             stop.uninstall()
+            logging.getLogger("absl").removeFilter(quiet)
 
     def _run(self, stop: _StopRequest) -> TrainSummary:
         t_start = time.perf_counter()
@@ -525,9 +566,13 @@ class Trainer:
                                                                    if peak.devices > 1 else "")
                      if peak.flops_per_s else "unknown") + f" [{peak.source}]")
 
+        for warning in config_warnings(cfg) + self.corpus.warnings(cfg.data):
+            self._log(f"warning: {warning}")
+        loop_state: dict[str, Any] = {}
         if ckpt.latest_step() is not None:
             restored = ckpt.restore(self.abstract_state(), cfg)  # fails before anything is written
             state, start = restored.state, restored.step
+            loop_state = restored.meta.get("loop") or {}
             if restored.data_state is not None:  # None: an imported step 0 (Trainer.initialize), data not yet read
                 data_iter.set_state(restored.data_state)
             self._log(f"resuming from step {start} ({ckpt.directory / str(start)})")
@@ -550,9 +595,15 @@ class Trainer:
                 self._log(f"note: train settings changed since the checkpoint: {', '.join(changed)}")
         else:
             state, start = self.init_state(), 0
-        if self.is_main:  # only once the config is known to fit the run dir's checkpoints
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        writer = MetricsWriter(self.run_dir, enabled=self.is_main)
+        try:
+            if self.is_main:  # only once the config is known to fit the run dir's checkpoints
+                _write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            writer = MetricsWriter(self.run_dir, enabled=self.is_main, resume_step=start)
+        except OSError as e:
+            raise self._write_error(e, ckpt, start) from None
+        if writer.removed:
+            self._log(f"metrics: removed {writer.removed} record(s) after step {start} from {writer.path}, left by a "
+                      "start that ended before its next checkpoint (those steps are trained and logged again now)")
         last = tc.last_step
         if start >= last:
             self._log(f"run is already at step {start} (train.stop_at/train.steps = {last}); nothing to train")
@@ -569,6 +620,13 @@ class Trainer:
 
         book = _StepBook(cfg, t_start=t_start, last=last, writer=writer, say=say, bar=bar, ckpt=ckpt,
                          flops_per_token=self.flops_per_token, peak=self.peak)
+        book.monitor.load_state_dict(loop_state.get("monitor") or {})
+
+        def save(step: int) -> None:
+            # Every record of the steps up to this one is written (and durable) before the
+            # checkpoint exists, so a resume from it replays exactly the steps whose records it drops.
+            writer.sync()
+            ckpt.save(step, state, data_state, cfg, force=True, loop_state={"monitor": book.monitor.state_dict()})
         eval_metrics: dict[str, float] = {}
         eval_at = None  # the step eval_metrics belong to
         stopped_by = None
@@ -623,21 +681,19 @@ class Trainer:
                         book.flush()  # the first step (time to first step), and before saving or evaluating
                     else:
                         book.flush(before=done)  # a log point one step late: this step is already queued
-                    saved = False
-                    if save_now:
-                        ckpt.save(done, state, data_state, cfg, force=True)
-                        saved = True
-                    if eval_now:
+                    if eval_now:  # before the checkpoint of this step: its record belongs to it
                         with book.paused():  # evaluation is not in tokens/s or faults per step
                             eval_metrics, eval_at = self.evaluate(state["params"], state["routing"]), done
                             writer.write("eval", done, eval_metrics)
                             say(f"step {done:>6} | eval loss {eval_metrics['eval_loss']:.4f} | "
                                 f"eval bits/byte {eval_metrics['eval_bits_per_byte']:.4f}")
+                    if save_now:
+                        save(done)
                     stopped_by = stop.requested(done)  # after evaluation: a signal then stops here too
                     if stopped_by:
                         book.flush()
-                        if not saved:
-                            ckpt.save(done, state, data_state, cfg, force=True)
+                        if not save_now:
+                            save(done)
                         ckpt.wait()
                         say(f"{stopped_by}: stopped after step {done} with a checkpoint in {ckpt.directory / str(done)}; "
                             "run the same command again (same --run-dir) to resume")
@@ -646,16 +702,19 @@ class Trainer:
             tokens_per_s, faults_per_step = book.totals()
             if start >= last:
                 eval_metrics, eval_at = self.evaluate(state["params"], state["routing"]), start
-        except BaseException:
-            writer.close()
-            raise
+        except BaseException as e:
+            failure = e
+        else:
+            failure = None
         finally:
             if tracing:  # the run ended inside the traced steps
                 jax.profiler.stop_trace()
             batches.close()
             if bar is not None:
                 bar.close()
-            ckpt.close()  # waits for a checkpoint still being written, also when a step failed
+        if failure is not None:
+            self._abort(failure, writer, ckpt, done, say)
+        ckpt.close()  # waits for the checkpoint still being written
         latest = ckpt.latest_step()
         end = done if stopped_by else max(start, last)
         summary = TrainSummary(
@@ -666,10 +725,51 @@ class Trainer:
             checkpoint=str(ckpt.directory / str(latest)) if latest is not None else None, memory=memory,
             skipped_steps=book.skipped_steps, stopped_by=stopped_by, page_faults_per_step=faults_per_step,
             mfu=mfu_lib.mfu(tokens_per_s, self.flops_per_token, self.peak), model_flops_per_token=self.flops_per_token)
-        writer.write("summary", summary.steps, {k: v for k, v in dataclasses.asdict(summary).items()
-                                                if k not in ("steps", "memory")})
-        writer.close()
+        try:
+            writer.write("summary", summary.steps, {k: v for k, v in dataclasses.asdict(summary).items()
+                                                    if k not in ("steps", "memory")})
+            writer.close()
+        except MetricsWriteError as e:
+            raise self._write_error(e, ckpt, end) from None
         return summary
+
+    def _abort(self, failure: BaseException, writer: MetricsWriter, ckpt: Checkpointer, done: int,
+               say: Callable[[str], None]) -> None:
+        """Ends a run that failed after ``done`` steps with one exception: ``failure`` itself, or
+        for a failed write to the run dir, a :class:`CheckpointError` naming the directory and the
+        last complete checkpoint."""
+        try:
+            writer.close()
+        except MetricsWriteError:
+            pass  # the failure below is the one to report (a failed write is reported as such)
+        if isinstance(failure, KeyboardInterrupt):  # a second Ctrl-C: quit without waiting for the write
+            good = ckpt.complete_steps()
+            say("interrupted: not waiting for the checkpoint being written; the run resumes from "
+                + (f"{ckpt.directory / str(good[-1])}" if good else "the start (no complete checkpoint)")
+                + " (same command)")
+            raise failure
+        pending = None
+        try:
+            ckpt.close()  # waits for a checkpoint still being written, also when a step failed
+        except CheckpointError as e:
+            pending = e
+        if isinstance(failure, MetricsWriteError):
+            raise self._write_error(failure, ckpt, done) from None
+        if pending is not None and not isinstance(failure, CheckpointError):
+            say(f"warning: {pending}")
+        raise failure
+
+    def _write_error(self, e: OSError, ckpt: Checkpointer, done: int) -> CheckpointError:
+        """A failed write to the run dir (metrics, TensorBoard events, config.yaml) as one error naming
+        the directory, the step and the last complete checkpoint."""
+        good = ckpt.complete_steps()
+        if not isinstance(e, MetricsWriteError) and e.filename:
+            e = OSError(e.errno, f"cannot write {e.filename}: {e.strerror}")
+        where = (f"the last complete checkpoint, {ckpt.directory / str(good[-1])}, is intact: a rerun of the same "
+                 f"command resumes from it and trains and logs the steps after it again" if good else
+                 "there is no complete checkpoint yet: a rerun starts the run again")
+        return CheckpointError(f"{e}; training stopped after step {done}: {where}. Free disk space or make "
+                               f"{self.run_dir} writable first (df -h {self.run_dir}; ls -ld {self.run_dir})")
 
     def initialize(self, params: dict) -> Path:
         """Starts a new run from given parameters: writes its step-0 checkpoint (``params`` with a

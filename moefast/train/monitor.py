@@ -40,6 +40,18 @@ class ExpertLoadMonitor:
         self._over: np.ndarray | None = None  # [L] intervals in a row over the ratio
         self._idle: np.ndarray | None = None  # [L, E] intervals in a row without tokens
 
+    def state_dict(self) -> dict:
+        """The counters as JSON-serialisable lists (checkpointed with the run, so alerts after a
+        resume are those of an uninterrupted run)."""
+        if self._over is None:
+            return {}
+        return {"over": self._over.tolist(), "idle": self._idle.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict`'s counters (an empty dict: none yet)."""
+        if state:
+            self._over, self._idle = np.asarray(state["over"], int), np.asarray(state["idle"], int)
+
     def update(self, tokens_per_expert: np.ndarray) -> list[dict]:
         """Feeds one interval's [L_moe, E] assignments; returns the alerts it raises, each a dict
         with ``layer``, ``reason`` (a sentence), ``max_load_ratio``, ``idle_experts`` and

@@ -287,7 +287,8 @@ def test_failed_write_surfaces_as_error_and_keeps_last_good_checkpoint(small_con
     ckpt.save(1, make_state(1), {"pos": 1}, cfg, force=True)
     ckpt.wait()
     fault(monkeypatch, 2)
-    expected = (rf"checkpoint step 2 could not be written to {tmp_path / '2'} \(OSError: .*\); the last complete "
+    expected = (rf"checkpoint step 2 could not be written to {tmp_path / '2'} \((No space left on device|Read-only "
+                rf"file system) \[errno \d+\]; OSError: .*\); the last complete "
                 rf"checkpoint, {tmp_path / '1'}, was kept\. Check free disk space and write permissions of {tmp_path}")
     if not async_save:
         with pytest.raises(CheckpointError, match=expected):
@@ -343,6 +344,74 @@ def test_trainer_stops_on_failed_write_then_resumes_past_a_corrupt_step(small_co
     assert f"resuming from step 2 ({ckpts / '2'})" in lines
     assert summary.steps == 6 and summary.steps_this_run == 4
     assert names(ckpts) == ["3.corrupt-1", "5", "6"]  # step 4's unfinished write was removed too
-    second = {r["step"]: r["loss"] for r in train_records(tmp_path)[len(first):]}
-    assert sorted(second) == [3, 4, 5, 6]
-    assert [second[s] for s in (3, 4, 5)] == [r["loss"] for r in first[2:]]  # exact resume from step 2
+    # the records of steps 3-5 of run 1 were removed on resume (replayed): each step once, in order
+    assert any("removed 3 record(s) after step 2" in line for line in lines), lines
+    second = train_records(tmp_path)
+    assert [r["step"] for r in second] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in second[:5]] == [r["loss"] for r in first]  # exact resume from step 2
+
+
+# ---------------------------------------------------------------------------- 5. what the messages say
+def _zero_array_data(step_dir):
+    for root, _, files in os.walk(step_dir / "state"):
+        if os.path.basename(root) == "d":
+            for f in files:
+                path = os.path.join(root, f)
+                size = os.path.getsize(path)
+                with open(path, "wb") as fh:
+                    fh.write(bytes(size))
+
+
+# (corruption, what the reason must say about the files)
+REASONS = {
+    "empty-tree-metadata": (lambda d: truncate(d / "state" / "_METADATA", 0), "state/_METADATA is empty (0 bytes)"),
+    "missing-tree-metadata": (lambda d: os.remove(d / "state" / "_METADATA"), "state/_METADATA is missing"),
+    "cut-tree-metadata": (lambda d: truncate(d / "state" / "_METADATA", 50), "state/_METADATA is not valid JSON"),
+    "missing-index": (lambda d: os.remove(d / "state" / "manifest.ocdbt"), "state/manifest.ocdbt (the array index) is missing"),
+    "cut-array-data": (lambda d: _truncate_array_data(d), "cannot be read: a data file is shorter than its index says (truncated)"),
+    "zeroed-array-data": (_zero_array_data, "cannot be read: a file is corrupt (its bytes do not decode)"),
+    "missing-data-item": (lambda d: os.remove(d / "data" / "metadata"), "data/metadata is missing"),
+}
+
+
+@pytest.mark.parametrize("corrupt,said", REASONS.values(), ids=REASONS.keys())
+def test_corruption_reasons_say_what_is_wrong_with_the_files(small_config, tmp_path, corrupt, said):
+    cfg = small_config()
+    write_steps(tmp_path, cfg, [1, 2])
+    corrupt(tmp_path / "2")
+    lines = []
+    restored = Checkpointer(tmp_path, log=lines.append).restore(ABSTRACT, cfg)
+    assert_state(restored, 1)
+    assert len(lines) == 1 and said in lines[0], lines
+    assert "StopIteration" not in lines[0] and "Dict key mismatch" not in lines[0]
+
+
+def test_restore_needs_a_target(small_config, tmp_path):
+    cfg = small_config()
+    write_steps(tmp_path, cfg, [1])
+    with pytest.raises(TypeError, match=r"needs the target structure.*abstract_state\(\)"):
+        Checkpointer(tmp_path).restore(None, cfg)
+
+
+def test_a_machine_that_cannot_hold_the_checkpoint_is_not_told_the_files_are_damaged(small_config, tmp_path,
+                                                                                     monkeypatch):
+    cfg = small_config()
+    write_steps(tmp_path, cfg, [1, 2])
+    ckpt = Checkpointer(tmp_path)
+    calls = []
+    real = ckpt.manager.restore
+
+    def restore(step, args=None):
+        if "state" in args.keys():
+            calls.append(step)
+            raise ValueError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9663676416 bytes.")
+        return real(step, args=args)
+
+    monkeypatch.setattr(ckpt.manager, "restore", restore)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.restore(ABSTRACT, cfg)
+    msg = str(e.value)
+    assert "could not be restored on this machine" in msg and "Out of memory" in msg
+    assert "damaged" not in msg and "files look complete" in msg
+    assert calls == [2] and names(tmp_path) == ["1", "2"]  # no fallback, nothing moved aside
+    ckpt.close()
