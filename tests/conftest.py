@@ -57,3 +57,17 @@ def small_config(text_dir):
     def make(*overrides):
         return load_config(None, SMALL_MODEL + [f"data.source={text_dir}", *overrides])
     return make
+
+
+# The longest test files first (pytest-xdist hands out whole files, --dist loadfile, in collection
+# order): the two workers then finish close together instead of one running a long file alone at
+# the end. Order inside each file is kept.
+_LONGEST_FIRST = ["train/test_chaos.py", "test_notebooks.py", "parallel/test_multiprocess.py",
+                  "train/test_disk_faults.py", "test_bench.py", "train/test_train.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        path = Path(str(item.fspath)).as_posix()
+        return next((i for i, name in enumerate(_LONGEST_FIRST) if path.endswith("tests/" + name)), len(_LONGEST_FIRST))
+    items.sort(key=rank)  # stable

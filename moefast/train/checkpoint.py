@@ -11,13 +11,20 @@ Faults, and what happens:
   the unfinished write is never listed as a step; the next run restores the newest complete step,
   and its first :meth:`Checkpointer.save` removes such leftovers (saving that step again works).
 * A truncated or corrupted step directory: :meth:`Checkpointer.restore` (latest step) falls back
-  to the newest step that restores, warns naming each skipped step and why, and moves the skipped
-  directories aside to ``<step>.corrupt-<n>`` (never deleted; orbax no longer lists them, so
-  those step numbers can be saved again). If no step restores, :class:`CheckpointError`.
+  to the newest step that restores, warns naming each skipped step and what is wrong with its
+  files, and moves the skipped directories aside to ``<step>.corrupt-<n>`` (never deleted; orbax
+  no longer lists them, so those step numbers can be saved again). If no step restores,
+  :class:`CheckpointError`. A step whose files look complete but that this machine cannot hold
+  (out of memory, devices) is a :class:`CheckpointError` at once: nothing is skipped or moved.
 * A failed background write (disk full, read-only directory, ...): :class:`CheckpointError` at the
   next :meth:`~Checkpointer.save`, :meth:`~Checkpointer.wait` or :meth:`~Checkpointer.close`,
   naming the step and the directory. Older checkpoints are only deleted (``keep``) after a newer
   one is complete, so the last good checkpoint survives a failed write.
+
+A failed write or read leaves orbax tasks that report the same failure again and again (asyncio,
+unraisable-exception and absl tracebacks); the first :class:`Checkpointer` installs filters that
+drop exactly those reports (:func:`_silence_orbax_aftermath`), so the one :class:`CheckpointError`
+is what the user sees.
 
 Warnings and notes go to the ``log`` callable given to :class:`Checkpointer` (the Trainer's
 console), else to :func:`warnings.warn` / ``logging``. With several processes, every process must

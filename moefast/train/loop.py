@@ -528,11 +528,19 @@ class Trainer:
 
         SIGTERM or SIGINT (once) during the run ends it after the current step with a checkpoint
         (:attr:`TrainSummary.stopped_by` says which); one that arrives before the first step (while
-        compiling) ends it before any step, leaving the run dir as it was.
+        compiling) ends it before any step, leaving the run dir as it was. A second SIGINT raises
+        ``KeyboardInterrupt`` without waiting for the checkpoint being written (the line logged
+        names the last complete one).
+
+        A start that resumes from step N first removes from ``metrics.jsonl`` the records of the
+        steps after N (left by a start that was killed before its next checkpoint; they are
+        replayed), see :mod:`moefast.train.metrics`.
 
         Raises:
           TrainingError: ``train.max_consecutive_nonfinite`` non-finite steps in a row.
-          CheckpointError: an incompatible or unreadable checkpoint, or a failed checkpoint write.
+          CheckpointError: an incompatible or unreadable checkpoint, a failed checkpoint write, or a
+            failed write of ``metrics.jsonl``, TensorBoard events or ``config.yaml`` (disk full,
+            read-only): the message names the file or step and the last complete checkpoint.
         """
         stop = _StopRequest()
         stop.install()
