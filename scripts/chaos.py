@@ -24,8 +24,9 @@ Then it checks, and exits 1 unless all hold:
   ``eval`` and ``alert`` records (records of replayed steps are removed on resume, see
   :mod:`moefast.train.metrics`);
 * no unfinished (``*.orbax-checkpoint-tmp``) or set-aside (``*.corrupt-*``) step directory is left,
-  at most ``checkpoint.keep`` steps remain and each restores; after every attempt the
-  checkpoints took at most ``keep + 1`` steps' space (the one being written and a leftover);
+  at most ``checkpoint.keep`` steps remain and each restores; measured after every start, the
+  checkpoints directory took at most ``keep + 2`` steps' space (``keep`` complete steps, one write
+  a kill cut short, one older step whose deletion a kill interrupted);
 
 and reports the kills per phase, the steps trained again after kills (a lower bound: a step killed
 before its log line is not seen) and the wall-time overhead against the reference::
@@ -93,11 +94,12 @@ class Attempt:
     def first_step_s(self) -> float | None:
         return next((t for t, line in self.lines if re.match(r"step\s+\d+ \| loss", line)), None)
 
-    def resumed_from(self) -> int:
+    def resumed_from(self) -> int | None:
+        """The step this start resumed from (0: a new run), ``None`` when it was killed before saying."""
         for _, line in self.lines:
             if m := re.match(r"resuming from step (\d+)", line):
                 return int(m.group(1))
-        return 0
+        return 0 if any(line.startswith("per device:") for _, line in self.lines) else None
 
 
 def _dir_bytes(path: Path) -> int:
@@ -128,7 +130,7 @@ def _kill_when(attempt: Attempt, phase: str, rng: random.Random, *, ckpts: Path,
     ended first. Step, save and evaluation kills land at step ``goal`` or later (the plan spreads the
     goals over the run), and at most one checkpoint interval or evaluation after the resumed step."""
     target_step = None
-    delay = {"startup": rng.uniform(0.0, startup_s), "restore": rng.uniform(0.0, 0.2),
+    delay = {"startup": rng.uniform(0.0, startup_s), "restore": rng.uniform(0.0, 0.1),
              "step": rng.uniform(0.0, 0.02), "save": rng.uniform(0.0, 0.005), "eval": rng.uniform(0.0, 0.05)}[phase]
     step_offset = rng.randint(1, 10)
     armed_at = 0.0 if phase == "startup" else None
@@ -246,9 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the report here too")
     p.add_argument("--timeout-s", type=float, default=900, help="give up after this long (default 900)")
     args = p.parse_args(argv)
-    if args.kills < 1 or args.steps < 1:
-        p.error("--kills and --steps must be >= 1")
+    if min(args.kills, args.steps, args.checkpoint_every, args.eval_every, args.keep) < 1:
+        p.error("--kills, --steps, --checkpoint-every, --eval-every and --keep must be >= 1")
     work = args.work_dir.absolute()
+    if work.exists() and not work.is_dir():
+        p.error(f"--work-dir {work} exists and is not a directory")
     work.mkdir(parents=True, exist_ok=True)
     if any(work.iterdir()):
         p.error(f"--work-dir {work} is not empty")
@@ -306,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         logged = a.steps_logged()
         if a.first_step_s() is not None and attempts > 1:
             restarts_to_step.append(a.first_step_s())
-        executed += max(logged[-1] - a.resumed_from(), 0) if logged else 0
+        executed += max(logged[-1] - (a.resumed_from() or 0), 0) if logged else 0
         if (chaos / "checkpoints").exists():
             max_ckpt_bytes = max(max_ckpt_bytes, _dir_bytes(chaos / "checkpoints"))
         if landed is not None:

@@ -64,7 +64,9 @@ class _StopRequest:
 
     Single process: Python handlers for both signals set a flag; a second signal acts as usual
     (Ctrl-C twice interrupts at once: the run does not wait for the checkpoint being written and
-    resumes from the last complete one). Several processes: SIGTERM is taken by JAX's preemption
+    resumes from the last complete one). Python runs a handler only between bytecodes, so two
+    signals that both arrive during one native call (a compilation, a long device step) count as
+    one: the loop says when it has taken the first (``stopping after step N``). Several processes: SIGTERM is taken by JAX's preemption
     service (installed by ``jax.distributed.initialize``) and every process stops at the same step
     through ``reached_preemption_sync_point``; SIGINT keeps its default behaviour.
     """
@@ -700,6 +702,8 @@ class Trainer:
                     stopped_by = stop.requested(done)  # after evaluation: a signal then stops here too
                     if stopped_by:
                         book.flush()
+                        say(f"{stopped_by}: stopping after step {done}; writing its checkpoint"
+                            + (" (Ctrl-C again quits without waiting for it)" if not stop._multi else ""))
                         if not save_now:
                             save(done)
                         ckpt.wait()
