@@ -59,9 +59,10 @@ def small_config(text_dir):
     return make
 
 
-# The longest test files first (pytest-xdist hands out whole files, --dist loadfile, in collection
-# order): the two workers then finish close together instead of one running a long file alone at
-# the end. Order inside each file is kept.
+# The longest test files first: pytest-xdist hands out whole files (--dist loadfile) in collection
+# order (--no-loadscope-reorder; by default it orders files by their number of tests, which sent
+# the one-test, two-minute chaos soak last), so the two workers finish close together instead of
+# one running a long file alone at the end. Order inside each file is kept.
 _LONGEST_FIRST = ["train/test_chaos.py", "test_notebooks.py", "parallel/test_multiprocess.py",
                   "train/test_disk_faults.py", "test_bench.py", "train/test_train.py"]
 

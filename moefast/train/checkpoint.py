@@ -122,8 +122,11 @@ def _reason(e: BaseException, limit: int = 300) -> str:
         inner = nxt
     text = str(inner).strip()
     line = text.splitlines()[0] if text else ""
-    out = f"{type(inner).__name__}: {line}" if line else type(inner).__name__
-    return out if len(out) <= limit else out[:limit - 3] + "..."
+    return _clip(f"{type(inner).__name__}: {line}" if line else type(inner).__name__, limit)
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 _ORBAX_ITEMS = ("state", "meta", "data")
@@ -173,7 +176,7 @@ def _describe(e: BaseException) -> str:
         code, array, detail = m.groups()
         what = _TS_CODES.get(code, "a data file cannot be read")
         reason = f"the data of {array} cannot be read: {what} ({code}: {detail})"
-    return reason if len(reason) <= 300 else reason[:297] + "..."
+    return _clip(reason)
 
 
 def _describe_write(e: BaseException) -> str:
@@ -189,7 +192,7 @@ def _describe_write(e: BaseException) -> str:
         reason = f"{os.strerror(code)} [errno {code}]; {reason}"
     elif isinstance(inner, OSError) and inner.strerror:
         reason = f"{inner.strerror} [errno {inner.errno}]; {reason}"
-    return reason if len(reason) <= 300 else reason[:297] + "..."
+    return _clip(reason)
 
 
 _quiet = False
@@ -228,8 +231,9 @@ def _silence_orbax_aftermath() -> None:
             msg = record.getMessage()
             return not (record.levelno >= logging.ERROR and msg.startswith("[process=") and "fail" in msg.lower())
 
-    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning,
-                            module=r"orbax\.")
+    for module in (r"orbax\.", r"sys$"):  # "sys": reported at interpreter exit, without a frame
+        warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning,
+                                module=module)
     logging.getLogger("asyncio").addFilter(_AsyncioFilter())
     logging.getLogger("absl").addFilter(_ThreadFailureFilter())
     unraisable, excepthook = sys.unraisablehook, sys.excepthook

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 import os
 import resource
 import signal
@@ -49,14 +48,6 @@ __all__ = ["Trainer", "TrainSummary", "TrainingError", "config_warnings", "load_
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. too many consecutive non-finite steps); the message names the
     step and the last good checkpoint."""
-
-
-class _KeyboardInterruptFilter(logging.Filter):
-    """Drops log records carrying a KeyboardInterrupt: orbax logs (through absl) a second Ctrl-C
-    that lands while it waits for a checkpoint write as a failed save, with a traceback."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
 
 
 class _StopRequest:
@@ -546,13 +537,10 @@ class Trainer:
         """
         stop = _StopRequest()
         stop.install()
-        quiet = _KeyboardInterruptFilter()
-        logging.getLogger("absl").addFilter(quiet)
-        try:
+        try:  # (orbax's log of a second Ctrl-C during a checkpoint wait: moefast.train.checkpoint's filter)
             return self._run(stop)
         finally:
             stop.uninstall()
-            logging.getLogger("absl").removeFilter(quiet)
 
     def _run(self, stop: _StopRequest) -> TrainSummary:
         t_start = time.perf_counter()
