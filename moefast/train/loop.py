@@ -101,7 +101,7 @@ def _write_atomically(path: Path, text: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise OSError(e.errno, e.strerror, str(path)) from None
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
 
 
 def config_warnings(cfg: ExperimentConfig) -> list[str]:
@@ -691,7 +691,7 @@ class Trainer:
                     if stopped_by:
                         book.flush()
                         say(f"{stopped_by}: stopping after step {done}; writing its checkpoint"
-                            + (" (Ctrl-C again quits without waiting for it)" if not stop._multi else ""))
+                            + (" (Ctrl-C again quits without waiting for it)" if stopped_by == "SIGINT" else ""))
                         if not save_now:
                             save(done)
                         ckpt.wait()
@@ -763,8 +763,6 @@ class Trainer:
         """A failed write to the run dir (metrics, TensorBoard events, config.yaml) as one error naming
         the directory, the step and the last complete checkpoint."""
         good = ckpt.complete_steps()
-        if not isinstance(e, MetricsWriteError) and e.filename:
-            e = OSError(e.errno, f"cannot write {e.filename}: {e.strerror}")
         where = (f"the last complete checkpoint, {ckpt.directory / str(good[-1])}, is intact: a rerun of the same "
                  f"command resumes from it and trains and logs the steps after it again" if good else
                  "there is no complete checkpoint yet: a rerun starts the run again")
