@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--run-dir", required=True, help="run directory written by moefast train")
     pl.add_argument("--out", default=None, metavar="DIR", help="where to write the PNGs (default: RUN_DIR/plots)")
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
-    b.add_argument("target", choices=["train", "memory", "routing", "cache", "peers", "overlap"],
+    b.add_argument("target", choices=["train", "memory", "routing", "cache", "peers", "overlap", "gpu-compile"],
                    help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
                         "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
                         "fused routing), interleaved in rounds; "
@@ -126,12 +126,23 @@ def _parser() -> argparse.ArgumentParser:
                         "pip install -c constraints.txt -e '.[peers]'); overlap: train-step time for "
                         "moe.overlap_chunks 1, 2, 4 on a mesh with an expert axis (default mesh.data=2 "
                         "mesh.expert=4 on 8 CPU devices), the compiled step's all-to-alls, and moefast train "
-                        "tokens/s with device prefetch on vs off")
+                        "tokens/s with device prefetch on vs off; gpu-compile: compiles (never runs) the config's "
+                        "train step for --devices GPUs of kind --gpu on this machine, no GPU needed, and reports per "
+                        "device: compile time, memory against the GPU's, host-synced conditionals and state copies, "
+                        "collectives (dtype, bytes, async or not), kernels and XLA's scheduling estimate; exits 1 "
+                        "when the step does not fit (needs the CUDA PJRT plugin: README, 'Compiling for GPUs')")
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="train, memory, overlap: overrides of the benchmarked experiment; peers: config overrides for "
                         "the moefast side (the HF model follows its shapes)")
     b.add_argument("--config", default=None,
                    help="train, memory, peers, overlap: YAML config (default: configs/tiny.yaml)")
+    b.add_argument("--gpu", default="h100", metavar="h100|h200|FILE",
+                   help="gpu-compile: the GPU to compile for (default h100: H100 SXM 80 GB; h200: H200 141 GB), or a "
+                        "target description file (scripts/gpu_check.py saves a real GPU's)")
+    b.add_argument("--autotune", default=None, metavar="FILE",
+                   help="gpu-compile: XLA autotuning results from a real GPU (scripts/gpu_check.py saves them)")
+    b.add_argument("--devices", default="8", metavar="N|HOSTSxN",
+                   help="gpu-compile: GPUs to compile for, N on one host or HOSTSxN (default 8)")
     b.add_argument("--device-gib", type=float, default=None, metavar="GIB",
                    help="memory: memory of one device in GiB; adds a column saying whether each variant fits "
                         "(default on a GPU: its own limit)")
@@ -171,6 +182,7 @@ BENCH_OPTIONS = {
     "cache": {"json", "steps", "pairs", "cpu_devices"},
     "peers": {"overrides", "config", "json", "steps", "rounds", "profile", "cpu_devices"},
     "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
+    "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune"},
 }
 
 
@@ -237,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    if args.command == "bench" and args.target == "gpu-compile":
+        from moefast.bench import gpu_compile
+
+        try:
+            gpu_compile.prepare_process()  # before JAX starts: JAX_PLATFORMS=cpu and the CUDA plugin's path
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     cfg = None
     if args.command == "train" or (args.command == "bench" and args.target in ("train", "memory")):
         config = args.config
@@ -274,6 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+
+    if args.command == "train":
+        import jax
+
+        from moefast.parallel.distributed import cpu_jax_on_gpu_machine
+
+        hint = cpu_jax_on_gpu_machine(jax.default_backend())
+        if hint:
+            print(hint, file=sys.stderr)
 
     from moefast.data import DataError
     from moefast.train import CheckpointError, Trainer, TrainingError, generate, load_run_config
@@ -355,6 +384,17 @@ def main(argv: list[str] | None = None) -> int:
                     raise ConfigError(f"--profile {args.profile} exists and is not a directory; choose another path")
                 return peers.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
                                      overrides=args.overrides, profile_dir=args.profile, cpu_devices=args.cpu_devices)
+            if args.target == "gpu-compile":
+                from moefast.bench import gpu_compile
+
+                try:
+                    return gpu_compile.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
+                                               gpu=args.gpu, devices=args.devices, autotune=args.autotune)
+                except (ValueError, RuntimeError) as e:  # bad --devices; the CUDA plugin missing
+                    if isinstance(e, ConfigError):
+                        raise
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
             if args.target == "cache":
                 from moefast.bench import cache
 

@@ -371,7 +371,7 @@ class DataConfig:
                  f"must be 'auto' or >= 0 (0 = no prefetch), got {self.prefetch}")
 
     def prefetch_batches(self, platform: str) -> int:
-        """Batches in flight on ``platform`` (``jax.default_backend()``): ``prefetch`` resolved."""
+        """Batches in flight on ``platform`` (the mesh's, :func:`moefast.parallel.platform`): ``prefetch`` resolved."""
         if self.prefetch == "auto":
             return 0 if platform == "cpu" else 1
         return self.prefetch

@@ -16,6 +16,9 @@ Checks, in order (each a function registered with :func:`register_check`; add ch
    jax-triton runs) against the reference on a few shapes, up to 1024 experts: expert_index, slot, tokens_per_expert, num_dropped bitwise; gates, prob_sum, z_sum and
    the logits gradient to float32 tolerance. Mismatching elements are counted, not just flagged.
 2. ``bandwidth`` — device memory bandwidth from a large elementwise copy (read + write).
+2b. ``target`` — saves this GPU's XLA target description and the autotuning results of the
+   train step (``configs/h200_1b.yaml``, 8 layers) next to ``--out`` (``<out>_xla/``), which
+   ``moefast bench gpu-compile --gpu FILE --autotune FILE`` loads for later deviceless compiles.
 3. ``kernel`` — the routing kernel alone (``routing_blocks``) over block sizes / warps, against the
    memory floor: (logits read once + kernel outputs written once) / measured bandwidth.
 4. ``route`` — ``route(impl=...)`` forward and forward+backward for every impl and policy.
@@ -242,6 +245,44 @@ def check_bandwidth(ctx: Context) -> list[dict]:
     gbs = 2 * nbytes / (t["median_ms"] * 1e-3) / 1e9
     ctx.shared["bandwidth_gbs"] = gbs
     return [{"bytes_moved": 2 * nbytes, **t, "bandwidth_GBs": gbs}]
+
+
+@register_check("target")
+def check_target(ctx: Context) -> list[dict]:
+    """This GPU's target description and XLA's autotuning results of the train step of
+    ``configs/h200_1b.yaml`` with :data:`TRAIN_GPU_OVERRIDES` (one device), saved next to ``--out``
+    (``<out>_xla/``) for deviceless compiles: ``moefast bench gpu-compile --gpu
+    <out>_xla/gpu_target_config.txtpb --autotune <out>_xla/autotune_results.txtpb``. Autotuning
+    results apply where a compile has the same fusions (same config and shapes per device)."""
+    import glob
+    import shutil
+    import tempfile
+
+    import jax
+
+    from moefast.config import load_config
+    from moefast.train import Trainer
+
+    if ctx.args.cpu_smoke:
+        return [{"status": "skipped (CPU: no GPU target to save)"}]
+    if ctx.time_left() < 60:
+        return [{"status": f"skipped (budget: {ctx.time_left():.0f} s left, needs ~60 s)"}]
+    out = os.path.splitext(os.path.abspath(ctx.args.out))[0] + "_xla"
+    os.makedirs(out, exist_ok=True)
+    autotune = os.path.join(out, "autotune_results.txtpb")
+    cfg = load_config(os.path.join(REPO, "configs", "h200_1b.yaml"), [*TRAIN_GPU_OVERRIDES, *ctx.args.train_override])
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(cfg, os.path.join(tmp, "run"), log=None, progress=False, devices=jax.devices()[:1])
+        t0 = time.perf_counter()
+        trainer.lower_train_step().compile({**trainer.compiler_options(), "xla_dump_to": os.path.join(tmp, "dump"),
+                                            "xla_gpu_dump_autotune_results_to": autotune})
+        compile_s = time.perf_counter() - t0
+        found = sorted(glob.glob(os.path.join(tmp, "dump", "*gpu_target_config.pbtxt")))
+        target = os.path.join(out, "gpu_target_config.txtpb")
+        if found:
+            shutil.copy(found[0], target)
+    return [{"status": "ok" if found else "error", "target_config": target if found else None,
+             "autotune_results": autotune if os.path.isfile(autotune) else None, "compile_s": compile_s}]
 
 
 def kernel_io_bytes(t: int, e: int, k: int, block_tokens: int, itemsize: int, rank_method: str) -> int:

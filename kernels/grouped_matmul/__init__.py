@@ -20,6 +20,7 @@ from typing import Literal
 
 import jax
 
+from ..platform import target_platform
 from .reference import grouped_matmul_reference, validate
 from .tiled import check_tiles, grouped_matmul_tiled
 
@@ -30,7 +31,8 @@ Impl = Literal["auto", "ragged_dot", "tiled"]
 
 
 def resolve(impl: str, platform: str | None = None) -> str:
-    """The implementation ``impl`` stands for on ``platform`` (default: JAX's default backend).
+    """The implementation ``impl`` stands for on ``platform`` (default: the platform being compiled
+    for, :func:`~moefast.kernels.platform.target_platform`).
 
     Raises:
       ValueError: an unknown ``impl``.
@@ -38,7 +40,7 @@ def resolve(impl: str, platform: str | None = None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"grouped matmul impl={impl!r} is not one of {IMPLS}")
     if impl == "auto":
-        return "tiled" if (platform or jax.default_backend()) == "cpu" else "ragged_dot"
+        return "tiled" if (platform or target_platform()) == "cpu" else "ragged_dot"
     return impl
 
 

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ..platform import target_platform
+
 __all__ = ["RANK_METHODS", "BlockOutputs", "check_block_tokens", "default_interpret", "next_power_of_2",
            "routing_blocks"]
 
@@ -70,8 +72,9 @@ def check_block_tokens(block_tokens: int, rank_method: str = "cumsum") -> None:
 
 
 def default_interpret() -> bool:
-    """Interpret mode by default on CPU, where Pallas kernels cannot be compiled."""
-    return jax.default_backend() == "cpu"
+    """Interpret mode by default when compiling for CPU (:func:`~moefast.kernels.platform.target_platform`),
+    where Pallas kernels cannot be compiled."""
+    return target_platform() == "cpu"
 
 
 def _routing_kernel(logits_ref, mask_ref, bias_ref, index_ref, gates_ref, rank_ref, counts_ref,

@@ -33,12 +33,14 @@ from .pallas import BlockOutputs, check_block_tokens, next_power_of_2
 __all__ = ["available", "routing_blocks", "routing_blocks_torch"]
 
 
-def available() -> str | None:
-    """``None`` when the JAX launcher can run here, else why not (a sentence)."""
-    import jax
+def available(platform: str | None = None) -> str | None:
+    """``None`` when the JAX launcher can run on ``platform`` (default: the platform being compiled
+    for, :func:`~moefast.kernels.platform.target_platform`), else why not (a sentence)."""
+    from ..platform import target_platform
 
-    if jax.default_backend() != "gpu":
-        return (f"impl='triton' runs on a GPU only (default backend: {jax.default_backend()}); its kernel is "
+    platform = platform or target_platform()
+    if platform != "gpu":
+        return (f"impl='triton' runs on a GPU only (compiling for: {platform}); its kernel is "
                 "checked on CPU under the Triton interpreter by the tests")
     try:
         import jax_triton  # noqa: F401

@@ -133,7 +133,7 @@ class _Runner:
         self.memory = self.trainer.memory_per_device()
         data = iter(train_dataset(corpus, cfg.data, seed=cfg.train.seed, process_index=jax.process_index(),
                                   process_count=jax.process_count()))
-        self.batches = DevicePrefetcher(data, self.trainer.put_batch, cfg.data.prefetch_batches(jax.default_backend()))
+        self.batches = DevicePrefetcher(data, self.trainer.put_batch, cfg.data.prefetch_batches(self.trainer.platform))
         self.step_s: list[float] = []
         self.round_s: list[float] = []
 

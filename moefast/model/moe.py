@@ -15,6 +15,7 @@ from flax import nnx
 
 from moefast.config import MoEConfig
 from moefast.parallel.expert import MoEStats, moe_ffn
+from moefast.parallel.precision import dense
 
 __all__ = ["MoELayer", "MoEStats"]
 
@@ -108,9 +109,9 @@ class MoELayer(nnx.Module):
                            warmup_key=warmup_key, warmup_active=warmup_active)
         if self.moe.shared_expert_d_ff:
             x = x_btd.astype(self.dtype)
-            gate, up = jnp.split(x @ self.shared_w_in[...].astype(self.dtype), 2, axis=-1)
-            shared = (jax.nn.silu(gate) * up) @ self.shared_w_out[...].astype(self.dtype)
+            gate, up = jnp.split(dense(x, self.shared_w_in[...], self.dtype, ("embed", "mlp")), 2, axis=-1)
+            shared = dense(jax.nn.silu(gate) * up, self.shared_w_out[...], self.dtype, ("mlp", "embed"))
             if self.moe.shared_expert_gate:
-                shared = jax.nn.sigmoid(x @ self.shared_gate[...].astype(self.dtype)) * shared
+                shared = jax.nn.sigmoid(dense(x, self.shared_gate[...], self.dtype, ("embed", None))) * shared
             y = y + shared.astype(y.dtype)
         return y, stats

@@ -35,6 +35,7 @@ from moefast.model.layout import layer_layout
 from moefast.model.moe import MoELayer, MoEStats
 from moefast.model.positional import apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
 from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
+from moefast.parallel.precision import dense, embed_lookup
 
 __all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "ModelOutput", "REMAT_POLICIES", "Transformer", "build_model",
            "causal_attention", "init_cache", "init_routing_state"]
@@ -59,7 +60,11 @@ def _dropout(x, rate: float, key, site: int):
 
 
 def _rms_norm(d_model: int, eps: float, dtype, rngs: nnx.Rngs) -> nnx.RMSNorm:
-    return nnx.RMSNorm(d_model, epsilon=eps, dtype=dtype, scale_metadata={"logical_axes": ("norm",)}, rngs=rngs)
+    """RMSNorm computed in float32 (its scale's gradient sums tokens in float32); callers cast the
+    result to the compute dtype."""
+    del dtype
+    return nnx.RMSNorm(d_model, epsilon=eps, dtype=jnp.float32, scale_metadata={"logical_axes": ("norm",)},
+                       rngs=rngs)
 
 
 ATTENTION_BLOCK = 128  # query rows per block of :func:`causal_attention` (measured, see its docstring)
@@ -155,15 +160,15 @@ class Attention(nnx.Module):
         [B or 1, 1, T, S], True where a query may attend to a key."""
         b, t, _ = x_btd.shape
         h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = x_btd @ self.qkv[...].astype(self.dtype)
-        if self.bias != "none":
-            qkv = qkv + self.qkv_bias[...].astype(self.dtype)[None, None]
+        qkv = dense(x_btd, self.qkv[...], self.dtype, ("embed", "heads"))
+        if self.bias != "none":  # added in float32: the bias gradient sums tokens in float32
+            qkv = (qkv.astype(jnp.float32) + self.qkv_bias[...][None, None]).astype(self.dtype)
         q, k, v = qkv[..., : h * hd], qkv[..., h * hd: (h + g) * hd], qkv[..., (h + g) * hd:]
         if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q).astype(self.dtype), self.k_norm(k).astype(self.dtype)
         q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, g, hd), v.reshape(b, t, g, hd)
         if self.qk_norm == "per_head":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q).astype(self.dtype), self.k_norm(k).astype(self.dtype)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         new_cache = None
@@ -172,9 +177,9 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1)
             new_cache = {"k": k, "v": v}
         o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts, causal=cache is None)
-        o = o.reshape(b, t, h * hd) @ self.out[...].astype(self.dtype)
+        o = dense(o.reshape(b, t, h * hd), self.out[...], self.dtype, ("heads", "embed"))
         if self.bias == "all":
-            o = o + self.out_bias[...].astype(self.dtype)[None, None]
+            o = (o.astype(jnp.float32) + self.out_bias[...][None, None]).astype(self.dtype)
         return o, new_cache
 
 
@@ -189,8 +194,8 @@ class DenseMLP(nnx.Module):
                                logical_axes=("mlp", "embed"))
 
     def __call__(self, x_btd):
-        gate, up = jnp.split(x_btd @ self.w_in[...].astype(self.dtype), 2, axis=-1)
-        return (jax.nn.silu(gate) * up) @ self.w_out[...].astype(self.dtype)
+        gate, up = jnp.split(dense(x_btd, self.w_in[...], self.dtype, ("embed", "mlp")), 2, axis=-1)
+        return dense(jax.nn.silu(gate) * up, self.w_out[...], self.dtype, ("mlp", "embed"))
 
 
 class Block(nnx.Module):
@@ -216,9 +221,9 @@ class Block(nnx.Module):
         """One block; ``layer`` is its index (an int, or a traced int32 under ``scan_layers``), the
         other arguments are :meth:`Transformer.__call__`'s, per layer. Returns ``(x, stats or None,
         new cache or None)``."""
-        a, new_cache = self.attn(self.attn_norm(x), rope, attn_mask, cache, cache_index)
+        a, new_cache = self.attn(self.attn_norm(x).astype(x.dtype), rope, attn_mask, cache, cache_index)
         x = x + _dropout(a, self.dropout, step_key, 3 * layer)
-        h = self.ffn_norm(x)
+        h = self.ffn_norm(x).astype(x.dtype)
         stats = None
         if self.is_moe:
             rs = routing_state or {}
@@ -374,7 +379,7 @@ class Transformer(nnx.Module):
         if self.cache_tables:  # once per forward pass, shared by every layer
             attn_mask, rope = make_mask(), make_rope()
 
-        x = self.embed[...].astype(self.dtype)[tokens_bt]
+        x = embed_lookup(self.embed[...], tokens_bt, self.dtype, ("vocab", "embed"))
         if self.position_encoding == "sinusoidal":
             x = x + sinusoidal_encoding(positions_bt, self.max_seq_len, x.shape[-1], self.dtype,
                                         cached=self.cache_tables)
@@ -389,9 +394,12 @@ class Transformer(nnx.Module):
             new_cache = None
         else:
             x, moe, new_cache = self._unrolled(x, make, routing_state, cache, **layer_args)
-        x = self.final_norm(x)
-        head = self.embed[...].T if self.tie_embeddings else self.lm_head[...]
-        logits = (x @ head.astype(self.dtype)).astype(jnp.float32)
+        x = self.final_norm(x).astype(x.dtype)
+        if self.tie_embeddings:
+            logits = dense(x, self.embed[...], self.dtype, ("vocab", "embed"), transposed=True)
+        else:
+            logits = dense(x, self.lm_head[...], self.dtype, ("embed", "vocab"))
+        logits = logits.astype(jnp.float32)
         return ModelOutput(logits=logits, moe=moe, cache=new_cache)
 
     def layer_modules(self) -> list[Block]:

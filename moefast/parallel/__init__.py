@@ -11,9 +11,11 @@ from moefast.parallel.mesh import (
     mesh_shape,
     optimizer_spec,
     param_specs,
+    platform,
     shardings,
+    state_spec,
 )
 
 __all__ = ["BATCH_AXES", "LOGICAL_RULES", "MESH_AXES", "MoEStats", "batch_spec", "expert_ffn",
            "logical_to_spec", "make_mesh", "mesh_shape", "moe_ffn", "optimizer_spec", "param_specs",
-           "shardings"]
+           "platform", "shardings", "state_spec"]

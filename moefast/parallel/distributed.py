@@ -6,7 +6,8 @@ import hashlib
 import json
 import os
 
-__all__ = ["assert_same_config", "cluster_detected", "initialize"]
+__all__ = ["assert_same_config", "cluster_detected", "cpu_jax_on_gpu_machine", "initialize", "nvidia_gpus",
+           "slurm_local_device_ids"]
 
 
 def cluster_detected() -> str | None:
@@ -29,13 +30,64 @@ def cluster_detected() -> str | None:
     return None
 
 
+def nvidia_gpus() -> int:
+    """NVIDIA GPUs the driver exposes on this machine (``/dev/nvidiaN`` device files; 0 where there
+    are none, or no ``/dev``)."""
+    try:
+        return len([f for f in os.listdir("/dev") if f.startswith("nvidia") and f[len("nvidia"):].isdigit()])
+    except OSError:
+        return 0
+
+
+def cpu_jax_on_gpu_machine(backend: str) -> str | None:
+    """One line saying so when this machine has NVIDIA GPUs but JAX runs on the CPU (``backend``,
+    JAX's default backend) without being asked to (``JAX_PLATFORMS``), with the install command;
+    ``None`` otherwise."""
+    n = nvidia_gpus()
+    if backend != "cpu" or not n or os.environ.get("JAX_PLATFORMS", "").strip():
+        return None
+    return (f"note: this machine has {n} NVIDIA GPU{'s' if n > 1 else ''} but the installed jax runs on the CPU "
+            "only; to train on them: pip install -c constraints.txt -e '.[gpu]' (JAX_PLATFORMS=cpu silences this)")
+
+
+def _local_gpu_count(env) -> int:
+    """GPUs this process may use, without starting JAX: ``CUDA_VISIBLE_DEVICES`` (SLURM sets it for
+    a step with GPUs), else ``SLURM_GPUS_ON_NODE``, else the ``/dev/nvidiaN`` device files; 0 if
+    none of them says."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    gpus = env.get("SLURM_GPUS_ON_NODE", "")
+    if gpus.isdigit():
+        return int(gpus)
+    return nvidia_gpus()
+
+
+def slurm_local_device_ids(env=None) -> list[int] | None:
+    """The GPUs a SLURM task should use when the step runs one task per node: all of the node's.
+
+    JAX's SLURM detection sets ``local_device_ids=[SLURM_LOCALID]``, one GPU per task, which is
+    right for one task per GPU but leaves a one-task-per-node job with a single GPU per node.
+    Returns ``list(range(GPUs on the node))`` when ``SLURM_STEP_NUM_TASKS`` equals
+    ``SLURM_STEP_NUM_NODES`` and the node has GPUs, else ``None`` (JAX's default stands).
+    """
+    env = os.environ if env is None else env
+    tasks, nodes = env.get("SLURM_STEP_NUM_TASKS", ""), env.get("SLURM_STEP_NUM_NODES", "")
+    if not (tasks.isdigit() and nodes.isdigit()) or int(tasks) != int(nodes):
+        return None
+    n = _local_gpu_count(env)
+    return list(range(n)) if n > 0 else None
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
                *, timeout_s: int = 300) -> bool:
     """Joins a multi-process job when launched as one of several processes.
 
     With ``coordinator``/``num_processes``/``process_id`` given, uses them; otherwise lets JAX
     auto-detect the job when :func:`cluster_detected` finds a launcher (SLURM ``srun``, Open MPI
-    ``mpirun``). Must run before any JAX computation.
+    ``mpirun``); under SLURM with one task per node, each task gets all of its node's GPUs
+    (:func:`slurm_local_device_ids`), with one task per GPU the task's own. Must run before any JAX
+    computation.
 
     Args:
       coordinator: ``HOST:PORT`` of process 0's coordination service.
@@ -72,9 +124,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                                    process_id=process_id, initialization_timeout=timeout_s,
                                    heartbeat_timeout_seconds=timeout_s)
         return True
-    if cluster_detected() is None:
+    cluster = cluster_detected()
+    if cluster is None:
         return False
-    jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s)
+    local = slurm_local_device_ids() if cluster == "SLURM" else None
+    jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s,
+                               **({"local_device_ids": local} if local is not None else {}))
     return True
 
 

@@ -35,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 from moefast import routing
 from moefast.config import MoEConfig
 from moefast.kernels.grouped_matmul import grouped_matmul
-from moefast.parallel.mesh import BATCH_AXES
+from moefast.parallel.mesh import BATCH_AXES, state_spec
+from moefast.parallel.precision import expert_weights
 
 __all__ = ["EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
 
@@ -192,8 +193,12 @@ def _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, impl: str):
 
 
 def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, *warmup, moe: MoEConfig,
-               drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...]):
+               drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...], w_specs: tuple = ()):
     b, t, d = x_btd.shape
+    if w_specs:  # this device's shards -> its experts' whole weights, in the compute dtype
+        keep = EXPERT_AXIS if ep > 1 else None
+        w_in_edf = expert_weights(w_in_edf, dtype, w_specs[0], reduce_axes, keep)
+        w_out_efd = expert_weights(w_out_efd, dtype, w_specs[1], reduce_axes, keep)
     num_experts = moe.num_experts
     x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
     chunks = moe.overlap_chunks if ep > 1 else 1  # no exchange, nothing to overlap
@@ -298,7 +303,10 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         shards *= mesh.shape[a]
     if x_btd.shape[0] % shards:
         raise ValueError(f"batch {x_btd.shape[0]} is not divisible by the {shards} token shards {token_axes}")
-    w_spec = P(EXPERT_AXIS) if ep > 1 else P()
-    fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=token_axes, **kw)
-    in_specs = (P(token_axes), P(token_axes), P(), w_spec, w_spec, P(), P()) + (P(),) * (len(args) - 7)
+    # The expert weights enter as the train state holds them (float32 shards, split over expert,
+    # fsdp and data) and are gathered inside in the compute dtype (moefast.parallel.precision).
+    w_specs = (state_spec(("expert", "embed", "mlp"), w_in_edf.shape, mesh),
+               state_spec(("expert", "mlp", "embed"), w_out_efd.shape, mesh))
+    fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=token_axes, w_specs=w_specs, **kw)
+    in_specs = (P(token_axes), P(token_axes), P(), *w_specs, P(), P()) + (P(),) * (len(args) - 7)
     return jax.shard_map(fn, in_specs=in_specs, out_specs=(P(token_axes), P()))(*args)

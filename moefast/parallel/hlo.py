@@ -46,6 +46,7 @@ class Instr:
     calls: tuple[str, ...]  # computations it applies (fusion bodies, async/call targets)
     computation: str
     index: int  # position in its computation (schedule order in a scheduled module)
+    is_sync: bool = False  # XLA:GPU marked this async pair synchronous (``"is_sync":true``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,8 @@ class Collective:
       shape: result type as printed by XLA.
       bytes: bytes of the result (all arrays of a tuple result; for an async start, of the done's
         result).
-      is_async: an asynchronous start/done pair.
+      is_async: an asynchronous start/done pair that XLA did not mark synchronous (``"is_sync":true``
+        in the start's backend config, which XLA:GPU sets when nothing can overlap it).
       compute_between: compute instructions (fusions, dots, custom calls, ...) scheduled between
         the start and the done of an asynchronous pair; 0 for a synchronous collective.
       computation: the HLO computation it is in.
@@ -161,7 +163,7 @@ class HloModule:
             calls = tuple(re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", rest))
             name = m.group(1)
             self.instrs[name] = Instr(name, op.group(1), shape, operands, calls, comp,
-                                      len(self.computations[comp]))
+                                      len(self.computations[comp]), '"is_sync":true' in rest)
             self.computations[comp].append(name)
 
     @cached_property
@@ -196,12 +198,14 @@ class HloModule:
                 kind = self._wrapped_kind(ins)
                 if kind is None:
                     continue
-                is_async = ins.opcode.endswith("-start")
+                # XLA:GPU keeps a start/done pair for a collective it runs synchronously (nothing to
+                # overlap it with) and says so in the start's backend config.
+                is_async = ins.opcode.endswith("-start") and not ins.is_sync
                 shape, between = ins.shape, 0
-                if is_async and name in self._users_of_async:
+                if ins.opcode.endswith("-start") and name in self._users_of_async:
                     done = self.instrs[self._users_of_async[name]]
                     shape = done.shape
-                    if done.computation == comp:
+                    if is_async and done.computation == comp:
                         between = sum(self.instrs[n].opcode not in _NOT_COMPUTE and self._wrapped_kind(self.instrs[n]) is None
                                       and not self.instrs[n].opcode.endswith("-done")
                                       for n in names[ins.index + 1:done.index])

@@ -1,7 +1,8 @@
 """Device mesh and logical-axis sharding rules.
 
 Mesh axes (all ``AxisType.Auto``):
-  * ``data``   — data parallelism: batch split, parameters replicated.
+  * ``data``   — data parallelism: batch split; parameters and optimizer state split over it
+    on a free dimension (ZeRO, :func:`optimizer_spec`), gathered in the compute dtype for use.
   * ``fsdp``   — fully-sharded data parallelism (ZeRO-3): batch split *and* parameters/optimizer
     state split along their ``embed`` dimension; gathered for use by the partitioner.
   * ``expert`` — expert parallelism: batch split, experts' weights split along ``expert``; tokens
@@ -9,7 +10,10 @@ Mesh axes (all ``AxisType.Auto``):
 
 Tokens are split over all three axes. Parameters carry logical axis names (``nnx.Param(...,
 logical_axes=(...))``) which :data:`LOGICAL_RULES` maps to mesh axes; a name without a rule fails at
-start. The optimizer state is additionally split over ``data`` where a dimension allows (ZeRO-1).
+start. The train state (float32 parameters and optimizer moments alike) is additionally split over
+``data`` and, for parameters not split over experts, ``expert`` where a dimension allows (ZeRO;
+:func:`optimizer_spec`); :mod:`moefast.parallel.precision` gathers weights in the compute dtype
+where they are used and reduce-scatters their float32 gradients.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ __all__ = [
     "mesh_shape",
     "optimizer_spec",
     "param_specs",
+    "platform",
     "shardings",
+    "state_spec",
 ]
 
 MESH_AXES = ("data", "fsdp", "expert")
@@ -98,6 +104,15 @@ def make_mesh(cfg: ExperimentConfig, devices: list | None = None) -> jax.shardin
                          axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
+def platform(mesh: jax.sharding.Mesh) -> str:
+    """``"cpu"``, ``"gpu"`` or ``"tpu"``: what ``mesh``'s devices are, so what a step over it is
+    compiled for (compile-only GPU devices from ``jax.experimental.topologies`` count as ``"gpu"``,
+    whatever the host's default backend). Backend choices follow this, never ``jax.default_backend()``;
+    inside a trace the kernels read the same from the abstract mesh
+    (:func:`moefast.kernels.platform.target_platform`)."""
+    return mesh.devices.flat[0].platform
+
+
 def batch_spec(mesh: jax.sharding.Mesh) -> P:
     """Leading (batch) dimension split over every token axis of ``mesh``."""
     return P(tuple(a for a in BATCH_AXES if a in mesh.axis_names))
@@ -152,21 +167,40 @@ def param_specs(abstract_model_state: nnx.State, mesh: jax.sharding.Mesh) -> dic
 
 
 def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh, *, layers: bool = False) -> P:
-    """A parameter's spec with ``data`` added on its first free dimension divisible by it (ZeRO-1);
-    with ``layers`` (a stacked parameter of scanned blocks) never on the leading ``layers`` axis, so
-    each scanned layer's slice is split like the unrolled layer's.
+    """A parameter's spec plus each token axis it is not split on yet (``data``, then ``expert``)
+    (ZeRO: every device keeps only its share of the master weights and optimizer moments). The axis
+    joins the first dimension already split whose size allows it (after the axes there, so e.g.
+    ``("expert", "data")`` keeps each device's experts together), else the first free dimension
+    divisible by its size; with ``layers`` (a stacked parameter of scanned blocks) never the leading
+    ``layers`` axis, so each scanned layer's slice is split like the unrolled layer's. ``mesh`` may
+    be abstract.
 
     Scalars and leaves with no such dimension keep the parameter's spec.
     """
-    n = mesh.shape.get("data", 1)
-    if n == 1 or not shape:
-        return spec
-    parts = list(spec) + [None] * (len(shape) - len(spec))
-    for i, (p, d) in enumerate(zip(parts, shape)):
-        if p is None and d % n == 0 and not (i == 0 and layers):
-            parts[i] = "data"
-            return P(*parts)
-    return spec
+    parts = [() if p is None else (p if isinstance(p, tuple) else (p,)) for p in spec]
+    parts += [()] * (len(shape) - len(parts))
+    used = {a for p in parts for a in p}
+    ways = lambda axes: math.prod(mesh.shape[a] for a in axes)
+    for axis in ("data", "expert"):
+        n = mesh.shape.get(axis, 1)
+        if n == 1 or axis in used:
+            continue
+        # Join a dimension already split (one dimension split n ways reduce-scatters in one
+        # collective; two split dimensions make XLA all-reduce and slice), else the first free one.
+        split = [i for i, p in enumerate(parts) if p and shape[i] % (ways(p) * n) == 0]
+        free = [i for i, p in enumerate(parts) if not p and shape[i] % n == 0 and not (i == 0 and layers)]
+        if split or free:
+            i = (split or free)[0]
+            parts[i] = (*parts[i], axis)
+    return P(*(None if not p else p[0] if len(p) == 1 else p for p in parts))
+
+
+def state_spec(names: tuple[str | None, ...], shape: tuple[int, ...], mesh, *, layers: bool = False) -> P:
+    """How the train state holds a parameter with logical axes ``names``: :func:`logical_to_spec`
+    plus ``data`` on a free dimension (:func:`optimizer_spec`). ``mesh`` may be abstract
+    (``jax.sharding.get_abstract_mesh()`` inside a trace), so the model can name the sharding its
+    weights arrive in; a scanned stack's per-layer slice gets its stack's spec without ``layers``."""
+    return optimizer_spec(logical_to_spec(tuple(names), tuple(shape), mesh), tuple(shape), mesh, layers=layers)
 
 
 def shardings(mesh: jax.sharding.Mesh, specs: Any) -> Any:

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 
-__all__ = ["GPU_FLAGS", "configure", "gpu_possible", "merge_flags"]
+__all__ = ["GPU_FLAGS", "compile_options", "configure", "gpu_possible", "merge_flags"]
 
 _COMBINE_BYTES = str(128 * 2**20)  # combine small collectives up to 128 MiB (not tuned by measurement)
 
@@ -57,6 +57,23 @@ def merge_flags(existing: str, flags: dict[str, str]) -> tuple[str, list[str]]:
     present = set(re.findall(r"--([A-Za-z0-9_]+)", existing))
     added = [f"--{k}={v}" for k, v in flags.items() if k not in present]
     return " ".join([existing.strip(), *added]).strip(), added
+
+
+def compile_options(enabled: bool, platform: str) -> dict[str, bool | int | str]:
+    """:data:`GPU_FLAGS` as per-compilation options (``Lowered.compile(options)``) for a step compiled
+    for ``platform`` (the mesh's, :func:`moefast.parallel.platform`): the flags then apply to a
+    GPU step also when ``XLA_FLAGS`` could not carry them (JAX already started, or compiling for
+    GPUs from a CPU host). Flags that ``XLA_FLAGS`` names keep the user's value.
+
+    Args:
+      enabled: ``overlap.xla_flags``.
+      platform: ``"gpu"`` gets the flags; any other platform none.
+    """
+    if not enabled or platform != "gpu":
+        return {}
+    present = set(re.findall(r"--([A-Za-z0-9_]+)", os.environ.get("XLA_FLAGS", "")))
+    typed = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
+    return {k: typed(v) for k, v in GPU_FLAGS.items() if k not in present}
 
 
 def _jax_started() -> bool:

@@ -382,16 +382,17 @@ class Trainer:
                       "to the OS after every step (about 1.3x slower on CPU): import moefast before running any "
                       "JAX computation (in a notebook: restart the kernel and import moefast first)")
         self.mesh = parallel.make_mesh(cfg, devices)
-        if cfg.moe.routing_impl == "pallas" and jax.default_backend() == "cpu" and self.mesh.size > 1:
+        self.platform = parallel.platform(self.mesh)  # what the steps are compiled for
+        if cfg.moe.routing_impl == "pallas" and self.platform == "cpu" and self.mesh.size > 1:
             raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
                               f"inside the expert-parallel shard_map over {self.mesh.size} devices; use "
                               "'reference' or 'auto' here, or one CPU device (--cpu-devices 1)")
         if cfg.moe.routing_impl == "triton":
             from moefast.kernels.routing import triton as triton_kernel
 
-            why = triton_kernel.available()
+            why = triton_kernel.available(self.platform)
             if why:
-                others = "'auto' or 'reference'" if jax.default_backend() == "cpu" and self.mesh.size > 1 else \
+                others = "'auto' or 'reference'" if self.platform == "cpu" and self.mesh.size > 1 else \
                     "'auto', 'reference' or 'pallas'"
                 raise ConfigError(f"moe.routing_impl: {why}; use {others} here")
         if corpus is not None:
@@ -442,16 +443,15 @@ class Trainer:
 
     def _state_sharding(self) -> dict[str, Any]:
         """Shardings of the train state: parameters by their logical axes (``fsdp`` splits
-        ``embed``, ``expert`` splits experts); optimizer moments like their parameter plus ``data``
-        on a free dimension (ZeRO-1); scalars replicated."""
+        ``embed``, ``expert`` splits experts) plus ``data`` on a free dimension
+        (:meth:`~moefast.train.step.ModelDef.param_state_specs`); optimizer moments like their
+        parameter; scalars replicated."""
         mesh = self.mesh
-        param_spec = parallel.param_specs(self.model_def.abstract_model_state, mesh)
+        param_spec = self.model_def.param_state_specs(mesh)
         abstract = self.model_def.abstract_state()
         opt_spec = optax.tree_utils.tree_map_params(
-            make_optimizer(self.cfg),
-            lambda p, spec, stacked: parallel.optimizer_spec(spec, p.shape, mesh, layers=stacked),
-            abstract["opt_state"], param_spec, self.model_def.stacked, transform_non_params=lambda _: P(),
-            is_leaf=lambda x: isinstance(x, P))
+            make_optimizer(self.cfg), lambda p, spec: spec, abstract["opt_state"], param_spec,
+            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
         specs = {"params": param_spec, "opt_state": opt_spec, "step": P(),
                  "routing": jax.tree.map(lambda _: P(), abstract["routing"])}
         return parallel.shardings(mesh, specs)
@@ -468,17 +468,28 @@ class Trainer:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.model_def.abstract_state(), self.state_sharding)
 
+    def lower_train_step(self) -> jax.stages.Lowered:
+        """The train step lowered for this run's exact shapes and shardings (nothing runs; works for
+        compile-only devices too)."""
+        batch = {k: jax.ShapeDtypeStruct((self.cfg.data.batch_size, self.cfg.data.seq_len),
+                                         np.float32 if k == "loss_weight" else np.int32,
+                                         sharding=self.batch_sharding)
+                 for k in BATCH_KEYS}
+        key = jax.ShapeDtypeStruct(self.base_key.shape, self.base_key.dtype, sharding=self.replicated)
+        with jax.set_mesh(self.mesh):
+            return self._train_step.lower(self.abstract_state(), batch, key)
+
+    def compiler_options(self) -> dict[str, str]:
+        """XLA options the train step is compiled with: the collective-overlap flags
+        (:data:`~moefast.parallel.xla_flags.GPU_FLAGS`) when the mesh is on GPUs and
+        ``overlap.xla_flags`` is on, except those ``XLA_FLAGS`` sets itself."""
+        return xla_flags.compile_options(self.cfg.overlap.xla_flags, self.platform)
+
     def compiled_train_step(self):
         """The train step compiled ahead of time for this run's exact shapes and shardings (traced
         once; a batch of another shape or dtype is an error, never a silent recompilation)."""
         if self._compiled_step is None:
-            batch = {k: jax.ShapeDtypeStruct((self.cfg.data.batch_size, self.cfg.data.seq_len),
-                                             np.float32 if k == "loss_weight" else np.int32,
-                                             sharding=self.batch_sharding)
-                     for k in BATCH_KEYS}
-            key = jax.ShapeDtypeStruct(self.base_key.shape, self.base_key.dtype, sharding=self.replicated)
-            with jax.set_mesh(self.mesh):
-                self._compiled_step = self._train_step.lower(self.abstract_state(), batch, key).compile()
+            self._compiled_step = self.lower_train_step().compile(self.compiler_options())
         return self._compiled_step
 
     def memory_per_device(self) -> dict[str, int]:
@@ -634,7 +645,7 @@ class Trainer:
             self._log("per device: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.1f} MiB"
                                                  for k, v in memory.items()))
         done, data_state = start, data_iter.get_state()
-        prefetch = cfg.data.prefetch_batches(jax.default_backend()) if last > start else 0
+        prefetch = cfg.data.prefetch_batches(self.platform) if last > start else 0
         batches = DevicePrefetcher(data_iter, self.put_batch, prefetch)
         trace_from = trace_to = None
         if self.profile is not None:

@@ -1,0 +1,410 @@
+"""``moefast bench gpu-compile``: compile (never run) a config's train step for NVIDIA GPUs on any
+machine, and report what the compiled program does per device.
+
+XLA's GPU compiler runs without a GPU: the CUDA PJRT plugin gives compile-only devices for a
+target description (``jax.experimental.topologies.get_topology_desc``; H100 SXM and H200 are in
+:data:`GPUS`, files under ``moefast/bench/gpu_targets/`` with their sources). The train step is
+built by :class:`~moefast.train.Trainer` over a mesh of those devices, so every backend choice
+takes its GPU path (they follow the mesh's platform, :func:`moefast.parallel.platform`), and is
+compiled with the options a GPU run uses (:meth:`~moefast.train.Trainer.compiler_options`).
+
+The report, per device:
+
+* compile time (trace + lower + compile, seconds of this host);
+* memory from ``compiled.memory_analysis()``: arguments, outputs, aliased (donated) bytes,
+  temporaries, and the peak = arguments + outputs - aliased + temporaries, against JAX's default
+  allocation of 75 % of the GPU's memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``);
+* host-syncing control flow: ``conditional`` instructions (XLA:GPU runs each as a thunk whose
+  predicate is copied to the host), and copies of the step's arguments (a ``copy`` of a parameter
+  of the entry computation or of a conditional's branch: the train state copied through a
+  conditional);
+* every collective (kind, dtype, bytes, asynchronous or synchronous, compute scheduled between
+  start and done), summarised by kind and dtype;
+* custom calls (cuBLAS/cuDNN GEMMs, Triton kernels, ...);
+* XLA's latency-hiding-scheduler estimate of the step's cycles and of the cycles collectives stay
+  exposed. These are **estimates** of XLA's cost model: deviceless compilation does no autotuning
+  (every Triton GEMM gets a default tile), so compare variants, not absolute times.
+
+Needs the CUDA PJRT plugin (``jax-cuda12-pjrt`` and ``jax-cuda12-plugin`` of the installed jax's
+version) and ``JAX_PLATFORMS=cpu`` set before JAX starts (the CLI sets it). On a machine without an
+NVIDIA driver the plugin logs a few lines at every ``import jax``, so keep it out of the
+environment you train in: :func:`plugin_path` looks for it in ``$MOEFAST_GPU_COMPILE_PATH`` or
+``<venv>/gpu-compile`` (``pip install --target``; README "Compiling for GPUs").
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import glob
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["GPUS", "GpuCompileResult", "PREALLOCATED_FRACTION", "compile_only_devices", "format_report",
+           "gpu_compile", "plugin_path", "prepare_process", "scheduler_estimate", "target_config"]
+
+# --gpu name -> target description file in moefast/bench/gpu_targets/
+GPUS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
+PREALLOCATED_FRACTION = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION
+PLUGIN_ENV = "MOEFAST_GPU_COMPILE_PATH"
+INSTALL_HINT = ("pip install -c constraints.txt --no-deps --target \"$VIRTUAL_ENV/gpu-compile\" "
+                "jax-cuda12-pjrt jax-cuda12-plugin  (the versions of the installed jax; see README, "
+                "\"Compiling for GPUs\")")
+
+
+def plugin_path() -> str | None:
+    """Directory holding the CUDA PJRT plugin outside site-packages: ``$MOEFAST_GPU_COMPILE_PATH``,
+    else ``<sys.prefix>/gpu-compile`` when it exists; ``None`` otherwise."""
+    path = os.environ.get(PLUGIN_ENV) or os.path.join(sys.prefix, "gpu-compile")
+    return path if os.path.isdir(os.path.join(path, "jax_plugins")) else None
+
+
+def prepare_process() -> None:
+    """Before JAX starts: ``JAX_PLATFORMS=cpu`` (the CUDA plugin must not try to open a GPU) and
+    :func:`plugin_path` on ``sys.path`` so that JAX discovers the plugin. The CLI calls this; in a
+    script, call it before importing jax.
+
+    Raises:
+      RuntimeError: JAX's backends have already started (too late to add the plugin).
+    """
+    xb = sys.modules.get("jax._src.xla_bridge")
+    if xb is not None and xb.backends_are_initialized():
+        raise RuntimeError("moefast bench gpu-compile must set up JAX before it starts: run it in a fresh "
+                           "process (the CLI does), or call prepare_process() before any JAX computation")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    path = plugin_path()
+    if path and path not in sys.path:
+        sys.path.append(path)
+        # the jax_plugins namespace package may already be imported without this directory
+        plugins = sys.modules.get("jax_plugins")
+        if plugins is not None and hasattr(plugins, "__path__"):
+            plugins.__path__.append(os.path.join(path, "jax_plugins"))
+
+
+def target_config(gpu: str) -> str:
+    """The ``GpuTargetConfigProto`` text of ``gpu``: a key of :data:`GPUS`, or the path of such a
+    file (``scripts/gpu_check.py`` saves a real GPU's as ``gpu_target_config.txtpb``).
+
+    Raises:
+      ValueError: neither a known GPU nor a readable file.
+    """
+    if gpu in GPUS:
+        return (Path(__file__).parent / "gpu_targets" / GPUS[gpu]).read_text()
+    if os.path.isfile(gpu):
+        return Path(gpu).read_text()
+    raise ValueError(f"--gpu {gpu!r}: known GPUs are {sorted(GPUS)}, or give a GpuTargetConfigProto text file")
+
+
+def device_memory_bytes(gpu: str) -> int:
+    """``device_memory_size`` of ``gpu``'s target description, bytes."""
+    return int(re.search(r"device_memory_size:\s*(\d+)", target_config(gpu)).group(1))
+
+
+def parse_devices(devices: str) -> tuple[int, int]:
+    """``"8"`` (one host) or ``"2x8"`` (hosts x GPUs per host) -> (hosts, GPUs per host).
+
+    Raises:
+      ValueError: not of either form, or a count below 1.
+    """
+    m = re.fullmatch(r"\s*(?:(\d+)\s*[x×]\s*)?(\d+)\s*", devices)
+    if not m or int(m.group(2)) < 1 or (m.group(1) is not None and int(m.group(1)) < 1):
+        raise ValueError(f"--devices {devices!r}: expected N (GPUs on one host) or HOSTSxGPUS, e.g. 8 or 2x8")
+    return int(m.group(1) or 1), int(m.group(2))
+
+
+def compile_only_devices(gpu: str, hosts: int, gpus_per_host: int) -> list:
+    """``hosts x gpus_per_host`` compile-only devices of ``gpu`` (nothing can run on them).
+
+    Raises:
+      RuntimeError: the CUDA PJRT plugin is missing, or JAX was started for another platform.
+    """
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{gpus_per_host}",
+                                            target_config=target_config(gpu))
+    except Exception as e:  # the plugin raises plain RuntimeErrors / XlaRuntimeErrors
+        why = str(e).splitlines()[0]
+        if os.environ.get("JAX_PLATFORMS", "").strip().lower() != "cpu":
+            raise RuntimeError(f"compiling for GPUs without one needs JAX_PLATFORMS=cpu set before JAX starts "
+                               f"(JAX said: {why})") from None
+        raise RuntimeError(f"compiling for GPUs needs the CUDA PJRT plugin ({why}); install it with: "
+                           f"{INSTALL_HINT}") from None
+    return list(topo.devices)
+
+
+@dataclasses.dataclass
+class CollectiveRow:
+    kind: str
+    dtype: str
+    count: int
+    bytes: int  # all instances together, per device
+    asynchronous: int  # how many run asynchronously (a start/done pair XLA did not mark synchronous)
+    compute_between_min: int  # compute ops between start and done, over the asynchronous ones
+    compute_between_max: int
+
+
+@dataclasses.dataclass
+class GpuCompileResult:
+    config: str
+    overrides: list[str]
+    gpu: str
+    device_kind: str
+    hosts: int
+    gpus_per_host: int
+    mesh: dict[str, int]
+    tokens_per_step: int
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    peak_bytes: int  # arguments + outputs - aliased + temporaries
+    param_bytes: int  # parameters and optimizer state, from the state's shardings
+    optimizer_bytes: int
+    device_memory_bytes: int
+    limit_bytes: int  # PREALLOCATED_FRACTION of the device memory
+    fits: bool
+    headroom: float  # 1 - peak / limit
+    conditionals: int
+    state_copies: int  # copies of the step's arguments (entry or conditional-branch parameters)
+    state_copy_bytes: int
+    collectives: list[CollectiveRow]
+    custom_calls: dict[str, int]
+    flops: float | None  # XLA's FLOP count of the compiled module, per device
+    schedule: dict[str, float]  # XLA's latency-hiding-scheduler estimate (cycles); empty if absent
+    compiler_options: dict[str, str]
+    jax: str
+    date: str
+    flags_note: str = ""
+
+
+def scheduler_estimate(dump_dir: str) -> dict[str, float]:
+    """The latency-hiding scheduler's statistics of the train step's module (``*schedule.txt`` that
+    ``xla_dump_latency_hiding_schedule`` writes): ``total_cycles``, ``total_wasted_cycles`` and the
+    wasted (exposed) cycles per collective kind. Empty when XLA wrote none (the scheduler off)."""
+    files = [f for f in glob.glob(os.path.join(dump_dir, "*schedule.txt")) if "train" in os.path.basename(f)] \
+        or glob.glob(os.path.join(dump_dir, "*schedule.txt"))
+    out: dict[str, float] = {}
+    for f in files:
+        text = Path(f).read_text()
+        for block in re.findall(r"scheduler_statistics\s*\{([^}]*)\}", text):
+            for key, value in re.findall(r"(\w+):\s*([-\d.eE+]+)", block):
+                out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _state_copies(module, text: str) -> tuple[int, int]:
+    """Copies (``copy``, ``copy-start``) of the step's own arguments: in the entry computation and
+    in the branches of conditionals, a copy whose operand is that computation's parameter (or a
+    tuple element of it), as when a conditional copies the train state into its result; scalars
+    (the step counter, whose old value the step still reads after writing the new one) are not
+    counted. Returns (count, bytes)."""
+    from moefast.parallel.hlo import shape_bytes
+
+    branches = set(re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", text))
+    for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
+        branches |= set(re.findall(r"%?([\w.\-]+)", group))
+    count = size = 0
+    for comp in {module.entry, *branches}:
+        names = module.computations.get(comp, [])
+        params = {n for n in names if module.instrs[n].opcode == "parameter"}
+        params |= {n for n in names if module.instrs[n].opcode == "get-tuple-element"
+                   and module.instrs[n].operands and module.instrs[n].operands[0] in params}
+        for n in names:
+            ins = module.instrs[n]
+            if ins.opcode in ("copy", "copy-start") and ins.operands and ins.operands[0] in params \
+                    and not re.match(r"\(?\s*[a-z0-9]+\[\]", ins.shape):  # scalars (the step counter) aside
+                count += 1
+                size += shape_bytes(ins.shape) // (2 if ins.opcode == "copy-start" else 1)  # (dst, src, ctx)
+    return count, size
+
+
+def _custom_calls(text: str) -> dict[str, int]:
+    calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
+    # Triton fusions (XLA's own GEMM/softmax emitters and Pallas kernels) are fusions, not custom calls
+    calls.update({"triton fusion (" + k + ")": v for k, v in
+                  collections.Counter(re.findall(r'"kind":"(__triton[\w_]*)"', text)).items()})
+    return dict(sorted(calls.items()))
+
+
+def _collective_rows(module) -> list[CollectiveRow]:
+    """Collectives grouped by kind and dtype; XLA combines many arrays into one tuple-shaped
+    collective, so each dtype in it counts its own bytes (and the collective once per dtype)."""
+    from moefast.parallel.hlo import shape_bytes
+
+    groups: dict[tuple[str, str], list[tuple[int, object]]] = collections.defaultdict(list)
+    for c in module.collectives():
+        by_dtype: dict[str, int] = collections.Counter()
+        for dtype, dims in re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]", c.shape):
+            by_dtype[dtype] += shape_bytes(f"{dtype}[{dims}]")
+        for dtype, size in by_dtype.items():
+            groups[(c.kind, dtype)].append((size, c))
+    rows = []
+    for (kind, dtype), items in sorted(groups.items()):
+        between = [c.compute_between for _, c in items if c.is_async]
+        rows.append(CollectiveRow(kind, dtype, len(items), sum(size for size, _ in items), len(between),
+                                  min(between, default=0), max(between, default=0)))
+    return rows
+
+
+def _flops(compiled) -> float | None:
+    """XLA's FLOP count of the optimised module (``cost_analysis()`` returns None for compile-only
+    devices; XLA's HLO cost analysis of the compiled module, run through the host's CPU client,
+    counts the same FLOPs)."""
+    try:
+        cost = compiled.cost_analysis()
+        if cost and cost.get("flops"):
+            return float(cost["flops"])
+        import jax
+        from jax._src.lib import _jax  # private: the only route for compile-only executables in 0.10.2
+
+        cpu = jax.devices("cpu")[0].client
+        modules = compiled.runtime_executable().hlo_modules()
+        return float(sum(_jax.hlo_module_cost_analysis(cpu, m).get("flops", 0.0) for m in modules))
+    except Exception:
+        return None
+
+
+def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *, gpu: str = "h100",
+                devices: str = "8", autotune: str | None = None,
+                log: Callable[[str], None] | None = None) -> GpuCompileResult:
+    """Compiles ``config`` + ``overrides``'s train step for ``devices`` GPUs of kind ``gpu`` and reads
+    the compiled program (module docstring).
+
+    Args:
+      config: YAML config path (default ``configs/tiny.yaml``).
+      overrides: ``section.key=value`` strings.
+      gpu: a key of :data:`GPUS` or a target description file (:func:`target_config`).
+      devices: ``"N"`` GPUs on one host or ``"HOSTSxGPUS"``.
+      autotune: XLA autotuning results dumped on a real GPU (``scripts/gpu_check.py`` saves them;
+        ``xla_gpu_load_autotune_results_from``): the GEMM tiles a GPU chose replace the defaults
+        where the same fusions appear, which makes the scheduler's estimate closer to a GPU's.
+
+    Raises:
+      ValueError: bad ``gpu`` / ``devices``.
+      moefast.config.ConfigError: the config does not fit the mesh of these devices.
+      RuntimeError: the CUDA PJRT plugin is missing (:func:`compile_only_devices`).
+    """
+    import jax
+    import numpy as np
+
+    from moefast.config import load_config
+    from moefast.parallel.hlo import HloModule
+    from moefast.train import Trainer
+
+    log = log or (lambda s: None)
+    target_config(gpu)  # a bad --gpu fails before anything is compiled
+    hosts, per_host = parse_devices(devices)
+    if autotune is not None and not os.path.isfile(autotune):
+        raise ValueError(f"--autotune {autotune}: no such file")
+    cfg = load_config(config, list(overrides or []))
+    # no persistent cache: every figure comes from this compilation
+    cfg = cfg.replace(cache=dataclasses.replace(cfg.cache, compile_dir=None))
+    devs = compile_only_devices(gpu, hosts, per_host)
+    with tempfile.TemporaryDirectory(prefix="moefast-gpu-compile-") as tmp:
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg, Path(tmp) / "run", log=None, progress=False, devices=devs)
+        options = dict(trainer.compiler_options())
+        if autotune:
+            options["xla_gpu_load_autotune_results_from"] = os.path.abspath(autotune)
+        dump = os.path.join(tmp, "dump")
+        lowered = trainer.lower_train_step()
+        log(f"compiling the train step of {cfg.name} for {hosts * per_host} x {gpu} "
+            f"(mesh {dict(trainer.mesh.shape)}) ...")
+        compiled = lowered.compile({**options, "xla_dump_to": dump, "xla_dump_hlo_as_text": True,
+                                    "xla_dump_latency_hiding_schedule": True})
+        compile_s = time.perf_counter() - t0
+        schedule = scheduler_estimate(dump)
+        abstract = trainer.abstract_state()
+
+    def shard_bytes(tree):
+        return int(sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
+
+    ma = compiled.memory_analysis()
+    text = compiled.as_text()
+    module = HloModule(text)
+    peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    total = device_memory_bytes(gpu)
+    limit = int(total * PREALLOCATED_FRACTION)
+    copies, copy_bytes = _state_copies(module, text)
+    return GpuCompileResult(
+        config=cfg.name, overrides=list(overrides or []), gpu=gpu, device_kind=devs[0].device_kind,
+        hosts=hosts, gpus_per_host=per_host, mesh=dict(trainer.mesh.shape),
+        tokens_per_step=cfg.data.batch_size * cfg.data.seq_len, compile_s=compile_s,
+        argument_bytes=int(ma.argument_size_in_bytes), output_bytes=int(ma.output_size_in_bytes),
+        alias_bytes=int(ma.alias_size_in_bytes), temp_bytes=int(ma.temp_size_in_bytes), peak_bytes=int(peak),
+        param_bytes=shard_bytes(abstract["params"]), optimizer_bytes=shard_bytes(abstract["opt_state"]),
+        device_memory_bytes=total, limit_bytes=limit, fits=peak <= limit, headroom=1.0 - peak / limit,
+        conditionals=sum(i.opcode == "conditional" for i in module.instrs.values()),
+        state_copies=copies, state_copy_bytes=copy_bytes, collectives=_collective_rows(module),
+        custom_calls=_custom_calls(text), flops=_flops(compiled), schedule=schedule,
+        compiler_options={k: str(v) for k, v in options.items()}, jax=jax.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        flags_note="" if options or not cfg.overlap.xla_flags else "GPU overlap flags all set by XLA_FLAGS")
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:,.2f} GiB"
+
+
+def format_report(r: GpuCompileResult) -> str:
+    """Markdown: a memory and control-flow table, the collectives by kind and dtype, custom calls,
+    and the scheduler's estimate."""
+    n = r.hosts * r.gpus_per_host
+    lines = [f"### {r.config}{' ' + ' '.join(r.overrides) if r.overrides else ''} on {n} x {r.gpu} "
+             f"({r.hosts} host{'s' if r.hosts > 1 else ''} x {r.gpus_per_host}), mesh {r.mesh}",
+             "",
+             "| per device | value |", "|---|---:|",
+             f"| compile time (this host) | {r.compile_s:,.1f} s |",
+             f"| parameters / optimizer state (from the shardings) | {_gib(r.param_bytes)} / {_gib(r.optimizer_bytes)} |",
+             f"| arguments / outputs / aliased (donated) | {_gib(r.argument_bytes)} / {_gib(r.output_bytes)} / "
+             f"{_gib(r.alias_bytes)} |",
+             f"| temporaries | {_gib(r.temp_bytes)} |",
+             f"| **peak** (arguments + outputs - aliased + temporaries) | **{_gib(r.peak_bytes)}** |",
+             f"| limit: {PREALLOCATED_FRACTION:.0%} of {_gib(r.device_memory_bytes)} (JAX's default preallocation) | "
+             f"{_gib(r.limit_bytes)} |",
+             f"| fits / headroom | {'yes' if r.fits else '**no**'} / {r.headroom:.1%} |",
+             f"| conditionals (host-synced control flow) | {r.conditionals} |",
+             f"| copies of the step's arguments (train state) | {r.state_copies} ({_gib(r.state_copy_bytes)}) |",
+             f"| XLA FLOPs per step | {'n/a' if r.flops is None else f'{r.flops:.4g}'} |"]
+    s = r.schedule
+    if s.get("total_cycles"):
+        lines.append(f"| scheduler estimate: step / exposed collectives (estimate, no autotuning) | "
+                     f"{s['total_cycles']:,.0f} / {s.get('total_wasted_cycles', 0):,.0f} cycles "
+                     f"({s.get('total_wasted_cycles', 0) / s['total_cycles']:.1%}) |")
+        for key in sorted(k for k in s if k.endswith("_wasted_cycles") and k != "total_wasted_cycles"):
+            lines.append(f"| &nbsp; exposed {key[:-len('_wasted_cycles')].replace('_', '-')} (estimate) | "
+                         f"{s[key]:,.0f} cycles |")
+    lines += ["", "| collective | dtype | count | MiB per step | asynchronous | compute ops between start and done |",
+              "|---|---|---:|---:|---:|---|"]
+    for c in r.collectives:
+        between = f"{c.compute_between_min}-{c.compute_between_max}" if c.asynchronous else "—"
+        lines.append(f"| {c.kind} | {c.dtype} | {c.count} | {c.bytes / 2**20:,.1f} | {c.asynchronous} of {c.count} | "
+                     f"{between} |")
+    if not r.collectives:
+        lines.append("| (none) | | | | | |")
+    lines += ["", "custom calls and Triton fusions: "
+              + (", ".join(f"`{k}` x{v}" for k, v in r.custom_calls.items()) or "none")]
+    return "\n".join(lines)
+
+
+def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | None, gpu: str,
+            devices: str, autotune: str | None = None) -> int:
+    r = gpu_compile(config, overrides, gpu=gpu, devices=devices, autotune=autotune, log=print)
+    header = (f"GPU compile check (compiled for compile-only devices, nothing run), jax {r.jax}, {r.date}; "
+              f"{r.tokens_per_step:,} tokens/step; XLA options: "
+              + (" ".join(f"{k}={v}" for k, v in r.compiler_options.items()) or "none"))
+    report = format_report(r)
+    print(f"\n{header}\n\n{report}")
+    if json_out:
+        from moefast.bench.process import write_results
+
+        write_results(json_out, dataclasses.asdict(r), f"{header}\n\n{report}\n")
+    return 0 if r.fits else 1

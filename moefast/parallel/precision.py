@@ -1,0 +1,190 @@
+"""Mixed precision across the mesh: compute in ``model.dtype``, weight gradients summed in float32.
+
+The train state holds float32 parameters (the optimizer's master copy), split over the mesh like
+the optimizer moments (:func:`moefast.parallel.state_spec`: their logical axes plus ``data`` on a
+free dimension). Where a weight is used it is cast to the compute dtype *and then* gathered, so the
+shards travel in bfloat16 when computing in bfloat16; its gradient is computed with a float32
+result, so the partial sums that are reduce-scattered back into the shards are float32.
+
+A plain ``x @ w.astype(bfloat16)`` does neither: XLA's sharding propagation moves the all-gather
+before the cast (float32 on the wire), and the weight-gradient GEMM returns bfloat16, so the
+reduction over the token shards runs in bfloat16. Hence three custom-VJP ops:
+
+* :func:`dense` — ``x @ w`` for GSPMD-partitioned weights (attention, dense FFN, shared expert,
+  LM head);
+* :func:`embed_lookup` — rows of the embedding table;
+* :func:`expert_weights` — the experts' weights inside the expert-parallel ``jax.shard_map``
+  (:mod:`moefast.parallel.expert`): gathered in bfloat16 over the axes their shard is split on,
+  gradient reduce-scattered in float32 over those and summed over the other token axes.
+
+Each is exact in float32 (``dtype=float32``: the same values and gradients as the plain ops).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moefast.parallel.mesh import state_spec
+
+__all__ = ["dense", "embed_lookup", "expert_weights"]
+
+
+def _multi_device() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1
+
+
+def _gather(w: jax.Array, names: tuple, dtype) -> jax.Array:
+    """``w`` (float32, as the state holds it) cast to ``dtype`` in its state sharding, then
+    replicated: the all-gather moves ``dtype`` bytes."""
+    wc = w.astype(dtype)
+    if not _multi_device():
+        return wc
+    mesh = jax.sharding.get_abstract_mesh()
+    wc = jax.lax.with_sharding_constraint(wc, state_spec(names, w.shape, mesh))
+    return jax.lax.with_sharding_constraint(wc, P())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _dense(x, w, dtype, names, transposed, w_dtype):
+    return _dense_fwd(x, w, dtype, names, transposed, w_dtype)[0]
+
+
+def _dense_fwd(x, w, dtype, names, transposed, w_dtype):
+    wc = _gather(w, names, dtype)
+    return x @ (wc.T if transposed else wc), (x, wc)
+
+
+def _dense_bwd(dtype, names, transposed, w_dtype, res, g):
+    x, wc = res
+    lead = "".join(chr(ord("a") + i) for i in range(x.ndim - 1))  # the token dimensions
+    w_spec = "oi" if transposed else "io"
+    dx = jnp.einsum(f"{lead}o,{w_spec}->{lead}i", g, wc)
+    dw = jnp.einsum(f"{lead}i,{lead}o->{w_spec}", x, g, preferred_element_type=jnp.float32)
+    return dx, dw.astype(w_dtype)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def dense(x: jax.Array, w: jax.Array, dtype, names: tuple[str | None, str | None], *,
+          transposed: bool = False) -> jax.Array:
+    """``x @ w`` (``x @ w.T`` with ``transposed``) computed in ``dtype``, with a float32 weight
+    gradient.
+
+    Args:
+      x: [..., I] activations, any float dtype (cast to ``dtype``).
+      w: [I, O] float32 weights ([O, I] with ``transposed``, e.g. a tied embedding table), sharded
+        as the state holds them.
+      dtype: compute dtype (``jnp.bfloat16`` or ``jnp.float32``).
+      names: ``w``'s logical axes as stored, e.g. ``("embed", "heads")`` (its state sharding).
+
+    Returns:
+      [..., O] in ``dtype``. ``x``'s gradient is computed in ``dtype``; ``w``'s by a GEMM with a
+      float32 result (``preferred_element_type``), so its sum over the token shards is float32.
+
+    Raises:
+      ValueError: ``w`` is not 2-D or does not multiply ``x``.
+    """
+    if w.ndim != 2 or x.shape[-1] != w.shape[1 if transposed else 0]:
+        raise ValueError(f"dense: x [..., {x.shape[-1]}] and w {list(w.shape)} (transposed={transposed}) "
+                         "do not multiply")
+    return _dense(x.astype(dtype), w, jnp.dtype(dtype), tuple(names), bool(transposed), w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _lookup(table, ids, dtype, names):
+    return _gather(table, names, dtype)[ids]
+
+
+def _lookup_fwd(table, ids, dtype, names):
+    return _gather(table, names, dtype)[ids], (ids, jnp.zeros((0,) + table.shape, table.dtype))
+
+
+def _lookup_bwd(dtype, names, res, g):
+    ids, shape_of = res
+    table_shape = shape_of.shape[1:]
+    d_table = jnp.zeros(table_shape, jnp.float32).at[ids].add(g.astype(jnp.float32))
+    return d_table.astype(shape_of.dtype), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def embed_lookup(table: jax.Array, ids: jax.Array, dtype, names: tuple[str | None, str | None]) -> jax.Array:
+    """Rows ``table[ids]`` in ``dtype``; the table's gradient is a float32 scatter-add.
+
+    Args:
+      table: [V, D] float32 embedding table, sharded as the state holds it.
+      ids: [...] int token ids in [0, V).
+      dtype: compute dtype.
+      names: ``table``'s logical axes (its state sharding).
+
+    Returns:
+      [..., D] in ``dtype``.
+    """
+    return _lookup(table, ids, jnp.dtype(dtype), tuple(names))
+
+
+def _gather_plan(spec: P, token_axes: tuple[str, ...], keep: str | None):
+    """``(dim, axis)`` pairs to all-gather a shard of ``spec`` over (every mesh axis in it but
+    ``keep``), and the token axes the shard does not vary over (its gradient is summed over them)."""
+    gathers, split = [], set()
+    for dim, entry in enumerate(spec):
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is None:
+                continue
+            split.add(axis)
+            if axis != keep:
+                gathers.append((dim, axis))
+    return tuple(gathers), tuple(a for a in token_axes if a not in split)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _expert_weights(w, dtype, gathers, sum_axes, token_axes, w_dtype):
+    return _expert_weights_fwd(w, dtype, gathers, sum_axes, token_axes, w_dtype)[0]
+
+
+def _expert_weights_fwd(w, dtype, gathers, sum_axes, token_axes, w_dtype):
+    wc = w.astype(dtype)
+    for dim, axis in gathers:
+        wc = jax.lax.all_gather(wc, axis, axis=dim, tiled=True)
+    if sum_axes:  # used with every device's own tokens: varying over all token axes
+        wc = jax.lax.pcast(wc, sum_axes, to="varying")
+    return wc, None
+
+
+def _expert_weights_bwd(dtype, gathers, sum_axes, token_axes, w_dtype, _, g):
+    g = g.astype(jnp.float32)
+    if sum_axes:
+        g = jax.lax.psum(g, sum_axes)
+    for dim, axis in reversed(gathers):
+        g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+    return (g.astype(w_dtype),)
+
+
+_expert_weights.defvjp(_expert_weights_fwd, _expert_weights_bwd)
+
+
+def expert_weights(w: jax.Array, dtype, spec: P, token_axes: tuple[str, ...], keep: str | None) -> jax.Array:
+    """Inside ``jax.shard_map``: this device's experts' full weights in ``dtype``, from its shard.
+
+    Args:
+      w: this device's float32 shard of an expert weight whose ``in_specs`` entry is ``spec``.
+      dtype: compute dtype.
+      spec: the weight's ``PartitionSpec`` (its state sharding, :func:`moefast.parallel.state_spec`).
+      token_axes: the mesh axes the tokens are split over (the shard_map's batch axes).
+      keep: the axis the shard stays split on (``"expert"``: each device keeps its experts), or
+        ``None``.
+
+    Returns:
+      The shard all-gathered (in ``dtype``) over every axis of ``spec`` except ``keep``. Its
+      gradient is reduce-scattered back to the shard in float32 over those axes, after a float32
+      ``psum`` over the token axes the shard is not split on.
+    """
+    gathers, sum_axes = _gather_plan(spec, token_axes, keep)
+    return _expert_weights(w, jnp.dtype(dtype), gathers, sum_axes, tuple(token_axes), w.dtype)

@@ -1,0 +1,147 @@
+"""The train step compiled for 8 compile-only H100s on this CPU machine (``moefast bench gpu-compile``).
+
+Each compile runs the CLI in a subprocess: the CUDA PJRT plugin must be found before JAX starts,
+and it lives outside site-packages (README, "Compiling for GPUs"; ``.ci/run`` installs it), so the
+test process's own JAX never loads it. The figures read are those of XLA's GPU compiler: the
+optimised, scheduled HLO of the step, its buffer assignment and the latency-hiding scheduler.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from moefast.bench import gpu_compile
+from moefast.config import load_config
+from moefast.parallel import mesh_shape, platform, xla_flags
+
+TINY = ["model.d_model=64", "model.num_layers=2", "model.num_heads=2", "model.head_dim=32", "model.d_ff=128",
+        "model.max_seq_len=128", "moe.num_experts=8", "data.seq_len=128", "data.batch_size=16",
+        "model.dtype=bfloat16"]
+
+
+def _gpu_compile(tmp_path, name, *args, expect_rc=0):
+    assert gpu_compile.plugin_path(), (
+        "the CUDA PJRT plugin is not installed next to this environment; install it as README's test command "
+        "does: pip install -c constraints.txt --no-deps --target .venv/gpu-compile jax-cuda12-pjrt jax-cuda12-plugin")
+    out = tmp_path / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "moefast", "bench", "gpu-compile", "--json", str(out), *args],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == expect_rc, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text()), (tmp_path / f"{name}.md").read_text()
+
+
+# name -> the compile's overrides and options (each compiled once per session, on first use)
+CASES = {
+    # data 2 x expert 4 with the fused routing kernel (compiled, not interpreted: the mesh is on
+    # GPUs), the expert exchange in 1 or 2 chunks (moe.overlap_chunks)
+    "ep-chunks1": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=1"],
+    "ep-chunks2": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=2"],
+    # data 4 x fsdp 2 on H200s: parameters and optimizer state split over both (ZeRO + FSDP)
+    "zero": [*TINY, "mesh.data=4", "mesh.fsdp=2", "--gpu", "h200"],
+}
+_compiled: dict[str, tuple[dict, str]] = {}
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    def get(name):
+        if name not in _compiled:
+            _compiled[name] = _gpu_compile(tmp_path_factory.mktemp("gpu"), name, *CASES[name])
+        return _compiled[name]
+    return get
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_host_sync_and_no_state_copy(case, compiled):
+    r, md = compiled(case)
+    assert r["conditionals"] == 0, "the step has a conditional: XLA:GPU syncs the host for its predicate every step"
+    assert r["state_copies"] == 0 and r["state_copy_bytes"] == 0
+    assert "| conditionals (host-synced control flow) | 0 |" in md
+
+
+def test_memory_figures_are_xla_buffer_assignment(compiled):
+    for r, gib, kind in ((compiled("ep-chunks1")[0], 79.14, "NVIDIA H100 80GB HBM3"),
+                         (compiled("zero")[0], 140.40, "NVIDIA H200")):
+        assert r["device_kind"] == kind
+        assert abs(r["device_memory_bytes"] / 2**30 - gib) < 0.01
+        assert r["peak_bytes"] == r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]
+        assert r["alias_bytes"] > 0.9 * (r["param_bytes"] + r["optimizer_bytes"])  # the state is donated
+        assert r["fits"] and r["limit_bytes"] == int(0.75 * r["device_memory_bytes"])
+        assert r["flops"] > 0 and r["schedule"]["total_cycles"] > 0
+
+
+def _bytes(r, kind, dtype):
+    return sum(c["bytes"] for c in r["collectives"] if c["kind"] == kind and c["dtype"] == dtype)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_are_reduced_in_float32(case, compiled):
+    """No reduction of bfloat16 values anywhere in the step (the compute dtype is bfloat16): the
+    weight gradients' GEMMs return float32 and expert weights are summed in float32 whatever the
+    chunking (moefast.parallel.precision)."""
+    r, _ = compiled(case)
+    reductions = [c for c in r["collectives"] if c["kind"] in ("all-reduce", "reduce-scatter")]
+    assert reductions and {c["dtype"] for c in reductions} <= {"f32", "s32"}, reductions
+
+
+def test_sharded_state_is_reduce_scattered_and_gathered_in_bfloat16(compiled):
+    """Parameters and moments split over data and fsdp: the gradients come back to the shards by a
+    float32 reduce-scatter (no all-reduce of weight gradients) and the weights travel as bfloat16
+    (float32 all-gathers only for the norm scales and the router, which compute in float32)."""
+    r, _ = compiled("zero")
+    assert _bytes(r, "reduce-scatter", "f32") > 0.9 * r["param_bytes"]  # every weight gradient, as a shard
+    assert _bytes(r, "all-reduce", "f32") < 0.1 * _bytes(r, "reduce-scatter", "f32")  # losses and statistics
+    assert _bytes(r, "all-gather", "bf16") > 10 * _bytes(r, "all-gather", "f32")
+
+
+def test_backend_choices_follow_the_mesh_not_the_host(compiled):
+    """The host's default backend is the CPU; the step is compiled for GPUs, so the routing kernel is
+    the compiled Triton kernel (a CPU choice would interpret it, which the Trainer refuses on a mesh),
+    and the overlap flags are passed to the GPU compile."""
+    r, _ = compiled("ep-chunks1")
+    assert r["custom_calls"].get("__gpu$xla.gpu.triton", 0) >= 1
+    assert r["compiler_options"]["xla_gpu_enable_latency_hiding_scheduler"] == "True"
+    kinds = {c["kind"] for c in r["collectives"]}
+    assert "all-to-all" in kinds and any(c["asynchronous"] for c in r["collectives"])
+
+
+def test_cpu_mesh_stays_on_cpu_paths(devices):
+    cfg = load_config(None, [])
+    assert platform(jax.make_mesh((1,), ("data",), devices=devices[:1])) == "cpu"
+    assert xla_flags.compile_options(True, "cpu") == {}
+    opts = xla_flags.compile_options(True, "gpu")
+    assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True and isinstance(
+        opts["xla_gpu_all_gather_combine_threshold_bytes"], int)
+    assert xla_flags.compile_options(False, "gpu") == {} and cfg.overlap.xla_flags
+
+
+def test_shipped_gpu_configs_start_on_their_gpu_counts():
+    assert mesh_shape(load_config("configs/h200_1b.yaml"), 1) == {"data": 1, "fsdp": 1, "expert": 1}
+    assert mesh_shape(load_config("configs/h200_1b.yaml"), 8) == {"data": 8, "fsdp": 1, "expert": 1}
+    assert mesh_shape(load_config("configs/mixtral_8x7b.yaml"), 8) == {"data": 1, "fsdp": 1, "expert": 8}
+
+
+@pytest.mark.parametrize("devices, want", [("8", (1, 8)), ("2x8", (2, 8)), (" 4 x 8 ", (4, 8))])
+def test_parse_devices(devices, want):
+    assert gpu_compile.parse_devices(devices) == want
+
+
+@pytest.mark.parametrize("bad", ["0", "x8", "2x0", "eight"])
+def test_parse_devices_refuses(bad):
+    with pytest.raises(ValueError, match="--devices"):
+        gpu_compile.parse_devices(bad)
+
+
+def test_missing_plugin_is_one_clear_line(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+           gpu_compile.PLUGIN_ENV: str(tmp_path / "nothing-here")}
+    proc = subprocess.run([sys.executable, "-m", "moefast", "bench", "gpu-compile"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CUDA PJRT plugin" in lines[0] and "--target" in lines[0], proc.stderr
