@@ -18,9 +18,11 @@ from moefast.bench import gpu_compile
 from moefast.config import load_config
 from moefast.parallel import mesh_shape, platform, xla_flags
 
+# vocab_size 320 (the byte tokenizer's 259 rounded up to a multiple of 8, as real vocabularies are):
+# the embedding's rows split over the devices
 TINY = ["model.d_model=64", "model.num_layers=2", "model.num_heads=2", "model.head_dim=32", "model.d_ff=128",
         "model.max_seq_len=128", "moe.num_experts=8", "data.seq_len=128", "data.batch_size=16",
-        "model.dtype=bfloat16"]
+        "model.dtype=bfloat16", "model.vocab_size=320"]
 
 
 def _gpu_compile(tmp_path, name, *args, expect_rc=0):
@@ -91,11 +93,12 @@ def test_gradients_are_reduced_in_float32(case, compiled):
 
 def test_sharded_state_is_reduce_scattered_and_gathered_in_bfloat16(compiled):
     """Parameters and moments split over data and fsdp: the gradients come back to the shards by a
-    float32 reduce-scatter (no all-reduce of weight gradients) and the weights travel as bfloat16
-    (float32 all-gathers only for the norm scales and the router, which compute in float32)."""
+    float32 reduce-scatter and the weights travel as bfloat16 (float32 all-gathers only for the norm
+    scales and the router, which compute in float32). The one float32 all-reduce of a gradient is
+    the embedding lookup's scatter-add (320 x 64), summed whole before it joins the tied head's."""
     r, _ = compiled("zero")
     assert _bytes(r, "reduce-scatter", "f32") > 0.9 * r["param_bytes"]  # every weight gradient, as a shard
-    assert _bytes(r, "all-reduce", "f32") < 0.1 * _bytes(r, "reduce-scatter", "f32")  # losses and statistics
+    assert _bytes(r, "all-reduce", "f32") < 320 * 64 * 4 + 4096  # that, losses and statistics
     assert _bytes(r, "all-gather", "bf16") > 10 * _bytes(r, "all-gather", "f32")
 
 

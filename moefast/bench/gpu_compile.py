@@ -178,6 +178,7 @@ class GpuCompileResult:
     collectives: list[CollectiveRow]
     custom_calls: dict[str, int]
     flops: float | None  # XLA's FLOP count of the compiled module, per device
+    loops: int  # while loops (scanned layers, accumulation): XLA's FLOP count takes their bodies once
     schedule: dict[str, float]  # XLA's latency-hiding-scheduler estimate (cycles); empty if absent
     compiler_options: dict[str, str]
     jax: str
@@ -344,7 +345,8 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         device_memory_bytes=total, limit_bytes=limit, fits=peak <= limit, headroom=1.0 - peak / limit,
         conditionals=sum(i.opcode == "conditional" for i in module.instrs.values()),
         state_copies=copies, state_copy_bytes=copy_bytes, collectives=_collective_rows(module),
-        custom_calls=_custom_calls(text), flops=_flops(compiled), schedule=schedule,
+        custom_calls=_custom_calls(text), flops=_flops(compiled),
+        loops=sum(i.opcode == "while" for i in module.instrs.values()), schedule=schedule,
         compiler_options={k: str(v) for k, v in options.items()}, jax=jax.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         flags_note="" if options or not cfg.overlap.xla_flags else "GPU overlap flags all set by XLA_FLAGS")
@@ -373,7 +375,8 @@ def format_report(r: GpuCompileResult) -> str:
              f"| fits / headroom | {'yes' if r.fits else '**no**'} / {r.headroom:.1%} |",
              f"| conditionals (host-synced control flow) | {r.conditionals} |",
              f"| copies of the step's arguments (train state) | {r.state_copies} ({_gib(r.state_copy_bytes)}) |",
-             f"| XLA FLOPs per step | {'n/a' if r.flops is None else f'{r.flops:.4g}'} |"]
+             f"| XLA FLOPs per step{' (while-loop bodies counted once: ' + str(r.loops) + ' loops)' if r.loops else ''} | "
+             f"{'n/a' if r.flops is None else f'{r.flops:.4g}'} |"]
     s = r.schedule
     if s.get("total_cycles"):
         lines.append(f"| scheduler estimate: step / exposed collectives (estimate, no autotuning) | "

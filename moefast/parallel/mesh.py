@@ -169,8 +169,8 @@ def param_specs(abstract_model_state: nnx.State, mesh: jax.sharding.Mesh) -> dic
 def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh, *, layers: bool = False) -> P:
     """A parameter's spec plus each token axis it is not split on yet (``data``, then ``expert``)
     (ZeRO: every device keeps only its share of the master weights and optimizer moments). The axis
-    joins the first dimension already split whose size allows it (after the axes there, so e.g.
-    ``("expert", "data")`` keeps each device's experts together), else the first free dimension
+    joins the first dimension already split whose size allows it (in mesh order; after ``expert``
+    on an experts' dimension, so each device's experts stay together), else the first free dimension
     divisible by its size; with ``layers`` (a stacked parameter of scanned blocks) never the leading
     ``layers`` axis, so each scanned layer's slice is split like the unrolled layer's. ``mesh`` may
     be abstract.
@@ -191,8 +191,18 @@ def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh, *, 
         free = [i for i, p in enumerate(parts) if not p and shape[i] % n == 0 and not (i == 0 and layers)]
         if split or free:
             i = (split or free)[0]
-            parts[i] = (*parts[i], axis)
+            # In mesh order, so the devices of a split run in the mesh's order and XLA turns the
+            # gradient's all-reduce + slice into one reduce-scatter; an experts' dimension keeps
+            # "expert" first, so each device's experts stay one block.
+            joined = (*parts[i], axis)
+            parts[i] = joined if "expert" in spec_axes(spec, i) else tuple(a for a in MESH_AXES if a in joined)
     return P(*(None if not p else p[0] if len(p) == 1 else p for p in parts))
+
+
+def spec_axes(spec: P, i: int) -> tuple[str, ...]:
+    """The mesh axes dimension ``i`` of ``spec`` is split over (``()`` past its end)."""
+    entry = spec[i] if i < len(spec) else None
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
 def state_spec(names: tuple[str | None, ...], shape: tuple[int, ...], mesh, *, layers: bool = False) -> P:

@@ -80,6 +80,11 @@ class ModelDef:
         self.abstract_params = nnx.to_pure_dict(self.abstract_model_state)
         # True for parameters stacked on a leading layers axis (model.scan_layers)
         self.stacked = jax.tree_util.tree_map_with_path(lambda path, _: is_stacked_path(path), self.abstract_params)
+        # True for the experts' weights (logical axis "expert"): used inside the expert shard_map,
+        # which returns their gradients already summed into the state's shards
+        self.experts = nnx.to_pure_dict(jax.tree.map(
+            lambda v: "expert" in (v.get_metadata().get("logical_axes") or ()), self.abstract_model_state,
+            is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
     def init_params(self, seed: int) -> dict:
         """Fresh float32 parameters (pure dict)."""
@@ -253,10 +258,11 @@ def _constrain_grads(model_def: ModelDef, grads: dict) -> dict:
     if mesh.empty or mesh.size == 1:
         return grads
     specs = model_def.param_state_specs(mesh)
-    # The full gradient first, then its slice (XLA turns the pair into a reduce-scatter); asking
-    # for the slice directly lets XLA propagate the split into the weight-gradient dots and reshard
-    # activations by full rematerialisation.
-    unsplit = jax.tree.map(lambda sp: P(*(None if a in ("fsdp", "data") else a for a in sp)), specs,
+    # Weights used whole (all but the experts'): the full gradient first, then its slice (XLA turns
+    # the pair into a reduce-scatter); asking for the slice directly lets XLA propagate the split
+    # into the weight-gradient dots and reshard activations by full rematerialisation. The experts'
+    # gradients leave their shard_map already reduce-scattered into their shards.
+    unsplit = jax.tree.map(lambda sp, expert: sp if expert else P(), specs, model_def.experts,
                            is_leaf=lambda x: isinstance(x, P))
     grads = jax.lax.with_sharding_constraint(grads, unsplit)
     return jax.lax.with_sharding_constraint(grads, specs)

@@ -59,7 +59,7 @@ def test_sharded_weights_match_one_device(devices):
     x, w, g = _inputs(4, (8, 3, 24), (24, 16))
     names = ("embed", "mlp")
     spec = state_spec(names, w.shape, mesh)
-    assert spec == P(("fsdp", "data"), None)
+    assert spec == P(("data", "fsdp"), None)  # in mesh order: one reduce-scatter
     loss = lambda x, w: jnp.sum(dense(x, w, jnp.bfloat16, names).astype(jnp.float32) * g)
     want = jax.grad(loss, (0, 1))(x, w)
     with jax.set_mesh(mesh):
