@@ -47,6 +47,7 @@ class Instr:
     computation: str
     index: int  # position in its computation (schedule order in a scheduled module)
     is_sync: bool = False  # XLA:GPU marked this async pair synchronous (``"is_sync":true``)
+    op_name: str = ""  # the JAX operation it comes from (``metadata={op_name=...}``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,8 @@ class Collective:
       compute_between: compute instructions (fusions, dots, custom calls, ...) scheduled between
         the start and the done of an asynchronous pair; 0 for a synchronous collective.
       computation: the HLO computation it is in.
+      op_name: the JAX operation it comes from (e.g. ``.../shard_map/all_to_all`` for the expert
+        exchange; the partitioner's own collectives carry the operation they partition).
     """
 
     name: str
@@ -73,6 +76,7 @@ class Collective:
     is_async: bool
     compute_between: int
     computation: str
+    op_name: str = ""
 
 
 def shape_bytes(shape: str) -> int:
@@ -162,8 +166,10 @@ class HloModule:
             operands = _operand_names(_operand_list(rest))
             calls = tuple(re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", rest))
             name = m.group(1)
+            op_name = re.search(r'op_name="([^"]*)"', rest)
             self.instrs[name] = Instr(name, op.group(1), shape, operands, calls, comp,
-                                      len(self.computations[comp]), '"is_sync":true' in rest)
+                                      len(self.computations[comp]), '"is_sync":true' in rest,
+                                      op_name.group(1) if op_name else "")
             self.computations[comp].append(name)
 
     @cached_property
@@ -209,7 +215,7 @@ class HloModule:
                         between = sum(self.instrs[n].opcode not in _NOT_COMPUTE and self._wrapped_kind(self.instrs[n]) is None
                                       and not self.instrs[n].opcode.endswith("-done")
                                       for n in names[ins.index + 1:done.index])
-                out.append(Collective(name, kind, shape, shape_bytes(shape), is_async, between, comp))
+                out.append(Collective(name, kind, shape, shape_bytes(shape), is_async, between, comp, ins.op_name))
         return out
 
     def depends_on(self, a: str, b: str) -> bool:
