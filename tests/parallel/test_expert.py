@@ -306,7 +306,7 @@ for mesh in ({meshes!r}):
 def test_mixed_meshes_compile_without_involuntary_rematerialization(text_dir, tmp_path):
     """XLA's SPMD partitioner warns "Involuntary full rematerialization" when it has to replicate
     a tensor to reshard it; data x expert and data x fsdp x expert meshes used to, for the
-    activations feeding the weight-gradient dots (the optimizer's ZeRO-1 sharding propagated back
+    activations feeding the weight-gradient dots (the state's ZeRO sharding propagated back
     into them). The warnings go to the C++ log (stderr), so the train steps compile in a fresh
     process here."""
     import os
