@@ -132,10 +132,10 @@ def _parser() -> argparse.ArgumentParser:
                         "collectives (dtype, bytes, async or not), kernels and XLA's scheduling estimate; exits 1 "
                         "when the step does not fit (needs the CUDA PJRT plugin: README, 'Compiling for GPUs')")
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="train, memory, overlap: overrides of the benchmarked experiment; peers: config overrides for "
+                   help="train, memory, overlap, gpu-compile: overrides of the benchmarked experiment; peers: config overrides for "
                         "the moefast side (the HF model follows its shapes)")
     b.add_argument("--config", default=None,
-                   help="train, memory, peers, overlap: YAML config (default: configs/tiny.yaml)")
+                   help="train, memory, peers, overlap, gpu-compile: YAML config (default: configs/tiny.yaml)")
     b.add_argument("--gpu", default="h100", metavar="h100|h200|FILE",
                    help="gpu-compile: the GPU to compile for (default h100: H100 SXM 80 GB; h200: H200 141 GB), or a "
                         "target description file (scripts/gpu_check.py saves a real GPU's)")

@@ -148,3 +148,25 @@ def test_missing_plugin_is_one_clear_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "CUDA PJRT plugin" in lines[0] and "--target" in lines[0], proc.stderr
+
+
+def test_a_target_file_and_a_step_that_does_not_fit(tmp_path):
+    """--gpu FILE (a target description, as scripts/gpu_check.py saves one): here an H100 with
+    1 MiB of memory, so the step does not fit: exit 1 with one error line naming the sizes. A file
+    that is not a target description is one clear error before anything compiles."""
+    small = gpu_compile.target_config("h100").replace("device_memory_size: 84978434048",
+                                                      f"device_memory_size: {2**20}")
+    (tmp_path / "tiny_gpu.txtpb").write_text(small)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "moefast", "bench", "gpu-compile", *TINY, "mesh.data=1", "--devices", "1"]
+    proc = subprocess.run([*cmd, "--gpu", str(tmp_path / "tiny_gpu.txtpb")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 1 and "| fits / headroom | **no** /" in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the step needs") and "0.00 GiB JAX allocates" in lines[0]
+    (tmp_path / "bad.txtpb").write_text("not a target\n")
+    proc = subprocess.run([*cmd, "--gpu", str(tmp_path / "bad.txtpb")], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: --gpu {tmp_path / 'bad.txtpb'}: not a GPU target description (no gpu_device_info with a "
+        "device_memory_size; see moefast/bench/gpu_targets/h100_sxm.txtpb)"]

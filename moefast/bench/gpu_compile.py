@@ -21,9 +21,10 @@ The report, per device:
 * every collective (kind, dtype, bytes, asynchronous or synchronous, compute scheduled between
   start and done), summarised by kind and dtype;
 * custom calls (cuBLAS/cuDNN GEMMs, Triton kernels, ...);
-* XLA's latency-hiding-scheduler estimate of the step's cycles and of the cycles collectives stay
-  exposed. These are **estimates** of XLA's cost model: deviceless compilation does no autotuning
-  (every Triton GEMM gets a default tile), so compare variants, not absolute times.
+* XLA's latency-hiding-scheduler estimate of the step and of what collectives leave exposed, in
+  the units of XLA's latency estimator (not a time). These are **estimates** of XLA's cost model:
+  deviceless compilation does no autotuning (every Triton GEMM gets a default tile), so compare
+  variants, not absolute values.
 
 Needs the CUDA PJRT plugin (``jax-cuda12-pjrt`` and ``jax-cuda12-plugin`` of the installed jax's
 version) and ``JAX_PLATFORMS=cpu`` set before JAX starts (the CLI sets it). On a machine without an
@@ -35,6 +36,7 @@ environment you train in: :func:`plugin_path` looks for it in ``$MOEFAST_GPU_COM
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import glob
@@ -56,6 +58,22 @@ PLUGIN_ENV = "MOEFAST_GPU_COMPILE_PATH"
 INSTALL_HINT = ("pip install -c constraints.txt --no-deps --target \"$VIRTUAL_ENV/gpu-compile\" "
                 "jax-cuda12-pjrt jax-cuda12-plugin  (the versions of the installed jax; see README, "
                 "\"Compiling for GPUs\")")
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """File descriptor 2 to /dev/null: the CUDA plugin's C++ logging ("Could not find cuda drivers
+    on your machine", several times) when it loads on a machine without an NVIDIA driver. Python
+    errors are raised as exceptions and reported after it is restored."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def plugin_path() -> str | None:
@@ -85,6 +103,8 @@ def prepare_process() -> None:
         plugins = sys.modules.get("jax_plugins")
         if plugins is not None and hasattr(plugins, "__path__"):
             plugins.__path__.append(os.path.join(path, "jax_plugins"))
+    with _quiet_native_stderr():  # importing JAX loads (and logs about) the plugin
+        import jax  # noqa: F401
 
 
 def target_config(gpu: str) -> str:
@@ -124,18 +144,30 @@ def compile_only_devices(gpu: str, hosts: int, gpus_per_host: int) -> list:
     Raises:
       RuntimeError: the CUDA PJRT plugin is missing, or JAX was started for another platform.
     """
+    import jax
     from jax.experimental import topologies
 
+    text = target_config(gpu)
+    if not re.search(r"device_memory_size:\s*\d+", text):
+        raise ValueError(f"--gpu {gpu}: not a GPU target description (no gpu_device_info with a "
+                         "device_memory_size; see moefast/bench/gpu_targets/h100_sxm.txtpb)")
     try:
-        topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{gpus_per_host}",
-                                            target_config=target_config(gpu))
+        with _quiet_native_stderr():  # JAX's backends start here (the plugin logs again)
+            jax.devices("cpu")
+            topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{gpus_per_host}",
+                                                target_config=text)
     except Exception as e:  # the plugin raises plain RuntimeErrors / XlaRuntimeErrors
         why = str(e).splitlines()[0]
+        if "GpuTargetConfigProto" in why:
+            raise ValueError(f"--gpu {gpu}: not a GPU target description XLA can read ({why})") from None
         if os.environ.get("JAX_PLATFORMS", "").strip().lower() != "cpu":
             raise RuntimeError(f"compiling for GPUs without one needs JAX_PLATFORMS=cpu set before JAX starts "
                                f"(JAX said: {why})") from None
-        raise RuntimeError(f"compiling for GPUs needs the CUDA PJRT plugin ({why}); install it with: "
-                           f"{INSTALL_HINT}") from None
+        where = os.environ.get(PLUGIN_ENV)
+        hint = (f"${PLUGIN_ENV} is {where}, which does not hold it: install it there with pip install -c "
+                f"constraints.txt --no-deps --target {where} jax-cuda12-pjrt jax-cuda12-plugin, or unset "
+                f"{PLUGIN_ENV}") if where else f"install it with: {INSTALL_HINT}"
+        raise RuntimeError(f"compiling for GPUs needs the CUDA PJRT plugin ({why}); {hint}") from None
     return list(topo.devices)
 
 
@@ -179,7 +211,8 @@ class GpuCompileResult:
     custom_calls: dict[str, int]
     flops: float | None  # XLA's FLOP count of the compiled module, per device
     loops: int  # while loops (scanned layers, accumulation): XLA's FLOP count takes their bodies once
-    schedule: dict[str, float]  # XLA's latency-hiding-scheduler estimate (cycles); empty if absent
+    schedule: dict[str, float]  # XLA's latency-hiding-scheduler estimate (its cost-model units)
+    autotuned: bool  # --autotune results loaded
     compiler_options: dict[str, str]
     jax: str
     date: str
@@ -189,7 +222,8 @@ class GpuCompileResult:
 def scheduler_estimate(dump_dir: str) -> dict[str, float]:
     """The latency-hiding scheduler's statistics of the train step's module (``*schedule.txt`` that
     ``xla_dump_latency_hiding_schedule`` writes): ``total_cycles``, ``total_wasted_cycles`` and the
-    wasted (exposed) cycles per collective kind. Empty when XLA wrote none (the scheduler off)."""
+    wasted (exposed) cycles per collective kind, in the units of XLA's latency estimator (fixed
+    costs per kind of operation, not a time). Empty when XLA wrote none (the scheduler off)."""
     files = [f for f in glob.glob(os.path.join(dump_dir, "*schedule.txt")) if "train" in os.path.basename(f)] \
         or glob.glob(os.path.join(dump_dir, "*schedule.txt"))
     out: dict[str, float] = {}
@@ -296,7 +330,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
     import jax
     import numpy as np
 
-    from moefast.config import load_config
+    from moefast.config import ConfigError, load_config
     from moefast.parallel.hlo import HloModule
     from moefast.train import Trainer
 
@@ -311,7 +345,10 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
     devs = compile_only_devices(gpu, hosts, per_host)
     with tempfile.TemporaryDirectory(prefix="moefast-gpu-compile-") as tmp:
         t0 = time.perf_counter()
-        trainer = Trainer(cfg, Path(tmp) / "run", log=None, progress=False, devices=devs)
+        try:
+            trainer = Trainer(cfg, Path(tmp) / "run", log=None, progress=False, devices=devs)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (compiling for --devices {devices} = {hosts * per_host} GPUs)") from None
         options = dict(trainer.compiler_options())
         if autotune:
             options["xla_gpu_load_autotune_results_from"] = os.path.abspath(autotune)
@@ -319,8 +356,17 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         lowered = trainer.lower_train_step()
         log(f"compiling the train step of {cfg.name} for {hosts * per_host} x {gpu} "
             f"(mesh {dict(trainer.mesh.shape)}) ...")
-        compiled = lowered.compile({**options, "xla_dump_to": dump, "xla_dump_hlo_as_text": True,
-                                    "xla_dump_latency_hiding_schedule": True})
+        try:
+            # XLA's own log lines (memory-limit and rematerialisation notes for a GPU it cannot see)
+            # are left out: the report says what they would
+            with _quiet_native_stderr():
+                compiled = lowered.compile({**options, "xla_dump_to": dump, "xla_dump_hlo_as_text": True,
+                                            "xla_dump_latency_hiding_schedule": True})
+        except Exception as e:
+            if autotune and "autotun" in str(e).lower():
+                raise ValueError(f"--autotune {autotune}: XLA cannot use it ({str(e).splitlines()[0]}); give the "
+                                 "autotune_results.txtpb that scripts/gpu_check.py saves") from None
+            raise
         compile_s = time.perf_counter() - t0
         schedule = scheduler_estimate(dump)
         abstract = trainer.abstract_state()
@@ -346,7 +392,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         conditionals=sum(i.opcode == "conditional" for i in module.instrs.values()),
         state_copies=copies, state_copy_bytes=copy_bytes, collectives=_collective_rows(module),
         custom_calls=_custom_calls(text), flops=_flops(compiled),
-        loops=sum(i.opcode == "while" for i in module.instrs.values()), schedule=schedule,
+        loops=sum(i.opcode == "while" for i in module.instrs.values()), schedule=schedule, autotuned=bool(autotune),
         compiler_options={k: str(v) for k, v in options.items()}, jax=jax.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         flags_note="" if options or not cfg.overlap.xla_flags else "GPU overlap flags all set by XLA_FLAGS")
@@ -379,13 +425,15 @@ def format_report(r: GpuCompileResult) -> str:
              f"{'n/a' if r.flops is None else f'{r.flops:.4g}'} |"]
     s = r.schedule
     if s.get("total_cycles"):
-        lines.append(f"| scheduler estimate: step / exposed collectives (estimate, no autotuning) | "
-                     f"{s['total_cycles']:,.0f} / {s.get('total_wasted_cycles', 0):,.0f} cycles "
+        lines.append(f"| XLA scheduler's estimate, in its cost-model units (not a time; "
+                     f"{'autotuned GEMMs' if r.autotuned else 'no autotuning'}: compare variants): step / "
+                     f"collectives left exposed | {s['total_cycles']:,.0f} / {s.get('total_wasted_cycles', 0):,.0f} "
                      f"({s.get('total_wasted_cycles', 0) / s['total_cycles']:.1%}) |")
         for key in sorted(k for k in s if k.endswith("_wasted_cycles") and k != "total_wasted_cycles"):
             lines.append(f"| &nbsp; exposed {key[:-len('_wasted_cycles')].replace('_', '-')} (estimate) | "
-                         f"{s[key]:,.0f} cycles |")
-    lines += ["", "| collective | dtype | count | MiB per step | asynchronous | compute ops between start and done |",
+                         f"{s[key]:,.0f} |")
+    lines += ["", "| collective | dtype | count | result MiB per device and step (loop bodies once) | asynchronous | "
+              "compute ops between start and done |",
               "|---|---|---:|---:|---:|---|"]
     for c in r.collectives:
         between = f"{c.compute_between_min}-{c.compute_between_max}" if c.asynchronous else "—"
@@ -410,4 +458,10 @@ def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | 
         from moefast.bench.process import write_results
 
         write_results(json_out, dataclasses.asdict(r), f"{header}\n\n{report}\n")
-    return 0 if r.fits else 1
+    if not r.fits:
+        print(f"error: the step needs {_gib(r.peak_bytes)} per GPU, more than the {_gib(r.limit_bytes)} JAX allocates "
+              f"({PREALLOCATED_FRACTION:.0%} of the {r.device_kind}'s {_gib(r.device_memory_bytes)}); try "
+              "model.scan_layers=true, model.remat, a smaller data.batch_size or more GPUs (README: Fitting "
+              "bigger models)", file=sys.stderr)
+        return 1
+    return 0
