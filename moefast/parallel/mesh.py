@@ -179,6 +179,7 @@ def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh, *, 
     """
     parts = [() if p is None else (p if isinstance(p, tuple) else (p,)) for p in spec]
     parts += [()] * (len(shape) - len(parts))
+    experts = [i for i, p in enumerate(parts) if "expert" in p]  # dimensions split over experts
     used = {a for p in parts for a in p}
     ways = lambda axes: math.prod(mesh.shape[a] for a in axes)
     for axis in ("data", "expert"):
@@ -195,19 +196,13 @@ def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh, *, 
             # gradient's all-reduce + slice into one reduce-scatter; an experts' dimension keeps
             # "expert" first, so each device's experts stay one block.
             joined = (*parts[i], axis)
-            parts[i] = joined if "expert" in spec_axes(spec, i) else tuple(a for a in MESH_AXES if a in joined)
+            parts[i] = joined if i in experts else tuple(a for a in MESH_AXES if a in joined)
     return P(*(None if not p else p[0] if len(p) == 1 else p for p in parts))
-
-
-def spec_axes(spec: P, i: int) -> tuple[str, ...]:
-    """The mesh axes dimension ``i`` of ``spec`` is split over (``()`` past its end)."""
-    entry = spec[i] if i < len(spec) else None
-    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
 def state_spec(names: tuple[str | None, ...], shape: tuple[int, ...], mesh, *, layers: bool = False) -> P:
     """How the train state holds a parameter with logical axes ``names``: :func:`logical_to_spec`
-    plus ``data`` on a free dimension (:func:`optimizer_spec`). ``mesh`` may be abstract
+    plus the ZeRO split over ``data`` and ``expert`` (:func:`optimizer_spec`). ``mesh`` may be abstract
     (``jax.sharding.get_abstract_mesh()`` inside a trace), so the model can name the sharding its
     weights arrive in; a scanned stack's per-layer slice gets its stack's spec without ``layers``."""
     return optimizer_spec(logical_to_spec(tuple(names), tuple(shape), mesh), tuple(shape), mesh, layers=layers)

@@ -443,7 +443,7 @@ class Trainer:
 
     def _state_sharding(self) -> dict[str, Any]:
         """Shardings of the train state: parameters by their logical axes (``fsdp`` splits
-        ``embed``, ``expert`` splits experts) plus ``data`` on a free dimension
+        ``embed``, ``expert`` splits experts) plus the ZeRO split over ``data`` and ``expert``
         (:meth:`~moefast.train.step.ModelDef.param_state_specs`); optimizer moments like their
         parameter; scalars replicated."""
         mesh = self.mesh
@@ -479,7 +479,7 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             return self._train_step.lower(self.abstract_state(), batch, key)
 
-    def compiler_options(self) -> dict[str, str]:
+    def compiler_options(self) -> dict[str, bool | int | str]:
         """XLA options the train step is compiled with: the collective-overlap flags
         (:data:`~moefast.parallel.xla_flags.GPU_FLAGS`) when the mesh is on GPUs and
         ``overlap.xla_flags`` is on, except those ``XLA_FLAGS`` sets itself."""

@@ -101,9 +101,10 @@ class ModelDef:
 
     def param_state_specs(self, mesh: jax.sharding.Mesh) -> dict:
         """``PartitionSpec``s of the float32 parameters as the train state holds them: their logical
-        axes' (:func:`moefast.parallel.param_specs`) plus ``data`` on a free dimension
-        (:func:`moefast.parallel.optimizer_spec`). Each device keeps a 1/data share of the master
-        weights and of the optimizer moments (same specs, so the update is elementwise on shards);
+        axes' (:func:`moefast.parallel.param_specs`) plus the ZeRO split over ``data`` and
+        ``expert`` (:func:`moefast.parallel.optimizer_spec`), as :func:`moefast.parallel.state_spec`
+        gives the model inside the step. Each device keeps its share of the master weights and of
+        the optimizer moments (same specs, so the update is elementwise on shards);
         the model gathers weights in the compute dtype where it uses them
         (:mod:`moefast.parallel.precision`) and the weight gradients are reduce-scattered into
         these shards."""
