@@ -98,6 +98,13 @@ class ModelConfig:
         ``"none"``, ``"per_head"`` (over each head's Hd features: Qwen3-MoE) or ``"full"`` (over
         the whole query and key projections, before the split into heads: OLMoE). Each has its own
         learned scale.
+      attention_impl: how training and evaluation compute causal attention
+        (:mod:`moefast.model.transformer`): ``"blocked"`` (XLA einsums over the causal key blocks
+        of 128-row query blocks, with a [B, 1, T, T] mask: the CPU path), ``"flash"`` (the fused
+        Pallas kernel of :mod:`moefast.kernels.attention`, isolating packed documents by segment
+        id, memory linear in T; compiled on GPU, interpreted on CPU) or ``"auto"`` (``"flash"``
+        when the step is compiled for GPUs and the batch divides over the token shards, else
+        ``"blocked"``). Generation with a KV cache always uses the blocked path.
       vocab_size: V; ``None`` means the tokenizer's vocabulary size.
       max_seq_len: length of the positional tables, in tokens; positions must be below it.
       position_encoding: ``"rope"`` (rotary, applied to queries and keys; Su et al. 2021, RoFormer
@@ -137,6 +144,7 @@ class ModelConfig:
     dense_d_ff: int | None = None
     attention_bias: Literal["none", "qkv", "all"] = "none"
     qk_norm: Literal["none", "per_head", "full"] = "none"
+    attention_impl: Literal["auto", "blocked", "flash"] = "auto"
     vocab_size: int | None = None
     max_seq_len: int = 1024
     position_encoding: Literal["rope", "sinusoidal"] = "rope"

@@ -5,7 +5,10 @@ G key/value heads, Hd head_dim, F d_ff, V vocab, L layers, E experts.
 
 Block (pre-norm): ``x + Attn(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))`` where FFN is a
 :class:`~moefast.model.moe.MoELayer` or a dense SwiGLU. Attention is causal, grouped-query, with RoPE
-(or sinusoidal absolute encodings), and never crosses packed documents (segment ids).
+(or sinusoidal absolute encodings), and never crosses packed documents (segment ids). It is
+computed by :func:`causal_attention` (XLA einsums over the causal key blocks, a [B, 1, T, T] mask)
+or by the fused kernel :func:`fused_attention` (segment ids, memory linear in T), chosen by
+``model.attention_impl`` (:func:`attention_impl`; ``"auto"``: fused when compiling for GPUs).
 
 Caching (``cache.tables``): the positional rows (gathered from constant tables, see
 :mod:`moefast.model.positional`) and the attention mask are computed once per forward pass and
@@ -33,12 +36,15 @@ from flax import nnx
 from moefast.config import ExperimentConfig
 from moefast.model.layout import layer_layout
 from moefast.model.moe import MoELayer, MoEStats
+from moefast.kernels.attention import flash_attention
+from moefast.kernels.platform import target_platform
 from moefast.model.positional import apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
 from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
+from moefast.parallel.mesh import BATCH_AXES
 from moefast.parallel.precision import dense, embed_lookup
 
-__all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "ModelOutput", "REMAT_POLICIES", "Transformer", "build_model",
-           "causal_attention", "init_cache", "init_routing_state"]
+__all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "ModelOutput", "REMAT_POLICIES", "Transformer", "attention_impl",
+           "build_model", "causal_attention", "fused_attention", "init_cache", "init_routing_state"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -124,6 +130,60 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
     return o.reshape(b, t, h, hd)
 
 
+def _token_shards() -> tuple[tuple[str, ...], int]:
+    """The mesh axes that split the batch (those of :data:`BATCH_AXES` in the mesh set with
+    ``jax.set_mesh``, of size > 1) and their product; ``((), 1)`` without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return (), 1
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def attention_impl(impl: str, batch: int) -> str:
+    """``"blocked"`` or ``"flash"``: what ``model.attention_impl=impl`` means for a batch of
+    ``batch`` rows in the program being traced. ``"auto"`` is ``"flash"`` when compiling for GPUs
+    (:func:`~moefast.kernels.platform.target_platform`) and the batch divides over the token
+    shards, else ``"blocked"``.
+
+    Raises:
+      ValueError: ``impl="flash"`` with a batch the token shards do not divide.
+    """
+    shards = _token_shards()[1]
+    if impl == "auto":
+        return "flash" if target_platform() == "gpu" and batch % shards == 0 else "blocked"
+    if impl == "flash" and batch % shards:
+        raise ValueError(f"model.attention_impl=flash: batch {batch} is not divisible by the {shards} token shards "
+                         "of the mesh; use a batch that is, or model.attention_impl=blocked")
+    return impl
+
+
+def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+    """Causal grouped-query attention inside packed documents with the fused kernel
+    (:func:`moefast.kernels.attention.flash_attention`), each device on its own rows.
+
+    Under a mesh the kernel runs inside ``jax.shard_map`` over the token axes (a Pallas call has no
+    partitioning rule: left to the partitioner, every device would gather the whole batch).
+
+    Args:
+      q_bthd: [B, T, H, Hd] queries (unscaled); k_btgd, v_btgd: [B, T, G, Hd] in their dtype.
+      segment_ids_bt: [B, T] int document ids (query t sees keys s <= t of its own id).
+
+    Returns:
+      [B, T, H, Hd] in the queries' dtype.
+    """
+    interpret = target_platform() == "cpu"
+    run = lambda q, k, v, seg: flash_attention(q, k, v, seg, interpret=interpret)
+    axes, shards = _token_shards()
+    if shards == 1:
+        return run(q_bthd, k_btgd, v_btgd, segment_ids_bt)
+    spec = jax.sharding.PartitionSpec(axes)
+    # Every operand and the result are split over the same axes (nothing replicated for AD to sum),
+    # and JAX's kernel declares its outputs without varying-axes types: the check stays off.
+    return jax.shard_map(run, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)(
+        q_bthd, k_btgd, v_btgd, segment_ids_bt)
+
+
 class Attention(nnx.Module):
     """Causal grouped-query attention with RoPE (:func:`causal_attention`).
 
@@ -157,7 +217,8 @@ class Attention(nnx.Module):
     def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
         """``rope``: ``(cos, sin)`` float32 [B, T, 1, Hd/2] from :func:`rope_cos_sin`, or ``None``
         (no rotation: sinusoidal encodings were added to the embeddings); ``mask_b1ts``: bool
-        [B or 1, 1, T, S], True where a query may attend to a key."""
+        [B or 1, 1, T, S], True where a query may attend to a key (:func:`causal_attention`), or
+        the int [B, T] segment ids of the packed documents (no cache: :func:`fused_attention`)."""
         b, t, _ = x_btd.shape
         h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = dense(x_btd, self.qkv[...], self.dtype, ("embed", "heads"))
@@ -176,7 +237,10 @@ class Attention(nnx.Module):
             k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1)
             new_cache = {"k": k, "v": v}
-        o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts, causal=cache is None)
+        if mask_b1ts.ndim == 2:  # segment ids: the fused kernel
+            o = fused_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts)
+        else:
+            o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts, causal=cache is None)
         o = dense(o.reshape(b, t, h * hd), self.out[...], self.dtype, ("heads", "embed"))
         if self.bias == "all":
             o = (o.astype(jnp.float32) + self.out_bias[...][None, None]).astype(self.dtype)
@@ -286,6 +350,7 @@ class Transformer(nnx.Module):
         self.vocab_size, self.max_seq_len = vocab_size, m.max_seq_len
         self.position_encoding, self.rope_base, self.head_dim = m.position_encoding, m.rope_base, m.head_dim
         self.cache_tables = cfg.cache.tables
+        self.attention_impl = m.attention_impl
         self.dtype = _DTYPES[m.dtype]
         self.tie_embeddings = m.tie_embeddings
         self.embed = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (vocab_size, m.d_model)),
@@ -362,8 +427,11 @@ class Transformer(nnx.Module):
         else:
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones((b, t), jnp.int32)
+            fused = attention_impl(self.attention_impl, b) == "flash"
 
             def make_mask():  # [B, 1, T, T]: causal and inside the same packed document
+                if fused:  # the kernel masks from the segment ids themselves
+                    return segment_ids_bt
                 causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
                 same_doc = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
                 return (same_doc & causal[None])[:, None]

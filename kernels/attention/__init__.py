@@ -1,0 +1,19 @@
+"""Causal attention over packed documents (segment ids) with grouped-query heads.
+
+Query t of a row sees key s <= t of the same document (q [B, T, H, Hd], k and v [B, T, G, Hd],
+segment_ids [B, T]). Two functions of one contract:
+
+* :func:`.flash.flash_attention` — :mod:`.flash`: JAX's Pallas Triton flash-attention kernel (forward and backward),
+  memory linear in T. Compiled on GPU; the Pallas interpreter on CPU (tests only).
+* :func:`.reference.attention_reference` — :mod:`.reference`: the full [T, T] matrix in float32 (the truth).
+
+Callers that run on CPU keep their own XLA path (moefast's block-causal einsums); this package is
+the GPU kernel and its reference.
+"""
+
+from __future__ import annotations
+
+from .flash import flash_attention, padded_length
+from .reference import attention_reference, validate
+
+__all__ = ["attention_reference", "flash_attention", "padded_length", "validate"]
