@@ -234,8 +234,8 @@ class MoEConfig:
       routing_impl: implementation of the routing kernel (``moefast.kernels.routing``):
         ``"reference"`` (jnp), ``"pallas"`` (the fused kernel; interpreted on CPU, so slow there, and
         not usable under a multi-device mesh on CPU), ``"triton"`` (the same kernel in Triton through
-        jax-triton, the ``[gpu]`` extra; GPU only), or ``"auto"`` (currently the reference
-        everywhere, until the compiled kernel has been checked on a GPU with scripts/gpu_check.py).
+        jax-triton, the ``[gpu]`` extra; GPU only), or ``"auto"`` (``"pallas"`` when the step is
+        compiled for GPUs, the reference elsewhere).
       capacity_mode: ``"static"``, or ``"dynamic"``: the buffer is sized by ``capacity_factor_max``
         and each expert's slots are limited to ``capacity_factor * tokens * top_k * ema_e`` clamped
         to the capacities of ``capacity_factor_min`` and ``capacity_factor_max``, where ``ema_e`` is

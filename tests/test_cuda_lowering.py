@@ -58,3 +58,35 @@ def test_train_step_lowers_for_cuda(extra, small_config, monkeypatch, tmp_path):
     assert (TRITON_CALL in text) == ("moe.routing_impl=pallas" in extra)
     if "moe.grouped_matmul=ragged_dot" in extra:
         assert "ragged" in text  # the dropless grouped matmul
+
+
+_ASSEMBLE = """
+import re, sys
+from moefast.kernels.routing import triton as tr
+ptxas = tr.cuda_ptxas([sys.argv[1]])
+ptx, cubin = tr.compile_for(90, ptxas=ptxas)
+print(re.search(r"\\.version (\\S+)", ptx).group(1), len(cubin), tr.ptxas_version(ptxas))
+"""
+
+
+def test_triton_routing_kernel_assembles_with_the_cuda12_ptxas(tmp_path):
+    """The Triton routing kernel compiled for sm_90 with the PTX version of the ptxas JAX's CUDA 12
+    wheels assemble with (nvidia-cuda-nvcc-cu12, installed next to the compile plugin): Triton's own
+    choice (PTX 9.4, from its bundled CUDA 13 ptxas) is what that ptxas rejects. Runs in a
+    subprocess: this session has TRITON_INTERPRET=1, which replaces the compiler by the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    from moefast.bench import gpu_compile
+
+    root = gpu_compile.plugin_path()
+    assert root, "the GPU compile tools are not installed next to this environment (README's test command)"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _ASSEMBLE, root], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version, cubin_bytes, cuda = proc.stdout.split(maxsplit=2)
+    assert cuda.strip() == "(12, 9)" and version == "8.8" and int(cubin_bytes) > 10_000

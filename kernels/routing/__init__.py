@@ -10,9 +10,10 @@ Implementations (``impl``) share one contract, checked bitwise on indices, slots
 * ``"triton"`` — the same one-pass kernel written in Triton (:mod:`.triton`), called through
   ``jax_triton.triton_call`` (the ``[gpu]`` extra); GPU only. Checked on CPU by running the kernel
   itself under the Triton interpreter (torch tensors) against the reference.
-* ``"auto"`` — ``"reference"`` for now on every backend: the compiled Pallas kernel has been
-  checked only by lowering it for CUDA from a CPU; ``scripts/gpu_check.py`` checks it against the
-  reference and times both on a GPU, and ``auto`` will pick it there once that check has passed.
+* ``"auto"`` — ``"pallas"`` when compiling for GPUs (:func:`~moefast.kernels.platform.target_platform`:
+  the platform of the mesh, not the host's), ``"reference"`` elsewhere (the interpreter is for tests).
+  Compiled for sm_90a the kernel takes 96 registers and spills none; ``scripts/gpu_check.py``
+  checks it against the reference and times both on a GPU.
 
 Every impl supports ``jax.grad``/``jax.vjp`` and ``jax.shard_map`` (the Pallas interpreter only
 with ``check_vma=False``), and all but ``"triton"`` ``jax.vmap`` (jax-triton's call has no batching
@@ -25,19 +26,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..platform import target_platform
 from .ops import route_pallas, route_triton
 from .reference import POLICIES, RoutingResult, raw_gates, route_reference
 
-__all__ = ["IMPLS", "POLICIES", "RoutingResult", "route"]
+__all__ = ["IMPLS", "POLICIES", "RoutingResult", "resolve", "route"]
 
 IMPLS = ("reference", "pallas", "triton", "auto")
 
 
-def _resolve(impl: str) -> str:
+def resolve(impl: str, platform: str | None = None) -> str:
+    """The implementation ``impl`` stands for on ``platform`` (default: the platform being compiled
+    for, :func:`~moefast.kernels.platform.target_platform`): ``"auto"`` is ``"pallas"`` on GPU and
+    ``"reference"`` elsewhere.
+
+    Raises:
+      ValueError: an unknown ``impl``.
+    """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
     if impl == "auto":
-        return "reference"  # see the module docstring: pallas on GPU once scripts/gpu_check.py passes
+        return "pallas" if (platform or target_platform()) == "gpu" else "reference"
     return impl
 
 
@@ -66,7 +75,7 @@ def route(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "positi
     Raises:
       ValueError: bad shapes, top_k, capacity, policy or impl (at trace time).
     """
-    impl = _resolve(impl)
+    impl = resolve(impl)
     route_fn = {"pallas": route_pallas, "triton": route_triton}.get(impl, route_reference)
     r = route_fn(logits, top_k=top_k, capacity=capacity, policy=policy, mask=mask, bias=bias,
                  capacity_limit=capacity_limit)

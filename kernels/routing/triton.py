@@ -21,16 +21,30 @@ Two launchers share the kernel:
 * :func:`routing_blocks_torch` (torch tensors): with ``TRITON_INTERPRET=1`` (set before triton is
   imported) the Triton interpreter runs it on CPU tensors, which is how the tests check the kernel
   itself without a GPU.
+
+PTX version: Triton writes PTX of the newest version its own bundled ``ptxas-blackwell`` accepts
+(Triton 3.9 bundles CUDA 13.4's: PTX 9.4 for compute capability >= 9.0), but under JAX the PTX is
+assembled by the CUDA toolkit jaxlib runs with (``jax[cuda12]``: the ``nvidia-cuda-nvcc-cu12``
+wheel's ptxas 12.9, which rejects ``.version 9.4``). :func:`routing_blocks` therefore points
+Triton's ``ptxas_blackwell`` knob at that toolkit's ptxas (:func:`cuda_ptxas`) when it is older
+than Triton's own, so that Triton emits PTX the toolkit assembles (8.8 for 12.9), unless the user
+set ``TRITON_PTXAS_BLACKWELL_PATH``. :func:`compile_for` compiles the kernel for a GPU
+architecture without a GPU (PTX and cubin), which is how the tests check that it assembles.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 from .pallas import BlockOutputs, check_block_tokens, next_power_of_2
 
-__all__ = ["available", "routing_blocks", "routing_blocks_torch"]
+__all__ = ["available", "compile_for", "cuda_ptxas", "ptxas_version", "routing_blocks", "routing_blocks_torch"]
 
 
 def available(platform: str | None = None) -> str | None:
@@ -50,6 +64,82 @@ def available(platform: str | None = None) -> str | None:
     except Exception as e:  # installed but broken (e.g. built for another jaxlib)
         return f"impl='triton': jax-triton is installed but failed to import ({type(e).__name__}: {e})"
     return None
+
+
+def cuda_ptxas(search: list[str] | None = None) -> str | None:
+    """The ptxas of the CUDA toolkit JAX runs with, or ``None``: the ``nvidia-cuda-nvcc-cu1x`` wheel's
+    ``nvidia/cuda_nvcc/bin/ptxas`` under ``search`` (default ``sys.path``; what ``jax[cuda12]``
+    installs and XLA uses), else ``$CUDA_HOME/bin/ptxas``, else ``ptxas`` on ``PATH``."""
+    for root in (sys.path if search is None else search):
+        hits = sorted(glob.glob(os.path.join(root or ".", "nvidia", "cuda_nvcc", "bin", "ptxas")))
+        if hits:
+            return hits[0]
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.isfile(os.path.join(home, "bin", "ptxas")):
+        return os.path.join(home, "bin", "ptxas")
+    return shutil.which("ptxas")
+
+
+@functools.lru_cache(maxsize=8)
+def ptxas_version(path: str) -> tuple[int, int]:
+    """``(major, minor)`` CUDA release of the ptxas at ``path`` (``ptxas --version``)."""
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        raise RuntimeError(f"{path} --version printed no CUDA release: {out.strip()[:200]}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _assembler_for_jax(ptxas: str | None = None) -> str | None:
+    """The ptxas Triton should take its PTX version from so that JAX's toolkit assembles the PTX:
+    the toolkit's (:func:`cuda_ptxas`) when it is older than Triton's bundled ``ptxas-blackwell``,
+    else ``None`` (Triton's own is fine, or there is no toolkit ptxas, or the user chose one)."""
+    if os.environ.get("TRITON_PTXAS_BLACKWELL_PATH"):
+        return None
+    ptxas = ptxas or cuda_ptxas()
+    if ptxas is None:
+        return None
+    import triton
+
+    return ptxas if ptxas_version(ptxas) < ptxas_version(triton.knobs.nvidia.ptxas_blackwell.path) else None
+
+
+def compile_for(arch: int = 90, *, ptxas: str | None = None, top_k: int = 2, num_experts: int = 8,
+                block_tokens: int = 128, logits_dtype: str = "bf16", num_warps: int = 4) -> tuple[str, bytes]:
+    """Compiles the kernel with Triton for compute capability ``arch`` (no GPU needed) with the PTX
+    version JAX's toolkit accepts (module docstring).
+
+    Args:
+      arch: compute capability x 10 (90: H100/H200).
+      ptxas: the toolkit ptxas (default :func:`cuda_ptxas`; ``None`` found: Triton's own).
+      top_k, num_experts, block_tokens, logits_dtype, num_warps: the kernel's specialisation.
+
+    Returns:
+      ``(ptx, cubin)``: the PTX text and the cubin that ptxas assembled from it.
+
+    Raises:
+      triton.runtime.errors.PTXASError: ptxas rejected the PTX.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ._triton_kernel import routing_kernel
+
+    check_block_tokens(block_tokens)
+    ep, kp = next_power_of_2(num_experts), next_power_of_2(top_k)
+    types = [f"*{logits_dtype}", "*i32", "*fp32", "i32", "i32", "*i32", "*fp32", "*i32", "*i32", "*fp32", "*fp32"]
+    names = ["logits_ptr", "mask_ptr", "bias_ptr", "num_tokens", "num_experts", "index_ptr", "gates_ptr", "rank_ptr",
+             "counts_ptr", "prob_sum_ptr", "z_ptr"]
+    consts = {"TOP_K": top_k, "TB": block_tokens, "EP": ep, "KP": kp}
+    signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
+    src = ASTSource(triton.jit(routing_kernel), signature, constexprs=consts)
+    with triton.knobs.nvidia.scope():
+        chosen = _assembler_for_jax(ptxas)
+        if chosen:
+            triton.knobs.nvidia.ptxas_blackwell = chosen
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    return kernel.asm["ptx"], kernel.asm["cubin"]
 
 
 # Outputs of the kernel, in its parameter order: name, shape from (T, K, B, E), dtype.
@@ -162,7 +252,11 @@ def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, n
     if why:
         raise RuntimeError(why)
     import jax_triton as jt
+    import triton
 
+    chosen = _assembler_for_jax()
+    if chosen:  # jax-triton compiles at lowering time: the knob stays set for this process
+        triton.knobs.nvidia.ptxas_blackwell = chosen
     t, e = logits.shape
     _check(t, e, top_k, mask.shape, bias.shape)
     nb, ep, kp = _sizes(t, e, top_k, block_tokens)
