@@ -208,10 +208,13 @@ class MoEConfig:
         every assignment is computed (a sort-free permutation by expert plus grouped matmuls, see
         ``grouped_matmul``; with an expert axis > 1, buffers padded to the group's tokens).
       grouped_matmul: the experts' grouped matmul of the dropless path,
-        ``moefast.kernels.grouped_matmul``: ``"ragged_dot"`` (``jax.lax.ragged_dot``:
-        grouped kernels on GPU/TPU, but dense work on XLA:CPU, ≈ E× the FLOPs), ``"tiled"`` (the real
+        ``moefast.kernels.grouped_matmul``: ``"pallas"`` (a Pallas Triton grouped GEMM over
+        (row tile, expert) pairs: the real rows plus less than 64 rows per expert boundary; for
+        GPU, interpreted on CPU), ``"ragged_dot"`` (``jax.lax.ragged_dot``: a grouped kernel on
+        TPU, but dense one-hot work on XLA:GPU and XLA:CPU, ≈ E× the FLOPs), ``"tiled"`` (the real
         rows plus less than 128 rows per expert, in 512-row tiles with a run-time trip count; for
-        CPU) or ``"auto"`` (``tiled`` on CPU, ``ragged_dot`` elsewhere).
+        CPU) or ``"auto"`` (``pallas`` when compiling for GPUs, ``tiled`` on CPU, ``ragged_dot`` on
+        TPU).
       dispatch: how tokens move into the experts' [E, C, D] buffers and back (see
         :mod:`moefast.routing.dispatch`): ``"slot"`` (gathers by the routing's slots, linear in the
         tokens) or ``"onehot"`` (GShard's [T, E, C] dispatch and combine einsums, quadratic in the
@@ -274,7 +277,7 @@ class MoEConfig:
     top_k: int = 2
     capacity_factor: float | None = None
     min_capacity: int = 4
-    grouped_matmul: Literal["auto", "ragged_dot", "tiled"] = "auto"
+    grouped_matmul: Literal["auto", "pallas", "ragged_dot", "tiled"] = "auto"
     dispatch: Literal["slot", "onehot"] = "slot"
     overlap_chunks: int = 1
     overlap_chain: bool = False

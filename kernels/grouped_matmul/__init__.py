@@ -4,12 +4,15 @@
 :func:`jax.lax.ragged_dot`: rows ``[offset_g, offset_g + group_sizes[g])`` times ``w[g]``, 0 for rows
 after the last group. Implementations (``impl``):
 
-* ``"ragged_dot"`` — :func:`jax.lax.ragged_dot`: grouped kernels on GPU/TPU; XLA:CPU lowers it to
-  dense work (G times the FLOPs).
+* ``"pallas"`` — :mod:`.pallas`: a Pallas (Triton) grouped GEMM over (row tile, group) pairs, so
+  the work is the real rows plus less than a tile per group boundary, forward and both backward
+  products; compiled on GPU, interpreted on CPU (tests only).
+* ``"ragged_dot"`` — :func:`jax.lax.ragged_dot`: TPU's grouped kernel; XLA:GPU (jax 0.10.2) and
+  XLA:CPU expand it into dense one-hot work (G times the FLOPs).
 * ``"tiled"`` — :mod:`.tiled`: full tiles in a loop with a run-time trip count plus one partial
   piece per group, so the work is the real rows plus less than ``granule_rows`` rows per group;
   a custom VJP with the same schedule.
-* ``"auto"`` — ``"tiled"`` on CPU, ``"ragged_dot"`` elsewhere.
+* ``"auto"`` — ``"pallas"`` when compiling for GPUs, ``"tiled"`` on CPU, ``"ragged_dot"`` on TPU.
 
 :func:`.reference.grouped_matmul_reference` is the dense truth both are tested against.
 """
@@ -21,13 +24,14 @@ from typing import Literal
 import jax
 
 from ..platform import target_platform
+from .pallas import grouped_matmul_pallas
 from .reference import grouped_matmul_reference, validate
 from .tiled import check_tiles, grouped_matmul_tiled
 
-__all__ = ["IMPLS", "grouped_matmul", "grouped_matmul_reference", "resolve"]
+__all__ = ["IMPLS", "grouped_matmul", "grouped_matmul_pallas", "grouped_matmul_reference", "resolve"]
 
-IMPLS = ("auto", "ragged_dot", "tiled")
-Impl = Literal["auto", "ragged_dot", "tiled"]
+IMPLS = ("auto", "pallas", "ragged_dot", "tiled")
+Impl = Literal["auto", "pallas", "ragged_dot", "tiled"]
 
 
 def resolve(impl: str, platform: str | None = None) -> str:
@@ -40,7 +44,7 @@ def resolve(impl: str, platform: str | None = None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"grouped matmul impl={impl!r} is not one of {IMPLS}")
     if impl == "auto":
-        return "tiled" if (platform or target_platform()) == "cpu" else "ragged_dot"
+        return {"cpu": "tiled", "gpu": "pallas"}.get(platform or target_platform(), "ragged_dot")
     return impl
 
 
@@ -54,7 +58,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
       group_sizes: [G] int32, rows per group, ``sum(group_sizes) <= N`` (may be traced).
       impl: one of :data:`IMPLS`.
       tile_rows, granule_rows: ``"tiled"`` only — rows of a full tile and the granularity of the
-        partial piece (``granule_rows`` divides ``tile_rows``).
+        partial piece (``granule_rows`` divides ``tile_rows``); ``"pallas"`` picks its own tile
+        (:func:`.pallas.tile_rows_for`).
 
     Returns:
       [N, O] in ``x.dtype``; 0 for rows after the last group. Differentiable with ``jax.grad`` /
@@ -69,4 +74,6 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     if impl == "tiled":
         check_tiles(tile_rows, granule_rows)
         return grouped_matmul_tiled(x, w, group_sizes.astype("int32"), tile_rows, granule_rows)
+    if impl == "pallas":
+        return grouped_matmul_pallas(x, w, group_sizes)
     return jax.lax.ragged_dot(x, w, group_sizes.astype("int32"))

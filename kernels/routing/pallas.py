@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ..platform import target_platform
+from ..vma import out_struct as _out_struct, vary_together
 
 __all__ = ["RANK_METHODS", "BlockOutputs", "check_block_tokens", "default_interpret", "next_power_of_2",
            "routing_blocks"]
@@ -139,16 +140,6 @@ def _routing_kernel(logits_ref, mask_ref, bias_ref, index_ref, gates_ref, rank_r
     z_ref[...] = jnp.sum(jnp.where(valid, lse * lse, 0.0))
 
 
-def _varying_axes(x) -> frozenset:
-    """Mesh axes over which ``x`` varies inside ``jax.shard_map`` (empty outside)."""
-    return frozenset(getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ()))
-
-
-def _vary_over(x, axes: frozenset):
-    missing = tuple(sorted(axes - _varying_axes(x), key=str))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 RANK_METHODS = ("cumsum", "matmul")
 
 
@@ -198,21 +189,12 @@ def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, i
     # Under shard_map(check_vma=True) the outputs must declare the mesh axes they vary over (the
     # inputs' union; the inputs are made to agree). The Pallas interpreter cannot run there: it
     # re-traces the body on varying values and rejects every op mixing them with a constant.
-    axes = _varying_axes(logits) | _varying_axes(mask_i) | _varying_axes(bias_p)
+    (logits, mask_i, bias_p), axes = vary_together(logits, mask_i, bias_p)
     if axes and interpret:
         raise NotImplementedError(
             f"the Pallas interpreter cannot run inside jax.shard_map(check_vma=True) on arrays varying over "
             f"{sorted(axes, key=str)}: use impl='reference' on CPU, or shard_map(..., check_vma=False)")
-    logits, mask_i, bias_p = (_vary_over(a, axes) for a in (logits, mask_i, bias_p))
-    mat = getattr(jax.typeof(logits), "manual_axis_type", None)
-
-    def out_struct(shape, dtype):
-        if mat is not None:
-            try:
-                return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-            except TypeError:  # a jax without the keyword: no varying axes to declare
-                pass
-        return jax.ShapeDtypeStruct(shape, dtype)
+    out_struct = functools.partial(_out_struct, logits)
 
     tk_spec = pl.BlockSpec((tb, kp), lambda i: (i, 0))
     index, gates, rank, counts, prob_sum, z_sum = pl.pallas_call(

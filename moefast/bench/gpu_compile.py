@@ -210,6 +210,9 @@ class GpuCompileResult:
     collectives: list[CollectiveRow]
     custom_calls: dict[str, int]
     flops: float | None  # XLA's FLOP count of the compiled module, per device
+    # the grouped GEMM kernels (XLA counts no FLOPs in a custom call), from their launch grids:
+    # {"bound": the work of every (row tile, expert) pair, "exact": the same launches on the real rows}
+    grouped_flops: dict[str, float]
     loops: int  # while loops (scanned layers, accumulation): XLA's FLOP count takes their bodies once
     schedule: dict[str, float]  # XLA's latency-hiding-scheduler estimate (its cost-model units)
     autotuned: bool  # --autotune results loaded
@@ -271,6 +274,34 @@ def _custom_calls(text: str) -> dict[str, int]:
         "kernel " + m.group(1) for line in text.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line
         for m in [re.search(r'name = \\?"([\w.-]+)\\?"[^"]*$', line)] if m))
     return dict(sorted(calls.items()))
+
+
+_GMM = re.compile(r'name = \\?"grouped_matmul_m(\d+)_n(\d+)_k(\d+)\\?"')
+_GMM_DW = re.compile(r'name = \\?"grouped_matmul_dw_m(\d+)_p(\d+)_r(\d+)_i\d+_o\d+\\?"')
+
+
+def _grouped_flops(text: str) -> dict[str, float]:
+    """FLOPs of the grouped GEMM launches (:mod:`moefast.kernels.grouped_matmul.pallas`), read from
+    each launch's kernel name (tile sizes), grid and result shape: ``bound`` counts every (row tile,
+    expert) pair of the launch grid, ``exact`` the real rows only (loop bodies once, as XLA's count)."""
+    bound = exact = 0.0
+    for line in text.splitlines():
+        if 'custom_call_target="__gpu$xla.gpu.triton"' not in line:
+            continue
+        m = _GMM.search(line) or _GMM_DW.search(line)
+        if not m:
+            continue
+        dims = [int(d) for d in re.search(r"=\s*\w+\[([\d,]*)\]", line).group(1).split(",") if d]  # result
+        grid = [int(x) for x in re.findall(r"grid_[xyz] = (\d+)", line)]
+        if m.re is _GMM:
+            rows, bn, k = map(int, m.groups())
+            bound += 2.0 * grid[0] * rows * k * grid[1] * bn
+            exact += 2.0 * dims[0] * k * dims[1]
+        else:
+            rows, pairs, n = map(int, m.groups())
+            bound += 2.0 * pairs * rows * dims[1] * dims[2]
+            exact += 2.0 * n * dims[1] * dims[2]
+    return {"bound": bound, "exact": exact} if bound else {}
 
 
 def _collective_rows(module) -> list[CollectiveRow]:
@@ -395,7 +426,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         device_memory_bytes=total, limit_bytes=limit, fits=peak <= limit, headroom=1.0 - peak / limit,
         conditionals=sum(i.opcode == "conditional" for i in module.instrs.values()),
         state_copies=copies, state_copy_bytes=copy_bytes, collectives=_collective_rows(module),
-        custom_calls=_custom_calls(text), flops=_flops(compiled),
+        custom_calls=_custom_calls(text), flops=_flops(compiled), grouped_flops=_grouped_flops(text),
         loops=sum(i.opcode == "while" for i in module.instrs.values()), schedule=schedule, autotuned=bool(autotune),
         compiler_options={k: str(v) for k, v in options.items()}, jax=jax.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
@@ -427,6 +458,10 @@ def format_report(r: GpuCompileResult) -> str:
              f"| copies of the step's arguments (train state) | {r.state_copies} ({_gib(r.state_copy_bytes)}) |",
              f"| XLA FLOPs per step{' (while-loop bodies counted once: ' + str(r.loops) + ' loops)' if r.loops else ''} | "
              f"{'n/a' if r.flops is None else f'{r.flops:.4g}'} |"]
+    if r.grouped_flops:
+        g = r.grouped_flops
+        lines.append(f"| grouped GEMM kernels' FLOPs (not in XLA's count): launch grids / the real rows | "
+                     f"{g['bound']:.4g} / {g['exact']:.4g} ({g['bound'] / g['exact']:.3f}x) |")
     s = r.schedule
     if s.get("total_cycles"):
         lines.append(f"| XLA scheduler's estimate, in its cost-model units (not a time; "
