@@ -147,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="memory: memory of one device in GiB; adds a column saying whether each variant fits "
                         "(default on a GPU: its own limit)")
     b.add_argument("--ablate", action="store_true",
-                   help="train: the lever table (baseline, +caching, +overlap, +routing, all levers)")
+                   help="train: the lever table (baseline, +caching, +overlap, +routing, all levers); gpu-compile: "
+                        "the lever table estimated from XLA's schedule for the GPUs compiled for")
     b.add_argument("--quick", action="store_true",
                    help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
@@ -182,7 +183,7 @@ BENCH_OPTIONS = {
     "cache": {"json", "steps", "pairs", "cpu_devices"},
     "peers": {"overrides", "config", "json", "steps", "rounds", "profile", "cpu_devices"},
     "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
-    "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune"},
+    "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate"},
 }
 
 
@@ -389,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 try:
                     return gpu_compile.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
-                                               gpu=args.gpu, devices=args.devices, autotune=args.autotune)
+                                               gpu=args.gpu, devices=args.devices, autotune=args.autotune,
+                                               ablation=args.ablate)
                 except (ValueError, RuntimeError) as e:  # bad --devices; the CUDA plugin missing
                     if isinstance(e, ConfigError):
                         raise

@@ -343,7 +343,7 @@ def _flops(compiled) -> float | None:
 
 
 def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *, gpu: str = "h100",
-                devices: str = "8", autotune: str | None = None,
+                devices: str = "8", autotune: str | None = None, analytical: bool = False,
                 log: Callable[[str], None] | None = None) -> GpuCompileResult:
     """Compiles ``config`` + ``overrides``'s train step for ``devices`` GPUs of kind ``gpu`` and reads
     the compiled program (module docstring).
@@ -387,6 +387,8 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         options = dict(trainer.compiler_options())
         if autotune:
             options["xla_gpu_load_autotune_results_from"] = os.path.abspath(autotune)
+        if analytical:
+            options["xla_gpu_enable_analytical_latency_estimator"] = True
         dump = os.path.join(tmp, "dump")
         lowered = trainer.lower_train_step()
         log(f"compiling the train step of {cfg.name} for {hosts * per_host} x {gpu} "
@@ -485,8 +487,78 @@ def format_report(r: GpuCompileResult) -> str:
     return "\n".join(lines)
 
 
+# The levers of the seed's table, each a switch of its own (the baseline has them all off).
+ABLATION_BASELINE = ["cache.tables=false", "moe.dispatch=onehot", "moe.routing_impl=reference",
+                     "model.attention_impl=blocked", "moe.overlap_chunks=1"]
+ABLATION_LEVERS = {
+    "+caching (positional tables and mask once per step)": ["cache.tables=true"],
+    "+slot dispatch (vs GShard one-hot einsums)": ["moe.dispatch=slot"],
+    "+fused routing kernel (vs reference routing)": ["moe.routing_impl=auto"],
+    "+fused attention (vs block-causal einsums)": ["model.attention_impl=auto"],
+    "+overlap (expert exchange in 2 chunks)": ["moe.overlap_chunks=2"],
+}
+
+
+def ablate(config: str | None, overrides: list[str] | None, *, gpu: str = "h100", devices: str = "8",
+           log: Callable[[str], None] | None = None) -> list[dict]:
+    """The lever table estimated for ``gpu``: the baseline (:data:`ABLATION_BASELINE`), each lever
+    of :data:`ABLATION_LEVERS` alone, and all levers, each compiled with the analytical latency
+    estimator (:func:`gpu_compile` ``analytical=True``; no autotuning) and compared by the
+    scheduler's step estimate. The overlap row only with an expert axis > 1.
+
+    Returns:
+      One dict per row: ``name``, ``overrides``, ``step`` (estimate, the estimator's units),
+      ``speedup`` (baseline / row), ``exposed_all_to_all``, ``peak_bytes``, ``fits``.
+    """
+    from moefast.config import load_config
+
+    cfg = load_config(config, list(overrides or []))
+    hosts, per_host = parse_devices(devices)
+    from moefast.parallel import mesh_shape
+
+    ep = mesh_shape(cfg, hosts * per_host)["expert"]
+    rows = [("baseline", [])] + [(k, v) for k, v in ABLATION_LEVERS.items() if ep > 1 or "overlap" not in k]
+    rows.append(("all levers", [o for _, v in rows for o in v]))
+    out = []
+    for name, extra in rows:
+        if log:
+            log(f"[{name}]")
+        r = gpu_compile(config, [*(overrides or []), *ABLATION_BASELINE, *extra], gpu=gpu, devices=devices,
+                        analytical=True)
+        out.append({"name": name, "overrides": extra, "step": r.schedule.get("total_cycles", 0.0),
+                    "exposed_all_to_all": r.schedule.get("all_to_all_wasted_cycles", 0.0),
+                    "peak_bytes": r.peak_bytes, "fits": r.fits})
+    for row in out:
+        row["speedup"] = out[0]["step"] / row["step"] if row["step"] else float("nan")
+    return out
+
+
+def format_ablation(rows: list[dict]) -> str:
+    lines = ["| variant | estimated step (estimator units) | speed-up vs baseline (estimate) | exposed all-to-all "
+             "(estimate) | peak GiB per GPU | overrides |", "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['step']:,.0f} | {r['speedup']:.2f}x | {r['exposed_all_to_all']:,.0f} | "
+                     f"{r['peak_bytes'] / 2**30:.2f} | {' '.join(r['overrides']) or '(' + ' '.join(ABLATION_BASELINE) + ')'} |")
+    return "\n".join(lines)
+
+
 def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | None, gpu: str,
-            devices: str, autotune: str | None = None) -> int:
+            devices: str, autotune: str | None = None, ablation: bool = False) -> int:
+    if ablation:
+        import jax
+
+        rows = ablate(config, overrides, gpu=gpu, devices=devices, log=print)
+        header = (f"Lever table estimated for {devices} x {gpu} (compiled, nothing run; XLA's analytical latency "
+                  f"estimator, no autotuning: an estimate, not a measurement), jax {jax.__version__}, "
+                  f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%MZ')}; config "
+                  f"{config or 'configs/tiny.yaml'} {' '.join(overrides or [])}")
+        table = format_ablation(rows)
+        print(f"\n{header}\n\n{table}")
+        if json_out:
+            from moefast.bench.process import write_results
+
+            write_results(json_out, {"rows": rows, "gpu": gpu, "devices": devices}, f"{header}\n\n{table}\n")
+        return 0
     r = gpu_compile(config, overrides, gpu=gpu, devices=devices, autotune=autotune, log=print)
     header = (f"GPU compile check (compiled for compile-only devices, nothing run), jax {r.jax}, {r.date}; "
               f"{r.tokens_per_step:,} tokens/step; XLA options: "

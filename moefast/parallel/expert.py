@@ -46,6 +46,9 @@ EXPERT_AXIS = "expert"
 # dispatch all-to-all and after the return all-to-all (expert axis > 1), so the backward pass never
 # recomputes the routing or the exchange.
 ROUTING = "moe_routing"
+# Name scopes of the exchange's two all-to-alls (in the compiled program's op_name metadata).
+DISPATCH = "moe_dispatch"
+RETURN = "moe_return"
 EXPERT_IN = "moe_expert_in"
 EXPERT_OUT = "moe_expert_out"
 
@@ -81,7 +84,8 @@ def _to_experts(x_ecd: jax.Array, ep: int) -> jax.Array:
     """[E, C, D] by destination expert -> [El, ep·C, D]: local experts' tokens from every device."""
     e, c, d = x_ecd.shape
     x = x_ecd.reshape(ep, e // ep, c, d)
-    x = jax.lax.all_to_all(x, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep(src), El, C, D]
+    with jax.named_scope(DISPATCH):
+        x = jax.lax.all_to_all(x, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep(src), El, C, D]
     return x.transpose(1, 0, 2, 3).reshape(e // ep, ep * c, d)
 
 
@@ -90,7 +94,8 @@ def _from_experts(y_lcd: jax.Array, ep: int) -> jax.Array:
     el, epc, d = y_lcd.shape
     c = epc // ep
     y = y_lcd.reshape(el, ep, c, d).transpose(1, 0, 2, 3)  # [ep(dst), El, C, D]
-    y = jax.lax.all_to_all(y, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep(owner), El, C, D]
+    with jax.named_scope(RETURN):
+        y = jax.lax.all_to_all(y, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep(owner), El, C, D]
     return y.reshape(ep * el, c, d)
 
 
@@ -128,13 +133,21 @@ def exchange_experts(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array
     if chunks < 1 or c % chunks:
         raise ValueError(f"capacity {c} must be divisible by overlap_chunks={chunks} >= 1 (see exchange_capacity)")
     cn = c // chunks
-    outs = []
+    outs, computed = [], []
     for i in range(chunks):
         xc = x_ecd[:, i * cn:(i + 1) * cn]
         if chain and i >= 2:  # chunk i leaves only once chunk i-2's experts are done
             xc, _ = jax.lax.optimization_barrier((xc, outs[i - 2]))
         received = checkpoint_name(_to_experts(xc, ep), EXPERT_IN)
-        outs.append(checkpoint_name(_from_experts(expert_ffn(received, w_in_edf, w_out_efd, dtype), ep), EXPERT_OUT))
+        if i:  # chunk i's experts after chunk i-1's: see the note below
+            received, _ = jax.lax.optimization_barrier((received, computed[-1]))
+        computed.append(expert_ffn(received, w_in_edf, w_out_efd, dtype))
+        outs.append(checkpoint_name(_from_experts(computed[-1], ep), EXPERT_OUT))
+    # The experts of chunk i take their input together with chunk i-1's output: without that
+    # ordering XLA:GPU's dot merger joins the chunks' matmuls on the same weights into one dot,
+    # which waits for every dispatch, so nothing is left to overlap them with (compiled for H100:
+    # the forward dispatches synchronous). Ordered, chunk i's dispatch runs during chunk i-1's
+    # experts and chunk i-1's return during chunk i's.
     return outs[0] if chunks == 1 else jnp.concatenate(outs, axis=1)
 
 
