@@ -147,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="memory: memory of one device in GiB; adds a column saying whether each variant fits "
                         "(default on a GPU: its own limit)")
     b.add_argument("--ablate", action="store_true",
-                   help="train: the lever table (baseline, +caching, +overlap, +routing, all levers); gpu-compile: "
+                   help="train: the lever table (baseline, +caching, +overlap, +slot dispatch, +fused routing kernel on GPU, all "
+                        "levers); gpu-compile: "
                         "the lever table estimated from XLA's schedule for the GPUs compiled for")
     b.add_argument("--quick", action="store_true",
                    help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One-shot GPU check of the routing kernels (correctness, timings, roofline) and of the train step (MFU).
+"""One-shot GPU check of the kernels (routing, attention, grouped GEMM: correctness, timings) and of the train step (MFU).
 
 Run on an NVIDIA GPU (written for an H200 with jax 0.11.2; budget ~8 minutes)::
 
@@ -22,6 +22,10 @@ Checks, in order (each a function registered with :func:`register_check`; add ch
 3. ``kernel`` — the routing kernel alone (``routing_blocks``) over block sizes / warps, against the
    memory floor: (logits read once + kernel outputs written once) / measured bandwidth.
 4. ``route`` — ``route(impl=...)`` forward and forward+backward for every impl and policy.
+4b. ``attention`` — the fused attention kernel (``moefast.kernels.attention``) against the blocked
+   einsums and the dense reference, forward + backward, bfloat16, packed documents, GQA.
+4c. ``grouped_matmul`` — the Pallas grouped GEMM against ``ragged_dot`` and the dense reference,
+   forward + both backward products, random expert loads: time, TFLOP/s of the exact work.
 5. ``overlap`` — with 2+ GPUs: ``moefast bench overlap`` (:mod:`moefast.bench.overlap`): the train step
    of a 4-layer MoE on an expert axis over the GPUs for ``moe.overlap_chunks`` 1, 2, 4 (alternating
    timed steps) and the compiled program's all-to-alls: count, bytes, how many are asynchronous
@@ -403,6 +407,116 @@ TRAIN_STEP_SMOKE = (
 OVERLAP_GPU = ("model.d_model=1024", "model.num_layers=4", "model.num_heads=8", "model.head_dim=128",
                "model.d_ff=1280", "model.max_seq_len=1024", "model.dtype=bfloat16", "moe.num_experts=16",
                "moe.top_k=2", "data.seq_len=1024")
+
+
+def _fwd_bwd(fn, cotangent):
+    """``args -> (out, grads of sum(out * cotangent) w.r.t. every float arg)``, jitted."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(*args):
+        return jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
+
+    return jax.jit(lambda *args: (fn(*args), jax.grad(loss, argnums=tuple(
+        i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)))(*args)))
+
+
+def _max_err(got, want) -> float:
+    import jax
+    import numpy as np
+
+    return max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+@register_check("attention")
+def check_attention(ctx: Context) -> list[dict]:
+    """Fused attention (``moefast.kernels.attention.flash_attention``, JAX's Pallas Triton kernel)
+    against the model's blocked einsums and the dense reference: forward + backward time and the
+    largest difference from the reference, packed documents, grouped-query heads, bfloat16."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moefast.kernels.attention import attention_reference, flash_attention
+    from moefast.model.transformer import causal_attention
+
+    rows = []
+    shapes = [(1, 40, 2, 1, 16)] if ctx.args.cpu_smoke else [(4, 2048, 16, 8, 64), (1, 8192, 16, 8, 64)]
+    for b, t, h, g, hd in shapes:
+        rng = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, hd)), jnp.bfloat16) for n in (h, g, g))
+        seg = jnp.asarray(np.where(np.arange(t)[None] < rng.integers(1, t, (b, 1)), 1, 2), jnp.int32)
+        ct = jnp.asarray(rng.normal(size=(b, t, h, hd)), jnp.float32)
+        causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+        mask = ((seg[:, :, None] == seg[:, None, :]) & causal[None])[:, None]
+        impls = {"flash": lambda q, k, v: flash_attention(q, k, v, seg, interpret=ctx.interpret),
+                 "blocked": lambda q, k, v: causal_attention(q, k, v, mask, causal=True),
+                 "reference": lambda q, k, v: attention_reference(q, k, v, seg)}
+        if t > 4096:  # the dense reference's [T, T] float32 scores: compared up to 4k tokens
+            del impls["reference"]
+        want = None
+        for name, fn in impls.items():
+            row = {"shape": f"B{b} T{t} H{h} G{g} Hd{hd}", "impl": name}
+            if ctx.time_left() < 20:
+                rows.append({**row, "status": "skipped (budget)"})
+                continue
+            try:
+                step = _fwd_bwd(fn, ct)
+                out = jax.block_until_ready(step(q, k, v))
+                if want is None and "reference" in impls:
+                    want = jax.block_until_ready(_fwd_bwd(impls["reference"], ct)(q, k, v))
+                tm = time_fn(step, q, k, v, runs=ctx.args.runs)
+                rows.append({**row, "status": "ok", **tm,
+                             "max_err_vs_reference": None if want is None else _max_err(out, want)})
+            except Exception:
+                rows.append(error_row(**row))
+    return rows
+
+
+@register_check("grouped_matmul")
+def check_grouped_matmul(ctx: Context) -> list[dict]:
+    """The dropless experts' grouped matmul, forward + both backward products: the Pallas kernel
+    (``moefast.kernels.grouped_matmul`` ``pallas``) against ``jax.lax.ragged_dot`` (dense one-hot
+    work on XLA:GPU 0.10.2) and the dense reference, random expert loads (some experts empty)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moefast.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+
+    rows = []
+    shapes = [(64, 4, 32, 48)] if ctx.args.cpu_smoke else [(4096, 8, 1024, 5120), (32768, 8, 1024, 5120),
+                                                           (16384, 64, 2048, 1408)]
+    for n, e, i, o in shapes:
+        rng = np.random.default_rng(0)
+        loads = rng.dirichlet(np.full(e, 0.5))
+        sizes = rng.multinomial(n, loads).astype(np.int32)
+        x = jnp.asarray(rng.normal(size=(n, i)), jnp.bfloat16)
+        w = jnp.asarray(rng.normal(size=(e, i, o)) / np.sqrt(i), jnp.bfloat16)
+        gs = jnp.asarray(sizes)
+        ct = jnp.asarray(rng.normal(size=(n, o)), jnp.float32)
+        impls = {"pallas": lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"),
+                 "ragged_dot": lambda x, w, gs: grouped_matmul(x, w, gs, impl="ragged_dot"),
+                 "reference": grouped_matmul_reference}
+        want = None
+        for name, fn in impls.items():
+            row = {"shape": f"N{n} E{e} I{i} O{o}", "impl": name, "empty_experts": int(np.sum(sizes == 0)),
+                   "exact_gflop": 3 * 2 * n * i * o / 1e9}
+            if ctx.time_left() < 20:
+                rows.append({**row, "status": "skipped (budget)"})
+                continue
+            try:
+                step = _fwd_bwd(fn, ct)
+                out = jax.block_until_ready(step(x, w, gs))
+                if want is None:
+                    want = jax.block_until_ready(_fwd_bwd(grouped_matmul_reference, ct)(x, w, gs))
+                tm = time_fn(step, x, w, gs, runs=ctx.args.runs)
+                rows.append({**row, "status": "ok", **tm, "tflops_exact": row["exact_gflop"] / tm["median_ms"],
+                             "max_err_vs_reference": _max_err(out, want)})
+            except Exception:
+                rows.append(error_row(**row))
+    return rows
 
 
 @register_check("overlap")

@@ -11,15 +11,18 @@ from moefast.config import ConfigError
 
 
 def test_ablation_variants():
-    """The five variants of ``--ablate`` and what each changes (the ablated run itself and its
+    """The variants of ``--ablate`` and what each changes (the ablated run itself and its
     table: tests/test_notebooks.py::test_scaling)."""
-    variants = bench.variant_overrides(True, 4)
+    variants = bench.variant_overrides(True, 4, "gpu")
     by = {name: settings for name, _, settings in variants}
-    assert list(by) == ["baseline", "+caching", "+overlap", "+routing", "all levers"]
+    assert list(by) == ["baseline", "+caching", "+overlap", "+slot dispatch", "+fused routing kernel", "all levers"]
     assert by["baseline"] == bench.BASELINE
     assert by["+overlap"] == ["data.prefetch=1", "moe.overlap_chunks=2"]  # expert axis 4: chunks
+    assert by["+slot dispatch"] == ["moe.dispatch=slot"] and by["+fused routing kernel"] == ["moe.routing_impl=auto"]
     assert by["all levers"] == ["cache.tables=true", "data.prefetch=1", "moe.overlap_chunks=2",
                                 "moe.dispatch=slot", "moe.routing_impl=auto"]
+    # on CPU routing_impl=auto is the reference: no row that would measure nothing
+    assert "+fused routing kernel" not in [name for name, _, _ in bench.variant_overrides(True, 4, "cpu")]
     assert [name for name, _, _ in bench.variant_overrides(False, 4)] == ["config"]
 
 

@@ -70,7 +70,7 @@ def test_scaling(tmp_path):
     assert "mesh {'data': 2, 'fsdp': 1, 'expert': 4}" in text and "steps 10 (10 this run)" in text
     assert len(images) == 1
     table = "".join(o["data"]["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {}))
-    for row in ("baseline", "+caching", "+overlap", "+routing", "all levers"):  # bench_train --ablate
+    for row in ("baseline", "+caching", "+overlap", "+slot dispatch", "all levers"):  # bench_train --ablate
         assert f"| {row} |" in table, table
     assert "vs baseline" in table and "1.00× |" in table and "moe.overlap_chunks=2" in table
 

@@ -7,16 +7,19 @@ Variants (``--ablate``; without it, only the config as given):
   layer (``cache.tables=false``), GShard's one-hot dispatch/combine einsums
   (``moe.dispatch=onehot``), one expert exchange (``moe.overlap_chunks=1``), no device prefetch
   (``data.prefetch=0``), the reference routing (``moe.routing_impl=reference``);
-* **+caching**, **+overlap**, **+routing**: the baseline with one lever on (:data:`LEVERS`);
+* **+caching**, **+overlap**, **+slot dispatch**, **+fused routing kernel**: the baseline with one
+  lever on (:data:`LEVERS`);
 * **all levers**: every lever on.
 
 The levers, as moefast runs them: *caching* = ``cache.tables=true``; *overlap* =
-``data.prefetch=1`` and, with an expert axis > 1, ``moe.overlap_chunks=2``; *fused routing* =
-``moe.dispatch=slot`` with ``moe.routing_impl=auto`` (the routing kernel's slots gather tokens;
-``auto`` is the reference on every backend until ``scripts/gpu_check.py`` has validated the
-compiled kernel, see :mod:`moefast.kernels.routing`). The persistent compilation cache (also
+``data.prefetch=1`` and, with an expert axis > 1, ``moe.overlap_chunks=2``; *slot dispatch* =
+``moe.dispatch=slot`` (tokens gathered into the experts' buffers by the routing's slots instead of
+GShard's one-hot einsums); *fused routing kernel* = ``moe.routing_impl=auto`` (the compiled Pallas
+kernel on GPU; on CPU ``auto`` is the reference routing, since the kernel only runs in the Pallas
+interpreter there, so that row is left out of a CPU table). The persistent compilation cache (also
 part of the caching lever) is off in every variant so compile times are real; ``moefast bench
-cache`` measures it.
+cache`` measures it. ``moefast bench gpu-compile --ablate`` estimates the same levers (and the
+fused attention) for GPUs from XLA's schedule.
 
 Method: every variant is compiled in this process on the config's mesh; they share one train state
 (the levers change how the step computes, not the state), each reads its own data pipeline
@@ -49,7 +52,7 @@ __all__ = ["BASELINE", "LEVERS", "PROFILE_STEPS", "TrainBenchResult", "VariantRe
 
 BASELINE = ["cache.tables=false", "moe.dispatch=onehot", "moe.overlap_chunks=1", "data.prefetch=0",
             "moe.routing_impl=reference"]
-LEVERS = ("caching", "overlap", "routing")
+LEVERS = ("caching", "overlap", "slot dispatch", "fused routing kernel")
 PROFILE_STEPS = 3
 _FIXED = ["cache.compile_dir=null", "train.eval_every=0", "train.checkpoint_every=0"]
 
@@ -60,21 +63,24 @@ def lever_overrides(lever: str, expert_axis: int) -> list[str]:
         return ["cache.tables=true"]
     if lever == "overlap":
         return ["data.prefetch=1"] + (["moe.overlap_chunks=2"] if expert_axis > 1 else [])
-    if lever == "routing":
-        return ["moe.dispatch=slot", "moe.routing_impl=auto"]
+    if lever == "slot dispatch":
+        return ["moe.dispatch=slot"]
+    if lever == "fused routing kernel":
+        return ["moe.routing_impl=auto"]
     raise ValueError(f"unknown lever {lever!r}; levers: {LEVERS}")
 
 
-def variant_overrides(ablate: bool, expert_axis: int) -> list[tuple[str, list[str], list[str]]]:
+def variant_overrides(ablate: bool, expert_axis: int, platform: str = "cpu") -> list[tuple[str, list[str], list[str]]]:
     """``[(variant name, overrides applied after the user's, what it changes from the baseline)]``
-    in table order."""
+    in table order; on CPU without the fused routing kernel (its ``auto`` is the reference there)."""
     if not ablate:
         return [("config", [], [])]
+    levers = [lv for lv in LEVERS if platform != "cpu" or lv != "fused routing kernel"]
     out = [("baseline", list(BASELINE), list(BASELINE))]
-    for lever in LEVERS:
+    for lever in levers:
         on = lever_overrides(lever, expert_axis)
         out.append((f"+{lever}", [*BASELINE, *on], on))
-    on = [o for lever in LEVERS for o in lever_overrides(lever, expert_axis)]
+    on = [o for lever in levers for o in lever_overrides(lever, expert_axis)]
     out.append(("all levers", [*BASELINE, *on], on))
     return out
 
@@ -195,7 +201,7 @@ def bench_train(config: str | None = None, overrides: list[str] | None = None, *
 
     from moefast.config import ConfigError, load_config
     from moefast.data import load_corpus
-    from moefast.parallel import make_mesh
+    from moefast.parallel import make_mesh, platform
     from moefast.train.mfu import mfu
 
     if steps < 1 or rounds < 1:
@@ -207,12 +213,13 @@ def bench_train(config: str | None = None, overrides: list[str] | None = None, *
                           "capacity; dropless (0) has none: benchmark it without --ablate, or set a capacity_factor > 0")
     say = log or (lambda _: None)
     tokens_per_step = cfg0.data.batch_size * cfg0.data.seq_len
-    mesh = dict(make_mesh(cfg0).shape)
+    mesh0 = make_mesh(cfg0)
+    mesh = dict(mesh0.shape)
     corpus = load_corpus(cfg0.data)
     say(f"corpus: {corpus.summary()} | mesh {mesh}")
     runners: list[_Runner] = []
     with tempfile.TemporaryDirectory(prefix="moefast-bench-train-") as tmp:
-        for name, extra, settings in variant_overrides(ablate, mesh.get("expert", 1)):
+        for name, extra, settings in variant_overrides(ablate, mesh.get("expert", 1), platform(mesh0)):
             cfg = load_config(config, [*user, *_FIXED, *extra])
             runners.append(_Runner(name, extra, settings, cfg, corpus, Path(tmp) / str(len(runners))))
             say(f"compiled {name} in {runners[-1].compile_s:.1f} s")
