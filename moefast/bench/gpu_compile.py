@@ -211,7 +211,8 @@ class GpuCompileResult:
     custom_calls: dict[str, int]
     flops: float | None  # XLA's FLOP count of the compiled module, per device
     # the grouped GEMM kernels (XLA counts no FLOPs in a custom call), from their launch grids:
-    # {"bound": the work of every (row tile, expert) pair, "exact": the same launches on the real rows}
+    # {"bound": the work of every (row tile, expert) pair, "exact": the same launches on their buffers' rows
+    # (the real rows without an expert axis; with one, the receive buffer sized for the worst case)}
     grouped_flops: dict[str, float]
     loops: int  # while loops (scanned layers, accumulation): XLA's FLOP count takes their bodies once
     schedule: dict[str, float]  # XLA's latency-hiding-scheduler estimate (its cost-model units)
@@ -283,7 +284,9 @@ _GMM_DW = re.compile(r'name = \\?"grouped_matmul_dw_m(\d+)_p(\d+)_r(\d+)_i\d+_o\
 def _grouped_flops(text: str) -> dict[str, float]:
     """FLOPs of the grouped GEMM launches (:mod:`moefast.kernels.grouped_matmul.pallas`), read from
     each launch's kernel name (tile sizes), grid and result shape: ``bound`` counts every (row tile,
-    expert) pair of the launch grid, ``exact`` the real rows only (loop bodies once, as XLA's count)."""
+    expert) pair of the launch grid, ``exact`` the rows of the launch's buffer only (the real rows
+    when dropless runs without an expert axis; with one, the receive buffer is sized for the worst
+    case and the real rows vary by step); loop bodies once, as XLA's count."""
     bound = exact = 0.0
     for line in text.splitlines():
         if 'custom_call_target="__gpu$xla.gpu.triton"' not in line:
@@ -462,7 +465,8 @@ def format_report(r: GpuCompileResult) -> str:
              f"{'n/a' if r.flops is None else f'{r.flops:.4g}'} |"]
     if r.grouped_flops:
         g = r.grouped_flops
-        lines.append(f"| grouped GEMM kernels' FLOPs (not in XLA's count): launch grids / the real rows | "
+        lines.append(f"| grouped GEMM kernels' FLOPs (not in XLA's count): launch grids / their buffers' rows (the "
+                     f"real rows without an expert axis; with one, the worst-case receive buffer) | "
                      f"{g['bound']:.4g} / {g['exact']:.4g} ({g['bound'] / g['exact']:.3f}x) |")
     s = r.schedule
     if s.get("total_cycles"):

@@ -11,6 +11,12 @@ identical on every device and process, so collectives never see data-dependent s
 expert axis of size 1 no collective is issued. Routing statistics are summed over every token axis,
 so the losses are those of the global batch whatever the mesh.
 
+Dropless (``moe.capacity_factor=0``) with an expert axis moves only the routed rows: each device
+sorts its assignments by expert, sends each device exactly the rows of its experts
+(``jax.lax.ragged_all_to_all`` when compiling for GPUs; on CPU, which cannot compile it, a dense
+``all_to_all`` of T·K rows per peer with the same result), regroups what it received by local
+expert for the grouped matmuls and returns the rows the same way (:func:`_dropless_exchange`).
+
 Overlap (``moe.overlap_chunks`` = n, expert axis > 1): the [E, C, D] send buffer is split into n
 chunks of C/n slots, and each chunk has its own chain dispatch ``all_to_all`` → local experts →
 return ``all_to_all``, written as n independent chains (a Python loop), so XLA's scheduler can run
@@ -25,6 +31,7 @@ expert output (``jax.lax.optimization_barrier``): at most two chunks' buffers ar
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -35,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from moefast import routing
 from moefast.config import MoEConfig
 from moefast.kernels.grouped_matmul import grouped_matmul
+from moefast.kernels.platform import target_platform
 from moefast.parallel.mesh import BATCH_AXES, state_spec
 from moefast.parallel.precision import expert_weights
 
@@ -183,10 +191,10 @@ def _capacity(moe: MoEConfig, num_tokens: int, load_ema, drop_tokens: bool):
     return c_max, jnp.clip(want, c_min, c_max).astype(jnp.int32)
 
 
-def _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, impl: str):
-    """Dropless experts without capacity padding: tokens permuted by expert with the
-    position-order slots (no sort), grouped matmuls (:func:`moefast.kernels.grouped_matmul`, ``impl``),
-    permuted back."""
+def _sort_by_expert(x_td, r, dtype):
+    """Each kept assignment's row, grouped by expert in expert order (position-order slots, no
+    sort): ``(x_sorted [T·K, D] in dtype, dest_tk [T, K] int32 — each assignment's row, T·K where
+    dropped or masked)``. Row T·K and beyond stay zero."""
     t, d = x_td.shape
     k = r.expert_index.shape[1]
     counts = r.tokens_per_expert
@@ -197,12 +205,93 @@ def _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, impl: str):
     token_tk = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], (t, k))
     src_n = jnp.full((t * k,), t, jnp.int32).at[dest_tk.reshape(-1)].set(
         token_tk.reshape(-1), mode="drop", unique_indices=True)
-    x_sorted = checkpoint_name(jnp.concatenate([x_td.astype(dtype), jnp.zeros((1, d), dtype)])[src_n], EXPERT_IN)
-    h = grouped_matmul(x_sorted, w_in_edf.astype(dtype), counts, impl=impl)
+    return jnp.concatenate([x_td.astype(dtype), jnp.zeros((1, d), dtype)])[src_n], dest_tk
+
+
+def _swiglu_grouped(x_nd, counts, w_in_edf, w_out_efd, dtype, impl: str):
+    """SwiGLU experts on rows grouped by expert (:func:`moefast.kernels.grouped_matmul`)."""
+    h = grouped_matmul(x_nd, w_in_edf.astype(dtype), counts, impl=impl)
     gate, up = jnp.split(h, 2, axis=-1)
-    y_sorted = checkpoint_name(grouped_matmul(jax.nn.silu(gate) * up, w_out_efd.astype(dtype), counts, impl=impl),
-                               EXPERT_OUT)
-    return routing.combine_rows(y_sorted, dest_tk, r)
+    return grouped_matmul(jax.nn.silu(gate) * up, w_out_efd.astype(dtype), counts, impl=impl)
+
+
+def _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, impl: str):
+    """Dropless experts without capacity padding: tokens permuted by expert with the
+    position-order slots (no sort), grouped matmuls (:func:`moefast.kernels.grouped_matmul`, ``impl``),
+    permuted back."""
+    x_sorted, dest_tk = _sort_by_expert(x_td, r, dtype)
+    y_sorted = _swiglu_grouped(checkpoint_name(x_sorted, EXPERT_IN), r.tokens_per_expert, w_in_edf, w_out_efd,
+                               dtype, impl)
+    return routing.combine_rows(checkpoint_name(y_sorted, EXPERT_OUT), dest_tk, r)
+
+
+def _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, max_rows: int,
+                     ragged: bool):
+    """:func:`jax.lax.ragged_all_to_all` over the ``expert`` axis (``ragged``: GPU), or the same
+    semantics with a dense ``all_to_all`` of ``max_rows`` rows per peer (XLA:CPU cannot compile the
+    ragged collective): peer j gets ``operand[input_offsets[j]:][:send_sizes[j]]`` written into its
+    ``output`` at ``output_offsets[j]``; ``recv_sizes[j]`` rows arrive from peer j."""
+    if ragged:
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                         axis_name=EXPERT_AXIS)
+    d = operand.shape[1]
+    j = jnp.arange(max_rows, dtype=jnp.int32)
+    rows = jnp.minimum(input_offsets[:, None] + j[None], operand.shape[0] - 1)
+    send = jnp.where((j[None] < send_sizes[:, None])[..., None], operand[rows], jnp.zeros((), operand.dtype))
+    recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)  # [peers, max_rows, D]
+    at = jax.lax.all_to_all(output_offsets, EXPERT_AXIS, 0, 0, tiled=True)  # where each peer's rows go here
+    pos = jnp.where(j[None] < recv_sizes[:, None], at[:, None] + j[None], output.shape[0])
+    return output.at[pos.reshape(-1)].set(recv.reshape(-1, d), mode="drop")
+
+
+def _regroup(counts_ab, rows: int):
+    """For a buffer of ``rows`` rows holding, a-major, ``counts_ab[a, b]`` rows per (a, b): the
+    a-major position of each row of the b-major order (``rows``: no row, the zero row)."""
+    na, nb = counts_ab.shape
+    start_ab = (jnp.cumsum(counts_ab.reshape(-1)) - counts_ab.reshape(-1)).reshape(na, nb)
+    seg = counts_ab.T.reshape(-1)  # segments in b-major order
+    ends = jnp.cumsum(seg)
+    p = jnp.arange(rows, dtype=jnp.int32)
+    q = jnp.searchsorted(ends, p, side="right").astype(jnp.int32)
+    valid = q < na * nb
+    q = jnp.minimum(q, na * nb - 1)
+    src = start_ab[q % na, q // na] + p - (ends[q] - seg[q])
+    return jnp.where(valid, src, rows)
+
+
+def _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, impl: str, ep: int):
+    """Dropless experts over an expert axis moving only the routed rows: each device sorts its
+    assignments by expert (so by the experts' device), sends each device exactly its rows
+    (:func:`_ragged_exchange`), regroups what it received by local expert, runs the grouped matmuls,
+    and sends the rows back the same way. Buffers are sized for the worst case (every assignment of
+    every device on this device's experts: ep·T·K rows); only real rows move on GPU."""
+    t, d = x_td.shape
+    k = r.expert_index.shape[1]
+    e = r.tokens_per_expert.shape[0]
+    el = e // ep
+    n, nr = t * k, ep * t * k
+    x_sorted, dest_tk = _sort_by_expert(x_td, r, dtype)
+    counts = r.tokens_per_expert.astype(jnp.int32).reshape(ep, el)  # my rows per (device, its expert)
+    send = jnp.sum(counts, axis=1)
+    send_off = jnp.cumsum(send) - send
+    got = jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)  # [source, local expert]: rows to come
+    recv = jnp.sum(got, axis=1)
+    recv_off = jnp.cumsum(recv) - recv
+    every = jax.lax.all_gather(send, EXPERT_AXIS)  # [source, destination]
+    me = jax.lax.axis_index(EXPERT_AXIS)
+    out_off = (jnp.cumsum(every, axis=0) - every)[me]  # where my rows start on each destination
+    ragged = target_platform() == "gpu"
+    exchange = functools.partial(_ragged_exchange, max_rows=n, ragged=ragged)
+    with jax.named_scope(DISPATCH):
+        received = exchange(x_sorted, jnp.zeros((nr, d), dtype), send_off, send, out_off, recv)
+    by_expert = jnp.concatenate([received, jnp.zeros((1, d), dtype)])[_regroup(got, nr)]
+    y = _swiglu_grouped(checkpoint_name(by_expert, EXPERT_IN), jnp.sum(got, axis=0), w_in_edf, w_out_efd, dtype,
+                        impl)
+    y_by_source = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[_regroup(got.T, nr)]
+    back_at = jax.lax.all_to_all(send_off, EXPERT_AXIS, 0, 0, tiled=True)  # my rows' place on each source
+    with jax.named_scope(RETURN):
+        y_sorted = exchange(y_by_source, jnp.zeros((n, d), y.dtype), recv_off, recv, back_at, send)
+    return routing.combine_rows(checkpoint_name(y_sorted, EXPERT_OUT), dest_tk, r)
 
 
 def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, *warmup, moe: MoEConfig,
@@ -229,6 +318,8 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
 
     if moe.dropless and ep == 1:
         y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul)
+    elif moe.dropless:
+        y_td = _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul, ep)
     else:
         onehot = moe.dispatch == "onehot" and drop_tokens and not moe.dropless
         if onehot:  # the GShard baseline; without capacity (C = T) its [T, E, C] tensors would be [T, E, T]

@@ -59,12 +59,22 @@ def test_dropless_matches_loop_reference_and_dense_path(t, e, k, gmm):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
-def test_dropless_expert_parallel_equals_single_device(shape, devices):
+@pytest.mark.parametrize("shape,skew", [((1, 1, 8), False), ((2, 1, 4), False), ((1, 1, 8), True)],
+                         ids=["8-expert-shards", "2x4", "8-expert-shards-all-on-one-device"])
+def test_dropless_expert_parallel_equals_single_device(shape, skew, devices):
+    """The exchange of routed rows only (a dense stand-in for ragged_all_to_all on CPU): with
+    padding, and skewed so that every assignment of every device goes to experts 0 and 1 (one
+    device receives the worst case, ep·T·K rows, and the others none)."""
     layer = layer_with(e=8, k=2, cf=0.0)
     x = jax.random.normal(jax.random.key(0), (8, 5, 16))
     mask = jnp.ones((8, 5), bool)
+    if skew:
+        layer.router[...] = jnp.zeros((16, 8)).at[:, :2].set(jnp.linspace(1.0, 2.0, 16)[:, None] * jnp.array([[1.0, 0.5]]))
+        x = jnp.abs(x)  # every token's top two: experts 0 and 1
+        mask = mask.at[3, 2:].set(False)
     ref_y, ref_s, ref_g = apply(layer, x, mask)
+    if skew:
+        assert np.asarray(ref_s.tokens_per_expert).tolist() == [37, 37, 0, 0, 0, 0, 0, 0]
     mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
     with jax.set_mesh(mesh):
         y, s, g = jax.jit(functools.partial(apply, layer))(x, mask)
