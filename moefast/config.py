@@ -206,7 +206,8 @@ class MoEConfig:
         (GShard, Lepikhin et al. 2020, sec. 2.2), where ``tokens`` counts the tokens of one routing
         group (the tokens on one device). ``None`` means the default, 1.25. **0 means dropless**:
         every assignment is computed (a sort-free permutation by expert plus grouped matmuls, see
-        ``grouped_matmul``; with an expert axis > 1, buffers padded to the group's tokens).
+        ``grouped_matmul``; with an expert axis > 1 only the routed rows travel:
+        ``ragged_all_to_all`` on GPU, a dense all-to-all of tokens × top_k rows per peer on CPU).
       grouped_matmul: the experts' grouped matmul of the dropless path,
         ``moefast.kernels.grouped_matmul``: ``"pallas"`` (a Pallas Triton grouped GEMM over
         (row tile, expert) pairs: the real rows plus less than 64 rows per expert boundary; for
