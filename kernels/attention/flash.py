@@ -58,9 +58,15 @@ def flash_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
       float rounding.
 
     Raises:
-      ValueError: bad shapes (:func:`.reference.validate`).
+      ValueError: bad shapes (:func:`.reference.validate`), q/k/v not of one float dtype, T = 0, or
+        ``block`` not a power of two >= 16.
     """
     validate(q_bthd, k_btgd, v_btgd, segment_ids_bt)
+    if not jnp.issubdtype(q_bthd.dtype, jnp.floating) or not q_bthd.dtype == k_btgd.dtype == v_btgd.dtype:
+        raise ValueError(f"q, k and v must share one float dtype, got {q_bthd.dtype}, {k_btgd.dtype}, {v_btgd.dtype}")
+    if q_bthd.shape[1] < 1 or block < 16 or block & (block - 1):
+        raise ValueError(f"flash attention needs T >= 1 and a power-of-two block >= 16; got T={q_bthd.shape[1]}, "
+                         f"block={block}")
     b, t, h, hd = q_bthd.shape
     g = k_btgd.shape[2]
     if interpret is None:

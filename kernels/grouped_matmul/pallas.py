@@ -21,8 +21,8 @@ The tile M is the largest of 16..128 rows whose worst case wastes at most 10 % o
 (:func:`tile_rows_for`). The kernels' names carry their tile sizes (and the weight-gradient kernel
 its number of pairs), from which ``moefast bench gpu-compile`` counts their FLOPs.
 
-Requirements: I and O multiples of 16 (Triton's dot); N is padded to a multiple of M when it is
-not one (a copy: keep N a multiple of the tile). On CPU the kernels run in the Pallas interpreter
+Feature sizes that are not multiples of 16 (Triton's dot) are zero-padded and N is padded to a
+multiple of M (copies: keep them multiples). On CPU the kernels run in the Pallas interpreter
 (tests only).
 """
 
@@ -110,9 +110,9 @@ def _gmm_kernel(table_ref, x_ref, w_ref, o_ref, *, tile_rows: int, bn: int, bk: 
             xb = plgpu.load(x_ref.at[pl.ds(row0, tile_rows), pl.ds(kk * bk, bk)], mask=keep, other=0.0)
             if transpose_w:  # w is [G, O, I]: read its [Nb, Kb] tile and contract its second dim
                 wb = w_ref[g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)]
-                return acc + pl.dot(xb, wb, trans_b=True)
+                return acc + plgpu.dot(xb, wb, trans_b=True)
             wb = w_ref[g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)]
-            return acc + pl.dot(xb, wb)
+            return acc + plgpu.dot(xb, wb)
 
         acc = jax.lax.fori_loop(0, k_dim // bk, body, jnp.zeros((tile_rows, bn), jnp.float32))
         plgpu.store(o_ref.at[pl.ds(row0, tile_rows), pl.ds(j * bn, bn)], acc.astype(o_ref.dtype), mask=keep)
@@ -146,7 +146,7 @@ def _dw_kernel(bounds_ref, x_ref, dy_ref, dw_ref, *, tile_rows: int):
         keep = ((rows >= start) & (rows < end))[:, None]
         xb = plgpu.load(x_ref.at[pl.ds(row0, tile_rows), pl.ds(a * bi, bi)], mask=keep, other=0.0)
         db = plgpu.load(dy_ref.at[pl.ds(row0, tile_rows), pl.ds(b * bo, bo)], mask=keep, other=0.0)
-        return acc + pl.dot(xb, db, trans_a=True)
+        return acc + plgpu.dot(xb, db, trans_a=True)
 
     acc = jax.lax.fori_loop(0, trips, body, jnp.zeros((bi, bo), jnp.float32))
     dw_ref[...] = acc.astype(dw_ref.dtype)
@@ -205,7 +205,7 @@ def grouped_matmul_pallas(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
 
     Args:
       x: [N, I] rows sorted by group (float16/bfloat16/float32).
-      w: [G, I, O] in the dtype of ``x``; I and O multiples of 16.
+      w: [G, I, O] in the dtype of ``x`` (I and O not multiples of 16 are zero-padded: a copy).
       group_sizes: [G] int32 rows per group (``sum <= N``; traced values are fine).
       tile_rows: M, rows per tile (a power of two >= 16); ``None``: :func:`tile_rows_for`.
       interpret: run in the Pallas interpreter; ``None``: when compiling for CPU.
@@ -215,16 +215,23 @@ def grouped_matmul_pallas(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
       with ``jax.grad``/``jax.vjp`` (not ``jax.jvp``); empty groups get zero weight gradients.
 
     Raises:
-      ValueError: I or O not a multiple of 16, or ``tile_rows`` not a power of two >= 16.
+      ValueError: no rows, x and w not of one float dtype, or ``tile_rows`` not a power of two >= 16.
     """
+    if x.shape[0] < 1 or not jnp.issubdtype(x.dtype, jnp.floating) or w.dtype != x.dtype:
+        raise ValueError(f"the grouped matmul kernel needs at least one row and x, w of one float dtype; got x "
+                         f"{x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}")
     if tile_rows is None:
         tile_rows = tile_rows_for(x.shape[0], w.shape[0])
     if tile_rows < 16 or tile_rows & (tile_rows - 1):
         raise ValueError(f"tile_rows={tile_rows} must be a power of two >= 16")
-    _width(x.shape[1]), _width(w.shape[2])
     if interpret is None:
         interpret = target_platform() == "cpu"
-    n = x.shape[0]
+    n, i_dim = x.shape
+    o = w.shape[2]
+    pad_i, pad_o = -i_dim % 16, -o % 16  # Triton's dot: feature sizes in multiples of 16 (zeros add nothing)
+    if pad_i or pad_o:
+        x = jnp.pad(x, ((0, 0), (0, pad_i)))
+        w = jnp.pad(w, ((0, 0), (0, pad_i), (0, pad_o)))
     pad = -n % tile_rows
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))
@@ -232,4 +239,4 @@ def grouped_matmul_pallas(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     # dw over the token axes), as the tiled path does
     x, w = x + jnp.zeros_like(w, shape=(), dtype=x.dtype), w + jnp.zeros_like(x, shape=(), dtype=w.dtype)
     y = _grouped(x, w, group_sizes.astype(jnp.int32), tile_rows, interpret)
-    return y[:n] if pad else y
+    return y[:n, :o] if pad or pad_o else y

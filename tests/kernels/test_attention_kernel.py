@@ -40,6 +40,10 @@ def test_flash_bfloat16_and_shapes():
         flash_attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2), seg)
     with pytest.raises(ValueError, match="segment_ids"):
         flash_attention(q, k, v, seg[:, :5])
+    with pytest.raises(ValueError, match="one float dtype"):
+        flash_attention(q, k.astype(jnp.float32), v, seg)
+    with pytest.raises(ValueError, match="power-of-two block"):
+        flash_attention(q, k, v, seg, block=100)
 
 
 def test_model_attention_paths_agree_on_a_mesh(small_config, devices):

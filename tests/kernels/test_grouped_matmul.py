@@ -129,16 +129,17 @@ def test_auto_is_tiled_on_cpu_pallas_on_gpu_ragged_dot_on_tpu():
 
 
 # The Pallas kernel in the interpreter, 16-row tiles: groups of 0, 1, 15, 16, 17 and 3 tiles + 3 rows
-# (boundaries inside and on tile edges), N not a multiple of the tile and rows after the last group.
-PALLAS_CASES = [([0, 1, 15, 16, 17, 51], 103), ([40, 0, 0], 40)]
+# (boundaries inside and on tile edges), N not a multiple of the tile and rows after the last group;
+# feature sizes that are not multiples of 16 (zero-padded for Triton's dot).
+PALLAS_CASES = [([0, 1, 15, 16, 17, 51], 103, 32, 48), ([40, 0, 0], 40, 12, 10)]
 
 
-@pytest.mark.parametrize("sizes,n", PALLAS_CASES, ids=str)
-def test_pallas_kernel_equals_dense_reference(sizes, n):
+@pytest.mark.parametrize("sizes,n,i,o", PALLAS_CASES, ids=str)
+def test_pallas_kernel_equals_dense_reference(sizes, n, i, o):
     """Forward, dx (the transposed weight read) and dw (per expert; empty experts exactly 0)."""
     from moefast.kernels.grouped_matmul.pallas import grouped_matmul_pallas
 
-    x, w, gs, dy = _inputs(sizes, n, i=32, o=48)
+    x, w, gs, dy = _inputs(sizes, n, i=i, o=o)
     got = _value_and_vjp(functools.partial(grouped_matmul_pallas, tile_rows=16), x, w, gs, dy)
     want = _value_and_vjp(grouped_matmul_reference, x, w, gs, dy)
     for name, a, b in zip(("y", "dx", "dw"), got, want):
@@ -176,3 +177,5 @@ def test_bad_arguments_raise_clear_errors():
         grouped_matmul(x[:, :3], w, gs)
     with pytest.raises(ValueError, match="multiple of granule_rows"):
         grouped_matmul(x, w, gs, impl="tiled", tile_rows=6, granule_rows=4)
+    with pytest.raises(ValueError, match="one float dtype"):
+        grouped_matmul(x, w.astype(jnp.bfloat16), gs, impl="pallas")
