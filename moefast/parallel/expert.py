@@ -19,9 +19,11 @@ expert for the grouped matmuls and returns the rows the same way (:func:`_drople
 
 Overlap (``moe.overlap_chunks`` = n, expert axis > 1): the [E, C, D] send buffer is split into n
 chunks of C/n slots, and each chunk has its own chain dispatch ``all_to_all`` → local experts →
-return ``all_to_all``, written as n independent chains (a Python loop), so XLA's scheduler can run
-chunk i+1's dispatch while chunk i's experts compute and chunk i's return while chunk i+1 computes
-(Tutel's ``a2a_ffn_overlap_degree``, Hwang et al. 2023). The capacity is rounded up to a
+return ``all_to_all`` (a Python loop), the dispatches independent of each other and chunk i's
+experts ordered after chunk i-1's (``jax.lax.optimization_barrier``; unordered, XLA:GPU merges the
+chunks' matmuls into one), so XLA's scheduler can run chunk i+1's dispatch while chunk i's experts
+compute and chunk i's return while chunk i+1 computes (Tutel's ``a2a_ffn_overlap_degree``, Hwang
+et al. 2023). The capacity is rounded up to a
 multiple of n (:func:`exchange_capacity`); AD chunks the backward pass the same way. Routing and
 losses are bitwise those of n = 1; outputs and gradients equal them to float rounding (the experts'
 matmuls see C/n instead of C rows, and XLA's dot kernels round differently for different row
