@@ -43,6 +43,7 @@ CASES = {
     # GPUs), the expert exchange in 1 or 2 chunks (moe.overlap_chunks)
     "ep-chunks1": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=1"],
     "ep-chunks2": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=2"],
+    "ep-chunks2-scan": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.overlap_chunks=2", "model.scan_layers=true"],
     # data 4 x fsdp 2 on H200s: parameters and optimizer state split over both (ZeRO + FSDP)
     "zero": [*TINY, "mesh.data=4", "mesh.fsdp=2", "--gpu", "h200"],
     # dropless on 2 GPUs (2,048 routed rows each): the grouped GEMM kernel
@@ -126,6 +127,15 @@ def test_gpu_kernels_are_in_the_step(compiled):
     assert any(k.startswith("kernel grouped_matmul_m") for k in r["custom_calls"])
     assert any(k.startswith("kernel grouped_matmul_dw_") for k in r["custom_calls"])
     assert 1.0 <= r["grouped_flops"]["bound"] / r["grouped_flops"]["exact"] <= 1.1
+
+
+def test_expert_dispatches_overlap_compute(compiled):
+    """In 2 chunks, every dispatch after a layer's first runs while the previous chunk's experts
+    compute (asynchronous, compute scheduled inside), unrolled (2 layers) and scanned (the loop
+    body once); the first has nothing independent of it to overlap."""
+    for case, forward in (("ep-chunks2", 4), ("ep-chunks2-scan", 2)):
+        d = compiled(case)[0]["dispatches"]
+        assert d["forward"] == forward and d["overlapped"] >= forward // 2, (case, d)
 
 
 def test_cpu_mesh_stays_on_cpu_paths(devices):

@@ -214,6 +214,9 @@ class GpuCompileResult:
     # {"bound": the work of every (row tile, expert) pair, "exact": the same launches on their buffers' rows
     # (the real rows without an expert axis; with one, the receive buffer sized for the worst case)}
     grouped_flops: dict[str, float]
+    # the expert exchange's forward dispatches (op name moe_dispatch, outside AD's transpose):
+    # {"forward": how many, "overlapped": asynchronous with compute scheduled between start and done}
+    dispatches: dict[str, int]
     loops: int  # while loops (scanned layers, accumulation): XLA's FLOP count takes their bodies once
     schedule: dict[str, float]  # XLA's latency-hiding-scheduler estimate (its cost-model units)
     autotuned: bool  # --autotune results loaded
@@ -305,6 +308,13 @@ def _grouped_flops(text: str) -> dict[str, float]:
             bound += 2.0 * pairs * rows * dims[1] * dims[2]
             exact += 2.0 * n * dims[1] * dims[2]
     return {"bound": bound, "exact": exact} if bound else {}
+
+
+def _dispatches(module) -> dict[str, int]:
+    from moefast.parallel.expert import DISPATCH
+
+    fwd = [c for c in module.collectives() if DISPATCH in c.op_name and "transpose" not in c.op_name]
+    return {"forward": len(fwd), "overlapped": sum(c.is_async and c.compute_between > 0 for c in fwd)}
 
 
 def _collective_rows(module) -> list[CollectiveRow]:
@@ -432,6 +442,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         conditionals=sum(i.opcode == "conditional" for i in module.instrs.values()),
         state_copies=copies, state_copy_bytes=copy_bytes, collectives=_collective_rows(module),
         custom_calls=_custom_calls(text), flops=_flops(compiled), grouped_flops=_grouped_flops(text),
+        dispatches=_dispatches(module),
         loops=sum(i.opcode == "while" for i in module.instrs.values()), schedule=schedule, autotuned=bool(autotune),
         compiler_options={k: str(v) for k, v in options.items()}, jax=jax.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
@@ -477,6 +488,9 @@ def format_report(r: GpuCompileResult) -> str:
         for key in sorted(k for k in s if k.endswith("_wasted_cycles") and k != "total_wasted_cycles"):
             lines.append(f"| &nbsp; exposed {key[:-len('_wasted_cycles')].replace('_', '-')} (estimate) | "
                          f"{s[key]:,.0f} |")
+    if r.dispatches.get("forward"):
+        lines.append(f"| expert exchange: forward dispatches with compute scheduled inside (loop bodies once) | "
+                     f"{r.dispatches['overlapped']} of {r.dispatches['forward']} |")
     lines += ["", "| collective | dtype | count | result MiB per device and step (loop bodies once) | asynchronous | "
               "compute ops between start and done |",
               "|---|---|---:|---:|---:|---|"]
