@@ -43,7 +43,7 @@ def test_table_json_and_interleaved_steps(tmp_path, text_dir, capsys):
 
 def test_cli_rejects_options_bench_memory_does_not_use(capsys):
     assert main(["bench", "memory", "--ablate"]) == 2
-    assert "--ablate applies to bench train only, not to bench memory" in capsys.readouterr().err
+    assert "--ablate applies to bench gpu-compile, train only, not to bench memory" in capsys.readouterr().err
     assert main(["bench", "memory", "--device-gib", "0"]) == 2
     assert "--device-gib must be > 0" in capsys.readouterr().err
 

@@ -110,7 +110,7 @@ def test_overrides_may_sit_among_options_and_steps_change_is_reported(trained_ru
     (["train", "data.source={corrupt}"], "a.jsonl:2: not valid JSON"),
     (["train", "cache.compile_dir=None"], "write null or false (unquoted) to turn the cache off"),
     (["train", "--profile", "5:2"], "--profile 5:2: expected START:END, optimizer steps with 1 <= START <= END"),
-    (["bench", "cache", "--ablate"], "--ablate applies to bench train only"),
+    (["bench", "cache", "--ablate"], "--ablate applies to bench gpu-compile, train only"),
     (["bench", "train", "--pairs", "3"], "--pairs applies to bench cache only, not to bench train"),
     (["bench", "train", "--ablate", "moe.capacity_factor=0"], "one-hot dispatch, which needs a capacity"),
     (["bench", "cache", "--json", "/nonexistent/dir/x.json"], "the directory /nonexistent/dir does not exist"),
