@@ -4,9 +4,10 @@ Dimension letters: N rows, G groups, I input features, O output features, M rows
 the output and contraction tile widths.
 
 XLA:GPU expands :func:`jax.lax.ragged_dot` into dense one-hot work (G times the FLOPs; jax 0.10.2).
-Here the rows, sorted by group, are cut into row tiles of M rows as in MegaBlocks' grouped GEMM
-(Gale et al. 2023, sec. 5): tile ``b`` of the rows belongs to every group whose rows intersect it,
-so there are at most ``N / M + G - 1`` (tile, group) pairs. A small table built in JAX before the
+Here the rows, sorted by group, are cut into row tiles of M rows, scheduled as the group metadata
+of JAX's TPU grouped matmul (``jax.experimental.pallas.ops.tpu.megablox``) does: tile ``b`` of the
+rows belongs to every group whose rows intersect it, so there are at most ``N / M + G - 1`` (tile,
+group) pairs (grouped GEMMs for MoE: MegaBlocks, Gale et al. 2023). A small table built in JAX before the
 launch lists them (group, first row of the tile, the group's rows inside it); the kernel has one
 program per (pair, output tile) and multiplies the tile's rows by ``w[group]``, masking the rows of
 other groups on load and on store. Pairs beyond the real number (it depends on the group sizes at
