@@ -34,10 +34,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moefast.config import ExperimentConfig
-from moefast.model.layout import layer_layout
-from moefast.model.moe import MoELayer, MoEStats
 from moefast.kernels.attention import flash_attention
 from moefast.kernels.platform import target_platform
+from moefast.model.layout import layer_layout
+from moefast.model.moe import MoELayer, MoEStats
 from moefast.model.positional import apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
 from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
 from moefast.parallel.mesh import BATCH_AXES
@@ -185,7 +185,8 @@ def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query attention with RoPE (:func:`causal_attention`).
+    """Causal grouped-query attention with RoPE (:func:`causal_attention`, or :func:`fused_attention`
+    when the model passes segment ids: ``model.attention_impl``).
 
     Parameters: ``qkv`` [D, (H + 2G)·Hd] (embed, heads), fused q|k|v projections; ``out`` [H·Hd, D]
     (heads, embed). Options (``model.attention_bias``): ``qkv_bias`` [(H + 2G)·Hd] and ``out_bias``
