@@ -429,6 +429,29 @@ def _max_err(got, want) -> float:
                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
+def _against_reference(ctx: Context, row: dict, impls: dict, args: tuple, cotangent) -> list[dict]:
+    """One row per implementation in ``impls`` (name -> fn(*args)): forward + backward time and the
+    largest difference of its outputs and gradients from ``impls["reference"]`` (when present)."""
+    import jax
+
+    rows, want = [], None
+    for name, fn in impls.items():
+        r = {**row, "impl": name}
+        if ctx.time_left() < 20:
+            rows.append({**r, "status": "skipped (budget)"})
+            continue
+        try:
+            step = _fwd_bwd(fn, cotangent)
+            out = jax.block_until_ready(step(*args))
+            if want is None and "reference" in impls:
+                want = jax.block_until_ready(_fwd_bwd(impls["reference"], cotangent)(*args))
+            rows.append({**r, "status": "ok", **time_fn(step, *args, runs=ctx.args.runs),
+                         "max_err_vs_reference": None if want is None else _max_err(out, want)})
+        except Exception:
+            rows.append(error_row(**r))
+    return rows
+
+
 @register_check("attention")
 def check_attention(ctx: Context) -> list[dict]:
     """Fused attention (``moefast.kernels.attention.flash_attention``, JAX's Pallas Triton kernel)
@@ -455,22 +478,7 @@ def check_attention(ctx: Context) -> list[dict]:
                  "reference": lambda q, k, v: attention_reference(q, k, v, seg)}
         if t > 4096:  # the dense reference's [T, T] float32 scores: compared up to 4k tokens
             del impls["reference"]
-        want = None
-        for name, fn in impls.items():
-            row = {"shape": f"B{b} T{t} H{h} G{g} Hd{hd}", "impl": name}
-            if ctx.time_left() < 20:
-                rows.append({**row, "status": "skipped (budget)"})
-                continue
-            try:
-                step = _fwd_bwd(fn, ct)
-                out = jax.block_until_ready(step(q, k, v))
-                if want is None and "reference" in impls:
-                    want = jax.block_until_ready(_fwd_bwd(impls["reference"], ct)(q, k, v))
-                tm = time_fn(step, q, k, v, runs=ctx.args.runs)
-                rows.append({**row, "status": "ok", **tm,
-                             "max_err_vs_reference": None if want is None else _max_err(out, want)})
-            except Exception:
-                rows.append(error_row(**row))
+        rows += _against_reference(ctx, {"shape": f"B{b} T{t} H{h} G{g} Hd{hd}"}, impls, (q, k, v), ct)
     return rows
 
 
@@ -499,23 +507,10 @@ def check_grouped_matmul(ctx: Context) -> list[dict]:
         impls = {"pallas": lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"),
                  "ragged_dot": lambda x, w, gs: grouped_matmul(x, w, gs, impl="ragged_dot"),
                  "reference": grouped_matmul_reference}
-        want = None
-        for name, fn in impls.items():
-            row = {"shape": f"N{n} E{e} I{i} O{o}", "impl": name, "empty_experts": int(np.sum(sizes == 0)),
-                   "exact_gflop": 3 * 2 * n * i * o / 1e9}
-            if ctx.time_left() < 20:
-                rows.append({**row, "status": "skipped (budget)"})
-                continue
-            try:
-                step = _fwd_bwd(fn, ct)
-                out = jax.block_until_ready(step(x, w, gs))
-                if want is None:
-                    want = jax.block_until_ready(_fwd_bwd(grouped_matmul_reference, ct)(x, w, gs))
-                tm = time_fn(step, x, w, gs, runs=ctx.args.runs)
-                rows.append({**row, "status": "ok", **tm, "tflops_exact": row["exact_gflop"] / tm["median_ms"],
-                             "max_err_vs_reference": _max_err(out, want)})
-            except Exception:
-                rows.append(error_row(**row))
+        row = {"shape": f"N{n} E{e} I{i} O{o}", "empty_experts": int(np.sum(sizes == 0)),
+               "exact_gflop": 3 * 2 * n * i * o / 1e9}  # forward, dx and dw of the routed rows
+        for r in _against_reference(ctx, row, impls, (x, w, gs), ct):
+            rows.append({**r, "tflops_exact": r["exact_gflop"] / r["median_ms"]} if "median_ms" in r else r)
     return rows
 
 
