@@ -69,11 +69,14 @@ print(re.search(r"\\.version (\\S+)", ptx).group(1), len(cubin), tr.ptxas_versio
 """
 
 
-def test_triton_routing_kernel_assembles_with_the_cuda12_ptxas(tmp_path):
+@pytest.mark.parametrize("user_ptxas", [False, True], ids=["clean-env", "env-names-another-ptxas"])
+def test_triton_routing_kernel_assembles_with_the_cuda12_ptxas(user_ptxas, tmp_path):
     """The Triton routing kernel compiled for sm_90 with the PTX version of the ptxas JAX's CUDA 12
     wheels assemble with (nvidia-cuda-nvcc-cu12, installed next to the compile plugin): Triton's own
     choice (PTX 9.4, from its bundled CUDA 13 ptxas) is what that ptxas rejects. Runs in a
-    subprocess: this session has TRITON_INTERPRET=1, which replaces the compiler by the interpreter."""
+    subprocess without the session's TRITON_* variables: TRITON_INTERPRET=1 replaces the compiler by
+    the interpreter. The ptxas passed to compile_for wins over TRITON_PTXAS_BLACKWELL_PATH naming
+    Triton's own (CUDA 13.4)."""
     import os
     import subprocess
     import sys
@@ -82,8 +85,14 @@ def test_triton_routing_kernel_assembles_with_the_cuda12_ptxas(tmp_path):
 
     root = gpu_compile.plugin_path()
     assert root, "the GPU compile tools are not installed next to this environment (README's test command)"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # a clean Triton environment: a test that ran routing_blocks in this process set
+    # TRITON_PTXAS_BLACKWELL_PATH (Triton's knobs write through to os.environ)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_")}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    if user_ptxas:
+        import triton
+
+        env["TRITON_PTXAS_BLACKWELL_PATH"] = type(triton.knobs.nvidia).__dict__["ptxas_blackwell"].default_path
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     proc = subprocess.run([sys.executable, "-c", _ASSEMBLE, root], capture_output=True, text=True, env=env,
                           timeout=300)

@@ -28,7 +28,8 @@ assembled by the CUDA toolkit jaxlib runs with (``jax[cuda12]``: the ``nvidia-cu
 wheel's ptxas 12.9, which rejects ``.version 9.4``). :func:`routing_blocks` therefore points
 Triton's ``ptxas_blackwell`` knob at that toolkit's ptxas (:func:`cuda_ptxas`) when it is older
 than Triton's own, so that Triton emits PTX the toolkit assembles (8.8 for 12.9), unless the user
-set ``TRITON_PTXAS_BLACKWELL_PATH``. :func:`compile_for` compiles the kernel for a GPU
+set ``TRITON_PTXAS_BLACKWELL_PATH``. Triton's knobs write through to the environment: after a call,
+this process and the processes it starts have ``TRITON_PTXAS_BLACKWELL_PATH`` set to that ptxas. :func:`compile_for` compiles the kernel for a GPU
 architecture without a GPU (PTX and cubin), which is how the tests check that it assembles.
 """
 
@@ -91,12 +92,17 @@ def ptxas_version(path: str) -> tuple[int, int]:
 
 
 def _assembler_for_jax(ptxas: str | None = None) -> str | None:
-    """The ptxas Triton should take its PTX version from so that JAX's toolkit assembles the PTX:
-    the toolkit's (:func:`cuda_ptxas`) when it is older than Triton's bundled ``ptxas-blackwell``,
-    else ``None`` (Triton's own is fine, or there is no toolkit ptxas, or the user chose one)."""
+    """The ptxas Triton should take its PTX version from so that JAX's toolkit assembles the PTX.
+
+    ``ptxas`` given: that one (the caller names the assembler, whatever the environment says).
+    Else the toolkit's (:func:`cuda_ptxas`) when it is older than Triton's bundled
+    ``ptxas-blackwell``, and ``None`` when Triton's own is fine, there is no toolkit ptxas, or the
+    user chose one with ``TRITON_PTXAS_BLACKWELL_PATH``."""
+    if ptxas is not None:
+        return ptxas
     if os.environ.get("TRITON_PTXAS_BLACKWELL_PATH"):
         return None
-    ptxas = ptxas or cuda_ptxas()
+    ptxas = cuda_ptxas()
     if ptxas is None:
         return None
     import triton
@@ -111,7 +117,9 @@ def compile_for(arch: int = 90, *, ptxas: str | None = None, top_k: int = 2, num
 
     Args:
       arch: compute capability x 10 (90: H100/H200).
-      ptxas: the toolkit ptxas (default :func:`cuda_ptxas`; ``None`` found: Triton's own).
+      ptxas: the ptxas to assemble with, whose CUDA release sets the PTX version (``None``: the
+        toolkit's, :func:`cuda_ptxas`, when older than Triton's own and ``TRITON_PTXAS_BLACKWELL_PATH``
+        is unset; else Triton's choice).
       top_k, num_experts, block_tokens, logits_dtype, num_warps: the kernel's specialisation.
 
     Returns:
@@ -255,7 +263,8 @@ def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, n
     import triton
 
     chosen = _assembler_for_jax()
-    if chosen:  # jax-triton compiles at lowering time: the knob stays set for this process
+    if chosen:  # jax-triton compiles at lowering time, so the knob stays set; Triton writes it through to
+        # os.environ (TRITON_PTXAS_BLACKWELL_PATH), so processes started later inherit it
         triton.knobs.nvidia.ptxas_blackwell = chosen
     t, e = logits.shape
     _check(t, e, top_k, mask.shape, bias.shape)
