@@ -122,6 +122,8 @@ def test_the_jax_launcher_binds_the_kernel_as_jax_triton_does(policy, dtype, mon
 
     monkeypatch.setitem(sys.modules, "jax_triton", _fake_jax_triton())
     monkeypatch.setattr(triton_kernel, "available", lambda: None)
+    # routing_blocks sets Triton's ptxas knob, which writes TRITON_PTXAS_BLACKWELL_PATH to os.environ
+    monkeypatch.setattr(triton_kernel, "_assembler_for_jax", lambda ptxas=None: None)
     logits = make_logits("normal", 129, 8, dtype, seed=3)
     kw = dict(top_k=2, capacity=40, policy=policy, mask=make_mask(129))
 
