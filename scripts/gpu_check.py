@@ -649,12 +649,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of --budget-s kept for train_step: the checks before it see an earlier deadline")
     p.add_argument("--memory-reserve-s", type=float, default=100.0,
                    help="seconds of --budget-s kept for memory (before train_step's reserve)")
-    p.add_argument("--only", default="", help="comma-separated subset of checks to run")
+    p.add_argument("--only", default="", help="comma-separated subset of checks to run, of: "
+                   + ", ".join(name for name, _ in CHECKS))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    unknown = sorted({c for c in args.only.split(",") if c} - {name for name, _ in CHECKS})
+    if unknown:
+        parser.error(f"--only: no check named {', '.join(unknown)}; the checks: {', '.join(n for n, _ in CHECKS)}")
     if args.cpu_smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"
         # 8 virtual devices, so the overlap check has an expert axis (the others use one device)

@@ -97,3 +97,22 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert checks["bandwidth"]["rows"][0]["bandwidth_GBs"] > 0
     kernel = checks["kernel"]["rows"]
     assert len(kernel) == 8 and all(r["status"] == "ok" and r["median_ms"] > 0 for r in kernel)
+
+
+def test_gpu_check_rejects_an_unknown_check_name(capsys, monkeypatch):
+    """A misspelt --only would otherwise run nothing and exit 0, wasting a lent GPU's time."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as e:
+        module.main(["--cpu-smoke", "--only", "kernel,atention"])
+    assert e.value.code == 2
+    assert "no check named atention; the checks: lowering," in capsys.readouterr().err

@@ -113,6 +113,7 @@ def test_overrides_may_sit_among_options_and_steps_change_is_reported(trained_ru
     (["bench", "cache", "--ablate"], "--ablate applies to bench gpu-compile, train only"),
     (["bench", "train", "--pairs", "3"], "--pairs applies to bench cache only, not to bench train"),
     (["bench", "train", "--ablate", "moe.capacity_factor=0"], "one-hot dispatch, which needs a capacity"),
+    (["bench", "gpu-compile", "--ablate", "moe.capacity_factor=0"], "compile it without --ablate"),
     (["bench", "cache", "--json", "/nonexistent/dir/x.json"], "the directory /nonexistent/dir does not exist"),
     (["bench", "routing", "--json", "/tmp/table.md"], "give a file name for the JSON records"),
     (["bench", "cache", "--json", "/tmp"], "give a file name for the JSON records"),

@@ -523,15 +523,23 @@ def ablate(config: str | None, overrides: list[str] | None, *, gpu: str = "h100"
     """The lever table estimated for ``gpu``: the baseline (:data:`ABLATION_BASELINE`), each lever
     of :data:`ABLATION_LEVERS` alone, and all levers, each compiled with the analytical latency
     estimator (:func:`gpu_compile` ``analytical=True``; no autotuning) and compared by the
-    scheduler's step estimate. The overlap row only with an expert axis > 1.
+    scheduler's step estimate. The overlap rows only with an expert axis > 1; "all levers" has the
+    2-chunk exchange (the defaults, ``moe.overlap_chunks=1``, are all levers without it).
+
+    Raises:
+      ConfigError: the config is dropless (``moe.capacity_factor=0``): the baseline's one-hot
+        dispatch needs a capacity.
 
     Returns:
       One dict per row: ``name``, ``overrides``, ``step`` (estimate, the estimator's units),
       ``speedup`` (baseline / row), ``exposed_all_to_all``, ``peak_bytes``, ``fits``.
     """
-    from moefast.config import load_config
+    from moefast.config import ConfigError, load_config
 
     cfg = load_config(config, list(overrides or []))
+    if cfg.moe.dropless:
+        raise ConfigError("moe.capacity_factor: --ablate compares against GShard's one-hot dispatch, which needs a "
+                          "capacity; dropless (0) has none: compile it without --ablate, or set a capacity_factor > 0")
     hosts, per_host = parse_devices(devices)
     from moefast.parallel import mesh_shape
 
