@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..platform import target_platform
+from .reference import validate
 from ..vma import out_struct, vary_together
 
 __all__ = ["MAX_WASTE", "TILE_ROWS", "grouped_matmul_pallas", "tile_rows_for", "tile_table"]
@@ -216,11 +217,10 @@ def grouped_matmul_pallas(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
       with ``jax.grad``/``jax.vjp`` (not ``jax.jvp``); empty groups get zero weight gradients.
 
     Raises:
-      ValueError: no rows, x and w not of one float dtype, or ``tile_rows`` not a power of two >= 16.
+      ValueError: bad shapes or dtypes (:func:`.reference.validate`), or ``tile_rows`` not a power of two
+        >= 16.
     """
-    if x.shape[0] < 1 or not jnp.issubdtype(x.dtype, jnp.floating) or w.dtype != x.dtype:
-        raise ValueError(f"the grouped matmul kernel needs at least one row and x, w of one float dtype; got x "
-                         f"{x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}")
+    validate(x, w, group_sizes)
     if tile_rows is None:
         tile_rows = tile_rows_for(x.shape[0], w.shape[0])
     if tile_rows < 16 or tile_rows & (tile_rows - 1):

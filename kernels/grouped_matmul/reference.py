@@ -19,11 +19,18 @@ def validate(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
     """Checks shapes and dtypes at trace time.
 
     Raises:
-      ValueError: ``x`` not [N, I], ``w`` not [G, I, O], ``group_sizes`` not an integer [G].
+      ValueError: ``x`` not [N, I] with N >= 1, ``w`` not [G, I, O] with G >= 1, x and w not of one
+        float dtype, ``group_sizes`` not an integer [G].
     """
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [rows, in] and w [groups, in, out] with the same 'in'; got x {x.shape}, "
                          f"w {w.shape}")
+    if x.shape[0] < 1 or w.shape[0] < 1:
+        raise ValueError(f"the grouped matmul needs at least one row and one group; got x {list(x.shape)}, "
+                         f"w {list(w.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or w.dtype != x.dtype:
+        raise ValueError(f"x and w must be of one float dtype (cast w to x's compute dtype); got x {x.dtype}, "
+                         f"w {w.dtype}")
     if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes must be an integer array of shape [groups]={(w.shape[0],)}, got "
                          f"{group_sizes.dtype}{list(group_sizes.shape)}")

@@ -177,5 +177,10 @@ def test_bad_arguments_raise_clear_errors():
         grouped_matmul(x[:, :3], w, gs)
     with pytest.raises(ValueError, match="multiple of granule_rows"):
         grouped_matmul(x, w, gs, impl="tiled", tile_rows=6, granule_rows=4)
-    with pytest.raises(ValueError, match="one float dtype"):
-        grouped_matmul(x, w.astype(jnp.bfloat16), gs, impl="pallas")
+    for impl in IMPLS:  # every implementation rejects alike
+        with pytest.raises(ValueError, match="one float dtype"):
+            grouped_matmul(x, w.astype(jnp.bfloat16), gs, impl=impl)
+        with pytest.raises(ValueError, match="one float dtype"):
+            grouped_matmul(x.astype(jnp.int32), w.astype(jnp.int32), gs, impl=impl)
+        with pytest.raises(ValueError, match="at least one row and one group"):
+            grouped_matmul(x[:0], w, gs, impl=impl)
