@@ -130,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
                         "train step for --devices GPUs of kind --gpu on this machine, no GPU needed, and reports per "
                         "device: compile time, memory against the GPU's, host-synced conditionals and state copies, "
                         "collectives (dtype, bytes, async or not), kernels and XLA's scheduling estimate; exits 1 "
-                        "when the step does not fit (needs the CUDA PJRT plugin: README, 'Compiling for GPUs')")
+                        "when the step does not fit (needs the CUDA PJRT plugin: README, 'Compiling for GPUs without a GPU')")
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="train, memory, overlap, gpu-compile: overrides of the benchmarked experiment; peers: config overrides for "
                         "the moefast side (the HF model follows its shapes)")
