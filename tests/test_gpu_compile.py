@@ -48,6 +48,8 @@ CASES = {
     "zero": [*TINY, "mesh.data=4", "mesh.fsdp=2", "--gpu", "h200"],
     # dropless on 2 GPUs (2,048 routed rows each): the grouped GEMM kernel
     "dropless": [*TINY, "mesh.data=2", "moe.capacity_factor=0", "--devices", "2"],
+    # dropless with an expert axis: the routed rows travel by ragged all-to-all
+    "dropless-ep": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.capacity_factor=0"],
 }
 _compiled: dict[str, tuple[dict, str]] = {}
 
@@ -127,6 +129,18 @@ def test_gpu_kernels_are_in_the_step(compiled):
     assert any(k.startswith("kernel grouped_matmul_m") for k in r["custom_calls"])
     assert any(k.startswith("kernel grouped_matmul_dw_") for k in r["custom_calls"])
     assert 1.0 <= r["grouped_flops"]["bound"] / r["grouped_flops"]["exact"] <= 1.1
+
+
+def test_dropless_exchange_is_ragged_and_the_estimate_says_its_units(compiled):
+    """Dropless with an expert axis: only the routed rows travel (ragged all-to-alls, one per
+    exchange: dispatch and return, forward and backward, 2 layers). XLA's speed-of-light estimator
+    takes no module with a ragged-all-to-all and XLA falls back to fixed per-operation costs, so the
+    report says its units are not comparable."""
+    r, md = compiled("dropless-ep")
+    ragged = [c for c in r["collectives"] if c["kind"] == "ragged-all-to-all"]
+    assert ragged and sum(c["count"] for c in ragged) == 8, r["collectives"]
+    assert r["estimator"] == "fixed costs" and "not comparable" in md
+    assert compiled("ep-chunks1")[0]["estimator"] == "speed-of-light"
 
 
 def test_expert_dispatches_overlap_compute(compiled):

@@ -30,7 +30,7 @@ Needs the CUDA PJRT plugin (``jax-cuda12-pjrt`` and ``jax-cuda12-plugin`` of the
 version) and ``JAX_PLATFORMS=cpu`` set before JAX starts (the CLI sets it). On a machine without an
 NVIDIA driver the plugin logs a few lines at every ``import jax``, so keep it out of the
 environment you train in: :func:`plugin_path` looks for it in ``$MOEFAST_GPU_COMPILE_PATH`` or
-``<venv>/gpu-compile`` (``pip install --target``; README "Compiling for GPUs").
+``<venv>/gpu-compile`` (``pip install --target``; README "Compiling for GPUs without a GPU").
 """
 
 from __future__ import annotations
@@ -224,6 +224,10 @@ class GpuCompileResult:
     jax: str
     date: str
     flags_note: str = ""
+    # which latency estimator produced ``schedule``: "analytical" (asked for), "speed-of-light" (XLA's
+    # default for H100/H200) or "fixed costs" (XLA's fallback: its speed-of-light estimator takes only
+    # modules whose collectives it supports, and a ragged-all-to-all is not one), whose units differ
+    estimator: str = ""
 
 
 def scheduler_estimate(dump_dir: str) -> dict[str, float]:
@@ -446,7 +450,9 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         loops=sum(i.opcode == "while" for i in module.instrs.values()), schedule=schedule, autotuned=bool(autotune),
         compiler_options={k: str(v) for k, v in options.items()}, jax=jax.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-        flags_note="" if options or not cfg.overlap.xla_flags else "GPU overlap flags all set by XLA_FLAGS")
+        flags_note="" if options or not cfg.overlap.xla_flags else "GPU overlap flags all set by XLA_FLAGS",
+        estimator="analytical" if analytical else "fixed costs" if any(
+            i.opcode.startswith("ragged-all-to-all") for i in module.instrs.values()) else "speed-of-light")
 
 
 def _gib(b: float) -> str:
@@ -481,7 +487,10 @@ def format_report(r: GpuCompileResult) -> str:
                      f"{g['bound']:.4g} / {g['exact']:.4g} ({g['bound'] / g['exact']:.3f}x) |")
     s = r.schedule
     if s.get("total_cycles"):
-        lines.append(f"| XLA scheduler's estimate, in its cost-model units (not a time; "
+        units = {"fixed costs": "XLA's fixed per-operation costs, as its speed-of-light estimator takes no module "
+                                "with a ragged-all-to-all: not comparable with the others",
+                 "analytical": "the analytical estimator's"}.get(r.estimator, "its cost-model")
+        lines.append(f"| XLA scheduler's estimate, in {units} units (not a time; "
                      f"{'autotuned GEMMs' if r.autotuned else 'no autotuning'}: compare variants): step / "
                      f"collectives left exposed | {s['total_cycles']:,.0f} / {s.get('total_wasted_cycles', 0):,.0f} "
                      f"({s.get('total_wasted_cycles', 0) / s['total_cycles']:.1%}) |")
