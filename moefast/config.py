@@ -757,8 +757,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
       overrides: e.g. ``["train.steps=200", "moe.top_k=1"]``.
 
     Raises:
-      ConfigError: missing/unparsable file, unknown key, wrong type or impossible value.
+      ConfigError: missing/unparsable file, unknown key, wrong type or impossible value, or
+        ``overrides`` not a list of strings.
     """
+    if isinstance(overrides, (str, bytes)) or not (
+            overrides is None or (isinstance(overrides, (list, tuple)) and all(isinstance(o, str) for o in overrides))):
+        hint = f" (a single override: [{overrides!r}])" if isinstance(overrides, str) else ""
+        raise ConfigError(f"overrides: expected a list of 'section.key=value' strings{hint}, got "
+                          f"{type(overrides).__name__} {overrides!r}"[:300])
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file() and path.parent == Path(".") and (CONFIG_DIR / path.name).is_file():
         path = CONFIG_DIR / path.name  # a shipped config by name, from any directory

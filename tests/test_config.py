@@ -121,3 +121,13 @@ def test_shipped_configs_load_by_name_from_any_directory(tmp_path, monkeypatch):
     assert load_config("h200_1b.yaml").name == "h200_1b"
     with pytest.raises(ConfigError, match="config file nope.yaml not found"):
         load_config("nope.yaml")
+
+
+def test_overrides_must_be_a_list_of_strings():
+    """A bare string used to be iterated character by character."""
+    with pytest.raises(ConfigError, match=r"expected a list of 'section.key=value' strings \(a single override: "
+                                          r"\['train.steps=10'\]\), got str"):
+        load_config(overrides="train.steps=10")
+    with pytest.raises(ConfigError, match="got list"):
+        load_config(overrides=["train.steps=10", 3])
+    assert load_config(overrides=("train.steps=10",)).train.steps == 10

@@ -15,6 +15,7 @@ from flax import nnx
 
 from moefast.config import MoEConfig
 from moefast.parallel.expert import MoEStats, moe_ffn
+from moefast.parallel.mesh import check_mesh_axes
 from moefast.parallel.precision import dense
 
 __all__ = ["MoELayer", "MoEStats"]
@@ -94,12 +95,16 @@ class MoELayer(nnx.Module):
           shared expert's output, if any — and :class:`MoEStats`.
 
         Raises:
-          ValueError: ``x_btd`` not [B, T, D] with this layer's D, ``mask_bt`` not [B, T], or see
-            :func:`~moefast.parallel.expert.moe_ffn`.
+          ValueError: ``x_btd`` not float [B, T, D] with this layer's D, ``mask_bt`` not [B, T], a
+            mesh axis moefast does not know, or see :func:`~moefast.parallel.expert.moe_ffn`.
         """
         d_model = self.router.shape[0]
         if x_btd.ndim != 3 or x_btd.shape[-1] != d_model:
             raise ValueError(f"MoELayer: x_btd must be [batch, tokens, d_model={d_model}], got shape {x_btd.shape}")
+        if not jnp.issubdtype(x_btd.dtype, jnp.floating):
+            raise ValueError(f"MoELayer: x_btd must be float hidden states (e.g. float32 or bfloat16), got "
+                             f"{x_btd.dtype}; token ids go through an embedding first")
+        check_mesh_axes(jax.sharding.get_abstract_mesh(), "MoELayer")
         if mask_bt is None or tuple(mask_bt.shape) != tuple(x_btd.shape[:2]):
             got = None if mask_bt is None else tuple(mask_bt.shape)
             raise ValueError(f"MoELayer: mask_bt must be a [batch, tokens] = {tuple(x_btd.shape[:2])} bool array "

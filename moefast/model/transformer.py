@@ -40,7 +40,7 @@ from moefast.model.layout import layer_layout
 from moefast.model.moe import MoELayer, MoEStats
 from moefast.model.positional import apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
 from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
-from moefast.parallel.mesh import BATCH_AXES
+from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map
 from moefast.parallel.precision import dense, embed_lookup
 
 __all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "ModelOutput", "REMAT_POLICIES", "Transformer", "attention_impl",
@@ -136,6 +136,7 @@ def _token_shards() -> tuple[tuple[str, ...], int]:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return (), 1
+    check_mesh_axes(mesh, "attention")
     axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
     return axes, math.prod(mesh.shape[a] for a in axes)
 
@@ -181,7 +182,7 @@ def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
     # Every operand and the result are split over the same axes (nothing replicated for AD to sum),
     # and JAX's kernel declares its outputs without varying-axes types: the check stays off.
     return jax.shard_map(run, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)(
-        q_bthd, k_btgd, v_btgd, segment_ids_bt)
+        *reshard_for_shard_map((q_bthd, k_btgd, v_btgd, segment_ids_bt), (spec,) * 4))
 
 
 class Attention(nnx.Module):

@@ -45,7 +45,7 @@ from moefast import routing
 from moefast.config import MoEConfig
 from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.kernels.platform import target_platform
-from moefast.parallel.mesh import BATCH_AXES, state_spec
+from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map, state_spec
 from moefast.parallel.precision import expert_weights
 
 __all__ = ["EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
@@ -383,8 +383,13 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
 
     Raises:
       ValueError: the expert axis does not divide E, or the batch is not divisible by the token
-        shards, or the router's E is not ``moe.num_experts``.
+        shards, or the router's E is not ``moe.num_experts``, or ``x_btd`` is not a float array, or
+        the mesh has an axis longer than 1 that is not ``data``, ``fsdp`` or ``expert``
+        (:func:`~moefast.parallel.mesh.check_mesh_axes`).
     """
+    if not jnp.issubdtype(x_btd.dtype, jnp.floating):
+        raise ValueError(f"moe_ffn: x_btd must be float hidden states (e.g. float32 or bfloat16), got {x_btd.dtype}; "
+                         "token ids go through the model's embedding first")
     num_experts = moe.num_experts
     if router_de.shape[1] != num_experts or w_in_edf.shape[0] != num_experts:
         raise ValueError(f"router [D, {router_de.shape[1]}] and experts [{w_in_edf.shape[0]}, ...] do not match "
@@ -398,6 +403,7 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
     if warmup_key is not None:
         args += (warmup_key, jnp.asarray(True if warmup_active is None else warmup_active))
     mesh = jax.sharding.get_abstract_mesh()
+    check_mesh_axes(mesh, "moe_ffn")
     if mesh.empty or mesh.size == 1:
         return _moe_local(*args, ep=1, reduce_axes=(), **kw)
     token_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
@@ -415,4 +421,4 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
                state_spec(("expert", "mlp", "embed"), w_out_efd.shape, mesh))
     fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=token_axes, w_specs=w_specs, **kw)
     in_specs = (P(token_axes), P(token_axes), P(), *w_specs, P(), P()) + (P(),) * (len(args) - 7)
-    return jax.shard_map(fn, in_specs=in_specs, out_specs=(P(token_axes), P()))(*args)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=(P(token_axes), P()))(*reshard_for_shard_map(args, in_specs))

@@ -32,12 +32,14 @@ __all__ = [
     "LOGICAL_RULES",
     "MESH_AXES",
     "batch_spec",
+    "check_mesh_axes",
     "logical_to_spec",
     "make_mesh",
     "mesh_shape",
     "optimizer_spec",
     "param_specs",
     "platform",
+    "reshard_for_shard_map",
     "shardings",
     "state_spec",
 ]
@@ -94,6 +96,43 @@ def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
                           f"{rows} row{'s' if rows != 1 else ''} cannot be split over the {shards} batch shards; "
                           f"use data.batch_size a multiple of {m * shards} or fewer micro-batches")
     return sizes
+
+
+def check_mesh_axes(mesh, where: str) -> None:
+    """Raises unless every axis of ``mesh`` longer than 1 is one of :data:`MESH_AXES`.
+
+    moefast splits tokens over ``data``, ``fsdp`` and ``expert`` and experts over ``expert``, and
+    finds them by name: an axis of another name (``"dp"``, ``"ep"``) would be silently left
+    unused (no expert parallelism). Axes of length 1 change nothing and are allowed.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh`` (e.g. ``jax.sharding.get_abstract_mesh()``).
+      where: what is checking (the message names it).
+
+    Raises:
+      ValueError: an axis longer than 1 with another name.
+    """
+    if mesh.empty:
+        return
+    unknown = [f"{a!r} ({mesh.shape[a]})" for a in mesh.axis_names if a not in MESH_AXES and mesh.shape[a] > 1]
+    if unknown:
+        raise ValueError(
+            f"{where}: mesh axes {', '.join(unknown)} are not among moefast's {MESH_AXES}: tokens are split over "
+            "'data', 'fsdp' and 'expert' and experts over 'expert', found by name. Name your axes so, e.g. "
+            "jax.make_mesh((2, 4), ('data', 'expert')), or build the mesh with moefast.parallel.make_mesh")
+
+
+def reshard_for_shard_map(args: tuple, in_specs: tuple) -> tuple:
+    """``args`` as ``jax.shard_map`` over the current mesh takes them with ``in_specs``.
+
+    Under a mesh with ``Explicit`` axes (``jax.make_mesh``'s default) an array's type carries its
+    sharding and shard_map refuses an input whose sharding differs from its spec: such inputs are
+    resharded (``jax.sharding.reshard``). Under ``Auto`` axes the partitioner does it: unchanged.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
+        return args
+    return tuple(jax.sharding.reshard(a, s) for a, s in zip(args, in_specs))
 
 
 def make_mesh(cfg: ExperimentConfig, devices: list | None = None) -> jax.sharding.Mesh:
