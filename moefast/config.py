@@ -359,9 +359,8 @@ class DataConfig:
         background thread per process (the overlap lever: the step never waits for the host
         pipeline in steady state); 0 reads each batch when the step needs it. ``"auto"`` (default):
         1 on GPU/TPU, 0 on CPU, where host and devices share the cores and the thread only competes
-        with XLA's (measured on the 2-core development CPU: 0.97× with 1 device, 0.88× with 8
-        virtual devices; docs/perf.md). A checkpoint saves the pipeline position of the last batch
-        trained on, so resume is exact either way.
+        with XLA's (docs/perf.md, "Overlap lever"). A checkpoint saves the pipeline position of the
+        last batch trained on, so resume is exact either way.
     """
 
     source: str = "stdlib"

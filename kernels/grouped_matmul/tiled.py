@@ -16,8 +16,8 @@ in static-shape pieces whose number depends on ``n_g`` at run time:
   is exact and rows outside every group are 0.
 
 So the work is the real rows plus less than ``granule_rows`` rows per group, and the matmuls are
-large enough to run near the machine's matmul speed (on the 2-core development CPU a 128-row
-matmul ran at ≈70 % and a 512-row one at ≈85–100 % of the speed of a 4,096-row one). The groups
+large enough to run near the machine's matmul speed (moefast's docs/perf.md, "Dropless on CPU",
+has the measurements). The groups
 are visited in a static Python loop, so each loop body multiplies by one fixed ``w[g]`` (no weight
 gather per tile).
 

@@ -73,7 +73,7 @@ def _rms_norm(d_model: int, eps: float, dtype, rngs: nnx.Rngs) -> nnx.RMSNorm:
                        rngs=rngs)
 
 
-ATTENTION_BLOCK = 128  # query rows per block of :func:`causal_attention` (measured, see its docstring)
+ATTENTION_BLOCK = 128  # query rows per block of :func:`causal_attention` (chosen by measurement: docs/perf.md)
 
 
 def _attend(q_btghd, k_bsgd, v_bsgd, mask_b11ts):
@@ -93,11 +93,10 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
     With ``causal=True`` (training and evaluation: T == S, ``mask_b1ts`` already causal) the queries
     are split into blocks of ``block`` rows and block i attends to keys ``[0, end_i)`` only, so the
     work above the diagonal blocks is never done: at T = 256 and 128-row blocks 3/4 of the full
-    score matrix, at T = 1024 9/16. On the 2-core development CPU (B 8, T 256, 4 heads of 64, fp32,
-    forward + backward) this took 16.5 ms against 24.8 ms for the same einsums over the full matrix
-    and 29.8 ms for ``jax.nn.dot_product_attention(implementation="xla")``; 64- and 256-row blocks
-    were no faster at T = 256 or 1024. The result equals full masked attention (the skipped logits
-    are all masked).
+    score matrix, at T = 1024 9/16. Its speed against the full-matrix einsums and
+    ``jax.nn.dot_product_attention(implementation="xla")`` on CPU, and the block size, are measured in
+    docs/perf.md ("moefast against Hugging Face transformers"). The result equals full masked
+    attention (the skipped logits are all masked).
 
     Args:
       q_bthd: [B, T, H, Hd] queries; k_bsgd, v_bsgd: [B, S, G, Hd] keys and values (H divisible by

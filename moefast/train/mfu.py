@@ -50,7 +50,7 @@ class Peak(NamedTuple):
 def cpu_matmul_peak() -> float:
     """Estimated peak FLOP/s of this CPU: the best of :data:`PROBE_RUNS` timed float32
     [1024, 1024] x [1024, 1024] matmuls compiled by XLA on this process's first CPU device (after one untimed
-    run), measured once per process (about 0.15 s on a 2-core machine). An estimate: it is what
+    run), measured once per process. An estimate: it is what
     XLA's matmul reaches on a large square product, not the vendor's peak; on a machine that other
     work keeps busy it is too low (half, with one of two cores taken), and the MFU against it too
     high, even above 1."""

@@ -216,7 +216,7 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     old = (state["params"], state["opt_state"], state["routing"])
     if target_platform() == "cpu":
         # XLA:CPU runs the conditional's update in place on the donated buffers; a select there
-        # took 8 % more temporaries (tiny config: 457 -> 494 MiB) for no measured speed gain.
+        # took more temporaries for no speed gain (docs/perf.md, "The optimizer update in place").
         params, opt_state, routing_state = jax.lax.cond(finite, update, lambda o: o, old)
     else:
         # On GPU a conditional is a thunk whose predicate is copied to the host every step, and
