@@ -70,10 +70,15 @@ def test_dead_peer_stops_the_other_process(tmp_path, text_dir):
         procs[1].kill()
         t0 = time.time()
         _, err = procs[0].communicate(timeout=120)
-        # JAX's coordination service stops the survivor once the heartbeat timeout (10 s) passes.
-        assert procs[0].returncode != 0
+        # What matters: the survivor stops on its own (no hang), with a failure exit and one of the two
+        # documented reasons (docs/multihost.md, "When a process dies"): a collective in flight
+        # fails at once on the closed connection (CPU: gloo aborts), or else JAX's coordination
+        # service stops it once the heartbeat timeout (10 s) passes. Which comes first depends on
+        # where the survivor was when the peer died, so on how busy the machine is.
+        assert procs[0].returncode not in (0, None)
         assert time.time() - t0 < 60
-        assert "distributed service detected fatal errors" in err or "heartbeat" in err.lower(), err[-2000:]
+        reasons = ("distributed service detected fatal errors", "heartbeat", "gloo::EnforceNotMet")
+        assert any(r in err for r in reasons), err[-2000:]
     finally:
         for p in procs:
             if p.poll() is None:
