@@ -2,24 +2,21 @@
 
 The public API is importable from the top level; heavy modules load on first use, so
 ``import moefast`` is cheap and leaves JAX's device setup (e.g. ``jax_num_cpu_devices``) open.
-Importing it also sets the host ``malloc`` up to keep freed memory for the next step (see
-:mod:`moefast.host_memory`): import moefast before running any JAX computation.
+Importing it changes nothing process-wide (no ``malloc`` policy, hooks or warning filters). The
+``moefast`` command keeps freed host memory mapped between steps on CPU; a script opts in by
+calling ``moefast.host_memory.configure()`` before any JAX computation (:mod:`moefast.host_memory`).
 
 Example::
 
     import moefast
+    moefast.host_memory.configure()  # optional, first: faster CPU steps (see moefast.host_memory)
     cfg = moefast.load_config(overrides=["train.steps=100"])
     summary = moefast.Trainer(cfg, run_dir="runs/demo").run()
 """
 
 import importlib
 
-from moefast import host_memory as _host_memory
-
-try:
-    _host_memory.configure()
-except ValueError:  # a bad $MOEFAST_HOST_MALLOC: the CLI and Trainer raise it as one clear error
-    pass
+from moefast import host_memory  # standard library only; configures nothing until called
 
 __version__ = "0.1.0"
 

@@ -8,23 +8,6 @@ import dataclasses
 import os
 import sys
 
-DEFAULT_CPU_DEVICES = 1
-
-
-def _set_cpu_devices(n: int | None, mesh_devices: int = 1) -> None:
-    """Sets the number of virtual CPU devices; must run before JAX initialises its backends.
-
-    Without ``--cpu-devices``: the product of the mesh axes the config fixes (``-1`` axes count as
-    1), so ``moefast train mesh.expert=4`` gets 4 devices, else :data:`DEFAULT_CPU_DEVICES`.
-    """
-    if n is None:
-        if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-            return  # the environment already chose
-        n = max(DEFAULT_CPU_DEVICES, mesh_devices)
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", n)
-
 
 def _inference_config(cfg):
     """A run's config for eval/generate/export on whatever devices this process has: the checkpoint
@@ -50,8 +33,8 @@ def _inference_config(cfg):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moefast", description="Train mixture-of-experts language models with JAX.")
     sub = p.add_subparsers(dest="command", required=True)
-    dev_help = ("number of virtual CPU devices (default: what the config's mesh fixes, else "
-                f"{DEFAULT_CPU_DEVICES}, the fastest on a small CPU; ignored on GPU)")
+    dev_help = ("number of virtual CPU devices (default: what the config's mesh fixes, else one, the fastest on a "
+                "small CPU; ignored on GPU)")
 
     t = sub.add_parser("train", help="train (or resume) a run")
     t.add_argument("--config", default=None,
@@ -110,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--run-dir", required=True, help="run directory written by moefast train")
     pl.add_argument("--out", default=None, metavar="DIR", help="where to write the PNGs (default: RUN_DIR/plots)")
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
-    b.add_argument("target", choices=["train", "memory", "routing", "cache", "peers", "overlap", "gpu-compile"],
+    b.add_argument("target", choices=["train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile"],
                    help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
                         "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
                         "fused routing), interleaved in rounds; "
@@ -121,9 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                         "routing: routing + dispatch + combine, "
                         "forward+backward; cache: step time with "
                         "cached tables on vs off and time to first step with a cold vs warm compilation cache; "
-                        "peers: tokens/s of moefast (bare compiled step and moefast train) vs Hugging Face "
-                        "transformers' Mixtral with the same shapes and batches on this machine (needs "
-                        "pip install -c constraints.txt -e '.[peers]'); overlap: train-step time for "
+                        "malloc: moefast train processes with moefast's host malloc settings vs glibc's "
+                        "defaults (MOEFAST_HOST_MALLOC=keep vs system): page faults per step, tokens/s; "
+                        "overlap: train-step time for "
                         "moe.overlap_chunks 1, 2, 4 on a mesh with an expert axis (default mesh.data=2 "
                         "mesh.expert=4 on 8 CPU devices), the compiled step's all-to-alls, and moefast train "
                         "tokens/s with device prefetch on vs off; gpu-compile: compiles (never runs) the config's "
@@ -132,10 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                         "collectives (dtype, bytes, async or not), kernels and XLA's scheduling estimate; exits 1 "
                         "when the step does not fit (needs the CUDA PJRT plugin: README, 'Compiling for GPUs without a GPU')")
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="train, memory, overlap, gpu-compile: overrides of the benchmarked experiment; peers: config overrides for "
-                        "the moefast side (the HF model follows its shapes)")
+                   help="train, memory, malloc, overlap, gpu-compile: overrides of the benchmarked experiment")
     b.add_argument("--config", default=None,
-                   help="train, memory, peers, overlap, gpu-compile: YAML config (default: configs/tiny.yaml)")
+                   help="train, memory, malloc, overlap, gpu-compile: YAML config (default: configs/tiny.yaml)")
     b.add_argument("--gpu", default="h100", metavar="h100|h200|FILE",
                    help="gpu-compile: the GPU to compile for (default h100: H100 SXM 80 GB; h200: H200 141 GB), or a "
                         "target description file (scripts/gpu_check.py saves a real GPU's)")
@@ -157,20 +139,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=None,
                    help="train: timed steps per variant and round (default 10); memory: also time this many "
                         "steps of each variant, interleaved (default 0: compile only); cache: timed train steps per "
-                        "variant (default 10); peers: timed steps per side and "
-                        "round (default 30; with --profile: unprofiled timed steps before 3 profiled ones); "
+                        "variant (default 10); malloc: steps per train process (default 12); "
                         "overlap: timed steps per chunk count and per train process (default 10)")
     b.add_argument("--pairs", type=int, default=2, help="cache: cold/warm process pairs (default 2)")
     b.add_argument("--rounds", type=int, default=3,
-                   help="train: rounds over the variants (default 3); peers: rounds of the three sides, each "
-                        "side a fresh process (default 3); overlap: "
+                   help="train: rounds over the variants (default 3); malloc: train processes per setting "
+                        "(default 3); overlap: "
                         "train processes per prefetch setting, 0 = none (default 3)")
     b.add_argument("--profile", default=None, metavar="DIR",
                    help="train: after the rounds, 3 profiled steps per variant, traces in DIR/<variant>/ and the "
                         "share of step time by kind of work (matmul, routing, dispatch/combine, collectives, "
-                        "optimizer, other) printed; peers: instead of the rounds, one profiled process per side "
-                        "(jax.profiler / torch.profiler); time per step by kind of work in DIR/profile.md, traces "
-                        "in DIR")
+                        "optimizer, other) printed")
     b.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     p.bench_parser = b
     return p
@@ -182,7 +161,7 @@ BENCH_OPTIONS = {
     "memory": {"overrides", "config", "json", "device_gib", "steps", "cpu_devices"},
     "routing": {"quick", "json", "repeats", "cpu_devices"},
     "cache": {"json", "steps", "pairs", "cpu_devices"},
-    "peers": {"overrides", "config", "json", "steps", "rounds", "profile", "cpu_devices"},
+    "malloc": {"overrides", "config", "json", "steps", "rounds"},
     "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
     "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate"},
 }
@@ -203,7 +182,15 @@ def _unused_bench_options(parser: argparse.ArgumentParser, args: argparse.Namesp
     return None
 
 
+PEERS_MOVED = ("moefast bench peers moved out of the installed package: run python benchmarks/peers.py from a "
+               "checkout of the repository (same options; needs pip install -c constraints.txt -e '.[peers]')")
+
+
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given[:2] == ["bench", "peers"]:  # a development benchmark, not part of the command any more
+        print(f"error: {PEERS_MOVED}", file=sys.stderr)
+        return 2
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may sit anywhere among the options: argparse leaves the ones after an option here.
@@ -246,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     from moefast.config import ConfigError, load_config
 
     try:
-        host_memory.configure()  # already done by `import moefast`, unless $MOEFAST_HOST_MALLOC is invalid
+        # Before JAX starts its CPU threads: keep the step's freed host memory mapped (importing moefast
+        # changes nothing process-wide; the command sets what a run needs). See moefast.host_memory.
+        host_memory.configure()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -287,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         xla_flags.configure(cfg.overlap.xla_flags)  # before JAX starts: XLA reads XLA_FLAGS once
         for size in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert):
             mesh_devices *= max(size, 1)
-    _set_cpu_devices(args.cpu_devices, mesh_devices)
+    from moefast.parallel.cpu_devices import set_cpu_devices
+
+    set_cpu_devices(args.cpu_devices, mesh_devices)
     if args.command == "train":
         from moefast.parallel.distributed import initialize
 
@@ -374,18 +365,15 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{steps} and {args.rounds}")
                 return overlap.run_cli(json_out=args.json, steps=steps, rounds=args.rounds, config=args.config,
                                        overrides=args.overrides, cpu_devices=jax.device_count())
-            if args.target == "peers":
-                from moefast.bench import peers
+            if args.target == "malloc":
+                from moefast.bench import malloc
 
-                steps = 30 if args.steps is None else args.steps
-                if steps < 1 or args.rounds < 1:
-                    raise ConfigError(f"--steps and --rounds must be >= 1, got {steps} and {args.rounds}")
-                if args.profile is not None and args.json:
-                    raise ConfigError("--profile writes DIR/profile.json and DIR/profile.md itself; drop --json")
-                if args.profile is not None and os.path.exists(args.profile) and not os.path.isdir(args.profile):
-                    raise ConfigError(f"--profile {args.profile} exists and is not a directory; choose another path")
-                return peers.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
-                                     overrides=args.overrides, profile_dir=args.profile, cpu_devices=args.cpu_devices)
+                steps = 12 if args.steps is None else args.steps
+                if steps < 3 or args.rounds < 1:
+                    raise ConfigError(f"--steps must be >= 3 (three log windows) and --rounds >= 1, got {steps} "
+                                      f"and {args.rounds}")
+                return malloc.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
+                                      overrides=args.overrides)
             if args.target == "gpu-compile":
                 from moefast.bench import gpu_compile
 

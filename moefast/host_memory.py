@@ -18,12 +18,20 @@ Measured on the 2-core CPU machine (bare compiled tiny-config step, one process 
 as preloading tcmalloc, without a system package or re-executing the process. Each setting alone,
 or any two of them, left most of the faults.
 
-The settings must be made before XLA's CPU client starts its threads (they pick their arena on
-their first ``malloc``): ``import moefast`` applies them, so a script or notebook should import
-moefast before it runs any JAX computation. Set ``MOEFAST_HOST_MALLOC=system`` in the environment
-to keep glibc's defaults (to measure against them). They are applied only on glibc (Linux) when
-JAX will run on the CPU (no accelerator plugin installed, or ``JAX_PLATFORMS=cpu``); on a GPU or
-TPU host the step's temporaries live in device memory and the host allocator is left alone.
+The settings change the whole process, so nothing applies them on import: the ``moefast`` command
+(``moefast train``, ``eval``, ``bench ...``) calls :func:`configure` before JAX starts, and a script
+or notebook that uses the Python API opts in the same way, before it runs any JAX computation::
+
+    import moefast
+    moefast.host_memory.configure()  # first: XLA's CPU threads pick their arena on their first malloc
+    summary = moefast.Trainer(moefast.load_config(), run_dir="runs/demo").run()
+
+Called after JAX's CPU client has started its threads, it changes nothing and returns
+``"too-late"``. Set ``MOEFAST_HOST_MALLOC=system`` in the environment to keep glibc's defaults (to
+measure against them; ``moefast bench malloc`` runs ``moefast train`` both ways). They are applied
+only on glibc (Linux) when JAX will run on the CPU (no accelerator plugin installed, or
+``JAX_PLATFORMS=cpu``); on a GPU or TPU host the step's temporaries live in device memory and the
+host allocator is left alone.
 """
 
 from __future__ import annotations

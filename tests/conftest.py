@@ -25,7 +25,12 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from moefast import host_memory  # noqa: E402
 from moefast.config import load_config  # noqa: E402
+
+# As the moefast command does: freed host memory stays mapped between steps (importing moefast no
+# longer does it), made before any test starts JAX's CPU backend.
+host_memory.configure()
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

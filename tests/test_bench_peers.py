@@ -1,17 +1,34 @@
-"""``moefast bench peers``: the three sides run and are recorded; the profile's op grouping is right."""
+"""``benchmarks/peers.py``: the three sides run and are recorded; the profile's op grouping is right."""
 
 import glob
 import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
-from moefast.bench import peers
+from moefast.bench import xla_profile
+
+PEERS_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
+
+
+def _load_peers():
+    """benchmarks/peers.py as a module (it is a script outside the package)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_peers", PEERS_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+peers = _load_peers()
 
 
 def test_peers_bench_end_to_end(tmp_path, text_dir, monkeypatch):
@@ -43,15 +60,24 @@ def test_peers_bench_end_to_end(tmp_path, text_dir, monkeypatch):
 
 
 def test_missing_peer_packages_is_one_clear_error(monkeypatch, capsys):
-    from moefast.cli import main
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a, **k: None if name == "torch" else real(name, *a, **k))
-    assert main(["bench", "peers", "--rounds", "1"]) == 2
+    assert peers.main(["--rounds", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
     assert err.endswith("pip install -c constraints.txt -e '.[peers]'")
+
+
+def test_the_script_runs_by_path_and_the_cli_points_at_it(capsys):
+    p = subprocess.run([sys.executable, str(PEERS_SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert all(o in p.stdout for o in ("--config", "--json", "--steps", "--rounds", "--profile", "--cpu-devices"))
+    from moefast.cli import main
+
+    assert main(["bench", "peers", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: moefast bench peers moved") and "python benchmarks/peers.py" in err
 
 
 def test_hlo_kinds_and_trace_times(tmp_path):
@@ -68,8 +94,8 @@ def test_hlo_kinds_and_trace_times(tmp_path):
     args = (x, w, idx, tx.init(w))
     compiled = jax.jit(f).lower(*args).compile()
     text = compiled.as_text()
-    kinds = peers.classify_hlo(text)
-    instrs, comps, _ = peers._parse_hlo(text)
+    kinds = xla_profile.classify_hlo(text)
+    instrs, comps, _ = xla_profile.parse_hlo(text)
     entry = re.search(r"^ENTRY %?([^\s(]+)", text, re.MULTILINE).group(1)
     entry_kinds = {n: kinds[n] for n in comps[entry]}
     assert {"matmul", "elementwise/fusion", "gather/scatter", "optimizer"} <= set(entry_kinds.values()), entry_kinds
@@ -90,7 +116,7 @@ def test_hlo_kinds_and_trace_times(tmp_path):
         for _ in range(2):
             jax.block_until_ready(compiled(*args))
     (trace,) = glob.glob(str(tmp_path / "**" / "*.trace.json.gz"), recursive=True)
-    times = peers.xla_trace_times(trace, kinds, steps=2)
+    times = xla_profile.xla_trace_times(trace, kinds, steps=2)
     assert times["op_events"] > 0 and times["kinds"]["matmul"] > 0
     assert set(times["kinds"]) == set(peers.KINDS)
 

@@ -1,5 +1,5 @@
 """Where a compiled XLA program's time goes: its HLO instructions classified by kind of work,
-and a ``jax.profiler`` trace of it summed per kind (used by ``moefast bench peers --profile`` and
+and a ``jax.profiler`` trace of it summed per kind (used by ``python benchmarks/peers.py --profile`` and
 ``moefast bench train --profile``).
 
 Two classifications of the same instructions:
@@ -24,10 +24,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moefast.bench.peers import KINDS  # by operation, comparable with torch.profiler op kinds
+__all__ = ["KINDS", "WORK_KINDS", "classify_hlo", "classify_work", "latest_trace", "parse_hlo", "xla_trace_times"]
 
-__all__ = ["WORK_KINDS", "classify_hlo", "classify_work", "latest_trace", "parse_hlo", "xla_trace_times"]
-
+# Kinds of work by operation, comparable with torch.profiler's op kinds (benchmarks/peers.py).
+KINDS = ("matmul", "elementwise/fusion", "gather/scatter", "reduction", "optimizer",
+         "copy/transpose/concatenate", "other")
 
 _MATMUL_OPS = {"dot", "convolution", "ragged-dot"}
 _GATHER_OPS = {"gather", "scatter", "dynamic-slice", "dynamic-update-slice"}

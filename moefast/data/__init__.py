@@ -8,7 +8,8 @@ from moefast.data.hf_tokenizer import HFTokenizer
 from moefast.data.packing import ROW_KEYS, PackedRows, pack_documents
 from moefast.data.pipeline import Corpus, eval_batches, load_corpus, train_dataset
 from moefast.data.sources import Document, SourceStats, load_documents, split_documents
-from moefast.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
+from moefast.data.tokenizer import ByteTokenizer, Tokenizer
+from moefast.data.tokenizer_registry import TOKENIZERS, get_tokenizer
 
 __all__ = [
     "ByteTokenizer",
@@ -19,6 +20,7 @@ __all__ = [
     "PackedRows",
     "ROW_KEYS",
     "SourceStats",
+    "TOKENIZERS",
     "Tokenizer",
     "eval_batches",
     "get_tokenizer",

@@ -25,7 +25,8 @@ import numpy as np
 from moefast.data.errors import DataError
 from moefast.data.packing import ROW_KEYS, PackedRows, pack_documents
 from moefast.data.sources import SourceStats, load_documents, split_documents
-from moefast.data.tokenizer import Tokenizer, get_tokenizer
+from moefast.data.tokenizer import Tokenizer
+from moefast.data.tokenizer_registry import get_tokenizer
 
 if TYPE_CHECKING:
     from moefast.config import DataConfig

@@ -1,5 +1,4 @@
-"""Tokenizers: the :class:`Tokenizer` interface, the byte-level :class:`ByteTokenizer`, and the
-selection by ``DataConfig.tokenizer`` (:func:`get_tokenizer`).
+"""Tokenizers: the :class:`Tokenizer` interface and the byte-level :class:`ByteTokenizer`.
 
 A tokenizer maps bytes (or text, encoded as UTF-8) to int32 ids in ``[0, vocab_size)`` and back. It
 also reports how many bytes of text each id stands for (:attr:`Tokenizer.bytes_per_token`), which
@@ -7,21 +6,21 @@ turns a per-token loss in nats into bits per byte::
 
     bpb = sum(loss_nats) / (ln(2) * sum(bytes_per_token[targets]))
 
-A Hugging Face tokenizer (:class:`~moefast.data.hf_tokenizer.HFTokenizer`) is chosen by passing its
-path instead of ``"byte"``; another tokenizer plugs in by subclassing :class:`Tokenizer` and adding a
-name to :data:`TOKENIZERS`.
+Which tokenizer a run uses (``DataConfig.tokenizer``) is resolved by
+:func:`moefast.data.tokenizer_registry.get_tokenizer`: ``"byte"``, or the path of a Hugging Face
+tokenizer (:class:`~moefast.data.hf_tokenizer.HFTokenizer`). Another tokenizer plugs in by subclassing
+:class:`Tokenizer` and adding a name to :data:`moefast.data.tokenizer_registry.TOKENIZERS`.
 """
 
 from __future__ import annotations
 
 import abc
-import os
 
 import numpy as np
 
 from moefast.data.errors import DataError
 
-__all__ = ["ByteTokenizer", "Tokenizer", "TOKENIZERS", "get_tokenizer"]
+__all__ = ["ByteTokenizer", "Tokenizer"]
 
 
 class Tokenizer(abc.ABC):
@@ -149,32 +148,3 @@ class ByteTokenizer(Tokenizer):
 
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=259, pad=256, bos=257, eos=258)"
-
-
-TOKENIZERS = {"byte": ByteTokenizer}
-
-
-def get_tokenizer(name: str | os.PathLike) -> Tokenizer:
-    """Builds the tokenizer that ``DataConfig.tokenizer`` names.
-
-    Args:
-      name: a name in :data:`TOKENIZERS` (``"byte"``), or else a path: a Hugging Face tokenizer
-        directory holding ``tokenizer.json``, or a ``tokenizer.json`` file (``~`` is expanded;
-        relative to the working directory).
-
-    Returns:
-      The tokenizer; :class:`~moefast.data.hf_tokenizer.HFTokenizer` for a path.
-
-    Raises:
-      DataError: neither a known name nor an existing path (the message lists the names and says
-        what path to pass), or any error of :class:`~moefast.data.hf_tokenizer.HFTokenizer`.
-    """
-    if isinstance(name, str) and name in TOKENIZERS:
-        return TOKENIZERS[name]()
-    path = os.path.expanduser(os.fspath(name)) if isinstance(name, (str, os.PathLike)) else None
-    if not path or not os.path.exists(path):
-        raise DataError(f"data.tokenizer: unknown tokenizer {name!r}; valid names: {sorted(TOKENIZERS)}, or the path "
-                        "of a Hugging Face tokenizer directory holding tokenizer.json or of a tokenizer.json file "
-                        f"(no such path: {os.path.abspath(path) if path else name!r})")
-    from moefast.data.hf_tokenizer import HFTokenizer  # here: that module imports this one
-    return HFTokenizer(path)

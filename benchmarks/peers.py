@@ -1,4 +1,10 @@
-"""``moefast bench peers``: moefast side by side with Hugging Face transformers' Mixtral, same CPU.
+"""moefast side by side with Hugging Face transformers' Mixtral, same CPU: a development benchmark.
+
+Run from a checkout of the repository (it is not part of the installed package; it needs the peers
+extra, ``pip install -c constraints.txt -e '.[peers]'``)::
+
+    python benchmarks/peers.py [--config YAML] [section.key=value ...] [--rounds N] [--steps N]
+                               [--json OUT | --profile DIR] [--cpu-devices N]
 
 Per round (``rounds``, default 3), three measurements, each in a fresh Python process (a clean
 process and allocator per side); the order of the three rotates from round to round so drift of
@@ -39,14 +45,15 @@ load average at its start is recorded (``load_before``); compare only quiet roun
 
 Per-step CPU figures (bare step and HF, over the timed steps): user and system seconds from
 ``os.times()`` and minor page faults from ``getrusage(RUSAGE_SELF).ru_minflt``. The moefast
-processes import moefast, so they run with its host ``malloc`` settings
-(:mod:`moefast.host_memory`, recorded as ``host_malloc``); the HF process never imports moefast and
-runs with glibc's defaults.
+processes run as ``moefast train`` does, with its host ``malloc`` settings
+(:func:`moefast.host_memory.configure`, recorded as ``host_malloc``); the HF process never imports
+JAX nor configures them, and runs with glibc's defaults.
 
 ``--profile DIR`` runs instead of the rounds: one extra process per side that times ``steps``
 steps without a profiler (step time and CPU figures) and then traces :data:`PROFILE_STEPS` more — a
 ``jax.profiler`` trace of the compiled step, a ``torch.profiler`` trace of the HF step — and
-groups the traced time by kind of work (:data:`KINDS`, see :func:`classify_hlo` and
+groups the traced time by kind of work (:data:`KINDS`, see
+:func:`moefast.bench.xla_profile.classify_hlo` and
 :func:`torch_kind`) into ``DIR/profile.md`` and ``DIR/profile.json``; the raw traces stay in
 ``DIR`` for perfetto / chrome://tracing.
 """
@@ -66,29 +73,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-# Only the standard library at the top: this file is also the child processes' script (run by path,
-# so the HF child never imports moefast or JAX). The XLA profile parsing lives in
-# moefast.bench.xla_profile, imported where it is used.
-_FROM_XLA_PROFILE = {"classify_hlo": "classify_hlo", "_parse_hlo": "parse_hlo",
-                     "xla_trace_times": "xla_trace_times"}
+# This file is also the child processes' script (run by path). At the top only the standard
+# library and moefast.bench.xla_profile (standard library only, no JAX): the HF child never imports
+# JAX, and importing moefast changes nothing process-wide.
+if __name__ == "__main__":  # run by path: moefast from this checkout unless it is installed
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
 
+from moefast.bench.xla_profile import KINDS  # noqa: E402  (by operation, comparable with torch's op kinds)
 
-def __getattr__(name):
-    if name in _FROM_XLA_PROFILE:
-        from moefast.bench import xla_profile
-
-        return getattr(xla_profile, _FROM_XLA_PROFILE[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-__all__ = ["KINDS", "PeersRecord", "StepTiming", "bench_peers", "classify_hlo", "format_profile_table",
-           "format_table", "hf_config_kwargs", "profile_peers", "require_peer_packages", "torch_kind",
-           "xla_trace_times"]
+__all__ = ["KINDS", "PeersRecord", "StepTiming", "bench_peers", "format_profile_table", "format_table",
+           "hf_config_kwargs", "main", "profile_peers", "require_peer_packages", "torch_kind"]
 
 WARMUP_STEPS = 3  # untimed steps per process before the timed ones (and extra train steps)
 PROFILE_STEPS = 3  # profiled steps per side (--profile), after the unprofiled timed ones
 SIDES = ("moefast_bare", "moefast_train", "hf")
-KINDS = ("matmul", "elementwise/fusion", "gather/scatter", "reduction", "optimizer",
-         "copy/transpose/concatenate", "other")
 INSTALL_HINT = "pip install -c constraints.txt -e '.[peers]'"
 
 
@@ -159,7 +157,7 @@ def require_peer_packages() -> None:
 
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ConfigError(f"moefast bench peers needs {' and '.join(missing)} (not installed); install the "
+        raise ConfigError(f"benchmarks/peers.py needs {' and '.join(missing)} (not installed); install the "
                           f"peers extra: {INSTALL_HINT}")
 
 
@@ -177,7 +175,7 @@ def hf_config_kwargs(cfg, vocab_size: int) -> dict[str, Any]:
 
     m, moe = cfg.model, cfg.moe
     if m.num_dense_layers or m.moe_every != 1:
-        raise ConfigError(f"bench peers compares all-MoE models (Mixtral has an MoE in every layer): needs "
+        raise ConfigError(f"benchmarks/peers.py compares all-MoE models (Mixtral has an MoE in every layer): needs "
                           f"model.num_dense_layers=0 and model.moe_every=1, got {m.num_dense_layers} and {m.moe_every}")
     return {"vocab_size": m.vocab_size or vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
             "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads, "num_key_value_heads": m.kv_heads,
@@ -207,10 +205,11 @@ def _run_child(kind: str, spec: dict[str, Any], tmp: Path, tag: str) -> dict[str
     """Runs this file as a fresh process for one side; returns the JSON record it writes."""
     spec_path, out_path = tmp / f"{tag}.spec.json", tmp / f"{tag}.out.json"
     spec_path.write_text(json.dumps(spec | {"out": str(out_path)}))
-    cmd = [sys.executable, str(Path(__file__).resolve()), kind, str(spec_path)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), _CHILD, kind, str(spec_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     if proc.returncode != 0 or not out_path.is_file():
-        raise RuntimeError(f"bench peers: the {kind} process failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"benchmarks/peers.py: the {kind} process failed ({proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
     return json.loads(out_path.read_text())
 
 
@@ -322,7 +321,7 @@ def format_table(records: list[PeersRecord]) -> str:
 def run_cli(*, json_out: str | None, rounds: int, steps: int, config: str | None = None,
             overrides: list[str] | None = None, profile_dir: str | None = None,
             cpu_devices: int | None = None) -> int:
-    """``moefast bench peers``: the rounds (or, with ``profile_dir``, the profile instead)."""
+    """``python benchmarks/peers.py``: the rounds (or, with ``profile_dir``, the profile instead)."""
     if profile_dir is not None:
         prof = profile_peers(config, overrides, profile_dir, steps=steps, cpu_devices=cpu_devices)
         table = format_profile_table(prof)
@@ -367,8 +366,8 @@ def profile_peers(config: str | None, overrides: list[str] | None, out_dir: str 
     Returns:
       ``{"config", "tokens_per_step", "profiled_steps", "timed_steps", "shapes", "moefast": {...},
       "hf": {...}}``; each side has ``profile`` (``kinds``: ms per step per kind, from
-      :func:`xla_trace_times` / :func:`torch_profile_times`), ``timing`` (a :class:`StepTiming`
-      of the unprofiled steps, as a dict) and ``profiled_step_s``.
+      :func:`moefast.bench.xla_profile.xla_trace_times` / :func:`torch_profile_times`), ``timing``
+      (a :class:`StepTiming` of the unprofiled steps, as a dict) and ``profiled_step_s``.
     """
     require_peer_packages()
     out_dir = Path(out_dir)
@@ -556,16 +555,17 @@ def _warm_timed_profiled(step: Callable[[int], None], spec: dict[str, Any], prof
 
 
 def _child_moefast(spec: dict[str, Any]) -> dict[str, Any]:
-    import moefast  # noqa: F401  (first: its host malloc settings must precede JAX's threads)
     from moefast import host_memory
-    from moefast.cli import _set_cpu_devices
+
+    host_memory.configure()  # first, as moefast train does: before JAX starts its CPU threads
     from moefast.config import load_config
+    from moefast.parallel.cpu_devices import set_cpu_devices
 
     cfg = load_config(spec["config"], spec["overrides"])
     mesh_devices = 1
     for size in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert):
         mesh_devices *= max(size, 1)
-    _set_cpu_devices(spec["cpu_devices"], mesh_devices)  # as moefast train would
+    set_cpu_devices(spec["cpu_devices"], mesh_devices)  # as moefast train would
     import jax
     import numpy as np
 
@@ -668,9 +668,69 @@ def _child_main(argv: list[str]) -> int:
     return 0
 
 
+_CHILD = "--child"  # first argument of the child processes: `peers.py --child KIND SPEC.json`
+
+
+def _parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/peers.py",
+        description="tokens/s of moefast (bare compiled step and moefast train) vs Hugging Face transformers' Mixtral "
+                    "with the same shapes and batches on this machine (needs pip install -c constraints.txt -e "
+                    "'.[peers]'); the module docstring says how it measures")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="config overrides for the moefast side (the HF model follows its shapes)")
+    p.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
+    p.add_argument("--steps", type=int, default=30,
+                   help="timed steps per side and round (default 30; with --profile: unprofiled timed steps before "
+                        f"{PROFILE_STEPS} profiled ones)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the three sides, each side a fresh process (default 3)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="instead of the rounds, one profiled process per side (jax.profiler / torch.profiler); time "
+                        "per step by kind of work in DIR/profile.md, traces in DIR")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="virtual CPU devices of the moefast processes (default: what moefast train picks)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (``python benchmarks/peers.py --help``); returns the exit status."""
+    from moefast.config import ConfigError
+
+    args, extra = _parser().parse_known_args(argv)
+    strays = [a for a in extra if a.startswith("-") or "=" not in a]
+    if strays:
+        _parser().error(f"unrecognized arguments: {' '.join(strays)}")
+    try:
+        if args.steps < 1 or args.rounds < 1:
+            raise ConfigError(f"--steps and --rounds must be >= 1, got {args.steps} and {args.rounds}")
+        if args.cpu_devices is not None and args.cpu_devices < 1:
+            raise ConfigError(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
+        if args.json == "" or args.profile == "":
+            raise ConfigError("--json and --profile need a path (got an empty string)")
+        if args.profile is not None and args.json:
+            raise ConfigError("--profile writes DIR/profile.json and DIR/profile.md itself; drop --json")
+        if args.profile is not None and os.path.exists(args.profile) and not os.path.isdir(args.profile):
+            raise ConfigError(f"--profile {args.profile} exists and is not a directory; choose another path")
+        if args.json:
+            out_dir = os.path.dirname(os.path.abspath(args.json))
+            if not os.path.isdir(out_dir):
+                raise ConfigError(f"--json {args.json}: the directory {out_dir} does not exist; create it or choose "
+                                  "another path")
+            if os.path.isdir(args.json) or args.json.endswith(".md"):
+                raise ConfigError(f"--json {args.json}: give a file name for the JSON records (e.g. out.json); the "
+                                  "markdown table is written next to it with the suffix .md")
+        return run_cli(json_out=args.json, rounds=args.rounds, steps=args.steps, config=args.config,
+                       overrides=[*args.overrides, *extra], profile_dir=args.profile, cpu_devices=args.cpu_devices)
+    except (ConfigError, ValueError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    # Run by path as a child: drop this file's directory (moefast/bench) from the import path so its
-    # modules (cache.py, routing.py) cannot shadow top-level packages.
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    sys.exit(_child_main(sys.argv[1:]))
+    if sys.argv[1:2] == [_CHILD]:
+        sys.exit(_child_main(sys.argv[2:]))
+    sys.exit(main())
