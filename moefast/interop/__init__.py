@@ -1,4 +1,6 @@
-"""Interoperability with other checkpoint formats: Hugging Face (:mod:`moefast.interop.hf`).
+"""Interoperability with other checkpoint formats: Hugging Face (:mod:`moefast.interop.hf`, the
+generic engine; one :class:`~moefast.interop.families.FamilySpec` per family in
+:mod:`moefast.interop.families`).
 
 Depends on :mod:`moefast.config` and :mod:`moefast.model` only (never on training code).
 """

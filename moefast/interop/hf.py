@@ -1,23 +1,25 @@
-"""Hugging Face checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+"""Hugging Face checkpoints in and out: the generic engine over :mod:`moefast.interop.families`.
 
 Dimension letters: L layers, D d_model, H query heads, G key/value heads, Hd head_dim, F d_ff (of
 the routed experts), Fd dense d_ff, Fs shared-expert d_ff, E experts, V vocab.
 
 A Hugging Face (HF) model directory holds ``config.json`` and its weights in ``*.safetensors``
-files (one ``model.safetensors``, or shards listed in ``model.safetensors.index.json``).
+files (one ``model.safetensors``, or shards listed in ``model.safetensors.index.json``). Each family
+moefast supports is one :class:`~moefast.interop.families.FamilySpec` in
+:data:`~moefast.interop.families.REGISTRY` (its config keys and tensor table); this module reads
+and writes any of them and names none.
 
 * :func:`config_from_hf` reads ``config.json`` into an :class:`~moefast.config.ExperimentConfig`
   (``model`` and ``moe`` sections from the checkpoint, everything else from a base config and
   overrides). Options moefast does not implement (sliding windows, RoPE scaling such as YaRN,
-  partial rotary, OLMoE's ``clip_qkv``, other architectures such as DeepSeek's MLA) raise
+  partial rotary, a family's own ``unsupported`` keys, unknown ``model_type``) raise
   :class:`HFFormatError` naming the field.
 * :func:`load_hf_params` streams the weights tensor by tensor into moefast's parameters (either
   layer layout, ``model.scan_layers``), each straight into its target sharding: a device's shard
   of an expert tensor reads only that device's experts from disk, so no host holds the whole model.
-  Both on-disk expert layouts are read: one tensor per expert (``experts.{e}.gate_proj/up_proj/
-  down_proj``, Mixtral's ``experts.{e}.w1/w3/w2``, what ``save_pretrained`` writes by default) and
-  fused ``experts.gate_up_proj`` [E, 2F, D] / ``experts.down_proj`` [E, D, F] (transformers 5's
-  in-memory layout, ``save_pretrained(save_original_format=False)``).
+  Both on-disk expert layouts are read: one tensor per expert (what ``save_pretrained`` writes by
+  default) and fused ``experts.gate_up_proj`` [E, 2F, D] / ``experts.down_proj`` [E, D, F]
+  (transformers 5's in-memory layout, ``save_pretrained(save_original_format=False)``).
 * :func:`save_hf` writes the reverse: safetensors (sharded above ``max_shard_bytes``, with the
   index), a ``config.json`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, and
   the tokenizer files of a run that has them.
@@ -35,6 +37,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,27 +47,35 @@ import numpy as np
 from flax import nnx
 
 from moefast.config import PARAMETER_KEYS, ConfigError, ExperimentConfig, _merge, load_config, parse_overrides
+from moefast.interop import families
+from moefast.interop.families import FamilySpec, Transform
 from moefast.model.layout import layer_layout, to_layout
 from moefast.model.transformer import build_model
 
-__all__ = ["FAMILIES", "HFFormatError", "config_from_hf", "hf_config", "hf_family", "load_hf", "load_hf_params",
-           "save_hf"]
+__all__ = ["FAMILIES", "HFFormatError", "config_from_hf", "family_spec", "hf_config", "hf_family", "load_hf",
+           "load_hf_params", "save_hf"]
 
-FAMILIES = {
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
-"""HF ``model_type`` -> architecture class, the families moefast reads and writes."""
 
-# Values transformers assumes when config.json omits a field (the config classes' defaults).
-_FAMILY_DEFAULTS = {
-    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_experts_per_tok": 2},
-    "qwen2_moe": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 4},
-    "qwen3_moe": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8},
-    "olmoe": {"rope_theta": 1e4, "rms_norm_eps": 1e-5, "num_experts_per_tok": 8},
-}
+class _Architectures(Mapping[str, str]):
+    """A live view of :data:`~moefast.interop.families.REGISTRY`: ``model_type`` -> architecture."""
+
+    def __getitem__(self, model_type: str) -> str:
+        return families.REGISTRY[model_type].architecture
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(families.REGISTRY)
+
+    def __len__(self) -> int:
+        return len(families.REGISTRY)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+FAMILIES: Mapping[str, str] = _Architectures()
+"""HF ``model_type`` -> architecture class, the families moefast reads and writes (a view of
+:data:`moefast.interop.families.REGISTRY`)."""
+
 _IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -90,30 +101,33 @@ def hf_config(path: str | Path) -> dict[str, Any]:
         raise HFFormatError(f"{f} is not valid JSON ({e})") from None
 
 
-def _get(hf: dict, family: str, key: str, default: Any = None) -> Any:
-    v = hf.get(key)
-    return _FAMILY_DEFAULTS[family].get(key, default) if v is None else v
+def family_spec(model_type: str | None) -> FamilySpec:
+    """The :class:`~moefast.interop.families.FamilySpec` of an HF ``model_type``.
 
-
-def _moe_layers(hf: dict, family: str, num_layers: int) -> list[bool]:
-    if family in ("mixtral", "olmoe"):
-        return [True] * num_layers
-    only = set(hf.get("mlp_only_layers") or [])
-    step = hf.get("decoder_sparse_step") or 1
-    return [i not in only and (i + 1) % step == 0 for i in range(num_layers)]
+    Raises:
+      HFFormatError: ``model_type`` is missing or not in the registry (the message lists the
+        supported families).
+    """
+    supported = sorted(families.REGISTRY)
+    if model_type is None:
+        raise HFFormatError(f"config.json has no model_type; moefast reads {supported}")
+    spec = families.REGISTRY.get(model_type)
+    if spec is None:
+        raise HFFormatError(f"config.json: model_type {model_type!r} is not supported; moefast reads {supported} "
+                            "(a new family is one FamilySpec in moefast/interop/families.py)")
+    return spec
 
 
 def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model, moe)`` config sections of an HF ``config.json`` dict."""
-    family = hf.get("model_type")
-    if family is None:
-        raise HFFormatError(f"config.json has no model_type; moefast reads {sorted(FAMILIES)}")
-    if family not in FAMILIES:
-        raise HFFormatError(f"config.json: model_type {family!r} is not supported; moefast reads "
-                            f"{sorted(FAMILIES)}")
+    spec = family_spec(hf.get("model_type"))
 
     def reject(field: str, value: Any, why: str) -> None:
-        raise HFFormatError(f"config.json: {field}={value!r} ({family}) is not supported: {why}")
+        raise HFFormatError(f"config.json: {field}={value!r} ({spec.model_type}) is not supported: {why}")
+
+    def get(key: str) -> Any:  # transformers' default where config.json omits the key
+        v = hf.get(key)
+        return spec.hf_defaults[key] if v is None else v
 
     if hf.get("hidden_act", "silu") != "silu":
         reject("hidden_act", hf["hidden_act"], "moefast's experts are SwiGLU (silu)")
@@ -129,23 +143,22 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         reject("partial_rotary_factor", partial, "RoPE rotates every feature of a head in moefast")
-    theta = rope.get("rope_theta", hf.get("rope_theta")) or _FAMILY_DEFAULTS[family]["rope_theta"]
-    if family == "mixtral" and hf.get("sliding_window") is not None:
-        reject("sliding_window", hf["sliding_window"], "sliding-window attention; set it to null for full attention")
+    theta = rope.get("rope_theta", hf.get("rope_theta")) or spec.hf_defaults["rope_theta"]
+    for key, why in spec.unsupported.items():
+        if hf.get(key) is not None:
+            reject(key, hf[key], why)
     if hf.get("use_sliding_window"):
         reject("use_sliding_window", True, "sliding-window attention")
     if any(t != "full_attention" for t in hf.get("layer_types") or []):
         reject("layer_types", hf["layer_types"], "only full_attention layers")
-    if family == "olmoe" and hf.get("clip_qkv") is not None:
-        reject("clip_qkv", hf["clip_qkv"], "clipping of q/k/v activations")
 
     d, n_layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or d // heads
-    e = hf.get("num_local_experts") if family == "mixtral" else hf.get("num_experts", hf.get("num_local_experts"))
+    e = next((hf[k] for k in spec.num_experts_keys if hf.get(k) is not None), None)
     if not e:
-        reject("num_experts", e, "a model without experts; moefast needs at least one MoE layer")
-    moe_at = _moe_layers(hf, family, n_layers)
+        reject(spec.num_experts_keys[0], e, "a model without experts; moefast needs at least one MoE layer")
+    moe_at = spec.moe_layers.moe_layers(hf, n_layers)
     if not any(moe_at):
         reject("mlp_only_layers", hf.get("mlp_only_layers"), "every layer is dense")
     ids = [i for i, m in enumerate(moe_at) if m]
@@ -155,25 +168,22 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         reject("mlp_only_layers/decoder_sparse_step", (hf.get("mlp_only_layers"), hf.get("decoder_sparse_step")),
                f"MoE layers {ids}: moefast's layers are num_dense_layers leading dense ones, then every "
                "moe_every-th one MoE")
-    qwen = family in ("qwen2_moe", "qwen3_moe")
-    f = hf["moe_intermediate_size"] if qwen else hf["intermediate_size"]
-    dense_ff = hf["intermediate_size"] if qwen and hf["intermediate_size"] != f else None
-    if family == "qwen2_moe":
-        bias = "qkv" if hf.get("qkv_bias", True) else "none"
-    elif family == "mixtral":
-        bias = "none"
-    else:
-        bias = "all" if hf.get("attention_bias") else "none"
+    f = hf[spec.expert_ff_key]
+    dense_ff = hf.get(spec.dense_ff_key) if spec.dense_ff_key else None
+    b = spec.attention_bias
     model = dict(d_model=d, num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, d_ff=f,
-                 dense_d_ff=dense_ff, vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 4096),
-                 position_encoding="rope", rope_base=float(theta), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                 num_dense_layers=nd, moe_every=every, norm_eps=float(_get(hf, family, "rms_norm_eps")),
-                 attention_bias=bias, qk_norm={"qwen3_moe": "per_head", "olmoe": "full"}.get(family, "none"),
-                 init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0)
-    moe = dict(num_experts=e, top_k=_get(hf, family, "num_experts_per_tok"),
-               norm_topk_prob=True if family == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-               shared_expert_d_ff=(hf.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
-               shared_expert_gate=True)
+                 dense_d_ff=dense_ff if dense_ff != f else None, vocab_size=hf["vocab_size"],
+                 max_seq_len=hf.get("max_position_embeddings", 4096), position_encoding="rope",
+                 rope_base=float(theta), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                 num_dense_layers=nd, moe_every=every, norm_eps=float(get("rms_norm_eps")),
+                 attention_bias=b.covers if b is not None and hf.get(b.key, b.default) else "none",
+                 qk_norm=spec.qk_norm, init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0)
+    shared = spec.shared_expert
+    moe = dict(num_experts=e, top_k=get("num_experts_per_tok"),
+               norm_topk_prob=(True if spec.norm_topk_prob_key is None
+                               else bool(hf.get(spec.norm_topk_prob_key, False))),
+               shared_expert_d_ff=(hf.get(shared.ff_key) or 0) if shared is not None else 0,
+               shared_expert_gate=shared.gated if shared is not None else True)
     if hf.get("router_aux_loss_coef") is not None:
         moe["aux_loss_coef"] = float(hf["router_aux_loss_coef"])
     return model, moe
@@ -219,14 +229,39 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
     return ExperimentConfig.from_dict(_merge(raw, extra), where=f"{path / 'config.json'} + overrides")
 
 
-def hf_family(cfg: ExperimentConfig) -> str:
-    """The HF ``model_type`` that represents ``cfg``'s model exactly.
 
-    Qwen2-MoE: a shared expert; Qwen3-MoE: per-head q/k norms; OLMoE: q/k norms over the whole
-    projections; Mixtral: none of these, every layer MoE, no attention bias, renormalised gates.
+def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
+    """What keeps ``spec``'s family from representing ``cfg``'s model exactly (empty: nothing)."""
+    m, e, name = cfg.model, cfg.moe, spec.name
+    out = []
+    if m.qk_norm != spec.qk_norm:
+        out.append(f"model.qk_norm={m.qk_norm} ({name}'s q/k norms: {spec.qk_norm})")
+    shared = spec.shared_expert
+    if shared is None and e.shared_expert_d_ff:
+        out.append(f"moe.shared_expert_d_ff={e.shared_expert_d_ff} ({name} has no shared expert)")
+    elif shared is not None and not e.shared_expert_d_ff:
+        out.append(f"moe.shared_expert_d_ff=0 ({name} has a shared expert)")
+    elif shared is not None and e.shared_expert_gate != shared.gated:
+        out.append(f"moe.shared_expert_gate={str(e.shared_expert_gate).lower()} ({name} "
+                   f"{'gates' if shared.gated else 'does not gate'} its shared expert)")
+    if not spec.moe_layers.allows_dense and not all(m.is_moe_layer(i) for i in range(m.num_layers)):
+        out.append(f"dense layers ({name} is MoE in every layer)")
+    bias = ("none",) if spec.attention_bias is None else ("none", spec.attention_bias.covers)
+    if m.attention_bias not in bias:
+        out.append(f"model.attention_bias={m.attention_bias} ({name} has {' or '.join(bias)})")
+    if spec.norm_topk_prob_key is None and not e.norm_topk_prob:
+        out.append(f"moe.norm_topk_prob=false ({name} always renormalises)")
+    out += [message for fails, message in spec.model_checks if fails(cfg)]
+    return out
+
+
+def hf_family(cfg: ExperimentConfig) -> str:
+    """The HF ``model_type`` that represents ``cfg``'s model exactly: the first family of
+    :data:`~moefast.interop.families.REGISTRY` whose spec fits (q/k norms, shared expert, dense
+    layers, attention biases, gate renormalisation, the spec's own ``model_checks``).
 
     Raises:
-      HFFormatError: no family represents the model; the message names the fields.
+      HFFormatError: no family represents the model; the message names each family's objections.
     """
     m, e = cfg.model, cfg.moe
     if m.position_encoding != "rope":
@@ -234,49 +269,22 @@ def hf_family(cfg: ExperimentConfig) -> str:
     if e.aux_free_bias_rate > 0:
         raise HFFormatError("moe.aux_free_bias_rate > 0: the learned selection bias changes which experts are chosen "
                             "and HF MoE routers have no bias; such a model cannot be exported exactly")
-    all_moe = all(m.is_moe_layer(i) for i in range(m.num_layers))
-    problems = []
-    if e.shared_expert_d_ff:
-        family = "qwen2_moe"
-        if not e.shared_expert_gate:
-            problems.append("moe.shared_expert_gate=false (Qwen2-MoE gates its shared expert)")
-        if m.qk_norm != "none":
-            problems.append(f"model.qk_norm={m.qk_norm} (Qwen2-MoE has none)")
-        if m.attention_bias == "all":
-            problems.append("model.attention_bias=all (Qwen2-MoE has no output-projection bias)")
-    elif m.qk_norm == "per_head":
-        family = "qwen3_moe"
-        if m.attention_bias == "qkv":
-            problems.append("model.attention_bias=qkv (Qwen3-MoE's attention_bias covers the output too: all)")
-    elif m.qk_norm == "full":
-        family = "olmoe"
-        if not all_moe:
-            problems.append("dense layers (OLMoE is MoE in every layer)")
-        if m.attention_bias == "qkv":
-            problems.append("model.attention_bias=qkv (OLMoE's attention_bias covers the output too: all)")
-        if m.num_heads * m.head_dim != m.d_model:
-            problems.append("model.head_dim * num_heads != d_model (OLMoE's q/k norms assume it)")
-    else:
-        family = "mixtral"
-        if not all_moe:
-            problems.append("dense layers (Mixtral is MoE in every layer; Qwen-MoE has dense layers but needs "
-                            "per-head q/k norms or a shared expert)")
-        if m.attention_bias != "none":
-            problems.append(f"model.attention_bias={m.attention_bias} (Mixtral has none)")
-        if not e.norm_topk_prob:
-            problems.append("moe.norm_topk_prob=false (Mixtral always renormalises)")
-    if problems:
-        raise HFFormatError(f"no Hugging Face family represents this model: as {family} it has "
-                            + "; ".join(problems))
-    return family
+    problems = {}
+    for model_type, spec in families.REGISTRY.items():
+        problems[model_type] = _problems(spec, cfg)
+        if not problems[model_type]:
+            return model_type
+    closest = sorted(problems.items(), key=lambda kv: len(kv[1]))  # stable: registry order among equals
+    raise HFFormatError("no Hugging Face family represents this model: "
+                        + " | ".join(f"as {t} it has " + "; ".join(p) for t, p in closest))
 
 
-def _export_config(cfg: ExperimentConfig, family: str, vocab_size: int, dtype: str,
+def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dtype: str,
                    special: dict[str, int | None]) -> dict[str, Any]:
     m, e = cfg.model, cfg.moe
     dense = [i for i in range(m.num_layers) if not m.is_moe_layer(i)]
     out: dict[str, Any] = {
-        "architectures": [FAMILIES[family]], "model_type": family, "vocab_size": vocab_size,
+        "architectures": [spec.architecture], "model_type": spec.model_type, "vocab_size": vocab_size,
         "hidden_size": m.d_model, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
         "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "max_position_embeddings": m.max_seq_len,
         "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_base,
@@ -286,94 +294,75 @@ def _export_config(cfg: ExperimentConfig, family: str, vocab_size: int, dtype: s
         "router_aux_loss_coef": e.aux_loss_coef, "output_router_logits": False, "dtype": dtype,
         **special,
     }
-    if family == "mixtral":
-        out.update(intermediate_size=m.d_ff, num_local_experts=e.num_experts, sliding_window=None,
-                   router_jitter_noise=0.0)
-    elif family in ("qwen2_moe", "qwen3_moe"):
-        out.update(intermediate_size=m.dense_ff, moe_intermediate_size=m.d_ff, num_experts=e.num_experts,
-                   norm_topk_prob=e.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=dense,
-                   use_sliding_window=False, sliding_window=None, max_window_layers=m.num_layers)
-        if family == "qwen2_moe":
-            out.update(shared_expert_intermediate_size=e.shared_expert_d_ff, qkv_bias=m.attention_bias == "qkv")
-        else:
-            out.update(attention_bias=m.attention_bias == "all")
-    else:
-        out.update(intermediate_size=m.d_ff, num_experts=e.num_experts, norm_topk_prob=e.norm_topk_prob,
-                   attention_bias=m.attention_bias == "all", clip_qkv=None)
+    if spec.dense_ff_key:
+        out[spec.dense_ff_key] = m.dense_ff
+    out[spec.expert_ff_key] = m.d_ff
+    out[spec.num_experts_keys[0]] = e.num_experts
+    if spec.norm_topk_prob_key:
+        out[spec.norm_topk_prob_key] = e.norm_topk_prob
+    out.update(spec.moe_layers.to_hf(dense, m.num_layers))
+    if spec.attention_bias is not None:
+        out[spec.attention_bias.key] = m.attention_bias == spec.attention_bias.covers
+    if spec.shared_expert is not None:
+        out[spec.shared_expert.ff_key] = e.shared_expert_d_ff
+    out.update({k: v(cfg) if callable(v) else v for k, v in spec.export_constants.items()})
     return out
 
 
 # --------------------------------------------------------------------------------- tensor mapping
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
-    """How one moefast parameter of one layer (unrolled layout) is made of HF tensors.
+    """One unrolled moefast parameter bound to its HF tensors: a table row of the family's spec with
+    the layer filled into ``names`` (expert names still hold ``{e}``) and ``sizes`` the widths of
+    the parameter's last axis per name."""
 
-    ``kind``:
-      ``"t"``: ``names[0]`` transposed ([out, in] -> [in, out]); ``"id"``: as it is;
-      ``"cat"``: ``names`` transposed and concatenated along the last axis (sizes ``sizes``);
-      ``"cat1"``: 1-D ``names`` (biases) concatenated as they are;
-      ``"experts_in"`` / ``"experts_out"``: [E, D, 2F] gate|up or [E, F, D] down projections of the
-      routed experts, from per-expert tensors (``names`` = (gate, up) or (down,) patterns with
-      ``{e}``) or from the fused tensor ``fused``.
-    """
-
-    kind: str
+    transform: Transform
     names: tuple[str, ...]
-    sizes: tuple[int, ...] = ()
-    fused: str | None = None
+    sizes: tuple[int, ...]
 
     @property
     def expert_axis(self) -> bool:
-        return self.kind.startswith("experts")
+        return self.transform.expert_axis
 
 
-def _layer_leaves(cfg: ExperimentConfig, family: str, i: int, fused: bool) -> dict[tuple, _Leaf]:
-    """Sub-path in ``params["blocks"][i]`` -> :class:`_Leaf`, for layer ``i``."""
-    m, e = cfg.model, cfg.moe
-    p = f"model.layers.{i}."
-    a = p + "self_attn."
-    hd = m.head_dim
-    qkv_sizes = (m.num_heads * hd, m.kv_heads * hd, m.kv_heads * hd)
-    out = {("attn_norm", "scale"): _Leaf("id", (p + "input_layernorm.weight",)),
-           ("ffn_norm", "scale"): _Leaf("id", (p + "post_attention_layernorm.weight",)),
-           ("attn", "qkv"): _Leaf("cat", tuple(a + f"{x}_proj.weight" for x in "qkv"), qkv_sizes),
-           ("attn", "out"): _Leaf("t", (a + "o_proj.weight",))}
-    if m.attention_bias != "none":
-        out[("attn", "qkv_bias")] = _Leaf("cat1", tuple(a + f"{x}_proj.bias" for x in "qkv"), qkv_sizes)
-    if m.attention_bias == "all":
-        out[("attn", "out_bias")] = _Leaf("id", (a + "o_proj.bias",))
-    if m.qk_norm != "none":
-        out[("attn", "q_norm", "scale")] = _Leaf("id", (a + "q_norm.weight",))
-        out[("attn", "k_norm", "scale")] = _Leaf("id", (a + "k_norm.weight",))
-    mlp = p + "mlp."
-    if not m.is_moe_layer(i):
-        out[("ffn", "w_in")] = _Leaf("cat", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), (m.dense_ff,) * 2)
-        out[("ffn", "w_out")] = _Leaf("t", (mlp + "down_proj.weight",))
-        return out
-    moe = p + ("block_sparse_moe." if family == "mixtral" and not fused else "mlp.")
-    x = moe + "experts."
-    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    out[("ffn", "router")] = _Leaf("t", (moe + "gate.weight",))
-    out[("ffn", "w_in")] = _Leaf("experts_in", (x + "{e}." + gate + ".weight", x + "{e}." + up + ".weight"),
-                                 (m.d_ff,) * 2, fused=x + "gate_up_proj" if fused else None)
-    out[("ffn", "w_out")] = _Leaf("experts_out", (x + "{e}." + down + ".weight",),
-                                  fused=x + "down_proj" if fused else None)
-    if e.shared_expert_d_ff:
-        s = mlp + "shared_expert."
-        out[("ffn", "shared_w_in")] = _Leaf("cat", (s + "gate_proj.weight", s + "up_proj.weight"),
-                                            (e.shared_expert_d_ff,) * 2)
-        out[("ffn", "shared_w_out")] = _Leaf("t", (s + "down_proj.weight",))
-        if e.shared_expert_gate:
-            out[("ffn", "shared_gate")] = _Leaf("t", (mlp + "shared_expert_gate.weight",))
-    return out
+def _table(spec: FamilySpec, cfg: ExperimentConfig, i: int, layout: str) -> Mapping[tuple, Any]:
+    """The tensor table of layer ``i`` (attention and norms, then its MLP's) in expert ``layout``."""
+    mlp = spec.moe_tensors[layout] if cfg.model.is_moe_layer(i) else spec.dense_tensors
+    return {**spec.layer_tensors, **mlp}
 
 
-def _top_leaves(cfg: ExperimentConfig) -> dict[tuple, _Leaf]:
-    out = {("embed",): _Leaf("id", ("model.embed_tokens.weight",)),
-           ("final_norm", "scale"): _Leaf("id", ("model.norm.weight",))}
-    if not cfg.model.tie_embeddings:
-        out[("lm_head",)] = _Leaf("t", ("lm_head.weight",))
-    return out
+def _leaves(spec: FamilySpec, cfg: ExperimentConfig, layout: str,
+            shapes: Mapping[tuple, tuple[int, ...]]) -> dict[tuple, _Leaf]:
+    """Path in the unrolled parameter tree -> :class:`_Leaf`, for the parameters ``shapes`` (path
+    -> shape), in the order of the family's tables (global rows first and last around the layers).
+
+    Raises:
+      HFFormatError: a parameter the family's tables have no row for.
+    """
+    if layout not in spec.moe_tensors:
+        raise HFFormatError(f"{spec.model_type} has no {layout!r} expert layout; it has {sorted(spec.moe_tensors)}")
+    rows: dict[tuple, tuple[Any, int | None]] = {}
+    top = list(spec.global_tensors.items())
+    rows.update({p: (row, None) for p, row in top[:1]})
+    for i in range(cfg.model.num_layers):
+        rows.update({("blocks", i) + sub: (row, i) for sub, row in _table(spec, cfg, i, layout).items()})
+    rows.update({p: (row, None) for p, row in top[1:]})
+    unknown = sorted(set(shapes) - set(rows), key=str)
+    if unknown:
+        raise HFFormatError(f"parameters {unknown[:3]} have no Hugging Face name in {spec.model_type}")
+    return {p: _Leaf(row.transform, tuple(n.format(i=i, e="{e}") for n in row.names),
+                     row.sizes(cfg.model, shapes[p][-1]))
+            for p, (row, i) in rows.items() if p in shapes}
+
+
+def _disk_layout(spec: FamilySpec, cfg: ExperimentConfig, present: Mapping[str, Any]) -> str:
+    """The expert layout whose first MoE layer's expert tensors are all in ``present``."""
+    i = next(i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i))
+    for layout, table in spec.moe_tensors.items():
+        names = [n.format(i=i, e=0) for row in table.values() if row.transform.expert_axis for n in row.names]
+        if names and all(n in present for n in names):
+            return layout
+    return "per_expert"  # the missing tensors are reported by name
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -428,42 +417,6 @@ def _check_shape(files: _Files, name: str, want: tuple[int, ...]) -> None:
         raise HFFormatError(f"{files.path}: tensor {name} has shape {list(got)}, but config.json implies {list(want)}")
 
 
-def _expected_hf_shapes(leaf: _Leaf, target: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """HF tensor shapes ``leaf`` needs to build an unrolled moefast parameter of shape ``target``."""
-    if leaf.kind == "t":
-        return {leaf.names[0]: target[::-1]}
-    if leaf.kind == "id":
-        return {leaf.names[0]: target}
-    if leaf.kind == "cat":
-        return {n: (s, target[0]) for n, s in zip(leaf.names, leaf.sizes)}
-    if leaf.kind == "cat1":
-        return {n: (s,) for n, s in zip(leaf.names, leaf.sizes)}
-    e = target[0]
-    if leaf.kind == "experts_in":  # target [E, D, 2F]
-        if leaf.fused:
-            return {leaf.fused: (e, target[2], target[1])}
-        return {n.format(e=k): (target[2] // 2, target[1]) for k in range(e) for n in leaf.names}
-    if leaf.fused:  # experts_out, target [E, F, D]
-        return {leaf.fused: (e, target[2], target[1])}
-    return {leaf.names[0].format(e=k): (target[2], target[1]) for k in range(e)}
-
-
-def _read_leaf(files: _Files, leaf: _Leaf, experts: slice | None) -> np.ndarray:
-    """The unrolled moefast parameter (float32), restricted to ``experts`` for expert leaves."""
-    if leaf.kind == "t":
-        return files.get(leaf.names[0]).T
-    if leaf.kind == "id":
-        return files.get(leaf.names[0])
-    if leaf.kind in ("cat", "cat1"):
-        parts = [files.get(n) for n in leaf.names]
-        return np.concatenate([x.T for x in parts] if leaf.kind == "cat" else parts, axis=-1)
-    if leaf.fused:  # [E, 2F, D] or [E, D, F] -> [E, D, 2F] or [E, F, D]
-        return files.get(leaf.fused, experts).transpose(0, 2, 1)
-    ids = range(experts.start, experts.stop)
-    if leaf.kind == "experts_in":
-        return np.stack([np.concatenate([files.get(n.format(e=k)).T for n in leaf.names], axis=-1) for k in ids])
-    return np.stack([files.get(leaf.names[0].format(e=k)).T for k in ids])
-
 
 def _flat_paths(tree: Any) -> list[tuple[tuple, Any]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
@@ -493,26 +446,23 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
       The parameters, a pure dict like ``nnx.to_pure_dict`` of the model's state, float32.
 
     Raises:
-      HFFormatError: missing or unexpected tensors, or a tensor whose shape does not match the
-        config (names the tensor and both shapes).
+      HFFormatError: an unsupported ``config.json`` (see :func:`config_from_hf`), missing or
+        unexpected tensors, or a tensor whose shape does not match the config (names the tensor
+        and both shapes).
     """
     path = Path(path)
-    family = _family_of(path)
+    spec = _family_of(path)
     files = _Files(path)
     m = cfg.model
     vocab = m.vocab_size
     if vocab is None:
         raise HFFormatError("model.vocab_size is null; build the config with config_from_hf")
     target = _abstract_params(cfg, vocab)
-    sample = [n for n in files.where if ".experts." in n]
-    fused = any(n.endswith("experts.gate_up_proj") for n in sample)
-    per_layer = {i: _layer_leaves(cfg, family, i, fused) for i in range(m.num_layers)}
-    top = _top_leaves(cfg)
-    unrolled = to_layout(target, m, scanned=False)
+    unrolled = dict(_flat_paths(to_layout(target, m, scanned=False)))
+    leaves = _leaves(spec, cfg, _disk_layout(spec, cfg, files.where), {p: a.shape for p, a in unrolled.items()})
     expected: dict[str, tuple[int, ...]] = {}
-    for sub, aval in _flat_paths(unrolled):
-        leaf = top[sub] if sub[0] != "blocks" else per_layer[sub[1]][sub[2:]]
-        expected.update(_expected_hf_shapes(leaf, aval.shape))
+    for p, leaf in leaves.items():
+        expected.update(leaf.transform.hf_shapes(leaf.names, unrolled[p].shape, leaf.sizes))
     missing = [n for n in expected if n not in files.where]
     if missing:
         raise HFFormatError(f"{path}: {len(missing)} tensors that config.json implies are missing, e.g. "
@@ -531,31 +481,29 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     sharding_of = dict(_flat_paths(shardings))
 
     def sources(p: tuple) -> tuple[list[_Leaf], bool]:
-        """The per-layer leaves of target path ``p`` and whether it is stacked."""
-        if p[0] == "blocks":
-            return [per_layer[p[1]][p[2:]]], False
+        """The unrolled leaves of target path ``p`` and whether it is stacked."""
         if p[0] == "prefix":
-            return [per_layer[i][p[1:]] for i in layout.prefix], True
+            return [leaves[("blocks", i) + p[1:]] for i in layout.prefix], True
         if p[0] == "groups":
-            return [per_layer[i][p[2:]] for i in layout.groups[p[1]]], True
+            return [leaves[("blocks", i) + p[2:]] for i in layout.groups[p[1]]], True
         if p[0] == "tail":
-            return [per_layer[layout.tail[p[1]]][p[2:]]], False
-        return [top[p]], False
+            return [leaves[("blocks", layout.tail[p[1]]) + p[2:]]], False
+        return [leaves[p]], False
 
     out = {}
     for p, aval in _flat_paths(target):
-        leaves, stacked = sources(p)
+        sources_p, stacked = sources(p)
         cache: dict[Any, np.ndarray] = {}
 
         def one(leaf: _Leaf, index: tuple) -> np.ndarray:
             if leaf.expert_axis:
                 lo, hi, _ = index[0].indices(cfg.moe.num_experts)
-                return _read_leaf(files, leaf, slice(lo, hi))[(slice(None),) + tuple(index[1:])]
+                return leaf.transform.read(files.get, leaf.names, slice(lo, hi))[(slice(None),) + tuple(index[1:])]
             if id(leaf) not in cache:  # whole tensor, once per parameter (every device's shard cuts it)
-                cache[id(leaf)] = _read_leaf(files, leaf, None)
+                cache[id(leaf)] = leaf.transform.read(files.get, leaf.names, None)
             return cache[id(leaf)][tuple(index)]
 
-        def callback(index: tuple, leaves=leaves, stacked=stacked, shape=aval.shape) -> np.ndarray:
+        def callback(index: tuple, leaves=sources_p, stacked=stacked, shape=aval.shape) -> np.ndarray:
             index = tuple(index) + (slice(None),) * (len(shape) - len(index))
             if not stacked:
                 return one(leaves[0], index)
@@ -578,10 +526,10 @@ def _unflatten(like: Any, values: dict[tuple, Any]) -> Any:
     return build(like, ())
 
 
-def _family_of(path: Path) -> str:
+def _family_of(path: Path) -> FamilySpec:
     hf = hf_config(path)
     _hf_sections(hf)  # rejects what moefast cannot represent
-    return hf["model_type"]
+    return families.REGISTRY[hf["model_type"]]
 
 
 def load_hf(path: str | Path, overrides: list[str] | None = None, *, base: ExperimentConfig | None = None,
@@ -591,7 +539,7 @@ def load_hf(path: str | Path, overrides: list[str] | None = None, *, base: Exper
 
     Example::
 
-        cfg, params = moefast.load_hf("path/to/Qwen3-30B-A3B", ["model.dtype=bfloat16"])
+        cfg, params = moefast.load_hf("path/to/hf-moe-model", ["model.dtype=bfloat16"])
         model = moefast.ModelDef(cfg, cfg.model.vocab_size).module(params)
         logits = model(tokens_bt, drop_tokens=False).logits  # [B, T, V] float32; no capacity: as HF computes
     """
@@ -606,27 +554,6 @@ def _host(x: Any) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
-
-
-def _write_leaf(leaf: _Leaf, value: np.ndarray, num_experts: int) -> list[tuple[str, np.ndarray]]:
-    """Inverse of :func:`_read_leaf`: the HF tensors of one unrolled moefast parameter."""
-    if leaf.kind == "t":
-        return [(leaf.names[0], value.T)]
-    if leaf.kind == "id":
-        return [(leaf.names[0], value)]
-    if leaf.kind in ("cat", "cat1"):
-        parts = np.split(value, np.cumsum(leaf.sizes)[:-1], axis=-1)
-        return [(n, x.T if leaf.kind == "cat" else x) for n, x in zip(leaf.names, parts)]
-    if leaf.fused:
-        return [(leaf.fused, value.transpose(0, 2, 1))]
-    out = []
-    for k in range(num_experts):
-        if leaf.kind == "experts_in":
-            parts = np.split(value[k], len(leaf.names), axis=-1)
-            out += [(n.format(e=k), x.T) for n, x in zip(leaf.names, parts)]
-        else:
-            out.append((leaf.names[0].format(e=k), value[k].T))
-    return out
 
 
 def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None]:
@@ -672,7 +599,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16'")
-    family = hf_family(cfg)
+    spec = families.REGISTRY[hf_family(cfg)]
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise HFFormatError(f"{out_dir} exists and is not an empty directory; choose a new one (nothing is "
@@ -680,16 +607,8 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
     m = cfg.model
     unrolled = to_layout(params, m, scanned=False)
     vocab = int(unrolled["embed"].shape[0])
-    per_layer = {i: _layer_leaves(cfg, family, i, layout == "fused") for i in range(m.num_layers)}
-    top = _top_leaves(cfg)
-    order = [(("embed",), top[("embed",)])]
-    for i in range(m.num_layers):
-        order += [(("blocks", i) + sub, leaf) for sub, leaf in per_layer[i].items()]
-    order += [(p, top[p]) for p in top if p != ("embed",)]
     values = dict(_flat_paths(unrolled))
-    unknown = sorted(set(values) - {p for p, _ in order})
-    if unknown:
-        raise HFFormatError(f"parameters {unknown[:3]} have no Hugging Face name in {family}")
+    leaves = _leaves(spec, cfg, layout, {p: np.shape(v) for p, v in values.items()})
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed export to the same place
@@ -712,9 +631,8 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
                 shards.append(list(pending))
                 pending, size = {}, 0
 
-        for p, leaf in order:
-            value = _host(values[p])
-            for name, x in _write_leaf(leaf, value, cfg.moe.num_experts):
+        for p, leaf in leaves.items():
+            for name, x in leaf.transform.write(_host(values[p]), leaf.names, leaf.sizes):
                 x = np.ascontiguousarray(x.astype(np_dtype))
                 if pending and size + x.nbytes > max_shard_bytes:
                     flush()
@@ -733,7 +651,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
                          "weight_map": {t: names[k] for k, ts in enumerate(shards) for t in ts}}
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             special = _special_ids(cfg, vocab)
-            hf = _export_config(cfg, family, vocab, dtype, special)
+            hf = _export_config(cfg, spec, vocab, dtype, special)
             (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
             gen = {k: v for k, v in special.items() if k != "pad_token_id" and v is not None}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -747,7 +665,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
                 out_dir.rmdir()  # empty (checked above)
             os.replace(tmp, out_dir)
             if log is not None:
-                log(f"wrote {family} ({layout} experts, {dtype}) to {out_dir}: {n} safetensors file(s), "
+                log(f"wrote {spec.model_type} ({layout} experts, {dtype}) to {out_dir}: {n} safetensors file(s), "
                     f"{total / 2**20:,.1f} MiB")
     finally:
         if tmp.exists():

@@ -1,0 +1,395 @@
+"""The Hugging Face model families moefast reads and writes, one :class:`FamilySpec` each.
+
+Everything that differs between families lives here: the ``model_type`` and architecture class,
+the ``config.json`` keys that vary (and the values transformers assumes when they are absent), which
+layers are MoE, and the table of HF tensor names with the transform that turns each into a moefast
+parameter. :mod:`moefast.interop.hf` is the generic engine (reading safetensors into shardings,
+shape checks, writing) and never names a family.
+
+To add a family:
+
+1. Write one ``FamilySpec(...)`` below and add it to :data:`REGISTRY` under its ``model_type``.
+   Start from the closest existing entry: reuse the tensor tables (``_ATTENTION``, ``_DENSE_MLP``,
+   ``_moe_tables(...)``, ``_GLOBAL``) and change only the names or keys that differ.
+2. Only if one of its tensors is not a transpose, a concatenation or an expert stack of HF tensors,
+   write a new :class:`Transform` subclass (``hf_shapes``, ``read``, ``write``, exact inverses);
+   only if its config.json places MoE layers another way (e.g. ``first_k_dense_replace``), a
+   layer-pattern class like :class:`MlpOnlyLayers` (``allows_dense``, ``moe_layers``, ``to_hf``).
+3. Add the family to ``tests/interop/test_hf.py``'s tiny transformers models: logits, chosen experts
+   and the exact round trip are then checked like the others'.
+
+When several families represent a model, :func:`moefast.interop.hf.hf_family` picks the first in
+:data:`REGISTRY` order.
+
+Dimension letters: D d_model, H query heads, G key/value heads, Hd head_dim, F d_ff (of the routed
+experts), E experts. moefast's linear weights are [in, out]; HF's are [out, in].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, Literal
+
+import numpy as np
+
+from moefast.config import ExperimentConfig, ModelConfig
+
+__all__ = ["REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "MlpOnlyLayers", "SharedExpert", "Tensor", "Transform"]
+
+SubPath = tuple[str, ...]  # a parameter's sub-path in moefast's (unrolled) tree, e.g. ("attn", "qkv")
+
+
+# ------------------------------------------------------------------------------------- transforms
+class Transform:
+    """How HF tensors make one unrolled moefast parameter, in both directions.
+
+    ``names`` are the HF names of one layer (an expert transform's still hold ``{e}``); ``sizes``
+    split the parameter's last axis between ``names`` (see :meth:`Tensor.sizes`). ``read`` and
+    ``write`` are exact inverses; tensors travel as float32 numpy arrays.
+    """
+
+    expert_axis = False  # the parameter's first axis is E: a device's shard reads only its experts
+
+    def hf_shapes(self, names: tuple[str, ...], shape: tuple[int, ...],
+                  sizes: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> the shape it must have to make a parameter of ``shape``."""
+        raise NotImplementedError
+
+    def read(self, get: Callable[..., np.ndarray], names: tuple[str, ...], experts: slice | None) -> np.ndarray:
+        """The parameter (only ``experts`` of its first axis for an expert transform).
+
+        ``get(name)`` returns a tensor; ``get(name, rows)`` only ``rows`` of its first axis."""
+        raise NotImplementedError
+
+    def write(self, value: np.ndarray, names: tuple[str, ...],
+              sizes: tuple[int, ...]) -> list[tuple[str, np.ndarray]]:
+        """The HF tensors of parameter ``value``."""
+        raise NotImplementedError
+
+
+class Identity(Transform):
+    """One HF tensor as it is (norm scales, embeddings)."""
+
+    def hf_shapes(self, names, shape, sizes):
+        return {names[0]: shape}
+
+    def read(self, get, names, experts):
+        return get(names[0])
+
+    def write(self, value, names, sizes):
+        return [(names[0], value)]
+
+
+class Transposed(Transform):
+    """One HF linear weight [out, in] -> [in, out]."""
+
+    def hf_shapes(self, names, shape, sizes):
+        return {names[0]: shape[::-1]}
+
+    def read(self, get, names, experts):
+        return get(names[0]).T
+
+    def write(self, value, names, sizes):
+        return [(names[0], value.T)]
+
+
+class ConcatTransposed(Transform):
+    """HF linear weights [size_n, in] transposed and joined: [in, sum(sizes)] (q|k|v, gate|up)."""
+
+    def hf_shapes(self, names, shape, sizes):
+        return {n: (s, shape[0]) for n, s in zip(names, sizes)}
+
+    def read(self, get, names, experts):
+        return np.concatenate([get(n).T for n in names], axis=-1)
+
+    def write(self, value, names, sizes):
+        return [(n, x.T) for n, x in zip(names, np.split(value, np.cumsum(sizes)[:-1], axis=-1))]
+
+
+class Concat(Transform):
+    """1-D HF tensors [size_n] joined: [sum(sizes)] (q|k|v biases)."""
+
+    def hf_shapes(self, names, shape, sizes):
+        return {n: (s,) for n, s in zip(names, sizes)}
+
+    def read(self, get, names, experts):
+        return np.concatenate([get(n) for n in names], axis=-1)
+
+    def write(self, value, names, sizes):
+        return list(zip(names, np.split(value, np.cumsum(sizes)[:-1], axis=-1)))
+
+
+class PerExpert(Transform):
+    """One HF linear weight per expert and name (``{e}`` in the name), each transposed, joined along
+    the last axis and stacked over experts: [E, in, sum(sizes)] (gate|up [E, D, 2F], down [E, F, D])."""
+
+    expert_axis = True
+
+    def hf_shapes(self, names, shape, sizes):
+        return {n.format(e=k): (s, shape[1]) for k in range(shape[0]) for n, s in zip(names, sizes)}
+
+    def read(self, get, names, experts):
+        return np.stack([np.concatenate([get(n.format(e=k)).T for n in names], axis=-1)
+                         for k in range(experts.start, experts.stop)])
+
+    def write(self, value, names, sizes):
+        return [(n.format(e=k), x.T) for k in range(value.shape[0])
+                for n, x in zip(names, np.split(value[k], np.cumsum(sizes)[:-1], axis=-1))]
+
+
+class FusedExperts(Transform):
+    """One HF tensor [E, out, in] holding every expert -> [E, in, out] (transformers 5's
+    ``experts.gate_up_proj`` [E, 2F, D] and ``experts.down_proj`` [E, D, F])."""
+
+    expert_axis = True
+
+    def hf_shapes(self, names, shape, sizes):
+        return {names[0]: (shape[0], shape[2], shape[1])}
+
+    def read(self, get, names, experts):
+        return get(names[0], experts).transpose(0, 2, 1)
+
+    def write(self, value, names, sizes):
+        return [(names[0], value.transpose(0, 2, 1))]
+
+
+IDENTITY, TRANSPOSED, CONCAT_T, CONCAT = Identity(), Transposed(), ConcatTransposed(), Concat()
+PER_EXPERT, FUSED_EXPERTS = PerExpert(), FusedExperts()
+
+
+def qkv_sizes(m: ModelConfig, width: int) -> tuple[int, ...]:
+    """Widths of q | k | v in moefast's fused projection: (H·Hd, G·Hd, G·Hd)."""
+    return (m.num_heads * m.head_dim, m.kv_heads * m.head_dim, m.kv_heads * m.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One row of a tensor table: a moefast parameter made of HF tensors ``names`` by ``transform``.
+
+    ``names`` are templates: ``{i}`` the layer, ``{e}`` the expert. ``split`` gives the widths of
+    the parameter's last axis that each name holds (default: equal parts).
+    """
+
+    transform: Transform
+    names: tuple[str, ...]
+    split: Callable[[ModelConfig, int], tuple[int, ...]] | None = None
+
+    def sizes(self, m: ModelConfig, width: int) -> tuple[int, ...]:
+        """Per-name widths of a parameter whose last axis is ``width`` wide."""
+        return self.split(m, width) if self.split else (width // len(self.names),) * len(self.names)
+
+
+def _t(transform: Transform, *names: str, split=None) -> Tensor:
+    return Tensor(transform, names, split)
+
+
+# ------------------------------------------------------------------------------------ config keys
+@dataclasses.dataclass(frozen=True)
+class AllMoE:
+    """Every layer is MoE (Mixtral, OLMoE); nothing to write in config.json."""
+
+    allows_dense = False
+
+    def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
+        return [True] * num_layers
+
+    def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
+        return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpOnlyLayers:
+    """Layers listed in ``mlp_only_layers`` are dense, the others MoE where ``(i + 1) %
+    decoder_sparse_step == 0`` (Qwen-MoE)."""
+
+    allows_dense = True
+
+    def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
+        only = set(hf.get("mlp_only_layers") or [])
+        step = hf.get("decoder_sparse_step") or 1
+        return [i not in only and (i + 1) % step == 0 for i in range(num_layers)]
+
+    def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
+        return {"decoder_sparse_step": 1, "mlp_only_layers": dense}
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasKey:
+    """The config.json key that switches attention biases on: ``covers`` is moefast's
+    ``model.attention_bias`` when it is true (``"qkv"`` or ``"all"``), ``default`` its value when absent."""
+
+    key: str
+    covers: Literal["qkv", "all"]
+    default: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedExpert:
+    """A shared expert of width config.json's ``ff_key`` (moefast ``moe.shared_expert_d_ff``);
+    ``gated``: scaled by a sigmoid gate (moefast ``moe.shared_expert_gate``)."""
+
+    ff_key: str
+    gated: bool = True
+
+
+# ----------------------------------------------------------------------------------------- family
+@dataclasses.dataclass(frozen=True)
+class FamilySpec:
+    """Everything family-specific about one HF MoE family.
+
+    Attributes:
+      model_type: config.json's ``model_type`` (the :data:`REGISTRY` key).
+      architecture: the transformers class written to ``architectures``.
+      name: the family's name in messages.
+      hf_defaults: config.json key -> the value transformers assumes when it is absent or null
+        (must hold ``rope_theta``, ``rms_norm_eps`` and ``num_experts_per_tok``).
+      num_experts_keys: keys holding E, the first present wins (the first is written).
+      expert_ff_key: key of F (moefast ``model.d_ff``).
+      dense_ff_key: key of the dense layers' width (moefast ``model.dense_d_ff``); None: the family
+        has no dense layers of their own width.
+      moe_layers: which layers are MoE (:class:`AllMoE` or :class:`MlpOnlyLayers`).
+      attention_bias: the key switching attention biases on; None: the family has none.
+      qk_norm: moefast's ``model.qk_norm`` for the family (``"none"``, ``"per_head"``, ``"full"``).
+      norm_topk_prob_key: key of moefast ``moe.norm_topk_prob`` (absent: false); None: the family
+        always renormalises the top-k gates.
+      shared_expert: the family's shared expert; None: it has none.
+      unsupported: keys that must be absent or null -> what they would switch on.
+      export_constants: further keys written to config.json: a value, or a function of the
+        :class:`~moefast.config.ExperimentConfig`.
+      model_checks: ``(predicate, message)``: the model cannot be exported as this family when
+        ``predicate(cfg)`` is true.
+      layer_tensors: per-layer table of every layer (attention and norms): moefast sub-path of
+        ``params["blocks"][i]`` -> :class:`Tensor`.
+      dense_tensors: per-layer table of dense layers' MLPs.
+      moe_tensors: per-layer tables of MoE layers' MLPs by on-disk expert layout (``"per_expert"``
+        and, where it exists, ``"fused"``); reading picks the layout whose tensors the files hold.
+      global_tensors: table of the parameters outside the layers (embedding, final norm, head).
+
+    A table may list parameters a model lacks (biases, q/k norms): only the model's own parameters
+    are looked up, and one with no row cannot be read or written in this family.
+
+    Raises:
+      ValueError: at construction, a spec missing a required default or a per-expert table.
+    """
+
+    model_type: str
+    architecture: str
+    name: str
+    hf_defaults: Mapping[str, Any]
+    num_experts_keys: tuple[str, ...]
+    expert_ff_key: str
+    layer_tensors: Mapping[SubPath, Tensor]
+    dense_tensors: Mapping[SubPath, Tensor]
+    moe_tensors: Mapping[str, Mapping[SubPath, Tensor]]
+    global_tensors: Mapping[SubPath, Tensor]
+    dense_ff_key: str | None = None
+    moe_layers: AllMoE | MlpOnlyLayers = AllMoE()
+    attention_bias: BiasKey | None = None
+    qk_norm: Literal["none", "per_head", "full"] = "none"
+    norm_topk_prob_key: str | None = "norm_topk_prob"
+    shared_expert: SharedExpert | None = None
+    unsupported: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    export_constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model_checks: tuple[tuple[Callable[[ExperimentConfig], bool], str], ...] = ()
+
+    def __post_init__(self):
+        missing = {"rope_theta", "rms_norm_eps", "num_experts_per_tok"} - set(self.hf_defaults)
+        if missing:
+            raise ValueError(f"FamilySpec {self.model_type}: hf_defaults lacks {sorted(missing)}")
+        if "per_expert" not in self.moe_tensors:
+            raise ValueError(f"FamilySpec {self.model_type}: moe_tensors needs a 'per_expert' table")
+        if not self.num_experts_keys:
+            raise ValueError(f"FamilySpec {self.model_type}: num_experts_keys is empty")
+
+
+# ---------------------------------------------------------------------------------- tensor tables
+_L = "model.layers.{i}."
+_A = _L + "self_attn."
+_ATTENTION = MappingProxyType({
+    ("attn_norm", "scale"): _t(IDENTITY, _L + "input_layernorm.weight"),
+    ("ffn_norm", "scale"): _t(IDENTITY, _L + "post_attention_layernorm.weight"),
+    ("attn", "qkv"): _t(CONCAT_T, *(_A + f"{x}_proj.weight" for x in "qkv"), split=qkv_sizes),
+    ("attn", "out"): _t(TRANSPOSED, _A + "o_proj.weight"),
+    ("attn", "qkv_bias"): _t(CONCAT, *(_A + f"{x}_proj.bias" for x in "qkv"), split=qkv_sizes),
+    ("attn", "out_bias"): _t(IDENTITY, _A + "o_proj.bias"),
+    ("attn", "q_norm", "scale"): _t(IDENTITY, _A + "q_norm.weight"),
+    ("attn", "k_norm", "scale"): _t(IDENTITY, _A + "k_norm.weight"),
+})
+_DENSE_MLP = MappingProxyType({
+    ("ffn", "w_in"): _t(CONCAT_T, _L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+    ("ffn", "w_out"): _t(TRANSPOSED, _L + "mlp.down_proj.weight"),
+})
+_GLOBAL = MappingProxyType({
+    ("embed",): _t(IDENTITY, "model.embed_tokens.weight"),
+    ("final_norm", "scale"): _t(IDENTITY, "model.norm.weight"),
+    ("lm_head",): _t(TRANSPOSED, "lm_head.weight"),
+})
+
+
+def _moe_tables(moe: str = "mlp.", gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
+                shared: bool = False) -> Mapping[str, Mapping[SubPath, Tensor]]:
+    """MoE-layer tables: per-expert tensors under ``model.layers.{i}.{moe}`` named ``experts.{e}.
+    {gate,up,down}.weight``, or transformers 5's fused ``mlp.experts.gate_up_proj/down_proj``;
+    ``shared``: Qwen2-MoE's gated ``mlp.shared_expert``."""
+    x = _L + moe + "experts.{e}."
+    per_expert = {("ffn", "router"): _t(TRANSPOSED, _L + moe + "gate.weight"),
+                  ("ffn", "w_in"): _t(PER_EXPERT, x + gate + ".weight", x + up + ".weight"),
+                  ("ffn", "w_out"): _t(PER_EXPERT, x + down + ".weight")}
+    fused = {("ffn", "router"): _t(TRANSPOSED, _L + "mlp.gate.weight"),
+             ("ffn", "w_in"): _t(FUSED_EXPERTS, _L + "mlp.experts.gate_up_proj"),
+             ("ffn", "w_out"): _t(FUSED_EXPERTS, _L + "mlp.experts.down_proj")}
+    if shared:
+        s = _L + "mlp.shared_expert."
+        extra = {("ffn", "shared_w_in"): _t(CONCAT_T, s + "gate_proj.weight", s + "up_proj.weight"),
+                 ("ffn", "shared_w_out"): _t(TRANSPOSED, s + "down_proj.weight"),
+                 ("ffn", "shared_gate"): _t(TRANSPOSED, _L + "mlp.shared_expert_gate.weight")}
+        per_expert, fused = {**per_expert, **extra}, {**fused, **extra}
+    return MappingProxyType({"per_expert": MappingProxyType(per_expert), "fused": MappingProxyType(fused)})
+
+
+def _qwen(model_type: str, architecture: str, name: str, **kw) -> FamilySpec:
+    return FamilySpec(
+        model_type=model_type, architecture=architecture, name=name, num_experts_keys=("num_experts",
+                                                                                       "num_local_experts"),
+        expert_ff_key="moe_intermediate_size", dense_ff_key="intermediate_size", moe_layers=MlpOnlyLayers(),
+        layer_tensors=_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        export_constants=MappingProxyType({"use_sliding_window": False, "sliding_window": None,
+                                           "max_window_layers": lambda cfg: cfg.model.num_layers}), **kw)
+
+
+# --------------------------------------------------------------------------------------- registry
+REGISTRY: dict[str, FamilySpec] = {
+    "mixtral": FamilySpec(
+        model_type="mixtral", architecture="MixtralForCausalLM", name="Mixtral",
+        hf_defaults=MappingProxyType({"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_experts_per_tok": 2}),
+        num_experts_keys=("num_local_experts",), expert_ff_key="intermediate_size", norm_topk_prob_key=None,
+        layer_tensors=_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=_moe_tables("block_sparse_moe.", "w1", "w3", "w2"),
+        unsupported=MappingProxyType({"sliding_window": "sliding-window attention; set it to null for full "
+                                                        "attention"}),
+        export_constants=MappingProxyType({"sliding_window": None, "router_jitter_noise": 0.0})),
+    "qwen2_moe": _qwen(
+        "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE",
+        hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 4}),
+        attention_bias=BiasKey("qkv_bias", "qkv", default=True),
+        shared_expert=SharedExpert("shared_expert_intermediate_size", gated=True),
+        moe_tensors=_moe_tables(shared=True)),
+    "qwen3_moe": _qwen(
+        "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE",
+        hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8}),
+        attention_bias=BiasKey("attention_bias", "all"), qk_norm="per_head", moe_tensors=_moe_tables()),
+    "olmoe": FamilySpec(
+        model_type="olmoe", architecture="OlmoeForCausalLM", name="OLMoE",
+        hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-5, "num_experts_per_tok": 8}),
+        num_experts_keys=("num_experts", "num_local_experts"), expert_ff_key="intermediate_size",
+        attention_bias=BiasKey("attention_bias", "all"), qk_norm="full",
+        layer_tensors=_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL, moe_tensors=_moe_tables(),
+        unsupported=MappingProxyType({"clip_qkv": "clipping of q/k/v activations"}),
+        export_constants=MappingProxyType({"clip_qkv": None}),
+        model_checks=((lambda cfg: cfg.model.num_heads * cfg.model.head_dim != cfg.model.d_model,
+                       "model.head_dim * num_heads != d_model (OLMoE's q/k norms assume it)"),)),
+}
+"""HF ``model_type`` -> :class:`FamilySpec`: the families moefast reads and writes, in the order
+:func:`moefast.interop.hf.hf_family` tries them."""
