@@ -54,7 +54,7 @@ import orbax.checkpoint as ocp
 from moefast.config import PARAMETER_KEYS, ExperimentConfig
 from moefast.model import layout
 
-__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Restored"]
+__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Restored", "complete_steps"]
 
 _logger = logging.getLogger(__name__)
 
@@ -252,6 +252,16 @@ def _silence_orbax_aftermath() -> None:
     sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
 
 
+def complete_steps(directory: Path) -> list[int]:
+    """Steps whose directories are complete on disk in ``directory`` (orbax renames a step's
+    directory to ``<step>`` only once all of it is written), oldest first; ``[]`` when the
+    directory is missing or unreadable."""
+    try:
+        return sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit() and p.is_dir())
+    except OSError:
+        return []
+
+
 def _all_processes_ok(ok: bool) -> bool:
     """``ok`` on every process (one process restoring a step that another could not read would
     leave them on different steps). Single-process: ``ok`` itself."""
@@ -316,10 +326,7 @@ class Checkpointer:
     def complete_steps(self) -> list[int]:
         """Steps whose directories are complete on disk now (orbax renames a step's directory to
         ``<step>`` only once all of it is written), oldest first; also while a save runs."""
-        try:
-            return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
-        except OSError:
-            return []
+        return complete_steps(self.directory)
 
     def _step_dir(self, step: int) -> Path:
         return self.directory / str(step)

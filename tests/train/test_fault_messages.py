@@ -49,7 +49,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys, threading, time
     import orbax.checkpoint as ocp
     from moefast import cli
-    from moefast.train import checkpoint, loop
+    from moefast.train import checkpoint, timing
 
     real_finalize = ocp.CheckpointManager._finalize
     def slow_finalize(self, *a, **k):  # the checkpoint write takes 3 s
@@ -57,12 +57,12 @@ CHILD = textwrap.dedent("""
         return real_finalize(self, *a, **k)
     ocp.CheckpointManager._finalize = slow_finalize
 
-    real_record = loop._StepBook.record
+    real_record = timing.StepBook.record
     def record(self, step, metrics):
         real_record(self, step, metrics)
         if step == 3:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: stop after this step with a checkpoint
-    loop._StepBook.record = record
+    timing.StepBook.record = record
 
     real_wait = checkpoint.Checkpointer.wait
     def wait(self):  # Ctrl-C again, 0.5 s into waiting for that checkpoint's write

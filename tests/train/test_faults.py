@@ -313,15 +313,15 @@ def test_sigterm_in_process_stops_after_that_step_and_restores_handlers(small_co
 
 
 def test_signal_before_the_first_step_runs_no_step(small_config, tmp_path, monkeypatch):
-    from moefast.train import loop
+    from moefast.train import signals
 
-    original = loop._StopRequest.install
+    original = signals.StopRequest.install
 
     def install_then_signal(self):
         original(self)
         os.kill(os.getpid(), signal.SIGINT)  # e.g. Ctrl-C while the step compiles
 
-    monkeypatch.setattr(loop._StopRequest, "install", install_then_signal)
+    monkeypatch.setattr(signals.StopRequest, "install", install_then_signal)
     cfg = small_config("train.steps=5", "train.eval_every=0")
     summary = Trainer(cfg, tmp_path, log=None, progress=False).run()
     assert summary.stopped_by == "SIGINT" and summary.steps_this_run == 0 and summary.checkpoint is None

@@ -188,15 +188,15 @@ def test_steady_state_steps_read_nothing_back_from_the_devices(small_config, tmp
     checkpoint before the end."""
     from jax._src import array
 
-    from moefast.train import loop
+    from moefast.train import timing
 
     dispatched, reads = [0], []
     value = array.ArrayImpl._value
     monkeypatch.setattr(array.ArrayImpl, "_value", property(lambda self: (reads.append(dispatched[-1]),
                                                                           value.fget(self))[1]))
-    record = loop._StepBook.record
-    monkeypatch.setattr(loop._StepBook, "record", lambda self, step, m: (dispatched.append(step),
-                                                                         record(self, step, m))[1])
+    record = timing.StepBook.record
+    monkeypatch.setattr(timing.StepBook, "record", lambda self, step, m: (dispatched.append(step),
+                                                                          record(self, step, m))[1])
     cfg = small_config("train.steps=9", "train.log_every=4", "train.eval_every=0", "train.checkpoint_every=0")
     assert Trainer(cfg, tmp_path, log=None, progress=False).run().steps == 9
     assert {1, 5, 9} <= set(reads) <= {0, 1, 5, 9}, sorted(set(reads))

@@ -1,0 +1,56 @@
+"""Evaluation of a run: validation cross-entropy and bits per byte over fixed batches."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from moefast.train.step import LN2, ModelDef, eval_step
+
+__all__ = ["Evaluator"]
+
+
+class Evaluator:
+    """The compiled evaluation step and the validation batches (read on first use, then kept).
+
+    Args:
+      model_def: the run's model.
+      mesh: the run's mesh.
+      state_sharding: shardings of the train state (its ``params`` and ``routing`` are used).
+      batch_sharding, replicated: shardings of a batch ([B, T] arrays) and of the outputs.
+      bytes_per_token: mean UTF-8 bytes per token of the tokenizer (bits per byte).
+      batches: returns this process's validation batches (arrays [B_local, T] keyed by
+        ``BATCH_KEYS``), called once.
+      put_batch: makes global arrays in ``batch_sharding`` of one such batch.
+    """
+
+    def __init__(self, model_def: ModelDef, mesh: Mesh, state_sharding: dict[str, Any], *,
+                 batch_sharding: NamedSharding, replicated: NamedSharding, bytes_per_token: float,
+                 batches: Callable[[], list[dict[str, np.ndarray]]],
+                 put_batch: Callable[[dict[str, np.ndarray]], dict[str, jax.Array]]):
+        self.mesh, self._batches, self._put = mesh, batches, put_batch
+        self._data: list[dict[str, np.ndarray]] | None = None
+        self._step = jax.jit(
+            functools.partial(eval_step, model_def, bytes_per_token=bytes_per_token),
+            in_shardings=(state_sharding["params"], state_sharding["routing"], batch_sharding),
+            out_shardings=replicated)
+
+    def __call__(self, params: dict, routing_state: dict) -> dict[str, float]:
+        """Validation loss (``eval_loss``, nats/token) and ``eval_bits_per_byte`` of ``params`` (in
+        the state's shardings) with ``routing_state``, over all validation batches (one transfer)."""
+        if self._data is None:
+            self._data = self._batches()
+        totals = None
+        with jax.set_mesh(self.mesh):
+            for batch in self._data:
+                out = self._step(params, routing_state, self._put(batch))
+                totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+        totals = jax.device_get(totals)
+        ce = float(totals["ce_sum"]) / max(float(totals["weight_sum"]), 1.0)
+        bpb = float(totals["ce_sum"]) / LN2 / max(float(totals["bytes"]), 1.0)
+        return {"eval_loss": ce, "eval_bits_per_byte": bpb}

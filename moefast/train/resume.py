@@ -1,0 +1,66 @@
+"""Where a run starts: a fresh train state, or the run dir's latest checkpoint (exact resume).
+
+The policy: a run dir with a checkpoint is resumed from its newest step that restores (train
+state, data-iterator position and the loop's host state, so the steps after it are bit-identical
+to an uninterrupted run); a change of mesh or of train settings since the checkpoint is allowed
+and said in a note; an incompatible checkpoint fails before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from moefast.config import ExperimentConfig
+from moefast.train.checkpoint import Checkpointer
+
+__all__ = ["RunStart", "start_or_resume"]
+
+
+@dataclasses.dataclass
+class RunStart:
+    state: dict[str, Any]  # the train state (params, opt_state, routing, step) in its shardings
+    step: int  # optimizer steps already done
+    loop_state: dict[str, Any]  # host state of the loop saved with the checkpoint (e.g. {"monitor": ...})
+
+
+def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, init_state: Callable[[], dict],
+                    abstract_state: Callable[[], dict], log: Callable[[str], None]) -> RunStart:
+    """The state a run starts from: the latest checkpoint in ``ckpt`` (its data position is set on
+    ``data_iter``), or ``init_state()`` when there is none.
+
+    Args:
+      cfg: this run's config.
+      ckpt: the run dir's checkpoints.
+      data_iter: the training data iterator (grain, with ``set_state``), positioned at the start.
+      init_state: makes a fresh train state in its shardings.
+      abstract_state: the train state's ``jax.ShapeDtypeStruct`` tree with shardings (the restore target).
+      log: console printer for the resume line and notes.
+
+    Raises:
+      CheckpointError: no checkpoint restores, or one was written with another model/moe/data
+        config (:meth:`Checkpointer.restore`); nothing is written before this.
+    """
+    if ckpt.latest_step() is None:
+        return RunStart(init_state(), 0, {})
+    restored = ckpt.restore(abstract_state(), cfg)  # fails before anything is written
+    start = restored.step
+    if restored.data_state is not None:  # None: an imported step 0 (Trainer.initialize), data not yet read
+        data_iter.set_state(restored.data_state)
+    log(f"resuming from step {start} ({ckpt.directory / str(start)})")
+    saved = restored.meta.get("config", {})
+    now = cfg.to_dict()
+    if saved.get("mesh") is not None and saved["mesh"] != now["mesh"]:
+        log(f"note: mesh changed from {saved['mesh']} to {now['mesh']}: the state was restored into the new "
+            "shardings; routing groups (tokens per device) differ, so losses will not match the old mesh bit for bit")
+    saved_train = saved.get("train", {}) if start else {}  # step 0 (an imported run): no schedule to keep
+    saved_steps = saved_train.get("steps")
+    if saved_steps is not None and saved_steps != cfg.train.steps:
+        log(f"note: train.steps changed from {saved_steps} to {cfg.train.steps}: the learning-rate schedule now "
+            f"spans {cfg.train.steps} steps, so this run is not a resume of the original schedule")
+    ignored = ("steps", "stop_at")
+    changed = [f"{k} {saved_train[k]!r} -> {v!r}" for k, v in now["train"].items()
+               if k not in ignored and k in saved_train and saved_train[k] != v]
+    if changed:
+        log(f"note: train settings changed since the checkpoint: {', '.join(changed)}")
+    return RunStart(restored.state, start, restored.meta.get("loop") or {})

@@ -1,0 +1,73 @@
+"""The run directory: its ``config.yaml``, and errors of writes to it.
+
+A run dir holds ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/`` and ``config.yaml`` (the
+config the run continues with).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+from moefast.config import ExperimentConfig
+from moefast.train.checkpoint import CheckpointError, complete_steps
+
+__all__ = ["load_run_config", "write_error", "write_run_config"]
+
+_CONFIG = "config.yaml"
+
+
+def write_run_config(run_dir: Path, cfg: ExperimentConfig) -> None:
+    """Replaces ``<run_dir>/config.yaml`` by ``cfg``, so that a crash
+    leaves the old or the new file, never a cut one.
+
+    Raises:
+      OSError: the file cannot be written (the message names it).
+    """
+    path = run_dir / _CONFIG
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
+
+
+def load_run_config(run_dir: str | Path) -> ExperimentConfig:
+    """The config a run was started with (``<run-dir>/config.yaml``).
+
+    Raises:
+      CheckpointError: the run directory or its config is missing or unreadable.
+      ConfigError: the config has unknown keys or impossible values.
+    """
+    path = Path(run_dir) / _CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: {run_dir} is not a moefast run directory "
+                              "(start one with: moefast train --run-dir DIR)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); moefast train writes it at "
+                              "every start: restore it from the run's first command, or rerun that command") from None
+    if not isinstance(raw, dict) or not raw:
+        raise CheckpointError(f"{path} holds no config; moefast train writes it at every start: rerun the "
+                              "run's training command to rewrite it")
+    return ExperimentConfig.from_dict(raw, where=str(path))
+
+
+def write_error(e: OSError, run_dir: Path, checkpoints: Path, done: int) -> CheckpointError:
+    """A failed write to the run dir (metrics, TensorBoard events, config.yaml) after ``done``
+    optimizer steps, as one error naming the directory, the step and the last complete checkpoint
+    in ``checkpoints``."""
+    good = complete_steps(checkpoints)
+    where = (f"the last complete checkpoint, {checkpoints / str(good[-1])}, is intact: a rerun of the same "
+             f"command resumes from it and trains and logs the steps after it again" if good else
+             "there is no complete checkpoint yet: a rerun starts the run again")
+    return CheckpointError(f"{e}; training stopped after step {done}: {where}. Free disk space or make "
+                           f"{run_dir} writable first (df -h {run_dir}; ls -ld {run_dir})")
