@@ -22,9 +22,10 @@ Faults, and what happens:
   one is complete, so the last good checkpoint survives a failed write.
 
 A failed write or read leaves orbax tasks that report the same failure again and again (asyncio,
-unraisable-exception and absl tracebacks); the first :class:`Checkpointer` installs filters that
-drop exactly those reports (:func:`_silence_orbax_aftermath`), so the one :class:`CheckpointError`
-is what the user sees.
+unraisable-exception and absl tracebacks); :func:`quiet_orbax_aftermath` drops exactly those
+reports while a run holds it (:meth:`moefast.train.Trainer.run` does), so the one
+:class:`CheckpointError` is what the user sees. Creating a :class:`Checkpointer` changes nothing
+process-wide.
 
 Warnings and notes go to the ``log`` callable given to :class:`Checkpointer` (the Trainer's
 console), else to :func:`warnings.warn` / ``logging``. With several processes, every process must
@@ -34,7 +35,9 @@ moves it aside.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import logging
@@ -42,10 +45,11 @@ import os
 import re
 import shutil
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -54,7 +58,8 @@ import orbax.checkpoint as ocp
 from moefast.config import PARAMETER_KEYS, ExperimentConfig
 from moefast.model import layout
 
-__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Restored", "complete_steps"]
+__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Restored", "complete_steps",
+           "quiet_orbax_aftermath", "quiet_orbax_aftermath_until_exit"]
 
 _logger = logging.getLogger(__name__)
 
@@ -195,22 +200,28 @@ def _describe_write(e: BaseException) -> str:
     return _clip(reason)
 
 
-_quiet = False
+@contextlib.contextmanager
+def quiet_orbax_aftermath() -> Iterator[None]:
+    """Drops orbax's repeated reports of a failure while the ``with`` block runs.
 
-
-def _silence_orbax_aftermath() -> None:
-    """When a write or a restore fails part-way, orbax's other tasks still finish in the background
-    and report, at garbage collection or at exit, to an event loop already closed: "Task exception
-    was never retrieved" (the asyncio logger), "Exception ignored in: <coroutine ...>" (unraisable
+    When a write or a restore fails part-way, orbax's other tasks still finish in the background
+    and report, at garbage collection, to an event loop already closed: "Task exception was never
+    retrieved" (the asyncio logger), "Exception ignored in: <coroutine ...>" (unraisable
     exceptions), "coroutine ... was never awaited" warnings, "RuntimeError: Event loop is closed"
-    tracebacks, and its threads log their failure
-    with a traceback (absl) before it reaches the caller: dozens of reports, each repeating the
-    failure that :class:`Checkpointer` raises as one :class:`CheckpointError`. Drops exactly those
-    reports; nothing else is filtered. Installed once, by the first :class:`Checkpointer`."""
-    global _quiet
-    if _quiet:
-        return
-    _quiet = True
+    tracebacks, and its threads log their failure with a traceback (absl) before it reaches the
+    caller: dozens of reports, each repeating the failure that :class:`Checkpointer` raises as one
+    :class:`CheckpointError`. Nothing else is filtered.
+
+    These filters are process-wide (``sys.excepthook``, ``sys.unraisablehook``, two
+    :mod:`warnings` filters, a filter on the "asyncio" and "absl" loggers), so only the owner of a
+    run installs them, for its duration (:meth:`moefast.train.Trainer.run`): on exit (normal,
+    exception or ``KeyboardInterrupt``) exactly what was added is removed again, and a hook that
+    someone else replaced meanwhile is left as it is. When a checkpoint operation failed, the
+    filters are first held until orbax's tasks have finished reporting (:func:`_drain`), so none
+    of their reports comes after the one error. Creating a :class:`Checkpointer` changes nothing
+    process-wide.
+    """
+    reports: list[float] = []  # time.monotonic() of each report dropped
 
     def closed_loop(exc: BaseException | None) -> bool:
         return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
@@ -224,32 +235,92 @@ def _silence_orbax_aftermath() -> None:
 
     class _AsyncioFilter(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
-            return not ("exception was never retrieved" in record.getMessage() and from_orbax(record))
+            return not ("exception was never retrieved" in record.getMessage() and from_orbax(record)
+                        and not reports.append(time.monotonic()))
 
     class _ThreadFailureFilter(logging.Filter):  # re-raised to the caller of save/wait/restore
         def filter(self, record: logging.LogRecord) -> bool:
             msg = record.getMessage()
-            return not (record.levelno >= logging.ERROR and msg.startswith("[process=") and "fail" in msg.lower())
+            return not (record.levelno >= logging.ERROR and msg.startswith("[process=") and "fail" in msg.lower()
+                        and not reports.append(time.monotonic()))
 
-    for module in (r"orbax\.", r"sys$"):  # "sys": reported at interpreter exit, without a frame
-        warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning,
-                                module=module)
-    logging.getLogger("asyncio").addFilter(_AsyncioFilter())
-    logging.getLogger("absl").addFilter(_ThreadFailureFilter())
     unraisable, excepthook = sys.unraisablehook, sys.excepthook
 
     def quiet_unraisable(u) -> None:
         code = getattr(u.object, "cr_code", None)
         if closed_loop(u.exc_value) or (code is not None and "orbax" in code.co_filename):
+            reports.append(time.monotonic())
             return
         unraisable(u)
 
     def quiet_excepthook(typ, value, tb) -> None:
         if closed_loop(value) and tb is not None and "asyncio" in traceback.extract_tb(tb)[-1].filename:
+            reports.append(time.monotonic())
             return
         excepthook(typ, value, tb)
 
+    loggers = ((logging.getLogger("asyncio"), _AsyncioFilter()), (logging.getLogger("absl"), _ThreadFailureFilter()))
+    added_warnings = []
+    for module in (r"orbax\.", r"sys$"):  # "sys": reported at interpreter exit, without a frame
+        had = list(warnings.filters)
+        warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning,
+                                module=module)
+        if warnings.filters[0] not in had:  # (an equal filter already there, e.g. an outer block's, stays)
+            added_warnings.append(warnings.filters[0])
+    for logger, f in loggers:
+        logger.addFilter(f)
     sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
+    try:
+        yield
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt) and (reports or isinstance(e, CheckpointError)):
+            _drain(reports, e)  # (not after Ctrl-C: that quits at once)
+        raise
+    finally:
+        if sys.unraisablehook is quiet_unraisable:
+            sys.unraisablehook = unraisable
+        if sys.excepthook is quiet_excepthook:
+            sys.excepthook = excepthook
+        for logger, f in loggers:
+            logger.removeFilter(f)
+        for entry in added_warnings:
+            if entry in warnings.filters:
+                warnings.filters.remove(entry)
+        warnings._filters_mutated()  # noqa: SLF001 - what filterwarnings calls after changing the list
+
+
+_held_until_exit: contextlib.ExitStack | None = None
+
+
+def quiet_orbax_aftermath_until_exit() -> None:
+    """For a process that exists to run one command (the ``moefast`` command line, which calls this
+    at its start): :func:`quiet_orbax_aftermath` held until the interpreter exits, so that also the
+    reports orbax's failed tasks make after the error was printed, down to interpreter shutdown,
+    are dropped and the user sees one error line. Calling it again does nothing. A library caller
+    does not need it: :meth:`moefast.train.Trainer.run` holds the filters while it runs."""
+    global _held_until_exit
+    if _held_until_exit is None:
+        _held_until_exit = contextlib.ExitStack()
+        _held_until_exit.enter_context(quiet_orbax_aftermath())  # never exited
+
+
+def _drain(reports: list[float], error: BaseException, quiet_s: float = 0.25, limit_s: float = 3.0) -> None:
+    """Lets orbax's tasks of a failed operation report now, into the filters, rather than after
+    ``error`` has reached the user: waits until none has reported (``reports``: the times of those
+    dropped) for ``quiet_s`` seconds, at most ``limit_s`` (a failed read leaves tensorstore reads in
+    flight that complete into an event loop already closed, within about 0.1 s here); then frees
+    the frames of orbax's failure that ``error`` chains to (``__cause__`` / ``__context__``: their
+    locals hold orbax's failed tasks and futures; ``error``'s own frames are kept) and collects
+    garbage, so that their "exception was never retrieved" reports come now."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s and time.monotonic() - max([t0, *reports[-1:]]) < quiet_s:
+        time.sleep(0.05)
+    seen, inner = {id(error)}, error.__cause__ or error.__context__
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        traceback.clear_frames(inner.__traceback__)
+        inner = inner.__cause__ or inner.__context__
+    gc.collect()
 
 
 def complete_steps(directory: Path) -> list[int]:
@@ -290,7 +361,6 @@ class Checkpointer:
         self._log = log
         self._is_primary = jax.process_index() == 0
         self._pending: int | None = None  # step of the save that may still run in the background
-        _silence_orbax_aftermath()
         self._leftovers_checked = False
         self.manager = ocp.CheckpointManager(
             self.directory,

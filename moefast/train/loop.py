@@ -36,7 +36,7 @@ from moefast.config import ConfigError, ExperimentConfig
 from moefast.data import Corpus, eval_batches, get_tokenizer, load_corpus, train_dataset
 from moefast.parallel.distributed import assert_same_config
 from moefast.train import run_dir as run_dir_lib
-from moefast.train.checkpoint import Checkpointer, CheckpointError
+from moefast.train.checkpoint import Checkpointer, CheckpointError, quiet_orbax_aftermath
 from moefast.train.compile_cache import configure_compilation_cache
 from moefast.train.evaluation import Evaluator
 from moefast.model import init_routing_state
@@ -305,6 +305,10 @@ class Trainer:
         steps after N (left by a start that was killed before its next checkpoint; they are
         replayed), see :mod:`moefast.train.metrics`.
 
+        Process-wide state is changed only while this runs and restored on every exit: the
+        SIGTERM / SIGINT handlers (main thread, one process) and the filters of orbax's repeated
+        failure reports (:func:`~moefast.train.checkpoint.quiet_orbax_aftermath`).
+
         Raises:
           TrainingError: ``train.max_consecutive_nonfinite`` non-finite steps in a row.
           CheckpointError: an incompatible or unreadable checkpoint, a failed checkpoint write, or a
@@ -312,7 +316,7 @@ class Trainer:
             read-only): the message names the file or step and the last complete checkpoint.
         """
         stop = StopRequest()
-        with stop.installed():  # (orbax's log of a second Ctrl-C during a checkpoint wait: moefast.train.checkpoint's filter)
+        with stop.installed(), quiet_orbax_aftermath():  # (also orbax's log of a second Ctrl-C during a save)
             run = self._start(stop)
             try:
                 with contextlib.ExitStack() as cleanup:  # on any exit of the loop, newest first
@@ -550,20 +554,22 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.cfg.checkpoint.keep, async_save=False,
                             log=self._ckpt_log)
-        try:
-            if ckpt.latest_step() is not None:
-                raise CheckpointError(f"{ckpt.directory} already holds checkpoints (latest step {ckpt.latest_step()}); "
-                                      "use a new --run-dir")
-            sharding = self.state_sharding
-            with jax.set_mesh(self.mesh):
-                params = jax.device_put(params, sharding["params"])
-                rest = jax.jit(lambda p: {"opt_state": make_optimizer(self.cfg).init(p),
-                                          "routing": init_routing_state(self.cfg), "step": jnp.zeros((), jnp.int32)},
-                               out_shardings={k: sharding[k] for k in ("opt_state", "routing", "step")})(params)
-            ckpt.save(0, {"params": params, **rest}, None, self.cfg)
-            ckpt.wait()
-        finally:
-            ckpt.close()
+        with quiet_orbax_aftermath():
+            try:
+                if ckpt.latest_step() is not None:
+                    raise CheckpointError(f"{ckpt.directory} already holds checkpoints (latest step "
+                                          f"{ckpt.latest_step()}); use a new --run-dir")
+                sharding = self.state_sharding
+                with jax.set_mesh(self.mesh):
+                    params = jax.device_put(params, sharding["params"])
+                    rest = jax.jit(lambda p: {"opt_state": make_optimizer(self.cfg).init(p),
+                                              "routing": init_routing_state(self.cfg),
+                                              "step": jnp.zeros((), jnp.int32)},
+                                   out_shardings={k: sharding[k] for k in ("opt_state", "routing", "step")})(params)
+                ckpt.save(0, {"params": params, **rest}, None, self.cfg)
+                ckpt.wait()
+            finally:
+                ckpt.close()
         if self.is_main:
             run_dir_lib.write_run_config(self.run_dir, self.cfg)
         return ckpt.directory / "0"
@@ -576,8 +582,9 @@ class Trainer:
         """
         ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.cfg.checkpoint.keep, async_save=False,
                             log=self._ckpt_log)
-        try:
-            r = ckpt.restore(self.abstract_state(), self.cfg)
-        finally:
-            ckpt.close()
+        with quiet_orbax_aftermath():
+            try:
+                r = ckpt.restore(self.abstract_state(), self.cfg)
+            finally:
+                ckpt.close()
         return r.step, r.state["params"], r.state["routing"]
