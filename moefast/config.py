@@ -37,6 +37,7 @@ __all__ = [
     "OverlapConfig",
     "TrainConfig",
     "DEFAULT_CONFIG",
+    "INVOCATION_KEYS",
     "PARAMETER_KEYS",
     "load_config",
     "parse_overrides",
@@ -49,6 +50,10 @@ PARAMETER_KEYS = {"model": ("d_model", "num_layers", "num_heads", "num_kv_heads"
                             "vocab_size", "tie_embeddings", "num_dense_layers", "moe_every", "attention_bias",
                             "qk_norm", "position_encoding"),
                   "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate")}
+# Keys that belong to one invocation of a run, never to the run: the run dir's config.yaml does
+# not keep them, and they are ignored in one that an older moefast wrote with them
+# (:func:`without_invocation_keys`).
+INVOCATION_KEYS = {"train": ("stop_at",)}
 MAX_OVERLAP_CHUNKS = 16
 CONFIG_DIR = Path(str(importlib.resources.files("moefast.configs")))  # the repo's configs/, installed as moefast.configs
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
@@ -736,6 +741,21 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def without_invocation_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config (nested dicts, as in a YAML file) without :data:`INVOCATION_KEYS`: what a run dir's
+    ``config.yaml`` holds. Returns a copy; other keys and malformed sections are kept as they are."""
+    out = dict(raw)
+    for sec, keys in INVOCATION_KEYS.items():
+        if isinstance(out.get(sec), dict):
+            out[sec] = {k: v for k, v in out[sec].items() if k not in keys}
+    return out
+
+
+def _is_run_config(path: Path) -> bool:
+    """``path`` is a run dir's own ``config.yaml`` (``moefast train`` writes it next to ``checkpoints/``)."""
+    return path.name == "config.yaml" and (path.parent / "checkpoints").is_dir()
+
+
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
     for k, v in extra.items():
@@ -777,5 +797,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     raw.setdefault("name", path.stem)
+    if _is_run_config(path):  # an older moefast kept train.stop_at there: it was that invocation's
+        raw = without_invocation_keys(raw)
     raw = _merge(raw, parse_overrides(list(overrides or [])))
     return ExperimentConfig.from_dict(raw, where=str(path))

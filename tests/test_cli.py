@@ -159,3 +159,26 @@ def test_eval_and_generate_of_a_triton_run_fall_back_off_gpu(capsys):
     assert got.moe.routing_impl == "auto" and got.mesh.expert == 1
     assert dataclasses.replace(got.moe, routing_impl="triton") == cfg.moe  # nothing else changed
     assert "moe.routing_impl=triton cannot run here" in capsys.readouterr().err
+
+
+def test_stop_at_belongs_to_one_invocation(tmp_path, text_dir):
+    """train.stop_at=2 ends that invocation at step 2; the run dir's config.yaml does not keep it, so
+    the same command without it trains on to train.steps, also in a run dir whose config.yaml an
+    older moefast wrote with stop_at in it."""
+    run = tmp_path / "run"
+    common = ["--run-dir", str(run), "--cpu-devices", "1", "--no-progress", *SMALL, f"data.source={text_dir}",
+              "train.log_every=1", "train.eval_every=0"]
+    p = moefast("train", *common, "train.steps=4", "train.stop_at=2")
+    assert p.returncode == 0, p.stderr
+    assert "steps 2 (2 this run)" in p.stdout
+    assert "stop_at" not in (run / "config.yaml").read_text()
+    # As an older moefast left it: the stopped invocation's stop_at in the run's config.
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("train:\n", "train:\n  stop_at: 2\n"))
+    p = moefast("train", *common)  # no stop_at, train.steps=4 from the run's config
+    assert p.returncode == 0, p.stderr
+    assert "resuming from step 2" in p.stdout and "steps 4 (2 this run)" in p.stdout, p.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert sorted(int(d.name) for d in (run / "checkpoints").iterdir()) == [2, 4]
+    assert "stop_at" not in (run / "config.yaml").read_text()
+

@@ -303,7 +303,9 @@ class Trainer:
 
         A start that resumes from step N first removes from ``metrics.jsonl`` the records of the
         steps after N (left by a start that was killed before its next checkpoint; they are
-        replayed), see :mod:`moefast.train.metrics`.
+        replayed), see :mod:`moefast.train.metrics`. ``train.stop_at`` belongs to this call: the
+        run dir's ``config.yaml`` does not keep it, so a later start without it trains on to
+        ``train.steps``.
 
         Process-wide state is changed only while this runs and restored on every exit: the
         SIGTERM / SIGINT handlers (main thread, one process) and the filters of orbax's repeated

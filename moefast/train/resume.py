@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from moefast.config import ExperimentConfig
+from moefast.config import INVOCATION_KEYS, ExperimentConfig
 from moefast.train.checkpoint import Checkpointer
 
 __all__ = ["RunStart", "start_or_resume"]
@@ -58,7 +58,7 @@ def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, ini
     if saved_steps is not None and saved_steps != cfg.train.steps:
         log(f"note: train.steps changed from {saved_steps} to {cfg.train.steps}: the learning-rate schedule now "
             f"spans {cfg.train.steps} steps, so this run is not a resume of the original schedule")
-    ignored = ("steps", "stop_at")
+    ignored = ("steps", *INVOCATION_KEYS["train"])
     changed = [f"{k} {saved_train[k]!r} -> {v!r}" for k, v in now["train"].items()
                if k not in ignored and k in saved_train and saved_train[k] != v]
     if changed:

@@ -1,7 +1,8 @@
 """The run directory: its ``config.yaml``, and errors of writes to it.
 
 A run dir holds ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/`` and ``config.yaml`` (the
-config the run continues with).
+config the run continues with; :data:`moefast.config.INVOCATION_KEYS` such as ``train.stop_at``
+belong to one invocation and are not kept in it).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from moefast.config import ExperimentConfig
+from moefast.config import ExperimentConfig, without_invocation_keys
 from moefast.train.checkpoint import CheckpointError, complete_steps
 
 __all__ = ["load_run_config", "write_error", "write_run_config"]
@@ -20,14 +21,14 @@ _CONFIG = "config.yaml"
 
 
 def write_run_config(run_dir: Path, cfg: ExperimentConfig) -> None:
-    """Replaces ``<run_dir>/config.yaml`` by ``cfg``, so that a crash
+    """Replaces ``<run_dir>/config.yaml`` by ``cfg`` without its invocation keys, so that a crash
     leaves the old or the new file, never a cut one.
 
     Raises:
       OSError: the file cannot be written (the message names it).
     """
     path = run_dir / _CONFIG
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    text = yaml.safe_dump(without_invocation_keys(cfg.to_dict()), sort_keys=False)
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "w") as f:
@@ -40,7 +41,8 @@ def write_run_config(run_dir: Path, cfg: ExperimentConfig) -> None:
 
 
 def load_run_config(run_dir: str | Path) -> ExperimentConfig:
-    """The config a run was started with (``<run-dir>/config.yaml``).
+    """The config a run was started with (``<run-dir>/config.yaml``; an invocation key that an older
+    moefast kept there, e.g. ``train.stop_at``, is ignored).
 
     Raises:
       CheckpointError: the run directory or its config is missing or unreadable.
@@ -58,7 +60,7 @@ def load_run_config(run_dir: str | Path) -> ExperimentConfig:
     if not isinstance(raw, dict) or not raw:
         raise CheckpointError(f"{path} holds no config; moefast train writes it at every start: rerun the "
                               "run's training command to rewrite it")
-    return ExperimentConfig.from_dict(raw, where=str(path))
+    return ExperimentConfig.from_dict(without_invocation_keys(raw), where=str(path))
 
 
 def write_error(e: OSError, run_dir: Path, checkpoints: Path, done: int) -> CheckpointError:
