@@ -182,3 +182,11 @@ def test_stop_at_belongs_to_one_invocation(tmp_path, text_dir):
     assert sorted(int(d.name) for d in (run / "checkpoints").iterdir()) == [2, 4]
     assert "stop_at" not in (run / "config.yaml").read_text()
 
+
+def test_run_dir_under_a_file_is_one_clear_error(tmp_path, text_dir):
+    (tmp_path / "file.txt").write_text("x")
+    run = tmp_path / "file.txt" / "run"
+    p = moefast("train", "--run-dir", str(run), "--cpu-devices", "1", *SMALL, f"data.source={text_dir}")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip() == (f"error: --run-dir {run} cannot be created: {tmp_path / 'file.txt'} is a file, "
+                                "not a directory; choose a run dir under a directory")

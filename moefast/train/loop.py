@@ -129,7 +129,9 @@ class Trainer:
 
     Raises:
       ValueError: ``profile`` is not ``1 <= start <= end``.
-      ConfigError: a routing implementation this mesh cannot run.
+      ConfigError: ``run_dir`` does not exist and cannot be created (a path component is a file,
+        or the directory above it is not writable); a routing implementation this mesh cannot run.
+      CheckpointError: ``run_dir`` exists and is not a directory.
     """
 
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path | None = None, *,
@@ -142,6 +144,7 @@ class Trainer:
         self.profile = profile
         self.cfg = cfg
         self.run_dir = Path(run_dir or Path("runs") / cfg.name)
+        run_dir_lib.check_run_dir(self.run_dir)  # an existing read-only one is refused by run(), not here
         xla_flags.configure(cfg.overlap.xla_flags, log=log or (lambda s: None))  # before JAX starts, if it has not
         self.is_main = jax.process_index() == 0
         self._log = log if (log is not None and self.is_main) else (lambda s: None)
@@ -313,9 +316,11 @@ class Trainer:
 
         Raises:
           TrainingError: ``train.max_consecutive_nonfinite`` non-finite steps in a row.
-          CheckpointError: an incompatible or unreadable checkpoint, a failed checkpoint write, or a
+          CheckpointError: an incompatible or unreadable checkpoint, a failed checkpoint write, a
+            run dir that cannot be written (checked before anything is read or written), or a
             failed write of ``metrics.jsonl``, TensorBoard events or ``config.yaml`` (disk full,
             read-only): the message names the file or step and the last complete checkpoint.
+          ConfigError: the run dir cannot be created.
         """
         stop = StopRequest()
         with stop.installed(), quiet_orbax_aftermath():  # (also orbax's log of a second Ctrl-C during a save)
@@ -400,9 +405,7 @@ class Trainer:
         run's config.yaml and metrics writer, the compiled step, the data prefetcher."""
         t_start = time.perf_counter()
         cfg, tc = self.cfg, self.cfg.train
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise CheckpointError(f"--run-dir {self.run_dir} exists and is not a directory; choose another path")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir_lib.check_writable(self.run_dir)
         ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                             async_save=cfg.checkpoint.async_save, log=self._ckpt_log)
         data_iter = iter(train_dataset(self.corpus, cfg.data, seed=tc.seed,
@@ -546,14 +549,16 @@ class Trainer:
           The checkpoint's directory.
 
         Raises:
-          CheckpointError: the run dir already holds a checkpoint (nothing is overwritten).
+          CheckpointError: the run dir already holds a checkpoint (nothing is overwritten), or it
+            cannot be written.
+          ConfigError: the run dir cannot be created.
           ValueError: ``params`` do not have the model's structure and shapes.
         """
         want = jax.tree.map(lambda a: (a.shape, a.dtype), self.model_def.abstract_params)
         got = jax.tree.map(lambda a: (a.shape, a.dtype), params)
         if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
             raise ValueError("params do not have the structure, shapes and dtypes of this config's model")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir_lib.check_writable(self.run_dir)
         ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.cfg.checkpoint.keep, async_save=False,
                             log=self._ckpt_log)
         with quiet_orbax_aftermath():

@@ -1,4 +1,4 @@
-"""The run directory: its ``config.yaml``, and errors of writes to it.
+"""The run directory: checks that it can be used, its ``config.yaml``, and errors of writes to it.
 
 A run dir holds ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/`` and ``config.yaml`` (the
 config the run continues with; :data:`moefast.config.INVOCATION_KEYS` such as ``train.stop_at``
@@ -12,12 +12,71 @@ from pathlib import Path
 
 import yaml
 
-from moefast.config import ExperimentConfig, without_invocation_keys
+from moefast.config import ConfigError, ExperimentConfig, without_invocation_keys
 from moefast.train.checkpoint import CheckpointError, complete_steps
 
-__all__ = ["load_run_config", "write_error", "write_run_config"]
+__all__ = ["check_run_dir", "check_writable", "load_run_config", "write_error", "write_run_config"]
 
 _CONFIG = "config.yaml"
+_PROBE = ".write-probe.tmp"
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Raises if ``run_dir`` cannot be a run directory at all: checked when a :class:`Trainer` is
+    created, before anything is read or compiled. Creates nothing. (A directory that exists but
+    is read-only is fine here: ``moefast eval`` and ``generate`` only read it;
+    :func:`check_writable` refuses it when a run is to write there.)
+
+    Raises:
+      CheckpointError: ``run_dir`` exists and is not a directory.
+      ConfigError: ``run_dir`` does not exist and cannot be created: a path component is a regular
+        file, or the nearest existing directory above it is not writable.
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise CheckpointError(f"--run-dir {run_dir} exists and is not a directory; choose another path")
+    if run_dir.exists():
+        return
+    parent = run_dir.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} cannot be created: {parent} is a file, not a directory; choose a "
+                          "run dir under a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-dir {run_dir} cannot be created: {parent} is not writable (ls -ld {parent}); "
+                          "choose a run dir in a writable directory, or make it writable")
+
+
+def check_writable(run_dir: Path) -> None:
+    """Creates ``run_dir`` if needed and checks that files can be written in it (a probe file,
+    removed at once): called at the start of a run, before anything is written.
+
+    Raises:
+      ConfigError: ``run_dir`` cannot be created.
+      CheckpointError: files cannot be written in it (read-only directory or file system, no
+        space); the message names ``config.yaml`` (the first file a run writes) and the last
+        complete checkpoint, which is left as it is.
+    """
+    check_run_dir(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--run-dir {run_dir} cannot be created ({e.strerror}); choose a run dir in a writable "
+                          "directory") from None
+    probe = run_dir / _PROBE
+    try:
+        with open(probe, "w") as f:
+            f.write("x")
+        probe.unlink()
+    except OSError as e:
+        checkpoints = (run_dir / "checkpoints").absolute()
+        good = complete_steps(checkpoints)
+        kept = (f"the last complete checkpoint, {checkpoints / str(good[-1])}, is intact" if good
+                else "it holds no complete checkpoint")
+        raise CheckpointError(
+            f"cannot write {run_dir / _CONFIG}: {e.strerror}; nothing was trained or changed ({kept}). Make "
+            f"{run_dir} writable or free space (ls -ld {run_dir}; df -h {run_dir}), or choose another --run-dir"
+        ) from None
 
 
 def write_run_config(run_dir: Path, cfg: ExperimentConfig) -> None:

@@ -16,6 +16,7 @@ import jax
 import pytest
 
 from conftest import SMALL_MODEL
+from moefast.config import ConfigError
 from moefast.train import Trainer, load_run_config
 from moefast.train import metrics as metrics_mod
 from moefast.train.checkpoint import Checkpointer, CheckpointError
@@ -168,3 +169,53 @@ def test_metrics_writer_names_the_file_it_cannot_write(tmp_path, monkeypatch):
         w.write("train", 1, {"loss": 1.0})
     monkeypatch.undo()
     w.close()
+
+
+def _read_only(d):
+    """Makes ``d`` read-only; ``False`` when this user can write in it anyway (root)."""
+    d.chmod(0o500)
+    try:
+        (d / "probe").write_text("x")
+    except OSError:
+        return True
+    (d / "probe").unlink()
+    return False
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "in-a-read-only-dir"])
+def test_run_dir_that_cannot_be_created_is_refused_by_the_trainer(small_config, tmp_path, where):
+    if where == "under-a-file":
+        (tmp_path / "file.txt").write_text("x")
+        parent, said = tmp_path / "file.txt", "is a file, not a directory"
+    else:
+        parent, said = tmp_path / "ro", "is not writable"
+        parent.mkdir()
+        if not _read_only(parent):
+            parent.chmod(0o700)
+            pytest.skip("this user (root) can write in a read-only directory; the under-a-file case covers it")
+    try:
+        with pytest.raises(ConfigError) as info:
+            Trainer(small_config(), parent / "run", log=None, progress=False)
+    finally:
+        if parent.is_dir():
+            parent.chmod(0o700)
+    assert str(info.value).startswith(f"--run-dir {parent / 'run'} cannot be created: {parent} {said}")
+    assert not (parent / "run").exists()
+
+
+def test_read_only_run_dir_stops_before_anything_is_written(small_config, tmp_path):
+    """An existing run dir that cannot be written is refused when the run starts (eval and generate
+    may read it), before the corpus is read or the step compiled, naming config.yaml."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if not _read_only(run):
+        run.chmod(0o700)
+        pytest.skip("this user (root) can write in a read-only directory; the read-only file system test covers it")
+    try:
+        trainer = Trainer(small_config(), run, log=None, progress=False)  # eval and generate only read it
+        with pytest.raises(CheckpointError) as info:
+            trainer.run()
+        assert trainer.trace_count == 0 and not list(run.iterdir())
+    finally:
+        run.chmod(0o700)
+    assert str(info.value).startswith(f"cannot write {run / 'config.yaml'}: Permission denied; nothing was trained")
