@@ -109,7 +109,9 @@ class HFTokenizer(Tokenizer):
 
     :meth:`encode` never adds special tokens and treats special tokens' text in the input as plain
     text (``encode_special_tokens``), so BOS/EOS/PAD only enter the stream where packing puts them;
-    padding and truncation set in ``tokenizer.json`` are turned off. A BOS, EOS or PAD that is a
+    padding and truncation set in ``tokenizer.json`` are turned off. :meth:`encode_chat` is the
+    exception, for the text a chat template renders (SFT, :mod:`moefast.data.sft`): there special
+    tokens' text is read as those tokens. A BOS, EOS or PAD that is a
     plain vocabulary token rather than a special added token is still treated as special (0 bytes,
     skipped by :meth:`decode`).
 
@@ -301,6 +303,52 @@ class HFTokenizer(Tokenizer):
         elif not isinstance(data, str):
             raise TypeError(f"HFTokenizer.encode expects bytes or str, got {type(data).__name__}")
         return np.asarray(self._tok.encode(data, add_special_tokens=False).ids, np.int32)
+
+    def encode_chat(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Tokenizes text a chat template rendered, with each token's character offsets.
+
+        Unlike :meth:`encode`, the text of added tokens is read as those tokens: a chat template
+        writes its special tokens (``<|im_start|>``, ``<|eot_id|>``, ``<s>``) as text, and the model
+        was trained on them as single ids. Pretraining text is not read that way (a document that
+        quotes ``<|endoftext|>`` would end early), so :meth:`encode` is unchanged. As in
+        ``transformers``' ``apply_chat_template``, special-token text inside a message's content is
+        read as the special token too. Nothing is added: the template writes its own BOS.
+
+        Args:
+          text: the rendered conversation.
+
+        Returns:
+          ``(ids, offsets)``: int32 [N] ids and int64 [N, 2] ``[start, end)`` offsets, in characters
+          of ``text``, of what each token was made from (the tokens of one multi-byte character
+          share its offsets).
+
+        Raises:
+          TypeError: ``text`` is not a str.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"HFTokenizer.encode_chat expects str, got {type(text).__name__}")
+        enc = self._chat_tokenizer.encode(text, add_special_tokens=False)
+        return np.asarray(enc.ids, np.int32), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+
+    @functools.cached_property
+    def _chat_tokenizer(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that reads added tokens' text as those tokens (for :meth:`encode_chat`)."""
+        tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        tok.no_padding()
+        tok.no_truncation()
+        tok.encode_special_tokens = False
+        return tok
+
+    @property
+    def special_mask(self) -> np.ndarray:
+        """bool [V], read-only: True for special ids (added tokens marked special, and BOS/EOS/PAD)."""
+        view = self._special.view()
+        view.setflags(write=False)
+        return view
+
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary string of ``token_id`` (``"<|im_end|>"``, ``"Ġthe"``), or None when no token has it."""
+        return self._tok.id_to_token(int(token_id))
 
     def decode(self, ids) -> str:
         """Turns ids back into text with the tokenizer's decoder.
