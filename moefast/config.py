@@ -366,6 +366,14 @@ class DataConfig:
         1 on GPU/TPU, 0 on CPU, where host and devices share the cores and the thread only competes
         with XLA's (docs/perf.md, "Overlap lever"). A checkpoint saves the pipeline position of the
         last batch trained on, so resume is exact either way.
+      format: ``"text"`` (pretraining: every token of every document is a target) or ``"sft"``:
+        ``source`` is a ``.jsonl`` file (or glob, or directory) of conversations
+        ``{"messages": [{"role": ..., "content": ...}, ...]}``, rendered with the chat template
+        beside ``tokenizer``'s tokenizer.json and trained on the assistant's tokens only, each
+        conversation whole in one row (:mod:`moefast.data.sft`).
+      sft_overlong: with ``format: sft``, a conversation longer than a row (more than ``seq_len`` + 1
+        tokens): ``"truncate"`` keeps its first ``seq_len`` + 1 tokens, ``"drop"`` leaves it out;
+        the corpus summary counts either.
     """
 
     source: str = "stdlib"
@@ -375,6 +383,8 @@ class DataConfig:
     batch_size: int = 8
     val_fraction: float = 0.02
     prefetch: int | Literal["auto"] = "auto"
+    format: Literal["text", "sft"] = "text"
+    sft_overlong: Literal["truncate", "drop"] = "truncate"
 
     def __post_init__(self):
         _check_choices(self, "data")

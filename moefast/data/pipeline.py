@@ -30,6 +30,7 @@ from moefast.data.tokenizer_registry import get_tokenizer
 
 if TYPE_CHECKING:
     from moefast.config import DataConfig
+    from moefast.data.sft import SFTStats
 
 __all__ = ["Corpus", "eval_batches", "load_corpus", "train_dataset"]
 
@@ -49,6 +50,7 @@ class Corpus:
       stats: what was read from the source.
       held_out_documents: validation documents are distinct from training documents; False when
         the corpus had too few documents and each was cut in two (see :func:`split_documents`).
+      sft: with ``data.format: sft``, what was made of the conversations (truncated, dropped).
     """
 
     tokenizer: Tokenizer
@@ -56,6 +58,7 @@ class Corpus:
     val: PackedRows
     stats: SourceStats
     held_out_documents: bool = True
+    sft: SFTStats | None = None
 
     def warnings(self, cfg: DataConfig) -> list[str]:
         """What makes this corpus's validation figures weaker than they look (the run logs each)."""
@@ -73,7 +76,8 @@ class Corpus:
         non_utf8 = f", {s.non_utf8_documents} non-UTF-8" if s.non_utf8_documents else ""
         return (f"data {s.source!r}: {_plural(s.documents, 'document')} ({s.bytes / 1e6:.2f} MB{non_utf8}); "
                 f"train {len(self.train)} rows / {self.train.num_tokens} tokens, "
-                f"val {len(self.val)} rows / {self.val.num_tokens} tokens, seq_len {self.train.seq_len}{skipped}")
+                f"val {len(self.val)} rows / {self.val.num_tokens} tokens, seq_len {self.train.seq_len}{skipped}"
+                + (f"; {self.sft.summary()}" if self.sft is not None else ""))
 
 
 def _plural(n: int, word: str) -> str:
@@ -87,10 +91,15 @@ def load_corpus(cfg: DataConfig) -> Corpus:
       cfg: ``source``, ``text_field``, ``tokenizer``, ``seq_len``, ``batch_size`` and
         ``val_fraction`` are used.
 
+    With ``format: sft``, ``source`` holds conversations and ``sft_overlong`` is used too
+    (:func:`moefast.data.sft.load_sft`).
+
     Raises:
       DataError: any error of :func:`load_documents` or :func:`get_tokenizer`; the validation split
         yields no row; or the training split yields fewer rows than ``cfg.batch_size``.
     """
+    if cfg.format == "sft":
+        return _load_sft(cfg)
     tokenizer = get_tokenizer(cfg.tokenizer)
     docs, stats = load_documents(cfg.source, cfg.text_field)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
@@ -109,6 +118,20 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     # split_documents cuts every document in two when whole ones cannot be held out
     held_out = {d.id for d in train_docs}.isdisjoint(d.id.removesuffix("#val") for d in val_docs)
     return Corpus(tokenizer=tokenizer, train=train, val=val, stats=stats, held_out_documents=held_out)
+
+
+def _load_sft(cfg: DataConfig) -> Corpus:
+    """``data.format: sft``: conversations, the loss on the assistant's tokens (:mod:`moefast.data.sft`)."""
+    from moefast.data.sft import load_sft  # jinja2 is imported by SFT runs only
+
+    tokenizer = get_tokenizer(cfg.tokenizer)
+    train, val, stats, sft = load_sft(cfg.source, tokenizer, seq_len=cfg.seq_len, overlong=cfg.sft_overlong,
+                                      val_fraction=cfg.val_fraction)
+    if len(train) < cfg.batch_size:
+        raise DataError(f"data.source={cfg.source!r}: {train.num_documents} training conversations -> {len(train)} "
+                        f"rows of data.seq_len={cfg.seq_len} ({sft.summary()}); training needs at least "
+                        f"data.batch_size={cfg.batch_size} rows: add conversations or lower data.batch_size")
+    return Corpus(tokenizer=tokenizer, train=train, val=val, stats=stats, sft=sft)
 
 
 def _check_processes(cfg: DataConfig, process_index: int, process_count: int) -> int:

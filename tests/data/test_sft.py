@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, ByteLevelBPETokenizer, Regex, Tokenizer, models, pre_tokenizers
 
-from moefast.data import ROW_KEYS, ByteTokenizer, DataError, HFTokenizer, pack_documents
+from moefast.config import DataConfig
+from moefast.data import (ROW_KEYS, ByteTokenizer, DataError, HFTokenizer, eval_batches, load_corpus, pack_documents,
+                          train_dataset)
 from moefast.data.sft import (ChatTemplate, SFTExample, load_sft, read_conversations, split_examples,
                               tokenize_conversation)
 
@@ -444,3 +446,20 @@ def test_split_holds_out_whole_conversations_even_when_few():
     assert split_examples(examples, 0.01) == (train, val)
     with pytest.raises(DataError, match="SFT needs at least 2"):
         split_examples(examples[:1], 0.5)
+
+
+def test_load_corpus_trains_on_the_assistants_tokens(tmp_path, qwen):
+    path = _jsonl(tmp_path / "chat.jsonl", *_conversations(12, long_every=5))
+    cfg = DataConfig(source=path, tokenizer=str(tmp_path / "qwen"), format="sft", sft_overlong="drop", seq_len=32,
+                     batch_size=2, val_fraction=0.25)
+    corpus = load_corpus(cfg)
+    assert corpus.sft.dropped_overlong == 3 and corpus.train.num_documents + corpus.val.num_documents == 9
+    assert "sft: 12 conversations, 12 assistant turns" in corpus.summary()
+    assert "3 longer than data.seq_len dropped" in corpus.summary()
+    batch = next(iter(train_dataset(corpus, cfg, seed=0)))
+    assert batch["tokens"].shape == (2, 32) and batch["loss_weight"].sum() > 0
+    # Every weighted target is the answer "a bot ." or its <|im_end|>, and it sees its own question.
+    trained = {qwen.token_text(i) for i in batch["targets"][batch["loss_weight"] > 0]}
+    assert trained == {"a", " ", "bot", ".", "<|im_end|>"}
+    val = eval_batches(corpus, cfg, 1)[0]
+    assert val["loss_weight"].sum() > 0
