@@ -1,6 +1,7 @@
 """Data: tokenizer, corpus sources, packing into rows, and the grain input pipeline.
 
-Depends on numpy, grain, pyarrow, Hugging Face ``tokenizers`` and the standard library only (no JAX).
+Depends on numpy, grain, pyarrow, Hugging Face ``tokenizers``, jinja2 (chat templates, in
+:mod:`moefast.data.sft` only) and the standard library only (no JAX).
 """
 
 from moefast.data.errors import DataError
