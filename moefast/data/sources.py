@@ -1,12 +1,14 @@
-"""Corpus sources: read documents from the stdlib, a directory, a glob, ``.jsonl`` or ``.parquet``.
+"""Corpus sources: read documents from the stdlib, a directory, a glob, ``.jsonl``, ``.parquet`` or a
+Hugging Face ``datasets`` directory (``save_to_disk``).
 
 Every source yields :class:`Document` s in a deterministic (sorted) order, with ids that do not
 depend on where the corpus lives on disk (paths relative to the source root), so that
 :func:`split_documents` holds out the same documents on every machine.
 
 Files are dispatched by suffix wherever they come from (a directory, a glob or a single path):
-``.jsonl`` files hold one JSON object per line, ``.parquet`` files a text column, and every other
-file is one document of raw bytes.
+``.jsonl`` files hold one JSON object per line, ``.parquet`` and ``.arrow`` files a text column, and
+every other file is one document of raw bytes. :func:`iter_documents` reads one file at a time;
+:func:`load_documents` collects them all.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import hashlib
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 from moefast.data.errors import DataError
@@ -25,6 +28,8 @@ __all__ = [
     "DataError",
     "Document",
     "SourceStats",
+    "iter_documents",
+    "list_files",
     "load_documents",
     "split_documents",
 ]
@@ -72,87 +77,131 @@ class SourceStats:
 
 
 def load_documents(source: str, text_field: str = "text") -> tuple[list[Document], SourceStats]:
-    """Reads a corpus.
+    """Reads a corpus into memory (:func:`iter_documents`, collected).
 
     Args:
-      source: ``"stdlib"`` (the running interpreter's standard-library ``.py`` files, without
-        ``site-packages``/``dist-packages`` and without any directory named ``test``, ``tests`` or
-        ``idle_test``); a directory (every regular, non-hidden file below it); a glob (``**``
-        allowed); or a single file. ``.jsonl`` and ``.parquet`` files are read as records, other
-        files as one document each.
-      text_field: the JSON field / parquet column holding the text.
+      source: as for :func:`list_files`.
+      text_field: the JSON field / parquet or Arrow column holding the text.
 
     Returns:
       ``(documents, stats)``: non-empty documents in sorted order of file, then line/row.
 
     Raises:
-      DataError: nothing matches ``source``; a single named file cannot be read; a ``.jsonl`` line
-        is not a JSON object with a string ``text_field``; a ``.parquet`` file lacks the column or
-        is not parquet; every file was unreadable; or no document has any bytes. Files of a
-        directory, glob or the stdlib that cannot be read (permissions) are skipped and listed in
-        ``stats.skipped_files`` instead.
+      DataError: as :func:`iter_documents`.
+    """
+    stats = SourceStats(source=source)
+    docs = list(iter_documents(source, text_field, stats))
+    return docs, stats
+
+
+def list_files(source: str) -> tuple[list[tuple[Path, str]], bool]:
+    """The files a corpus source names, in reading order.
+
+    Args:
+      source: ``"stdlib"`` (the running interpreter's standard-library ``.py`` files, without
+        ``site-packages``/``dist-packages`` and without any directory named ``test``, ``tests`` or
+        ``idle_test``); a Hugging Face ``datasets`` directory written by ``save_to_disk`` (holding
+        ``state.json`` and ``dataset_info.json``: its ``.arrow`` files, in the order ``state.json``
+        lists them); another directory (every regular, non-hidden file below it); a glob (``**``
+        allowed); or a single file.
+
+    Returns:
+      ``(files, explicit)``: ``(path, id)`` pairs, ``id`` the path relative to the source root (sorted
+      by it, except a ``datasets`` directory's), and whether ``source`` named a single file.
+
+    Raises:
+      DataError: nothing matches ``source``; a ``datasets`` directory holds a ``DatasetDict`` (name one
+        split's directory instead) or its ``state.json`` is unreadable.
     """
     if not isinstance(source, str) or not source:
         raise DataError(f"data.source: expected a non-empty string, got {source!r}; {_SOURCE_HELP}")
-    stats = SourceStats(source=source)
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = _walk(root, lambda rel: rel.suffix == ".py" and not (set(rel.parts[:-1]) & _STDLIB_EXCLUDED_DIRS))
         if not files:
             raise DataError(f"data.source='stdlib': found no .py files under {root} (is the standard library "
                             f"zipped or stripped?); {_SOURCE_HELP}")
-        explicit = False
-    else:
-        expanded = os.path.expanduser(source)
-        path = Path(expanded)
-        if _GLOB_CHARS & set(expanded):
-            base = _glob_base(expanded)
-            files = [(Path(m), Path(os.path.relpath(m, base)).as_posix())
-                     for m in sorted(globlib.glob(expanded, recursive=True)) if os.path.isfile(m)]
-            if not files:
-                raise DataError(f"data.source={source!r}: the glob matches no files; {_SOURCE_HELP}")
-            explicit = False
-        elif path.is_dir():
+        return files, False
+    expanded = os.path.expanduser(source)
+    path = Path(expanded)
+    if _GLOB_CHARS & set(expanded):
+        base = _glob_base(expanded)
+        files = [(Path(m), Path(os.path.relpath(m, base)).as_posix())
+                 for m in sorted(globlib.glob(expanded, recursive=True)) if os.path.isfile(m)]
+        if not files:
+            raise DataError(f"data.source={source!r}: the glob matches no files; {_SOURCE_HELP}")
+        return files, False
+    if path.is_dir():
+        files = _hf_dataset_files(path)
+        if files is None:
             files = _walk(path, lambda rel: True)
-            if not files:
-                raise DataError(f"data.source={source!r}: the directory {path} holds no regular non-hidden files; "
-                                f"{_SOURCE_HELP}")
-            explicit = False
-        elif path.is_file():
-            files = [(path, path.name)]
-            explicit = True
-        else:
-            raise DataError(f"data.source={source!r}: no such file or directory, and not 'stdlib' or a glob; "
+        if not files:
+            raise DataError(f"data.source={source!r}: the directory {path} holds no regular non-hidden files; "
                             f"{_SOURCE_HELP}")
+        return files, False
+    if path.is_file():
+        return [(path, path.name)], True
+    raise DataError(f"data.source={source!r}: no such file or directory, and not 'stdlib' or a glob; "
+                    f"{_SOURCE_HELP}")
 
-    docs: list[Document] = []
+
+def iter_documents(source: str, text_field: str = "text", stats: SourceStats | None = None, *,
+                   files: tuple[list[tuple[Path, str]], bool] | None = None) -> Iterator[Document]:
+    """Reads a corpus lazily: memory holds a document (a file, a ``.jsonl`` line, a batch of
+    parquet/Arrow rows) at a time, not the corpus.
+
+    ``.jsonl`` files hold one JSON object per line, ``.parquet`` files and ``.arrow`` files (Arrow IPC
+    stream or file format, as Hugging Face ``datasets`` writes them) a text column; every other file
+    is one document of raw bytes.
+
+    Args:
+      source: as for :func:`list_files`.
+      text_field: the JSON field / parquet or Arrow column holding the text.
+      stats: updated as documents are read (see :class:`SourceStats`); ``None`` for none.
+      files: what :func:`list_files` returned for ``source``, when the caller has it already.
+
+    Yields:
+      Non-empty documents in the order of :func:`list_files`, then line/row.
+
+    Raises:
+      DataError: any error of :func:`list_files`; a single named file cannot be read; a ``.jsonl``
+        line is not a JSON object with a string ``text_field``; a ``.parquet``/``.arrow`` file lacks
+        the column or is not parquet/Arrow; every file was unreadable; or no document has any bytes
+        (raised once the files are exhausted). Files of a directory, glob or the stdlib that cannot
+        be read (permissions) are skipped and listed in ``stats.skipped_files`` instead (one that
+        fails part-way keeps the documents read before).
+    """
+    files, explicit = list_files(source) if files is None else files
+    if stats is None:
+        stats = SourceStats(source=source)
     for path, rel in files:
-        try:
-            if path.suffix == ".jsonl":
-                records = _read_jsonl(path, rel, text_field)
-            elif path.suffix == ".parquet":
-                records = _read_parquet(path, rel, text_field)
-            else:
-                records = [Document(rel, _read_bytes(path))]
+        if path.suffix == ".jsonl":
+            records = _read_jsonl(path, rel, text_field)
+        elif path.suffix == ".parquet":
+            records = _read_parquet(path, rel, text_field)
+        elif path.suffix == ".arrow":
+            records = _read_arrow(path, rel, text_field)
+        else:
+            records = _read_document(path, rel)
+        try:  # the readers open their file on the first next(): a file that cannot be opened yields nothing
+            for doc in records:
+                if not doc.data:
+                    stats.empty_documents += 1
+                    continue
+                try:
+                    doc.data.decode("utf-8")
+                except UnicodeDecodeError:
+                    stats.non_utf8_documents += 1
+                stats.documents += 1
+                stats.bytes += len(doc.data)
+                yield doc
         except OSError as e:
             reason = f"{type(e).__name__}: {e.strerror or e}"
             if explicit:
                 raise DataError(f"{path}: cannot read ({reason}); fix its permissions or {_SOURCE_HELP}") from None
             stats.skipped_files.append((str(path), reason))
-            continue
-        for doc in records:
-            if not doc.data:
-                stats.empty_documents += 1
-                continue
-            try:
-                doc.data.decode("utf-8")
-            except UnicodeDecodeError:
-                stats.non_utf8_documents += 1
-            docs.append(doc)
-            stats.documents += 1
-            stats.bytes += len(doc.data)
 
-    if not docs:
+    if not stats.documents:
         if stats.skipped_files and len(stats.skipped_files) == len(files):
             first_path, first_reason = stats.skipped_files[0]
             raise DataError(f"data.source={source!r}: all {len(files)} files are unreadable (first: {first_path}: "
@@ -161,7 +210,6 @@ def load_documents(source: str, text_field: str = "text") -> tuple[list[Document
                         f"(first: {files[0][0]}) hold no document with any bytes "
                         f"({stats.empty_documents} empty, {len(stats.skipped_files)} unreadable); "
                         f"point data.source at non-empty files, or check data.text_field={text_field!r}")
-    return docs, stats
 
 
 def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
@@ -247,36 +295,42 @@ def _read_bytes(path: Path) -> bytes:
         return f.read()
 
 
-def _read_jsonl(path: Path, rel: str, text_field: str) -> list[Document]:
-    raw = _read_bytes(path)
-    docs = []
-    for lineno, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
-            raise DataError(f"{where}: not valid JSON ({msg}); each line of a .jsonl file must be one JSON object "
-                            f"such as {{\"{text_field}\": \"...\"}}") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}; each line of a .jsonl "
-                            f"file must be one object such as {{\"{text_field}\": \"...\"}}")
-        if text_field not in record:
-            raise DataError(f"{where}: no field {text_field!r} (fields: {sorted(record)[:10]}); set data.text_field "
-                            "to the field that holds the text")
-        text = record[text_field]
-        if text is None:
-            text = ""
-        if not isinstance(text, str):
-            raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string; set "
-                            "data.text_field to the field that holds the text")
-        docs.append(Document(f"{rel}:{lineno}", text.encode("utf-8", "surrogatepass")))
-    return docs
+def _read_document(path: Path, rel: str) -> Iterator[Document]:
+    yield Document(rel, _read_bytes(path))
 
 
-def _read_parquet(path: Path, rel: str, text_field: str) -> list[Document]:
+def _read_jsonl(path: Path, rel: str, text_field: str) -> Iterator[Document]:
+    """One document per line, read line by line."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                yield _jsonl_document(line, f"{path}:{lineno}", f"{rel}:{lineno}", text_field)
+
+
+def _jsonl_document(line: bytes, where: str, doc_id: str, text_field: str) -> Document:
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+        raise DataError(f"{where}: not valid JSON ({msg}); each line of a .jsonl file must be one JSON object "
+                        f"such as {{\"{text_field}\": \"...\"}}") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}; each line of a .jsonl "
+                        f"file must be one object such as {{\"{text_field}\": \"...\"}}")
+    if text_field not in record:
+        raise DataError(f"{where}: no field {text_field!r} (fields: {sorted(record)[:10]}); set data.text_field "
+                        "to the field that holds the text")
+    text = record[text_field]
+    if text is None:
+        text = ""
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string; set "
+                        "data.text_field to the field that holds the text")
+    return Document(doc_id, text.encode("utf-8", "surrogatepass"))
+
+
+def _read_parquet(path: Path, rel: str, text_field: str) -> Iterator[Document]:
+    """The ``text_field`` column, read batch by batch."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -290,18 +344,80 @@ def _read_parquet(path: Path, rel: str, text_field: str) -> list[Document]:
         if text_field not in schema.names:
             raise DataError(f"{path}: no column {text_field!r} (columns: {schema.names[:20]}); set data.text_field "
                             "to the column that holds the text")
-        typ = schema.field(text_field).type
-        is_text = pa.types.is_string(typ) or pa.types.is_large_string(typ)
-        is_binary = pa.types.is_binary(typ) or pa.types.is_large_binary(typ)
-        if not (is_text or is_binary):
-            raise DataError(f"{path}: column {text_field!r} has type {typ}, expected string or binary; set "
+        _check_text_column(path, schema.field(text_field).type, text_field)
+        yield from _column_documents(path, rel, text_field, "parquet", pf.iter_batches(columns=[text_field]))
+
+
+def _check_text_column(path: Path, typ, text_field: str) -> None:
+    import pyarrow as pa
+
+    is_text = pa.types.is_string(typ) or pa.types.is_large_string(typ)
+    is_binary = pa.types.is_binary(typ) or pa.types.is_large_binary(typ)
+    if not (is_text or is_binary):
+        raise DataError(f"{path}: column {text_field!r} has type {typ}, expected string or binary; set "
+                        "data.text_field to the column that holds the text")
+
+
+def _column_documents(path: Path, rel: str, text_field: str, kind: str, batches) -> Iterator[Document]:
+    """Documents ``rel:row`` (rows counted from 0 over all ``batches``, Arrow record batches)."""
+    import pyarrow as pa
+
+    row = 0
+    try:
+        for batch in batches:
+            for value in batch.column(text_field).to_pylist():
+                if value is None:
+                    value = b""
+                elif isinstance(value, str):
+                    value = value.encode("utf-8", "surrogatepass")
+                yield Document(f"{rel}:{row}", value)
+                row += 1
+    except pa.ArrowException as e:  # an OSError (pyarrow's ArrowIOError) is left to the caller
+        raise DataError(f"{path}: not a readable {kind} file ({e}); rewrite it or remove it from "
+                        "data.source") from None
+
+
+def _hf_dataset_files(path: Path) -> list[tuple[Path, str]] | None:
+    """The ``.arrow`` files of a Hugging Face ``datasets`` directory (``save_to_disk``), in the order
+    its ``state.json`` lists them; ``None`` when ``path`` is not one."""
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits")
+        except (OSError, ValueError, AttributeError):
+            splits = None
+        raise DataError(f"{path}: a Hugging Face DatasetDict (splits {splits}); set data.source to one split's "
+                        f"directory, such as {path / 'train'}")
+    state = path / "state.json"
+    if not (state.is_file() and (path / "dataset_info.json").is_file()):
+        return None
+    try:
+        entries = json.loads(state.read_text())["_data_files"]
+        names = [e["filename"] for e in entries]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{state}: not a Hugging Face datasets state file ({type(e).__name__}: {e}); write the "
+                        "dataset with save_to_disk again") from None
+    return [(path / name, name) for name in names]
+
+
+def _read_arrow(path: Path, rel: str, text_field: str) -> Iterator[Document]:
+    """An Arrow IPC file (stream format, as ``datasets`` writes it, or file format), batch by batch."""
+    import pyarrow as pa
+
+    with open(path, "rb") as f:  # raises PermissionError like any other file
+        try:
+            try:
+                reader = pa.ipc.open_stream(f)
+                batches = iter(reader)
+            except pa.ArrowInvalid:
+                f.seek(0)
+                reader = pa.ipc.open_file(f)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            schema = reader.schema
+        except pa.ArrowException as e:
+            raise DataError(f"{path}: not a readable Arrow IPC file ({e}); rewrite it or remove it from "
+                            "data.source") from None
+        if text_field not in schema.names:
+            raise DataError(f"{path}: no column {text_field!r} (columns: {schema.names[:20]}); set "
                             "data.text_field to the column that holds the text")
-        values = pf.read(columns=[text_field]).column(text_field).to_pylist()
-    docs = []
-    for row, value in enumerate(values):
-        if value is None:
-            value = b""
-        elif isinstance(value, str):
-            value = value.encode("utf-8", "surrogatepass")
-        docs.append(Document(f"{rel}:{row}", value))
-    return docs
+        _check_text_column(path, schema.field(text_field).type, text_field)
+        yield from _column_documents(path, rel, text_field, "Arrow IPC", batches)
