@@ -1,5 +1,5 @@
-"""Command line: ``moefast train | eval | generate | bench | import-hf | export-hf`` — a thin layer over the
-Python API."""
+"""Command line: ``moefast train | eval | generate | bench | import-hf | export-hf | prepare`` — a thin layer
+over the Python API."""
 
 from __future__ import annotations
 
@@ -92,6 +92,19 @@ def _parser() -> argparse.ArgumentParser:
                                      "expert load per layer, dropped fraction and router entropy, alerts marked")
     pl.add_argument("--run-dir", required=True, help="run directory written by moefast train")
     pl.add_argument("--out", default=None, metavar="DIR", help="where to write the PNGs (default: RUN_DIR/plots)")
+    pr = sub.add_parser("prepare", help="tokenize a corpus once into memory-mapped token shards; train from them "
+                                        "with data.source=OUT_DIR")
+    pr.add_argument("source", metavar="SOURCE", help="what data.source accepts (stdlib, a directory, a glob, .jsonl, "
+                                                     ".parquet), or a Hugging Face datasets directory (save_to_disk)")
+    pr.add_argument("out_dir", metavar="OUT_DIR", help="new or empty directory for manifest.json and shards/")
+    pr.add_argument("--tokenizer", default="byte", help="as data.tokenizer: byte (default) or a Hugging Face "
+                                                        "tokenizer directory / tokenizer.json")
+    pr.add_argument("--val-fraction", type=float, default=0.02,
+                    help="fraction of documents held out for validation, by hash of their id (default 0.02)")
+    pr.add_argument("--text-field", default="text", help="field / column holding the text in records (default text)")
+    pr.add_argument("--force", action="store_true", help="replace a prepared corpus in OUT_DIR (or prepare into a "
+                                                         "directory holding other files)")
+    pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
     b.add_argument("target", choices=["train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile"],
                    help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
@@ -211,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in paths.items():
             print(f"{name}: {path}")
         return 0
+    if args.command == "prepare":  # tokenizes on the host: no JAX
+        return _prepare(args)
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"error: --cpu-devices must be >= 1, got {args.cpu_devices}", file=sys.stderr)
         return 2
@@ -434,6 +449,29 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
+    return 0
+
+
+def _prepare(args) -> int:
+    from moefast.data import DataError
+    from moefast.data.prepared import prepare
+
+    try:
+        m = prepare(args.source, args.out_dir, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                    text_field=args.text_field, force=args.force, progress=not args.no_progress)
+    except (DataError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # prepare has removed its partial output
+        print("interrupted", file=sys.stderr)
+        return 130
+    src, train, val = m["sources"], m["splits"]["train"], m["splits"]["val"]
+    print(f"{src['documents']} documents ({src['bytes'] / 1e6:.2f} MB) from {args.source!r} in {m['seconds']:.1f} s: "
+          f"train {train['documents']} documents / {train['tokens']} tokens, validation {val['documents']} documents "
+          f"/ {val['tokens']} tokens ({m['dtype']}, tokenizer {m['tokenizer']['name']})")
+    if src["skipped_files"]:
+        print(f"note: {len(src['skipped_files'])} unreadable files skipped (first: {src['skipped_files'][0][0]})")
+    print(f"train with data.source={args.out_dir} data.tokenizer={args.tokenizer}")
     return 0
 
 

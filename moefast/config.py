@@ -352,7 +352,11 @@ class DataConfig:
 
     Attributes:
       source: ``"stdlib"`` (the running interpreter's standard-library ``.py`` files), a directory, a
-        glob of text files, a ``.jsonl`` file (or glob) or a ``.parquet`` file (or glob).
+        glob of text files, a ``.jsonl`` file (or glob), a ``.parquet`` file (or glob), a Hugging Face
+        ``datasets`` directory (``save_to_disk``), or a corpus written by ``moefast prepare`` (a
+        directory holding ``manifest.json``: token shards read lazily; its split and tokenizer were
+        fixed when it was prepared, so ``text_field`` and ``val_fraction`` are not used and
+        ``tokenizer`` must be the same).
       text_field: field holding the text in ``.jsonl`` / ``.parquet`` records.
       tokenizer: ``"byte"`` (256 byte ids + BOS/EOS/PAD) or a path to a Hugging Face tokenizer directory / tokenizer.json.
         A relative path is looked up in the run directory first (``moefast import-hf`` stores the

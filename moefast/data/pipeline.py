@@ -24,6 +24,7 @@ import numpy as np
 
 from moefast.data.errors import DataError
 from moefast.data.packing import ROW_KEYS, PackedRows, pack_documents
+from moefast.data.prepared import PreparedRows, is_prepared, open_prepared
 from moefast.data.sources import SourceStats, load_documents, split_documents
 from moefast.data.tokenizer import Tokenizer
 from moefast.data.tokenizer_registry import get_tokenizer
@@ -45,7 +46,7 @@ class Corpus:
 
     Attributes:
       tokenizer: the tokenizer used (its ``vocab_size`` sizes the model's embedding).
-      train: training rows.
+      train: training rows (built in memory, or read from a prepared corpus's shards).
       val: validation rows.
       stats: what was read from the source.
       held_out_documents: validation documents are distinct from training documents; False when
@@ -54,8 +55,8 @@ class Corpus:
     """
 
     tokenizer: Tokenizer
-    train: PackedRows
-    val: PackedRows
+    train: PackedRows | PreparedRows
+    val: PackedRows | PreparedRows
     stats: SourceStats
     held_out_documents: bool = True
     sft: SFTStats | None = None
@@ -94,12 +95,20 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     With ``format: sft``, ``source`` holds conversations and ``sft_overlong`` is used too
     (:func:`moefast.data.sft.load_sft`).
 
+    A ``source`` that is a prepared corpus (a directory holding ``manifest.json``, written by
+    ``moefast prepare``) is opened, not read: its rows come from the memory-mapped shards
+    (:func:`moefast.data.prepared.open_prepared`); ``text_field`` and ``val_fraction`` were fixed
+    when it was prepared.
+
     Raises:
-      DataError: any error of :func:`load_documents` or :func:`get_tokenizer`; the validation split
-        yields no row; or the training split yields fewer rows than ``cfg.batch_size``.
+      DataError: any error of :func:`load_documents`, :func:`get_tokenizer` or
+        :func:`~moefast.data.prepared.open_prepared`; the validation split yields no row; or the
+        training split yields fewer rows than ``cfg.batch_size``.
     """
     if cfg.format == "sft":
         return _load_sft(cfg)
+    if is_prepared(cfg.source):
+        return _load_prepared(cfg)
     tokenizer = get_tokenizer(cfg.tokenizer)
     docs, stats = load_documents(cfg.source, cfg.text_field)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
@@ -134,6 +143,17 @@ def _load_sft(cfg: DataConfig) -> Corpus:
     return Corpus(tokenizer=tokenizer, train=train, val=val, stats=stats, sft=sft)
 
 
+def _load_prepared(cfg: DataConfig) -> Corpus:
+    p = open_prepared(cfg.source, tokenizer=cfg.tokenizer, seq_len=cfg.seq_len)
+    size = (f"data.source={cfg.source!r} (prepared) has {p.train.num_documents} train documents -> {len(p.train)} "
+            f"rows, {p.val.num_documents} validation documents -> {len(p.val)} rows of data.seq_len={cfg.seq_len}")
+    if len(p.train) < cfg.batch_size:
+        raise DataError(f"{size}; training needs at least data.batch_size={cfg.batch_size} rows: prepare a larger "
+                        f"corpus, or lower data.batch_size or data.seq_len")
+    return Corpus(tokenizer=p.tokenizer, train=p.train, val=p.val, stats=p.stats,
+                  held_out_documents=p.held_out_documents)
+
+
 def _check_processes(cfg: DataConfig, process_index: int, process_count: int) -> int:
     if process_count < 1 or not 0 <= process_index < process_count:
         raise DataError(f"process_index={process_index} must be in [0, process_count={process_count})")
@@ -147,11 +167,12 @@ def train_dataset(corpus: Corpus, cfg: DataConfig, *, seed: int, process_index: 
                   process_count: int = 1) -> grain.IterDataset:
     """An infinite, shuffled, per-process stream of training batches.
 
-    The global batch sequence does not depend on the number of processes: the training rows are
-    shuffled with ``seed``, batched into global batches of ``batch_size`` rows (``drop_remainder``)
-    and repeated forever (grain folds the epoch number into the shuffle seed, so every epoch has a
-    different order); process p keeps the contiguous rows ``[p·B/P, (p+1)·B/P)`` of each global
-    batch, which is the slice its devices hold in the global array. So 2 processes × 4 devices see
+    The global batch sequence does not depend on the number of processes: the training row indices
+    are shuffled with ``seed`` (grain's index shuffle), batched into global batches of
+    ``batch_size`` indices (``drop_remainder``) and repeated forever (grain folds the epoch number
+    into the shuffle seed, so every epoch has a different order); process p then reads only the rows
+    of the contiguous indices ``[p·B/P, (p+1)·B/P)`` of each global batch, the slice its devices
+    hold in the global array: no process builds the global batch. So 2 processes × 4 devices see
     exactly the batches of 1 process × 8 devices.
 
     Args:
@@ -178,12 +199,15 @@ def train_dataset(corpus: Corpus, cfg: DataConfig, *, seed: int, process_index: 
         raise DataError(f"{rows} training rows are fewer than one global batch (data.batch_size="
                         f"{cfg.batch_size}, per-process batch {local_batch}); use a larger corpus or lower "
                         "data.batch_size")
-    ds = grain.MapDataset.source(corpus.train)
-    ds = ds.shuffle(seed=int(seed)).batch(cfg.batch_size, drop_remainder=True).repeat(None)
-    if process_count > 1:
-        lo, hi = process_index * local_batch, (process_index + 1) * local_batch
-        ds = ds.map(lambda batch: {k: v[lo:hi] for k, v in batch.items()})
-    return ds.to_iter_dataset(read_options=_READ_OPTIONS)
+    rows_source = corpus.train
+    lo, hi = process_index * local_batch, (process_index + 1) * local_batch
+
+    def read_rows(index_b: np.ndarray) -> dict[str, np.ndarray]:
+        rows = [rows_source[int(i)] for i in index_b[lo:hi]]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    ds = grain.MapDataset.range(rows).shuffle(seed=int(seed)).batch(cfg.batch_size, drop_remainder=True)
+    return ds.repeat(None).map(read_rows).to_iter_dataset(read_options=_READ_OPTIONS)
 
 
 def eval_batches(corpus: Corpus, cfg: DataConfig, num_batches: int, *, process_index: int = 0,

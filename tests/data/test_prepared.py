@@ -1,0 +1,430 @@
+"""Prepared token shards (moefast.data.prepared): prepare -> shards -> the same rows and batches as the
+in-memory pipeline, per-process reading, exact resume, and every bad input as one DataError."""
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers
+
+from moefast.config import DataConfig
+from moefast.data import (ROW_KEYS, Corpus, DataError, eval_batches, get_tokenizer, load_corpus,
+                          load_documents, pack_documents, split_documents, train_dataset)
+from moefast.data import prepared as prepared_mod
+from moefast.data import sources as sources_mod
+from moefast.data.prepared import MANIFEST, PreparedRows, is_prepared, open_prepared, prepare
+
+WORDS = ["alpha", "beta", "gamma", "delta", "λx", "\n", "def f():", "日本", "🙂"]
+
+
+def _write_corpus(root, n_files=40, seed=0):
+    """Small text files of varied lengths (a few bytes to ~1 kB), some non-ASCII."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_files):
+        words = rng.choice(WORDS, rng.integers(1, 150))
+        (root / f"doc{i:03d}.txt").write_text(" ".join(words) + f" #{i}")
+    return str(root)
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def _assert_rows_equal(a, b, n=None):
+    assert len(a) == len(b) and a.num_tokens == b.num_tokens and a.num_documents == b.num_documents
+    for i in range(len(a) if n is None else n):
+        x, y = a[i], b[i]
+        assert set(x) == set(y) == set(ROW_KEYS)
+        for k in ROW_KEYS:
+            assert x[k].dtype == y[k].dtype, (i, k)
+            np.testing.assert_array_equal(x[k], y[k], err_msg=f"row {i} {k}")
+
+
+def _assert_batches_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for k in ROW_KEYS:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    return _write_corpus(tmp_path_factory.mktemp("text"))
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(corpus_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "ds"
+    prepare(corpus_dir, out, val_fraction=0.2, shard_tokens=2000, progress=False)  # several shards per split
+    return str(out)
+
+
+def _cfg(source, **kw):
+    return DataConfig(**{"source": source, "seq_len": 16, "batch_size": 4, "val_fraction": 0.2, **kw})
+
+
+# ----------------------------------------------------------------------------------------------- #
+# round trip                                                                                        #
+# ----------------------------------------------------------------------------------------------- #
+
+def test_manifest_records_the_corpus(corpus_dir, prepared_dir):
+    m = json.loads((open(os.path.join(prepared_dir, MANIFEST))).read())
+    assert (m["format"], m["format_version"], m["dtype"]) == ("moefast-prepared", 1, "uint16")
+    assert m["tokenizer"] == {"name": "byte", "identity": "byte", "vocab_size": 259, "bos_id": 257, "eos_id": 258,
+                              "pad_id": 256}
+    docs, stats = load_documents(corpus_dir)
+    train, val = split_documents(docs, 0.2)
+    assert m["held_out_documents"] is True and train and val
+    assert m["splits"]["train"]["documents"] == len(train) and m["splits"]["val"]["documents"] == len(val)
+    assert m["splits"]["train"]["tokens"] == sum(len(d.data) for d in train)  # byte tokenizer: 1 token a byte
+    assert len(m["splits"]["train"]["shards"]) > 1
+    src = m["sources"]
+    assert (src["documents"], src["bytes"], src["source"]) == (stats.documents, stats.bytes, corpus_dir)
+    assert len(src["files"]) == 40 and all(f["bytes"] > 0 and f["mtime"] > 0 for f in src["files"])
+    assert sorted(os.listdir(prepared_dir)) == [MANIFEST, "shards"]
+
+
+def test_rows_and_batches_equal_the_in_memory_pipeline(corpus_dir, prepared_dir):
+    cfg = _cfg(corpus_dir)
+    memory = load_corpus(cfg)
+    prep = load_corpus(_cfg(prepared_dir))
+    assert isinstance(prep.train, PreparedRows) and prep.held_out_documents
+    _assert_rows_equal(prep.train, memory.train)
+    _assert_rows_equal(prep.val, memory.val)
+    assert prep.stats.documents == memory.stats.documents and prep.stats.bytes == memory.stats.bytes
+    steps = len(memory.train) // 4 + 3  # into the second epoch
+    _assert_batches_equal(_take(iter(train_dataset(prep, cfg, seed=5)), steps),
+                          _take(iter(train_dataset(memory, cfg, seed=5)), steps))
+    _assert_batches_equal(eval_batches(prep, cfg, 3), eval_batches(memory, cfg, 3))
+    assert "rows" in prep.summary()
+
+
+@pytest.mark.parametrize("seq_len", [7, 64, 2000])
+def test_rows_equal_pack_documents_for_any_seq_len(corpus_dir, prepared_dir, seq_len):
+    """One prepared corpus serves every data.seq_len: rows that cross documents and shards, and
+    documents longer than a row, equal pack_documents' (with and without a BOS)."""
+    tok = get_tokenizer("byte")
+    train, _ = split_documents(load_documents(corpus_dir)[0], 0.2)
+    shards = open_prepared(prepared_dir, tokenizer="byte", seq_len=seq_len).train._shards
+    for bos in (tok.bos_id, None):
+        expected = pack_documents([tok.encode(d.data) for d in train], seq_len, bos_id=bos, eos_id=tok.eos_id,
+                                  pad_id=tok.pad_id)
+        got = PreparedRows([(t, s.offsets) for t, s in shards], seq_len, bos_id=bos, eos_id=tok.eos_id,
+                           pad_id=tok.pad_id)
+        _assert_rows_equal(got, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=12), cuts=st.lists(st.integers(0, 12), max_size=4),
+       seq_len=st.integers(1, 9), bos=st.booleans(), seed=st.integers(0, 2**16))
+def test_rows_equal_pack_documents_over_any_sharding(lengths, cuts, seq_len, bos, seed):
+    """Any documents (empty ones too: a tokenizer may give no ids), cut into shards anywhere."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
+    bounds = sorted({0, len(docs), *(min(c, len(docs)) for c in cuts)})
+    shards = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs[lo:hi]])]).astype(np.int64)
+        shards.append((np.concatenate([np.zeros(0, np.uint16), *docs[lo:hi]]).astype(np.uint16), offsets))
+    specials = dict(bos_id=257 if bos else None, eos_id=258, pad_id=256)
+    _assert_rows_equal(PreparedRows(shards, seq_len, **specials), pack_documents(docs, seq_len, **specials))
+
+
+def test_iter_documents_reads_one_file_at_a_time(corpus_dir, monkeypatch):
+    read = []
+    real = sources_mod._read_bytes
+    monkeypatch.setattr(sources_mod, "_read_bytes", lambda path: read.append(path) or real(path))
+    it = sources_mod.iter_documents(corpus_dir)
+    first = next(it)
+    assert first.id == "doc000.txt" and len(read) == 1
+    assert [d.id for d in it][-1] == "doc039.txt" and len(read) == 40
+
+
+def test_shards_are_memory_mapped_not_loaded(prepared_dir):
+    rows = open_prepared(prepared_dir, tokenizer="byte", seq_len=16).train
+    for tokens, starts in rows._shards:
+        for arr in (tokens, starts.offsets):
+            assert not arr.flags.owndata and isinstance(arr.base, np.memmap), type(arr.base)
+
+
+def _tiny_hf_tokenizer(tmp_path, vocab_size=None):
+    """A byte-level BPE tokenizer trained here (no download); with ``vocab_size`` above 65536, a
+    word-level one whose ids need uint32."""
+    d = tmp_path / "tok"
+    d.mkdir()
+    if vocab_size is None:
+        tok = ByteLevelBPETokenizer()
+        tok.train_from_iterator([" ".join(WORDS)] * 8, vocab_size=300, min_frequency=1, show_progress=False,
+                                special_tokens=["<|endoftext|>"])
+        (d / "tokenizer.json").write_text(tok._tokenizer.to_str())
+    else:
+        vocab = {"<unk>": 0, "<eos>": 1, **{w: 2 + i for i, w in enumerate(WORDS)}}
+        vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size)})
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        (d / "tokenizer.json").write_text(tok.to_str())
+    eos = "<|endoftext|>" if vocab_size is None else "<eos>"
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    return str(d)
+
+
+@pytest.mark.parametrize("big_vocab", [False, True])
+def test_hf_tokenizer_round_trip_and_dtype(tmp_path, corpus_dir, big_vocab):
+    tok_dir = _tiny_hf_tokenizer(tmp_path, 70_000 if big_vocab else None)
+    out = tmp_path / "ds"
+    m = prepare(corpus_dir, out, tokenizer=tok_dir, val_fraction=0.2, progress=False)
+    assert m["dtype"] == ("uint32" if big_vocab else "uint16")
+    assert m["tokenizer"]["identity"].startswith("sha256:")
+    cfg = _cfg(corpus_dir, tokenizer=tok_dir)
+    _assert_rows_equal(load_corpus(_cfg(str(out), tokenizer=tok_dir)).train, load_corpus(cfg).train)
+    # encode_batch on the worker threads gives HFTokenizer.encode's ids, invalid UTF-8 included
+    tok = get_tokenizer(tok_dir)
+    datas = [b"alpha beta \xff\xfe gamma", "日本 🙂 <|endoftext|>".encode(), b""]
+    for a, b in zip(prepared_mod._batch_encoder(tok)(datas), [tok.encode(x) for x in datas]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_jsonl_parquet_and_hf_datasets_directory(tmp_path):
+    texts = ["first record", "", "zweiter Datensatz ü", None, "third"] * 3
+    table = pa.table({"content": pa.array(texts, pa.string()), "n": pa.array(range(len(texts)))})
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for i, part in enumerate((table.slice(0, 7), table.slice(7))):  # stream format, as save_to_disk writes
+        with pa.OSFile(str(hf / f"data-{i:05d}-of-00002.arrow"), "wb") as f, pa.ipc.new_stream(f, part.schema) as w:
+            w.write_table(part)
+    (hf / "dataset_info.json").write_text(json.dumps({"features": {"content": {"dtype": "string"}}}))
+    (hf / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00002.arrow"},
+                                                               {"filename": "data-00001-of-00002.arrow"}]}))
+    docs, stats = load_documents(str(hf), "content")
+    assert [d.data.decode() for d in docs] == [t for t in texts if t]
+    assert docs[0].id == "data-00000-of-00002.arrow:0" and stats.empty_documents == 6
+    m = prepare(str(hf), tmp_path / "ds", text_field="content", val_fraction=0.3, progress=False)
+    assert m["sources"]["documents"] == 9 and len(m["sources"]["files"]) == 2
+    assert m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"] == sum(len(d.data) for d in docs)
+
+    # the same records as .jsonl and as .parquet in several row groups, read batch by batch: same documents
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, tmp_path / "c.parquet", row_group_size=4)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in texts))
+    for name, first_id in (("c.parquet", "c.parquet:0"), ("c.jsonl", "c.jsonl:1")):
+        got, _ = load_documents(str(tmp_path / name), "content")
+        assert [d.data for d in got] == [d.data for d in docs] and got[0].id == first_id
+    assert [d.id for d in load_documents(str(tmp_path / "c.parquet"), "content")[0]][-1] == "c.parquet:14"
+
+    (hf / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(DataError, match=r"DatasetDict .*'train', 'test'.*one split's directory"):
+        load_documents(str(hf), "content")
+
+
+# ----------------------------------------------------------------------------------------------- #
+# per-process reading and resume                                                                    #
+# ----------------------------------------------------------------------------------------------- #
+
+class _Recorder:
+    """Rows that record which indices were read."""
+
+    def __init__(self, rows):
+        self.rows, self.read = rows, []
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        self.read.append(int(i))
+        return self.rows[i]
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_each_process_reads_only_its_rows(prepared_dir, process_count):
+    cfg = _cfg(prepared_dir, batch_size=8)
+    corpus = load_corpus(cfg)
+    steps = 3
+    whole = _take(iter(train_dataset(corpus, cfg, seed=2)), steps)
+    index = {corpus.train[i]["tokens"].tobytes() + corpus.train[i]["targets"].tobytes(): i
+             for i in range(len(corpus.train))}
+    reads = []
+    for p in range(process_count):
+        rec = _Recorder(corpus.train)
+        local = Corpus(tokenizer=corpus.tokenizer, train=rec, val=corpus.val, stats=corpus.stats)
+        got = _take(iter(train_dataset(local, cfg, seed=2, process_index=p, process_count=process_count)), steps)
+        lo, hi = p * 8 // process_count, (p + 1) * 8 // process_count
+        for k in range(steps):
+            for key in ROW_KEYS:
+                np.testing.assert_array_equal(got[k][key], whole[k][key][lo:hi])
+        # read only its rows (grain may read ahead whole batches, never another process's rows)
+        wanted = {index[t.tobytes() + g.tobytes()] for b in whole for t, g in
+                  zip(b["tokens"][lo:hi], b["targets"][lo:hi])}
+        assert wanted <= set(rec.read)
+        reads.append(set(rec.read))
+    for p in range(process_count):
+        for q in range(p):
+            assert not reads[p] & reads[q], (p, q)
+
+
+def test_resume_mid_epoch_equals_a_straight_run(prepared_dir):
+    cfg = _cfg(prepared_dir)
+    corpus = load_corpus(cfg)
+    per_epoch = len(corpus.train) // 4
+    straight = _take(iter(train_dataset(corpus, cfg, seed=9)), per_epoch + 4)
+    it = iter(train_dataset(corpus, cfg, seed=9))
+    cut = per_epoch - 2  # resume two batches before the epoch ends
+    _assert_batches_equal(_take(it, cut), straight[:cut])
+    state = json.loads(json.dumps(it.get_state()))
+    resumed = iter(train_dataset(load_corpus(cfg), cfg, seed=9))  # a new start: corpus reopened
+    resumed.set_state(state)
+    _assert_batches_equal(_take(resumed, 6), straight[cut:])
+
+
+# ----------------------------------------------------------------------------------------------- #
+# bad input                                                                                         #
+# ----------------------------------------------------------------------------------------------- #
+
+@pytest.fixture
+def fresh_prepared(corpus_dir, tmp_path):
+    out = tmp_path / "ds"
+    prepare(corpus_dir, out, val_fraction=0.2, shard_tokens=4000, progress=False)
+    return out
+
+
+def _manifest(out):
+    return json.loads((out / MANIFEST).read_text())
+
+
+def _shard(out, key="tokens", split="train", i=0):
+    return out / _manifest(out)["splits"][split]["shards"][i][key]
+
+
+def test_missing_truncated_or_retyped_shard(fresh_prepared):
+    out = fresh_prepared
+    cfg = _cfg(str(out))
+    path = _shard(out)
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    with pytest.raises(DataError, match=rf"{path}: .*(truncated|bytes)"):
+        load_corpus(cfg)
+    path.write_bytes(data[:60])  # header only: not even the array's start
+    with pytest.raises(DataError, match=rf"{path}: "):
+        load_corpus(cfg)
+    arr = np.frombuffer(data[128:], np.uint16)
+    np.save(path, arr.astype(np.uint32))
+    with pytest.raises(DataError, match=rf"{path}: dtype uint32, but .*{MANIFEST} says uint16"):
+        load_corpus(cfg)
+    path.unlink()
+    with pytest.raises(DataError, match=rf"{path}: missing"):
+        load_corpus(cfg)
+    path.write_bytes(data)
+    offsets = _shard(out, "offsets", "val")
+    o = np.load(offsets)
+    o[1], o[2] = o[2], o[1]
+    np.save(offsets, o)
+    with pytest.raises(DataError, match=rf"{offsets}: corrupt document offsets"):
+        load_corpus(cfg)
+
+
+def test_manifest_from_another_tokenizer_or_version(fresh_prepared, tmp_path):
+    out = fresh_prepared
+    tok_dir = _tiny_hf_tokenizer(tmp_path)
+    with pytest.raises(DataError, match=r"prepared with tokenizer 'byte' \(byte\), but data.tokenizer=.*tok.* is "
+                                        r"sha256:"):
+        load_corpus(_cfg(str(out), tokenizer=tok_dir))
+    m = _manifest(out)
+    m["format_version"] = 99
+    (out / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(DataError, match=rf"{out / MANIFEST}: format version 99, this moefast reads version 1"):
+        load_corpus(_cfg(str(out)))
+    (out / MANIFEST).write_text("{not json")
+    with pytest.raises(DataError, match=rf"{out / MANIFEST}: cannot read it as JSON"):
+        load_corpus(_cfg(str(out)))
+    (out / MANIFEST).write_text(json.dumps({"something": "else"}))
+    with pytest.raises(DataError, match="not a corpus written by moefast prepare"):
+        load_corpus(_cfg(str(out)))
+
+
+def test_empty_split(fresh_prepared, tmp_path):
+    m = _manifest(fresh_prepared)
+    m["splits"]["val"] = {"documents": 0, "tokens": 0, "shards": []}
+    (fresh_prepared / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(DataError, match=rf"{fresh_prepared / MANIFEST}: the validation split has 0 documents"):
+        load_corpus(_cfg(str(fresh_prepared)))
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.txt").write_text("x")  # cut fallback: 0 bytes of train, 1 of validation
+    with pytest.raises(DataError, match="training split is empty"):
+        prepare(str(tmp_path / "one"), tmp_path / "out1", progress=False)
+    assert not (tmp_path / "out1" / MANIFEST).exists()
+
+
+def test_cut_fallback_matches_split_documents(tmp_path):
+    """Too few documents to hold whole ones out: each is cut, as split_documents does."""
+    src = _write_corpus(tmp_path / "two", n_files=2, seed=3)
+    m = prepare(src, tmp_path / "ds", val_fraction=0.3, progress=False)
+    assert m["held_out_documents"] is False
+    cfg = _cfg(src, val_fraction=0.3, batch_size=1, seq_len=4)
+    prep = load_corpus(_cfg(str(tmp_path / "ds"), val_fraction=0.3, batch_size=1, seq_len=4))
+    assert not prep.held_out_documents
+    memory = load_corpus(cfg)
+    _assert_rows_equal(prep.train, memory.train)
+    _assert_rows_equal(prep.val, memory.val)
+
+
+# ----------------------------------------------------------------------------------------------- #
+# the output directory                                                                              #
+# ----------------------------------------------------------------------------------------------- #
+
+def test_refuses_a_non_empty_out_dir_unless_forced(corpus_dir, fresh_prepared, tmp_path):
+    with pytest.raises(DataError, match=rf"{fresh_prepared}: not empty .*--force"):
+        prepare(corpus_dir, fresh_prepared, progress=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="not empty"):
+        prepare(corpus_dir, other, progress=False)
+    assert (other / "notes.txt").read_text() == "mine" and sorted(os.listdir(other)) == ["notes.txt"]
+    m = prepare(corpus_dir, fresh_prepared, val_fraction=0.5, force=True, progress=False)
+    assert _manifest(fresh_prepared)["val_fraction"] == 0.5 == m["val_fraction"]
+    assert sorted(os.listdir(fresh_prepared)) == [MANIFEST, "shards"]
+
+
+def test_interrupted_prepare_leaves_no_dataset_and_reruns_cleanly(corpus_dir, tmp_path, monkeypatch):
+    out = tmp_path / "ds"
+    real_flush, calls = prepared_mod._ShardWriter.flush, []
+
+    def failing_flush(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a Ctrl-C inside the writer
+        real_flush(self)
+
+    monkeypatch.setattr(prepared_mod._ShardWriter, "flush", failing_flush)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(corpus_dir, out, shard_tokens=1000, progress=False)
+    assert len(calls) == 3 and os.listdir(out) == []
+    monkeypatch.undo()
+    # a killed prepare leaves its partial directory behind: not a dataset, and a re-run removes it
+    (out / ".partial-killed").mkdir()
+    (out / ".partial-killed" / "train-00000.tokens.npy").write_bytes(b"\x93NUMPY")
+    assert not (out / MANIFEST).exists()
+    with pytest.raises(DataError, match="interrupted `moefast prepare`"):
+        load_corpus(_cfg(str(out)))
+    prepare(corpus_dir, out, progress=False)
+    assert sorted(os.listdir(out)) == [MANIFEST, "shards"] and is_prepared(str(out))
+    assert len(load_corpus(_cfg(str(out))).train) > 0
+
+
+def test_cli_prepare(corpus_dir, tmp_path, capsys):
+    from moefast.cli import main
+
+    out = tmp_path / "ds"
+    assert main(["prepare", corpus_dir, str(out), "--val-fraction", "0.2", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "40 documents" in printed and f"data.source={out}" in printed
+    assert main(["prepare", corpus_dir, str(out), "--no-progress"]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["prepare", corpus_dir, str(out), "--force", "--tokenizer", "nope", "--no-progress"]) == 2
+    assert "unknown tokenizer 'nope'" in capsys.readouterr().err
+    assert is_prepared(str(out))  # a failed --force run before any change leaves the dataset
