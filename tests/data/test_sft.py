@@ -463,3 +463,12 @@ def test_load_corpus_trains_on_the_assistants_tokens(tmp_path, qwen):
     assert trained == {"a", " ", "bot", ".", "<|im_end|>"}
     val = eval_batches(corpus, cfg, 1)[0]
     assert val["loss_weight"].sum() > 0
+
+
+def test_nested_generation_markers_are_refused(tmp_path):
+    template = ("{% for m in messages %}{% generation %}{{ m['content'] }}{% generation %}{{ '.' }}{% endgeneration %}"
+                "{% endgeneration %}{% endfor %}")
+    tok = _save(tmp_path / "nest", _word_level(WORDS, QWEN_SPECIALS), {"chat_template": template,
+                                                                        "eos_token": "<|im_end|>"})
+    with pytest.raises(DataError, match=r"c\.jsonl:1: the chat template nests \{% generation %\} blocks"):
+        tokenize_conversation(tok, ChatTemplate.from_tokenizer(tok), GOOD["messages"], "c.jsonl:1")
