@@ -496,7 +496,8 @@ def _import_hf(args) -> None:
     tok_files = []
     if (src / "tokenizer.json").is_file() and cfg.data.tokenizer == str(src.resolve()):
         tok_files = [src / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                       "config.json", "generation_config.json") if (src / n).is_file()]
+                                       "chat_template.jinja", "config.json", "generation_config.json")
+                     if (src / n).is_file()]
     elif cfg.data.tokenizer == "byte":
         from moefast.data import ByteTokenizer
 

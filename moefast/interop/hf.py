@@ -77,7 +77,7 @@ FAMILIES: Mapping[str, str] = _Architectures()
 :data:`moefast.interop.families.REGISTRY`)."""
 
 _IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class HFFormatError(ConfigError):

@@ -280,11 +280,14 @@ def test_import_fine_tune_export_from_the_cli(tmp_path, text_dir):
     tok.save(str(src / "tokenizer.json"))
     (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
                                                            "tokenizer_class": "PreTrainedTokenizerFast"}))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|endoftext|>{% endfor %}"
+    (src / "chat_template.jinja").write_text(template)  # where recent transformers keep a model's template
     first, run, out = tmp_path / "first", tmp_path / "run", tmp_path / "out"
     said = _moefast("import-hf", str(src / "config.json"), "--run-dir", str(first), "data.source=/no/such/dir",
                     "data.seq_len=64", "data.batch_size=4", "train.eval_batches=1", "train.warmup_steps=1")
     assert "imported qwen3_moe" in said and (first / "checkpoints" / "0").is_dir()
     assert (first / "tokenizer" / "tokenizer.json").is_file()  # the run keeps its own copy
+    assert (first / "tokenizer" / "chat_template.jinja").read_text() == template  # SFT needs it
     shutil.move(first, run)  # found relative to the run dir: the run can move
     # nothing trained yet: data.* may still change (here: the typo made at import)
     said = _moefast("train", "--run-dir", str(run), "--no-progress", "train.steps=5", "train.log_every=5",
@@ -294,6 +297,7 @@ def test_import_fine_tune_export_from_the_cli(tmp_path, text_dir):
     assert _moefast("generate", "--run-dir", str(run), "--prompt", "def ", "--max-new-tokens", "5").startswith("def ")
     assert "step 5: wrote qwen3_moe" in _moefast("export-hf", "--run-dir", str(run), str(out))
 
+    assert (out / "chat_template.jinja").read_text() == template
     cfg, tuned = hf.load_hf(out)
     _, original = hf.load_hf(src)
     assert not np.array_equal(np.asarray(tuned["embed"]), np.asarray(original["embed"]))  # it trained
