@@ -52,6 +52,8 @@ class Corpus:
       held_out_documents: validation documents are distinct from training documents; False when
         the corpus had too few documents and each was cut in two (see :func:`split_documents`).
       sft: with ``data.format: sft``, what was made of the conversations (truncated, dropped).
+      prepared_val_fraction: for a corpus written by ``moefast prepare``, the validation fraction
+        it was split with (``data.val_fraction`` is then not used); None otherwise.
     """
 
     tokenizer: Tokenizer
@@ -60,15 +62,22 @@ class Corpus:
     stats: SourceStats
     held_out_documents: bool = True
     sft: SFTStats | None = None
+    prepared_val_fraction: float | None = None
 
     def warnings(self, cfg: DataConfig) -> list[str]:
-        """What makes this corpus's validation figures weaker than they look (the run logs each)."""
-        if self.held_out_documents:
-            return []
-        return [f"data.source={self.stats.source!r} has {_plural(self.stats.documents, 'document')}, too few to hold "
-                f"whole documents out: validation is the last {cfg.val_fraction:.0%} of each document, whose "
-                "start is trained on, so the validation loss is not measured on unseen documents; add documents "
-                "for a held-out validation set"]
+        """What makes this corpus's validation figures weaker than they look, and settings it does not
+        use (the run logs each)."""
+        out = []
+        fraction = cfg.val_fraction if self.prepared_val_fraction is None else self.prepared_val_fraction
+        if self.prepared_val_fraction is not None and cfg.val_fraction != self.prepared_val_fraction:
+            out.append(f"data.val_fraction={cfg.val_fraction} is not used: data.source={self.stats.source!r} was "
+                       f"split with --val-fraction {self.prepared_val_fraction} when it was prepared")
+        if not self.held_out_documents:
+            out.append(f"data.source={self.stats.source!r} has {_plural(self.stats.documents, 'document')}, too few "
+                       f"to hold whole documents out: validation is the last {fraction:.0%} of each document, whose "
+                       "start is trained on, so the validation loss is not measured on unseen documents; add "
+                       "documents for a held-out validation set")
+        return out
 
     def summary(self) -> str:
         """One line for the console: documents, bytes, rows, tokens, skipped files."""
@@ -151,7 +160,7 @@ def _load_prepared(cfg: DataConfig) -> Corpus:
         raise DataError(f"{size}; training needs at least data.batch_size={cfg.batch_size} rows: prepare a larger "
                         f"corpus, or lower data.batch_size or data.seq_len")
     return Corpus(tokenizer=p.tokenizer, train=p.train, val=p.val, stats=p.stats,
-                  held_out_documents=p.held_out_documents)
+                  held_out_documents=p.held_out_documents, prepared_val_fraction=p.manifest.get("val_fraction"))
 
 
 def _check_processes(cfg: DataConfig, process_index: int, process_count: int) -> int:

@@ -102,6 +102,10 @@ def test_rows_and_batches_equal_the_in_memory_pipeline(corpus_dir, prepared_dir)
                           _take(iter(train_dataset(memory, cfg, seed=5)), steps))
     _assert_batches_equal(eval_batches(prep, cfg, 3), eval_batches(memory, cfg, 3))
     assert "rows" in prep.summary()
+    assert prep.warnings(cfg) == memory.warnings(cfg) == []
+    other = _cfg(prepared_dir, val_fraction=0.05)  # the split was fixed at prepare time
+    assert load_corpus(other).warnings(other) == [f"data.val_fraction=0.05 is not used: data.source={prepared_dir!r} "
+                                                  "was split with --val-fraction 0.2 when it was prepared"]
 
 
 @pytest.mark.parametrize("seq_len", [7, 64, 2000])
@@ -370,6 +374,9 @@ def test_cut_fallback_matches_split_documents(tmp_path):
     memory = load_corpus(cfg)
     _assert_rows_equal(prep.train, memory.train)
     _assert_rows_equal(prep.val, memory.val)
+    for corpus in (prep, memory):  # the same warning, naming each its own data.source
+        (warning,) = corpus.warnings(cfg)
+        assert "has 2 documents, too few" in warning and "the last 30% of each document" in warning
 
 
 # ----------------------------------------------------------------------------------------------- #
