@@ -90,3 +90,14 @@ def test_bench_malloc_table_and_records():
     assert "`system`" in system and "| 2 | 210 | 41,000 | 41,001 |" in system
     with pytest.raises(ValueError, match="--steps must be >= 3"):
         malloc.bench_malloc(steps=2)
+
+
+def test_a_trainer_reports_the_policy_and_never_sets_it(monkeypatch, small_config):
+    """A script that did not opt in is told how (on CPU); the Trainer itself leaves malloc alone."""
+    from moefast.train import Trainer
+
+    monkeypatch.setattr(host_memory, "_status", None)
+    said = []
+    t = Trainer(small_config(), None, log=said.append, progress=False)
+    assert host_memory.status() is None and t.host_malloc == "system (not configured)"
+    assert any("call moefast.host_memory.configure() before any JAX computation" in s for s in said), said

@@ -154,13 +154,15 @@ class Trainer:
         self.progress = progress and self.is_main
         assert_same_config(cfg.to_dict())
         self.compile_cache_dir = configure_compilation_cache(cfg.cache.compile_dir)
-        self.host_malloc = host_memory.configure()
-        if self.host_malloc == "too-late":
-            self._log("note: JAX's CPU backend started before moefast was imported, so freed host memory goes back "
-                      "to the OS after every step (about 1.3x slower on CPU): import moefast before running any "
-                      "JAX computation (in a notebook: restart the kernel and import moefast first)")
+        # The host malloc policy is the process's: the CLI sets it, a script opts in
+        # (moefast.host_memory.configure() before any JAX computation); a Trainer only reports it.
+        self.host_malloc = host_memory.status() or "system (not configured)"
         self.mesh = parallel.make_mesh(cfg, devices)
         self.platform = parallel.platform(self.mesh)  # what the steps are compiled for
+        if self.platform == "cpu" and host_memory.status() in (None, "too-late"):
+            self._log("note: the host malloc keeps glibc's defaults, so XLA:CPU's freed step memory goes back to the "
+                      "OS after every step (slower steps on CPU; docs/perf.md, 'Host memory'): call "
+                      "moefast.host_memory.configure() before any JAX computation (the moefast command does)")
         if cfg.moe.routing_impl == "pallas" and self.platform == "cpu" and self.mesh.size > 1:
             raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
                               f"inside the expert-parallel shard_map over {self.mesh.size} devices; use "
