@@ -254,6 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if argv is None and args.command in ("train", "eval", "generate", "import-hf", "export-hf"):
+        # This process exists to run this one command (main() called with sys.argv, not in-process
+        # from a program): orbax's reports of a failed checkpoint task, some printed only at
+        # interpreter exit, are dropped until then, so that the error is one line.
+        from moefast.train.checkpoint import quiet_orbax_aftermath_until_exit
+
+        quiet_orbax_aftermath_until_exit()
 
     if args.command == "bench" and args.target == "gpu-compile":
         from moefast.bench import gpu_compile
