@@ -66,6 +66,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -201,7 +202,7 @@ def prepare(source: str, out_dir: str | os.PathLike, *, tokenizer: str = "byte",
     listed = sources.list_files(source)
     files = [_file_entry(p) for p, _ in listed[0]]
     out = Path(os.path.expanduser(os.fspath(out_dir)))
-    _claim_out_dir(out, force)
+    _claim_out_dir(out, force, [p for p, _ in listed[0]])
 
     partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=out))
     t0 = time.perf_counter()
@@ -252,25 +253,59 @@ def _progress_bar(enabled: bool):
     return tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not enabled, mininterval=0.5, smoothing=0.1)
 
 
+# What a prepare writes into shards/: <split>-NNNNN.<array>.npy (tokens, offsets, ...)
+_SHARD_FILE = re.compile(r"(?:train|val)-\d{5}\.[a-z_]+\.npy")
+
+
+def _foreign_in_shards(shards: Path) -> list[str]:
+    """Entries of a ``shards`` directory that a prepare does not write (all of it if not a directory)."""
+    if shards.is_symlink() or not shards.is_dir():
+        return [shards.name]
+    return sorted(e.name for e in shards.iterdir() if not (_SHARD_FILE.fullmatch(e.name) and e.is_file()
+                                                           and not e.is_symlink()))
+
+
+def _ours(e: Path) -> bool:
+    """Whether ``e`` (an entry of OUT_DIR) is something a prepare writes or leaves when interrupted."""
+    if e.name.startswith(PARTIAL_PREFIX) or e.name.startswith(f".{MANIFEST}."):
+        return True
+    return e.name == SHARD_DIR and not _foreign_in_shards(e)
+
+
 def _only_leftovers(path: Path) -> bool:
-    """Whether every entry of ``path`` is what an interrupted prepare leaves (``.partial-*``, ``shards``)."""
-    return all(e.name.startswith(PARTIAL_PREFIX) or e.name == SHARD_DIR or e.name.startswith(f".{MANIFEST}.")
-               for e in path.iterdir())
+    """Whether every entry of ``path`` is what an interrupted prepare leaves (``.partial-*``, a
+    ``shards`` directory holding only shard files)."""
+    return all(_ours(e) for e in path.iterdir())
 
 
-def _claim_out_dir(out: Path, force: bool) -> None:
+def _claim_out_dir(out: Path, force: bool, source_files: list[Path]) -> None:
     """Makes ``out`` ready for a prepare: created, or empty but for an interrupted prepare's leftovers
-    (removed), or ``force`` (a previous dataset's files removed, the manifest first)."""
+    (removed), or ``force`` (a previous dataset's manifest and shard files removed, the manifest
+    first). Only what a prepare writes is ever removed: a source file inside ``out``, or files of
+    other names in ``out/shards``, are refused, ``force`` or not."""
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory; choose another OUT_DIR")
-    out.mkdir(parents=True, exist_ok=True)
+    resolved = out.resolve()
+    inside = [p for p in source_files if resolved == p.resolve() or resolved in p.resolve().parents]
+    if inside:
+        raise DataError(f"{out}: the source's files lie inside OUT_DIR (first: {inside[0]}); choose an OUT_DIR "
+                        "outside the source")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"{out}: cannot create OUT_DIR ({e.strerror}); choose another OUT_DIR") from None
+    shards = out / SHARD_DIR
+    foreign = _foreign_in_shards(shards) if shards.exists() or shards.is_symlink() else []
+    if foreign:
+        raise DataError(f"{shards}: holds files a prepare did not write ({', '.join(foreign[:5])}); move them or "
+                        "choose another OUT_DIR (--force only replaces a prepared corpus)")
     if not _only_leftovers(out):
         if not force:
             raise DataError(f"{out}: not empty (holds {', '.join(sorted(e.name for e in out.iterdir())[:5])}); "
                             "choose an empty or new OUT_DIR, or pass --force to replace a prepared corpus there")
         (out / MANIFEST).unlink(missing_ok=True)  # first: from here on it no longer looks complete
     for e in out.iterdir():
-        if e.name.startswith(PARTIAL_PREFIX) or e.name == SHARD_DIR or e.name.startswith(f".{MANIFEST}."):
+        if _ours(e):
             shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
 
 
@@ -282,6 +317,9 @@ def _file_entry(path: Path) -> dict:
 def _write_json_atomic(path: Path, obj: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would keep other users from reading the corpus
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)
             f.write("\n")

@@ -397,6 +397,35 @@ def test_refuses_a_non_empty_out_dir_unless_forced(corpus_dir, fresh_prepared, t
     assert sorted(os.listdir(fresh_prepared)) == [MANIFEST, "shards"]
 
 
+def test_never_removes_what_a_prepare_did_not_write(corpus_dir, tmp_path):
+    """A newcomer's finding: a folder holding only shards/ was taken for leftovers and removed,
+    even when shards/ was the source being prepared (its files were gone, the error blamed
+    permissions)."""
+    import shutil
+
+    ds = tmp_path / "ds"
+    shutil.copytree(corpus_dir, ds / "shards")
+    with pytest.raises(DataError, match="the source's files lie inside OUT_DIR"):
+        prepare(str(ds / "shards"), ds, progress=False, force=True)
+    mine = tmp_path / "mine"
+    (mine / "shards" / "sub").mkdir(parents=True)
+    (mine / "shards" / "a.txt").write_text("mine")
+    for force in (False, True):
+        with pytest.raises(DataError, match=r"shards: holds files a prepare did not write \(a.txt, sub\)"):
+            prepare(corpus_dir, mine, progress=False, force=force)
+    assert sorted(os.listdir(ds / "shards")) == sorted(os.listdir(corpus_dir))
+    assert (mine / "shards" / "a.txt").read_text() == "mine" and (mine / "shards" / "sub").is_dir()
+    with pytest.raises(DataError, match="cannot create OUT_DIR"):
+        prepare(corpus_dir, tmp_path / "mine" / "shards" / "a.txt" / "out", progress=False)
+
+
+def test_the_manifest_is_readable_by_others(fresh_prepared, tmp_path):
+    """As any file this process creates (the umask's mode), not tempfile's 0600."""
+    (tmp_path / "probe").write_text("")
+    want = (tmp_path / "probe").stat().st_mode & 0o777
+    assert (fresh_prepared / MANIFEST).stat().st_mode & 0o777 == want
+
+
 def test_interrupted_prepare_leaves_no_dataset_and_reruns_cleanly(corpus_dir, tmp_path, monkeypatch):
     out = tmp_path / "ds"
     real_flush, calls = prepared_mod._ShardWriter.flush, []
