@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
                                                          "directory holding other files)")
     pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
-    b.add_argument("target", choices=["train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile"],
+    b.add_argument("target", choices=["train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile", "data"],
                    help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
                         "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
                         "fused routing), interleaved in rounds; "
@@ -126,7 +126,10 @@ def _parser() -> argparse.ArgumentParser:
                         "train step for --devices GPUs of kind --gpu on this machine, no GPU needed, and reports per "
                         "device: compile time, memory against the GPU's, host-synced conditionals and state copies, "
                         "collectives (dtype, bytes, async or not), kernels and XLA's scheduling estimate; exits 1 "
-                        "when the step does not fit (needs the CUDA PJRT plugin: README, 'Compiling for GPUs without a GPU')")
+                        "when the step does not fit (needs the CUDA PJRT plugin: README, 'Compiling for GPUs without a GPU'); "
+                        "data: moefast prepare against Hugging Face datasets map(num_proc=2) (MB/s, tokens/s), then time "
+                        "to first batch, peak host memory and batches/s of training from prepared shards against the "
+                        "in-memory path for corpora of --sizes GB of tokens, and the tiny config's train steps/s")
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="train, memory, malloc, overlap, gpu-compile: overrides of the benchmarked experiment")
     b.add_argument("--config", default=None,
@@ -153,11 +156,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="train: timed steps per variant and round (default 10); memory: also time this many "
                         "steps of each variant, interleaved (default 0: compile only); cache: timed train steps per "
                         "variant (default 10); malloc: steps per train process (default 12); "
-                        "overlap: timed steps per chunk count and per train process (default 10)")
+                        "overlap: timed steps per chunk count and per train process (default 10); data: batches timed "
+                        "per loader (default 50)")
+    b.add_argument("--sizes", default="0.2,2", metavar="GB,GB",
+                   help="data: prepared corpora to train from, GB of uint16 token shards (default 0.2,2), generated "
+                        "in --work-dir")
+    b.add_argument("--prepare-mb", type=float, default=100.0, metavar="MB",
+                   help="data: MB of synthetic text tokenized by each prepare path per round (default 100)")
+    b.add_argument("--work-dir", default=None, metavar="DIR",
+                   help="data: where the synthetic corpora are generated (default: a temporary directory), removed "
+                        "after")
     b.add_argument("--pairs", type=int, default=2, help="cache: cold/warm process pairs (default 2)")
     b.add_argument("--rounds", type=int, default=3,
                    help="train: rounds over the variants (default 3); malloc: train processes per setting "
-                        "(default 3); overlap: "
+                        "(default 3); data: rounds of the prepare comparison (default 3); overlap: "
                         "train processes per prefetch setting, 0 = none (default 3)")
     b.add_argument("--profile", default=None, metavar="DIR",
                    help="train: after the rounds, 3 profiled steps per variant, traces in DIR/<variant>/ and the "
@@ -177,6 +189,7 @@ BENCH_OPTIONS = {
     "malloc": {"overrides", "config", "json", "steps", "rounds"},
     "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
     "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate"},
+    "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
 }
 
 
@@ -408,6 +421,21 @@ def main(argv: list[str] | None = None) -> int:
                         raise
                     print(f"error: {e}", file=sys.stderr)
                     return 2
+            if args.target == "data":
+                from moefast.bench import data as data_bench
+
+                steps = 50 if args.steps is None else args.steps
+                try:
+                    sizes = tuple(float(x) for x in args.sizes.split(","))
+                except ValueError:
+                    sizes = ()
+                if not sizes or min(sizes) <= 0 or not args.prepare_mb > 0 or steps < 1 or args.rounds < 1:
+                    raise ConfigError(f"--sizes must be positive GB separated by commas (got {args.sizes!r}), "
+                                      f"--prepare-mb > 0, --steps and --rounds >= 1")
+                if args.work_dir is not None and not os.path.isdir(args.work_dir):
+                    raise ConfigError(f"--work-dir {args.work_dir}: not a directory")
+                return data_bench.run_cli(json_out=args.json, sizes_gb=sizes, prepare_mb=args.prepare_mb,
+                                          rounds=args.rounds, batches=steps, work_dir=args.work_dir)
             if args.target == "cache":
                 from moefast.bench import cache
 
