@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--text-field", default="text", help="field / column holding the text in records (default text)")
     pr.add_argument("--force", action="store_true", help="replace a prepared corpus in OUT_DIR (or prepare into a "
                                                          "directory holding other files)")
+    pr.add_argument("--format", choices=["text", "sft"], default="text",
+                    help="text (default): documents for pretraining; sft: .jsonl conversations rendered with the "
+                         "tokenizer's chat template, stored with their loss masks (train with data.format=sft)")
     pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
     b.add_argument("target", choices=["train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile", "data"],
@@ -490,10 +493,15 @@ def main(argv: list[str] | None = None) -> int:
 def _prepare(args) -> int:
     from moefast.data import DataError
     from moefast.data.prepared import prepare
+    from moefast.data.prepared_sft import prepare_sft
 
     try:
-        m = prepare(args.source, args.out_dir, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                    text_field=args.text_field, force=args.force, progress=not args.no_progress)
+        if args.format == "sft":
+            m = prepare_sft(args.source, args.out_dir, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                            force=args.force, progress=not args.no_progress)
+        else:
+            m = prepare(args.source, args.out_dir, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                        text_field=args.text_field, force=args.force, progress=not args.no_progress)
     except (DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ from moefast.data.tokenizer_registry import get_tokenizer
 
 if TYPE_CHECKING:
     from moefast.config import DataConfig
+    from moefast.data.prepared_sft import PreparedSFTRows
     from moefast.data.sft import SFTStats
 
 __all__ = ["Corpus", "eval_batches", "load_corpus", "train_dataset"]
@@ -57,8 +58,8 @@ class Corpus:
     """
 
     tokenizer: Tokenizer
-    train: PackedRows | PreparedRows
-    val: PackedRows | PreparedRows
+    train: PackedRows | PreparedRows | PreparedSFTRows
+    val: PackedRows | PreparedRows | PreparedSFTRows
     stats: SourceStats
     held_out_documents: bool = True
     sft: SFTStats | None = None
@@ -142,14 +143,23 @@ def _load_sft(cfg: DataConfig) -> Corpus:
     """``data.format: sft``: conversations, the loss on the assistant's tokens (:mod:`moefast.data.sft`)."""
     from moefast.data.sft import load_sft  # jinja2 is imported by SFT runs only
 
-    tokenizer = get_tokenizer(cfg.tokenizer)
-    train, val, stats, sft = load_sft(cfg.source, tokenizer, seq_len=cfg.seq_len, overlong=cfg.sft_overlong,
-                                      val_fraction=cfg.val_fraction)
+    prepared_val_fraction = None
+    if is_prepared(cfg.source):  # moefast prepare --format sft: the masks come from the shards
+        from moefast.data.prepared_sft import open_prepared_sft
+
+        p, train, val, sft = open_prepared_sft(cfg.source, tokenizer=cfg.tokenizer, seq_len=cfg.seq_len,
+                                               overlong=cfg.sft_overlong)
+        tokenizer, stats, prepared_val_fraction = p.tokenizer, p.stats, p.manifest.get("val_fraction")
+    else:
+        tokenizer = get_tokenizer(cfg.tokenizer)
+        train, val, stats, sft = load_sft(cfg.source, tokenizer, seq_len=cfg.seq_len, overlong=cfg.sft_overlong,
+                                          val_fraction=cfg.val_fraction)
     if len(train) < cfg.batch_size:
         raise DataError(f"data.source={cfg.source!r}: {train.num_documents} training conversations -> {len(train)} "
                         f"rows of data.seq_len={cfg.seq_len} ({sft.summary()}); training needs at least "
                         f"data.batch_size={cfg.batch_size} rows: add conversations or lower data.batch_size")
-    return Corpus(tokenizer=tokenizer, train=train, val=val, stats=stats, sft=sft)
+    return Corpus(tokenizer=tokenizer, train=train, val=val, stats=stats, sft=sft,
+                  prepared_val_fraction=prepared_val_fraction)
 
 
 def _load_prepared(cfg: DataConfig) -> Corpus:

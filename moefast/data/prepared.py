@@ -636,13 +636,16 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     return manifest
 
 
-def open_prepared(directory: str | os.PathLike, *, tokenizer: str, seq_len: int) -> PreparedCorpus:
+def open_prepared(directory: str | os.PathLike, *, tokenizer: str, seq_len: int,
+                  data_format: str = "text") -> PreparedCorpus:
     """Opens a prepared corpus for training: manifest and every shard checked, nothing read.
 
     Args:
       directory: the ``OUT_DIR`` of :func:`prepare` (``data.source``).
       tokenizer: the run's ``data.tokenizer``; must be the one the corpus was prepared with.
       seq_len: T, tokens per packed row.
+      data_format: the run's ``data.format``; must be the one the corpus was prepared for (its rows
+        here are pretraining rows either way: ``moefast.data.prepared_sft`` builds SFT rows).
 
     Returns:
       :class:`PreparedCorpus` with lazily read train and validation rows.
@@ -655,6 +658,14 @@ def open_prepared(directory: str | os.PathLike, *, tokenizer: str, seq_len: int)
     root = Path(os.path.expanduser(os.fspath(directory)))
     manifest = read_manifest(root)
     mpath = root / MANIFEST
+    prepared_as = manifest.get("data_format", "text")
+    if prepared_as != data_format:
+        if data_format == "sft":
+            raise DataError(f"{mpath}: prepared as pretraining text, without loss masks, but data.format=sft trains "
+                            "on the assistant's tokens only: prepare the conversations with moefast prepare "
+                            f"SOURCE.jsonl {root} --format sft --tokenizer {tokenizer} --force")
+        raise DataError(f"{mpath}: prepared with --format {prepared_as} (conversations with loss masks); set "
+                        f"data.format={prepared_as} to train on it")
     tok = get_tokenizer(tokenizer)
     recorded = _field(manifest, mpath, "tokenizer", "identity")
     identity = tokenizer_identity(tok)

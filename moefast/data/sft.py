@@ -70,6 +70,7 @@ import datetime
 import glob as globlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -92,6 +93,7 @@ __all__ = [
     "Conversation",
     "SFTExample",
     "SFTStats",
+    "iter_conversations",
     "load_sft",
     "read_conversations",
     "split_examples",
@@ -505,21 +507,13 @@ def _check_messages(record, where: str) -> list[dict]:
     return messages
 
 
-def read_conversations(source: str) -> list[Conversation]:
-    """Reads and checks every conversation of ``source``.
-
-    Args:
-      source: a ``.jsonl`` file, a glob of them, or a directory (its ``*.jsonl`` files, recursively).
-
-    Returns:
-      Conversations in sorted file order, then line order (blank lines skipped).
+def iter_conversations(source: str) -> Iterator[Conversation]:
+    """The conversations of ``source`` one file at a time (:func:`read_conversations` without the
+    list: ``moefast prepare --format sft`` holds one file's lines at most).
 
     Raises:
-      DataError: no file; a file cannot be read; a line is not JSON or not an object, has no
-        ``messages`` list, a message without a string ``role`` or ``content``, or no assistant
-        message; or there is no conversation at all. The message names the file and line.
+      DataError: as :func:`read_conversations`, except that no conversation at all is not checked.
     """
-    out = []
     for path, rel in _source_files(source):
         try:
             raw = path.read_bytes()
@@ -534,7 +528,24 @@ def read_conversations(source: str) -> list[Conversation]:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
                 raise DataError(f"{where}: not valid JSON ({msg}); {_MESSAGES_HELP}") from None
-            out.append(Conversation(f"{rel}:{lineno}", where, _check_messages(record, where), len(line)))
+            yield Conversation(f"{rel}:{lineno}", where, _check_messages(record, where), len(line))
+
+
+def read_conversations(source: str) -> list[Conversation]:
+    """Reads and checks every conversation of ``source``.
+
+    Args:
+      source: a ``.jsonl`` file, a glob of them, or a directory (its ``*.jsonl`` files, recursively).
+
+    Returns:
+      Conversations in sorted file order, then line order (blank lines skipped).
+
+    Raises:
+      DataError: no file; a file cannot be read; a line is not JSON or not an object, has no
+        ``messages`` list, a message without a string ``role`` or ``content``, or no assistant
+        message; or there is no conversation at all. The message names the file and line.
+    """
+    out = list(iter_conversations(source))
     if not out:
         raise DataError(f"data.source={source!r}: no conversation (every line is blank); {_MESSAGES_HELP}")
     return out
