@@ -31,6 +31,9 @@ def test_bench_data_writes_json_and_tables(tmp_path):
 
 def test_in_memory_path_is_skipped_when_it_would_not_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "_mem_available_bytes", lambda: 1)
+    monkeypatch.setattr(bench, "_datasets_available", lambda: False)
+    fake = {"first_batch_s": 0.1, "batches_per_s": 10.0, "tokens": 1, "peak_rss_mb": 100.0}
+    monkeypatch.setattr(bench, "_loader_child", lambda source, batches: dict(fake))  # no child processes
     r = bench.bench_data(sizes_gb=(0.0002, 0.0004), prepare_mb=0.2, rounds=1, batches=2, train_step=False,
                          work_dir=str(tmp_path), log=None)
     skipped = [x for x in r.loader if "skipped" in x]

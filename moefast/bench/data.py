@@ -135,6 +135,7 @@ def _prepare_datasets(files: list[Path], out: Path, tokenizer: str, cache: Path)
     import datasets
     from tokenizers import Tokenizer
 
+    datasets.disable_progress_bars()
     tok = Tokenizer.from_file(os.path.join(tokenizer, "tokenizer.json"))
 
     def encode(batch):
