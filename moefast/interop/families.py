@@ -27,6 +27,7 @@ experts), E experts. moefast's linear weights are [in, out]; HF's are [out, in].
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -42,7 +43,7 @@ SubPath = tuple[str, ...]  # a parameter's sub-path in moefast's (unrolled) tree
 
 
 # ------------------------------------------------------------------------------------- transforms
-class Transform:
+class Transform(abc.ABC):
     """How HF tensors make one unrolled moefast parameter, in both directions.
 
     ``names`` are the HF names of one layer (an expert transform's still hold ``{e}``); ``sizes``
@@ -52,21 +53,21 @@ class Transform:
 
     expert_axis = False  # the parameter's first axis is E: a device's shard reads only its experts
 
+    @abc.abstractmethod
     def hf_shapes(self, names: tuple[str, ...], shape: tuple[int, ...],
                   sizes: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> the shape it must have to make a parameter of ``shape``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self, get: Callable[..., np.ndarray], names: tuple[str, ...], experts: slice | None) -> np.ndarray:
         """The parameter (only ``experts`` of its first axis for an expert transform).
 
         ``get(name)`` returns a tensor; ``get(name, rows)`` only ``rows`` of its first axis."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def write(self, value: np.ndarray, names: tuple[str, ...],
               sizes: tuple[int, ...]) -> list[tuple[str, np.ndarray]]:
         """The HF tensors of parameter ``value``."""
-        raise NotImplementedError
 
 
 class Identity(Transform):
