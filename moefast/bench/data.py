@@ -14,7 +14,8 @@ Three measurements, each written as JSON records and markdown tables:
    words), a child process opens the corpus the way a ``moefast train`` does
    (``load_corpus`` -> ``train_dataset`` -> first batch of ``configs/tiny.yaml``'s shape: 8 rows of
    256 tokens) and reports the seconds to its first batch, its peak resident memory
-   (``getrusage(RUSAGE_SELF).ru_maxrss``, which includes the interpreter and imports: the
+   (``VmHWM`` of ``/proc/self/status``, not ``ru_maxrss``, which on Linux keeps the forking parent's
+   peak across ``exec``; it includes the interpreter and imports: the
    ``baseline`` row is a child that imports the same modules and opens nothing) and the loader's
    batches/s over ``batches`` further batches. Once from the prepared directory, once from the same
    text files in memory (today's unprepared path). The in-memory path is skipped when its peak,
@@ -175,7 +176,9 @@ if args["source"] is not None:
         next(it)
     out = {"first_batch_s": first - imported, "batches_per_s": args["batches"] / (time.perf_counter() - first),
            "tokens": int(corpus.train.num_tokens + corpus.val.num_tokens)}
-out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM: this process's own peak (ru_maxrss keeps the forking parent's peak across exec on Linux)
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")]
+out["peak_rss_mb"] = (int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
 print("RESULT " + json.dumps(out))
 """
 
