@@ -37,9 +37,23 @@ import numpy as np
 
 from moefast.data.errors import DataError
 
-__all__ = ["ROW_KEYS", "PackedRows", "pack_documents"]
+__all__ = ["ROW_KEYS", "PackedRows", "pack_documents", "row_index"]
 
 ROW_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_weight")
+
+
+def row_index(index: int, rows: int) -> int:
+    """``index`` as a row number in ``[0, rows)`` (negative counts from the end, as for a list).
+
+    Raises:
+      IndexError: outside ``[-rows, rows)``.
+    """
+    index = int(index)
+    if index < 0:
+        index += rows
+    if not 0 <= index < rows:
+        raise IndexError(f"row {index} out of range for {rows} packed rows")
+    return index
 
 
 class PackedRows:
@@ -102,11 +116,7 @@ class PackedRows:
         return view
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        index = int(index)
-        if index < 0:
-            index += self._len
-        if not 0 <= index < self._len:
-            raise IndexError(f"row {index} out of range for {self._len} packed rows")
+        index = row_index(index, self._len)
         T = self.seq_len
         L = len(self._stream)
         start = index * T

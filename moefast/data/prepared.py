@@ -78,7 +78,7 @@ import numpy as np
 from moefast.data import sources
 from moefast.data.errors import DataError
 from moefast.data.hf_tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, HFTokenizer
-from moefast.data.packing import PackedRows
+from moefast.data.packing import PackedRows, row_index
 from moefast.data.sources import Document, SourceStats
 from moefast.data.tokenizer import ByteTokenizer, Tokenizer
 from moefast.data.tokenizer_registry import get_tokenizer
@@ -561,11 +561,7 @@ class PreparedRows:
         return np.flatnonzero(q == 0)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        index = int(index)
-        if index < 0:
-            index += self._len
-        if not 0 <= index < self._len:
-            raise IndexError(f"row {index} out of range for {self._len} packed rows")
+        index = row_index(index, self._len)
         start = index * self.seq_len
         stream, doc_starts = self.window(start, min(start + self.seq_len + 1, self.num_tokens))
         return PackedRows(stream, doc_starts, self.seq_len, self.pad_id)[0]

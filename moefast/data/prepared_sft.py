@@ -49,7 +49,7 @@ import numpy as np
 from moefast.data import prepared as P
 from moefast.data.errors import DataError
 from moefast.data.hf_tokenizer import HFTokenizer
-from moefast.data.packing import PackedRows
+from moefast.data.packing import PackedRows, row_index
 from moefast.data.sources import SourceStats, _hash_fraction
 from moefast.data.tokenizer_registry import get_tokenizer
 
@@ -264,11 +264,7 @@ class PreparedSFTRows:
         return int(self._lens.sum())
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        index = int(index)
-        if index < 0:
-            index += self._len
-        if not 0 <= index < self._len:
-            raise IndexError(f"row {index} out of range for {self._len} packed rows")
+        index = row_index(index, self._len)
         a = index * self.seq_len
         b = min(a + self.seq_len + 1, self._L)
         stream = np.full((b - a,), self.pad_id, np.int32)

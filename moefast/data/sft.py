@@ -81,7 +81,7 @@ import jinja2.sandbox
 import numpy as np
 
 from moefast.data.errors import DataError
-from moefast.data.hf_tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, HFTokenizer
+from moefast.data.hf_tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, HFTokenizer, _read_json
 from moefast.data.packing import PackedRows, pack_documents
 from moefast.data.sources import SourceStats, _glob_base, _hash_fraction
 from moefast.data.tokenizer import Tokenizer
@@ -256,8 +256,8 @@ class ChatTemplate:
         directory = os.path.dirname(tokenizer.path)
         jinja_file = os.path.join(directory, CHAT_TEMPLATE_FILE)
         config_file = os.path.join(directory, TOKENIZER_CONFIG)
-        config = _read_json_object(os.path.join(directory, SPECIAL_TOKENS_MAP))
-        config.update(_read_json_object(config_file))
+        config = _read_json(os.path.join(directory, SPECIAL_TOKENS_MAP))
+        config.update(_read_json(config_file))
         if os.path.isfile(jinja_file):
             try:
                 with open(jinja_file, encoding="utf-8") as f:
@@ -293,19 +293,6 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate({self.source!r}, generation_markers={self.has_generation_markers})"
-
-
-def _read_json_object(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: cannot read it as JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"{path}: expected a JSON object, got {type(obj).__name__}")
-    return obj
 
 
 def _template_from_config(value, config_file: str) -> str | None:
