@@ -341,16 +341,18 @@ def _read_parquet(path: Path, rel: str, text_field: str) -> Iterator[Document]:
         except pa.ArrowException as e:
             raise DataError(f"{path}: not a readable parquet file ({e}); rewrite it or remove it from "
                             "data.source") from None
-        if text_field not in schema.names:
-            raise DataError(f"{path}: no column {text_field!r} (columns: {schema.names[:20]}); set data.text_field "
-                            "to the column that holds the text")
-        _check_text_column(path, schema.field(text_field).type, text_field)
+        _check_text_column(path, schema, text_field)
         yield from _column_documents(path, rel, text_field, "parquet", pf.iter_batches(columns=[text_field]))
 
 
-def _check_text_column(path: Path, typ, text_field: str) -> None:
+def _check_text_column(path: Path, schema, text_field: str) -> None:
+    """Raises unless the Arrow ``schema`` has a string or binary column ``text_field``."""
     import pyarrow as pa
 
+    if text_field not in schema.names:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {schema.names[:20]}); set data.text_field "
+                        "to the column that holds the text")
+    typ = schema.field(text_field).type
     is_text = pa.types.is_string(typ) or pa.types.is_large_string(typ)
     is_binary = pa.types.is_binary(typ) or pa.types.is_large_binary(typ)
     if not (is_text or is_binary):
@@ -416,8 +418,5 @@ def _read_arrow(path: Path, rel: str, text_field: str) -> Iterator[Document]:
         except pa.ArrowException as e:
             raise DataError(f"{path}: not a readable Arrow IPC file ({e}); rewrite it or remove it from "
                             "data.source") from None
-        if text_field not in schema.names:
-            raise DataError(f"{path}: no column {text_field!r} (columns: {schema.names[:20]}); set "
-                            "data.text_field to the column that holds the text")
-        _check_text_column(path, schema.field(text_field).type, text_field)
+        _check_text_column(path, schema, text_field)
         yield from _column_documents(path, rel, text_field, "Arrow IPC", batches)
