@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 
 
@@ -503,19 +504,37 @@ def _prepare(args) -> int:
             m = prepare(args.source, args.out_dir, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                         text_field=args.text_field, force=args.force, progress=not args.no_progress)
     except (DataError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_in_prepare_terms(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # prepare has removed its partial output
         print("interrupted", file=sys.stderr)
         return 130
     src, train, val = m["sources"], m["splits"]["train"], m["splits"]["val"]
-    print(f"{src['documents']} documents ({src['bytes'] / 1e6:.2f} MB) from {args.source!r} in {m['seconds']:.1f} s: "
-          f"train {train['documents']} documents / {train['tokens']} tokens, validation {val['documents']} documents "
-          f"/ {val['tokens']} tokens ({m['dtype']}, tokenizer {m['tokenizer']['name']})")
+    if args.format == "sft":
+        what = "conversations"
+        counts = (f": train {train['documents']} conversations / {train['tokens']} tokens of which "
+                  f"{train['weighted_tokens']} are targets (assistant), validation {val['documents']} / {val['tokens']} "
+                  f"/ {val['weighted_tokens']}")
+    else:
+        what = "documents"
+        counts = (f": train {train['documents']} documents / {train['tokens']} tokens, validation "
+                  f"{val['documents']} documents / {val['tokens']} tokens")
+    print(f"{src['documents']} {what} ({src['bytes'] / 1e6:.2f} MB) from {args.source!r} in {m['seconds']:.1f} s"
+          f"{counts} ({m['dtype']}, tokenizer {m['tokenizer']['name']})")
     if src["skipped_files"]:
         print(f"note: {len(src['skipped_files'])} unreadable files skipped (first: {src['skipped_files'][0][0]})")
     print(f"train with data.source={args.out_dir} data.tokenizer={args.tokenizer}")
     return 0
+
+
+# The data readers name the run config's keys; `moefast prepare` takes the same values as arguments.
+_PREPARE_TERMS = {"data.source": "SOURCE", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer",
+                  "data.val_fraction": "--val-fraction"}
+
+
+def _in_prepare_terms(message: str) -> str:
+    """An error of the data readers, with the config keys it names replaced by prepare's arguments."""
+    return re.sub("|".join(re.escape(k) for k in _PREPARE_TERMS), lambda m: _PREPARE_TERMS[m.group(0)], message)
 
 
 def _import_hf(args) -> None:

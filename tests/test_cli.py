@@ -127,6 +127,8 @@ def test_bad_input_gets_one_clear_error(args, message, tmp_path):
     assert message in p.stderr
     assert "Traceback" not in p.stderr
     assert len([line for line in p.stderr.splitlines() if line.strip()]) == 1, p.stderr
+    if any(a.startswith("data.source=") for a in args):  # a corpus error leaves no run dir (nor checkpoints/)
+        assert not (tmp_path / "r").exists()
 
 
 def test_run_dir_that_is_a_file(tmp_path, text_dir):

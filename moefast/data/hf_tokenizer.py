@@ -304,6 +304,30 @@ class HFTokenizer(Tokenizer):
             raise TypeError(f"HFTokenizer.encode expects bytes or str, got {type(data).__name__}")
         return np.asarray(self._tok.encode(data, add_special_tokens=False).ids, np.int32)
 
+    def encode_batch(self, datas) -> list[np.ndarray]:
+        """Tokenizes many documents as :meth:`encode` does each one, on every core.
+
+        ``tokenizers``' ``encode_batch_fast`` (Rust threads, the GIL released, no character
+        offsets computed) with the configuration :meth:`encode` uses.
+
+        Args:
+          datas: sequence of bytes (decoded as UTF-8, invalid bytes become U+FFFD) or str.
+
+        Returns:
+          One int32 [N_i] array of ids per document, without BOS/EOS.
+
+        Raises:
+          TypeError: an element is neither bytes nor str.
+        """
+        texts = []
+        for d in datas:
+            if isinstance(d, (bytes, bytearray, memoryview)):
+                d = bytes(d).decode("utf-8", "replace")
+            elif not isinstance(d, str):
+                raise TypeError(f"HFTokenizer.encode_batch expects bytes or str, got {type(d).__name__}")
+            texts.append(d)
+        return [np.asarray(e.ids, np.int32) for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
     def encode_chat(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """Tokenizes text a chat template rendered, with each token's character offsets.
 

@@ -383,13 +383,11 @@ def _split_pieces(docs: Iterable[Document], val_fraction: float, cut: bool) -> I
     """``(split, bytes)`` per document, as :func:`~moefast.data.sources.split_documents` assigns them."""
     for d in docs:
         if not cut:
-            yield ("val" if sources._hash_fraction(d.id) < val_fraction else "train"), d.data
+            yield ("val" if sources.id_fraction(d.id) < val_fraction else "train"), d.data
             continue
-        c = sources._utf8_boundary(d.data, int(len(d.data) * (1.0 - val_fraction)))
-        if c > 0:
-            yield "train", d.data[:c]
-        if c < len(d.data):
-            yield "val", d.data[c:]
+        for name, piece in zip(SPLITS, sources.cut_document(d, val_fraction)):
+            if piece is not None:
+                yield name, piece.data
 
 
 def _batches(pieces: Iterator[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:

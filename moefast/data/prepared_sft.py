@@ -50,7 +50,7 @@ from moefast.data import prepared as P
 from moefast.data.errors import DataError
 from moefast.data.hf_tokenizer import HFTokenizer
 from moefast.data.packing import PackedRows, row_index
-from moefast.data.sources import SourceStats, _hash_fraction
+from moefast.data.sources import SourceStats, id_fraction
 from moefast.data.tokenizer_registry import get_tokenizer
 
 __all__ = ["PreparedSFTRows", "open_prepared_sft", "prepare_sft", "template_identity"]
@@ -137,7 +137,7 @@ def prepare_sft(source: str, out_dir: str | os.PathLike, *, tokenizer: str, val_
         hashes = []
         for conv in sft.iter_conversations(source):
             ids, weights = sft.tokenize_conversation(tok, template, conv.messages, conv.where)
-            h = _hash_fraction(conv.id)
+            h = id_fraction(conv.id)
             hashes.append(h)
             name = "val" if (conv.id in held if held is not None else h < val_fraction) else "train"
             writers[name].add(ids, (weights > 0).astype(np.uint8))

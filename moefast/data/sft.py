@@ -83,7 +83,7 @@ import numpy as np
 from moefast.data.errors import DataError
 from moefast.data.hf_tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, HFTokenizer, _read_json
 from moefast.data.packing import PackedRows, pack_documents
-from moefast.data.sources import SourceStats, _glob_base, _hash_fraction
+from moefast.data.sources import SourceStats, glob_base, id_fraction
 from moefast.data.tokenizer import Tokenizer
 
 __all__ = [
@@ -451,7 +451,7 @@ def _source_files(source: str) -> list[tuple[Path, str]]:
     """``(path, id prefix)`` of the ``.jsonl`` files of ``source``: a file, a glob or a directory."""
     expanded = os.path.expanduser(source)
     if set("*?[") & set(expanded):
-        base = _glob_base(expanded)
+        base = glob_base(expanded)
         files = [(Path(m), Path(os.path.relpath(m, base)).as_posix())
                  for m in sorted(globlib.glob(expanded, recursive=True)) if os.path.isfile(m)]
     elif os.path.isdir(expanded):
@@ -556,7 +556,7 @@ def split_examples(examples: list[SFTExample], val_fraction: float) -> tuple[lis
     if len(examples) < 2:
         raise DataError(f"{len(examples)} usable conversation(s): SFT needs at least 2, one for training and one for "
                         "validation")
-    h = [_hash_fraction(e.id) for e in examples]
+    h = [id_fraction(e.id) for e in examples]
     held = [x < val_fraction for x in h]
     if all(held) or not any(held):
         k = min(len(examples) - 1, max(1, round(len(examples) * val_fraction)))

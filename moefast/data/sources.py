@@ -28,6 +28,9 @@ __all__ = [
     "DataError",
     "Document",
     "SourceStats",
+    "cut_document",
+    "glob_base",
+    "id_fraction",
     "iter_documents",
     "list_files",
     "load_documents",
@@ -125,7 +128,7 @@ def list_files(source: str) -> tuple[list[tuple[Path, str]], bool]:
     expanded = os.path.expanduser(source)
     path = Path(expanded)
     if _GLOB_CHARS & set(expanded):
-        base = _glob_base(expanded)
+        base = glob_base(expanded)
         files = [(Path(m), Path(os.path.relpath(m, base)).as_posix())
                  for m in sorted(globlib.glob(expanded, recursive=True)) if os.path.isfile(m)]
         if not files:
@@ -238,20 +241,34 @@ def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Doc
     train: list[Document] = []
     val: list[Document] = []
     for d in docs:
-        (val if _hash_fraction(d.id) < val_fraction else train).append(d)
+        (val if id_fraction(d.id) < val_fraction else train).append(d)
     if train and val:
         return train, val
     train, val = [], []
     for d in docs:
-        cut = _utf8_boundary(d.data, int(len(d.data) * (1.0 - val_fraction)))
-        if cut > 0:
-            train.append(Document(d.id, d.data[:cut]))
-        if cut < len(d.data):
-            val.append(Document(d.id + "#val", d.data[cut:]))
+        head, tail = cut_document(d, val_fraction)
+        if head is not None:
+            train.append(head)
+        if tail is not None:
+            val.append(tail)
     return train, val
 
 
-def _hash_fraction(doc_id: str) -> float:
+def cut_document(doc: Document, val_fraction: float) -> tuple[Document | None, Document | None]:
+    """:func:`split_documents`' fallback for one document: ``(train piece, validation piece)``.
+
+    The first ``floor(len * (1 - val_fraction))`` bytes, moved back to a UTF-8 character boundary,
+    keep ``doc.id``; the rest is ``doc.id + "#val"``. An empty piece is ``None``.
+    """
+    cut = _utf8_boundary(doc.data, int(len(doc.data) * (1.0 - val_fraction)))
+    head = Document(doc.id, doc.data[:cut]) if cut > 0 else None
+    tail = Document(doc.id + "#val", doc.data[cut:]) if cut < len(doc.data) else None
+    return head, tail
+
+
+def id_fraction(doc_id: str) -> float:
+    """``blake2b(doc_id) / 2**64`` in [0, 1): a document goes to validation iff this is below
+    ``val_fraction`` (:func:`split_documents`); the same on every machine, unlike ``hash``."""
     digest = hashlib.blake2b(doc_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0**64
 
@@ -280,7 +297,7 @@ def _walk(root: Path, keep) -> list[tuple[Path, str]]:
     return out
 
 
-def _glob_base(pattern: str) -> str:
+def glob_base(pattern: str) -> str:
     """The directory part of ``pattern`` before its first glob character (ids are relative to it)."""
     head = pattern
     for i, ch in enumerate(pattern):

@@ -407,12 +407,13 @@ class Trainer:
         run's config.yaml and metrics writer, the compiled step, the data prefetcher."""
         t_start = time.perf_counter()
         cfg, tc = self.cfg, self.cfg.train
-        run_dir_lib.check_writable(self.run_dir)
-        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
-                            async_save=cfg.checkpoint.async_save, log=self._ckpt_log)
+        # the data first: a corpus error leaves no run dir behind (nor an empty checkpoints/)
         data_iter = iter(train_dataset(self.corpus, cfg.data, seed=tc.seed,
                                        process_index=jax.process_index(),
                                        process_count=jax.process_count()))
+        run_dir_lib.check_writable(self.run_dir)
+        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                            async_save=cfg.checkpoint.async_save, log=self._ckpt_log)
         self._log_setup()
         begin = start_or_resume(cfg, ckpt, data_iter, init_state=self.init_state,
                                 abstract_state=self.abstract_state, log=self._log)

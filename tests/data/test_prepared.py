@@ -186,11 +186,14 @@ def test_hf_tokenizer_round_trip_and_dtype(tmp_path, corpus_dir, big_vocab):
     assert m["tokenizer"]["identity"].startswith("sha256:")
     cfg = _cfg(corpus_dir, tokenizer=tok_dir)
     _assert_rows_equal(load_corpus(_cfg(str(out), tokenizer=tok_dir)).train, load_corpus(cfg).train)
-    # encode_batch on the worker threads gives HFTokenizer.encode's ids, invalid UTF-8 included
-    tok = get_tokenizer(tok_dir)
-    datas = [b"alpha beta \xff\xfe gamma", "日本 🙂 <|endoftext|>".encode(), b""]
-    for a, b in zip(prepared_mod._batch_encoder(tok)(datas), [tok.encode(x) for x in datas]):
-        np.testing.assert_array_equal(a, b)
+    # encode_batch (what prepare calls) gives encode's ids, invalid UTF-8 and special-token text included
+    datas = [b"alpha beta \xff\xfe gamma", "日本 🙂 <|endoftext|>".encode(), b"", "text as str"]
+    for tok in (get_tokenizer(tok_dir), get_tokenizer("byte")):
+        batch = tok.encode_batch(datas)
+        assert len(batch) == len(datas)
+        for a, b in zip(batch, [tok.encode(x) for x in datas]):
+            assert a.dtype == np.int32
+            np.testing.assert_array_equal(a, b)
 
 
 def test_jsonl_parquet_and_hf_datasets_directory(tmp_path):
@@ -462,5 +465,10 @@ def test_cli_prepare(corpus_dir, tmp_path, capsys):
     assert main(["prepare", corpus_dir, str(out), "--no-progress"]) == 2
     assert "not empty" in capsys.readouterr().err
     assert main(["prepare", corpus_dir, str(out), "--force", "--tokenizer", "nope", "--no-progress"]) == 2
-    assert "unknown tokenizer 'nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown tokenizer 'nope'" in err and "--tokenizer" in err and "data.tokenizer" not in err
     assert is_prepared(str(out))  # a failed --force run before any change leaves the dataset
+    # errors name prepare's own arguments, not the run config's keys
+    assert main(["prepare", str(tmp_path / "nothing-*.txt"), str(tmp_path / "ds2"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "SOURCE" in err and "data.source" not in err

@@ -189,4 +189,7 @@ def test_moefast_prepare_format_sft(chats, tok_dir, tmp_path, capsys):
     out = tmp_path / "cli"
     assert main(["prepare", chats, str(out), "--format", "sft", "--tokenizer", tok_dir, "--no-progress"]) == 0
     assert json.loads((out / "manifest.json").read_text())["data_format"] == "sft"
-    assert "80 documents" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    printed = capsys.readouterr().out
+    assert "80 conversations" in printed
+    assert f"of which {manifest['splits']['train']['weighted_tokens']} are targets" in printed
