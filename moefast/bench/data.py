@@ -6,12 +6,15 @@ Three measurements, each written as JSON records and markdown tables:
    (one document each) is tokenized by a byte-level BPE tokenizer trained here on its first few MB
    (``tokenizers``; nothing is downloaded), once by :func:`moefast.data.prepared.prepare` and once by
    Hugging Face ``datasets`` (``load_dataset("text", sample_by="document")``, ``map(batched=True,
-   num_proc=2)`` with the same tokenizer's ``encode_batch``, ``save_to_disk``), alternating for
-   ``rounds`` rounds, each timed end to end from the text files to the files written: MB of text/s
-   and tokens/s. Without ``datasets`` installed that row says so and is skipped.
+   num_proc=2)`` with the same tokenizer's ``encode_batch_fast``, ``save_to_disk``; ``encode_batch``,
+   which also computes character offsets, runs at about half that rate), alternating for
+   ``rounds`` rounds, each in a fresh child process (as ``moefast prepare`` runs: without the
+   ``moefast`` command's malloc settings) and timed inside it end to end from the text files to the
+   files written: MB of text/s and tokens/s. Without ``datasets`` installed that row says so and is
+   skipped.
 2. **Training from shards.** For each size in ``sizes_gb`` (GB of uint16 token shards, i.e.
    ``size / 2`` byte tokens; the text is generated as random slices of a 16 MB pool of synthetic
-   words), a child process opens the corpus the way a ``moefast train`` does
+   words), a child process opens the corpus the way a ``moefast train`` does (malloc settings included)
    (``load_corpus`` -> ``train_dataset`` -> first batch of ``configs/tiny.yaml``'s shape: 8 rows of
    256 tokens) and reports the seconds to its first batch, its peak resident memory
    (``VmHWM`` of ``/proc/self/status``, not ``ru_maxrss``, which on Linux keeps the forking parent's
@@ -124,15 +127,39 @@ def _train_bpe(files: list[Path], out_dir: Path) -> str:
     return str(out_dir)
 
 
-def _prepare_moefast(text_dir: Path, out: Path, tokenizer: str) -> tuple[float, int]:
+_PREPARE_CHILD = """
+import json, sys
+from moefast.bench import data
+args = json.loads(sys.argv[1])
+print("RESULT " + json.dumps(getattr(data, args.pop("fn"))(**args)))
+"""
+
+
+def _in_child(fn: str, **kwargs) -> Any:
+    """Runs ``fn(**kwargs)`` of this module in a fresh interpreter and returns its (JSON) result.
+
+    Each prepare path runs in its own process, as ``moefast prepare`` does: this process has other
+    state (the ``moefast`` command's malloc settings, see :mod:`moefast.host_memory`, made
+    ``moefast prepare`` 3.4x slower in a one-off check of 2026-12-03: one malloc arena shared by the
+    tokenizer's threads).
+    """
+    proc = subprocess.run([sys.executable, "-c", _PREPARE_CHILD, json.dumps({"fn": fn, **kwargs})],
+                          capture_output=True, text=True, env=dict(os.environ))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{fn} child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def _prepare_moefast(text_dir: str, out: str, tokenizer: str) -> tuple[float, int]:
     from moefast.data.prepared import prepare
 
     t0 = time.perf_counter()
-    m = prepare(str(text_dir), out, tokenizer=tokenizer, progress=False, force=True)
+    m = prepare(text_dir, out, tokenizer=tokenizer, progress=False, force=True)
     return time.perf_counter() - t0, m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
 
 
-def _prepare_datasets(files: list[Path], out: Path, tokenizer: str, cache: Path) -> tuple[float, int]:
+def _prepare_datasets(files: list[str], out: str, tokenizer: str, cache: str) -> tuple[float, int]:
     import datasets
     from tokenizers import Tokenizer
 
@@ -140,13 +167,12 @@ def _prepare_datasets(files: list[Path], out: Path, tokenizer: str, cache: Path)
     tok = Tokenizer.from_file(os.path.join(tokenizer, "tokenizer.json"))
 
     def encode(batch):
-        return {"input_ids": [e.ids for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}
+        return {"input_ids": [e.ids for e in tok.encode_batch_fast(batch["text"], add_special_tokens=False)]}
 
     t0 = time.perf_counter()
-    ds = datasets.load_dataset("text", data_files=[str(p) for p in files], sample_by="document", split="train",
-                               cache_dir=str(cache))
+    ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train", cache_dir=cache)
     ds = ds.map(encode, batched=True, num_proc=2, remove_columns=["text"])
-    ds.save_to_disk(str(out))
+    ds.save_to_disk(out)
     seconds = time.perf_counter() - t0
     tokens = sum(len(x) for x in ds["input_ids"])
     return seconds, tokens
@@ -162,6 +188,8 @@ _CHILD = """
 import json, resource, sys, time
 args = json.loads(sys.argv[1])
 t0 = time.perf_counter()
+from moefast import host_memory
+host_memory.configure()  # as the moefast train command does, before anything else runs
 from moefast.config import DataConfig
 from moefast.data import load_corpus, train_dataset
 imported = time.perf_counter()
@@ -268,9 +296,11 @@ def bench_data(*, sizes_gb: tuple[float, ...] = (0.2, 2.0), prepare_mb: float = 
                     continue
                 out = work / f"prepared-{r}-{tools.index(tool)}"
                 if tool == tools[0]:
-                    seconds, tokens = _prepare_moefast(text, out, tokenizer)
+                    seconds, tokens = _in_child("_prepare_moefast", text_dir=str(text), out=str(out),
+                                                tokenizer=tokenizer)
                 else:
-                    seconds, tokens = _prepare_datasets(files, out, tokenizer, work / "hf-cache" / str(r))
+                    seconds, tokens = _in_child("_prepare_datasets", files=[str(p) for p in files], out=str(out),
+                                                tokenizer=tokenizer, cache=str(work / "hf-cache" / str(r)))
                     shutil.rmtree(work / "hf-cache" / str(r), ignore_errors=True)
                 shutil.rmtree(out, ignore_errors=True)
                 rec = {"tool": tool, "round": r + 1, "text_mb": text_bytes / 1e6, "seconds": seconds,

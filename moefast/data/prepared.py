@@ -15,20 +15,22 @@ core), and writes::
       shards/train-00001.* ... shards/val-00000.* ...
 
 A ``data.source`` that is such a directory (:func:`is_prepared`) trains from the shards
-(:func:`open_prepared`): nothing is tokenized at start, every shard is opened with
-``np.load(mmap_mode="r")`` and read only where a row needs it.
+(:func:`open_prepared`): nothing is tokenized at start; every shard's header is checked when it is
+opened, the offsets are memory-mapped and the tokens read with ``os.pread`` only where a row needs
+them (:class:`ShardArray`).
 
 Design choices:
 
-- **Format: ``.npy`` token arrays + ``.npy`` offsets, memory-mapped** (Megatron's indexed dataset
-  and levanter's cache are the models), rather than ArrayRecord. A packed row crosses documents, so
-  what training needs is a contiguous slice of the token stream; a memory map hands it over without
-  a copy or a decompression, and the OS page cache is shared by every process of a host.
+- **Format: ``.npy`` token arrays + ``.npy`` offsets** (Megatron's indexed dataset and levanter's
+  cache are the models), rather than ArrayRecord. A packed row crosses documents, so what training
+  needs is a contiguous slice of the token stream: one ``pread`` of a few hundred bytes, without a
+  decompression, from the OS page cache that every process of a host shares. (A memory map of the
+  tokens made the process's resident memory grow with the corpus: see :class:`ShardArray`.)
   ``.npy`` headers carry dtype and shape, so a shard of another dtype or a truncated one is caught
   when it is opened. Measured on a 2-core CPU with the stdlib corpus byte-tokenized (731
   documents, 12.1 M tokens): writing took 0.17 s for ``.npy`` (24 MB) and 0.17 s for ArrayRecord
   (one record per document, default zstd, 4.3 MB; 0.04 s and 24 MB uncompressed); 20,000
-  random windows of 257 tokens took 0.07 s from the memory map against 5.9 s from ArrayRecord
+  random windows of 257 tokens took 0.07 s from a memory map against 5.9 s from ArrayRecord
   (2.2 s uncompressed): a window needs whole records (documents), each looked up, copied and
   decompressed, and the offsets index is needed anyway to find them. A full row (the window plus
   segment ids, positions and loss weights) costs ~120 µs at T=256, against ~46 µs for an
@@ -402,28 +404,10 @@ def _batches(pieces: Iterator[tuple[str, bytes]]) -> Iterator[list[tuple[str, by
         yield batch
 
 
-def _batch_encoder(tok: Tokenizer):
-    """``list[bytes] -> list[int32 array]``, equal to ``[tok.encode(b) for b in ...]``.
-
-    A Hugging Face tokenizer encodes the batch with ``tokenizers``' ``encode_batch`` (Rust threads
-    over every core, the GIL released), configured exactly as :meth:`HFTokenizer.encode` uses it
-    (``tests/data/test_prepared.py`` checks both give the same ids).
-    """
-    if isinstance(tok, HFTokenizer):
-        inner = tok._tok  # the configured tokenizers.Tokenizer (no padding/truncation, specials as text)
-
-        def encode(datas):
-            texts = [bytes(d).decode("utf-8", "replace") for d in datas]
-            return [np.asarray(e.ids, np.int32) for e in inner.encode_batch(texts, add_special_tokens=False)]
-        return encode
-    return lambda datas: [tok.encode(d) for d in datas]
-
-
 def _write_splits(directory: Path, docs: Iterator[Document], tok: Tokenizer, dtype: np.dtype, val_fraction: float,
                   shard_tokens: int, bar, *, cut: bool) -> dict:
     directory.mkdir()
     writers = {name: _ShardWriter(directory, name, dtype, shard_tokens) for name in SPLITS}
-    encode = _batch_encoder(tok)
     pending: collections.deque = collections.deque()
 
     def drain_one():
@@ -436,7 +420,7 @@ def _write_splits(directory: Path, docs: Iterator[Document], tok: Tokenizer, dty
     with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="moefast-prepare") as pool:
         try:
             for batch in _batches(_split_pieces(docs, val_fraction, cut)):
-                pending.append(([n for n, _ in batch], pool.submit(encode, [b for _, b in batch])))
+                pending.append(([n for n, _ in batch], pool.submit(tok.encode_batch, [b for _, b in batch])))
                 while len(pending) >= _IN_FLIGHT:
                     drain_one()
             while pending:
@@ -478,8 +462,8 @@ class PreparedRows:
     ``num_documents``, ``padding_row()``); a row is built when it is read.
 
     Args:
-      shards: ``(tokens, offsets)`` per shard: tokens [N_k] (uint16/uint32, memory-mapped), offsets
-        int64 [D_k + 1] (memory-mapped), each shard with at least one document.
+      shards: ``(tokens, offsets)`` per shard: tokens [N_k] uint16/uint32 (a :class:`ShardArray` or an
+        ndarray), offsets int64 [D_k + 1] (memory-mapped), each shard with at least one document.
       seq_len: T, tokens per row.
       bos_id: id put before every document, or None.
       eos_id: id put after every document.
@@ -495,7 +479,7 @@ class PreparedRows:
         self._has_bos = bos_id is not None
         extra = 1 + self._has_bos
         # plain ndarray views of the maps: indexing a np.memmap scalar costs microseconds, a view's ~0.1
-        self._shards = [(np.asarray(tokens), _StreamStarts(np.asarray(offsets), extra)) for tokens, offsets in shards]
+        self._shards = [(tokens, _StreamStarts(np.asarray(offsets), extra)) for tokens, offsets in shards]
         lengths = [len(tokens) + (len(offsets) - 1) * extra for tokens, offsets in shards]
         self._bases = [0, *np.cumsum(lengths, dtype=np.int64).tolist()]
         self._documents = sum(len(offsets) - 1 for _, offsets in shards)
@@ -686,10 +670,10 @@ def open_prepared(directory: str | os.PathLike, *, tokenizer: str, seq_len: int,
         for entry in _field(manifest, mpath, "splits", name, "shards"):
             n_docs, n_tok, tokens_file, offsets_file = (
                 _field(entry, mpath, key) for key in ("documents", "num_tokens", "tokens", "offsets"))
-            tokens = _open_array(root / tokens_file, dtype, (n_tok,), entry.get("tokens_bytes"), mpath)
+            tokens = _open_array(root / tokens_file, dtype, (n_tok,), entry.get("tokens_bytes"), mpath, pread=True)
             offsets = _open_array(root / offsets_file, np.dtype(np.int64), (n_docs + 1,),
                                   entry.get("offsets_bytes"), mpath)
-            _check_offsets(root / offsets_file, offsets, n_tok, mpath)
+            _check_offsets(root / offsets_file, n_tok, mpath)
             if n_docs:
                 shards.append((tokens, offsets))
         rows[name] = PreparedRows(shards, seq_len, **specials)
@@ -707,8 +691,71 @@ def open_prepared(directory: str | os.PathLike, *, tokenizer: str, seq_len: int,
                           held_out_documents=bool(manifest.get("held_out_documents", True)), manifest=manifest)
 
 
-def _open_array(path: Path, dtype: np.dtype, shape: tuple[int, ...], size: int | None, mpath: Path) -> np.ndarray:
-    """A shard array memory-mapped read-only, its dtype, shape and file size checked."""
+class ShardArray:
+    """A 1-D ``.npy`` array on disk, read slice by slice with ``os.pread``: no memory map.
+
+    Rows are read at random places. Through a memory map every read maps whole page-cache folios
+    into the process (up to 2 MB each on ext4 with large folios, Linux >= 6.16), so the resident
+    memory grew with the corpus (a one-off check on 2026-12-03, kernel 6.18: 50 batches from 1 G
+    tokens mapped 320 MB of shard pages, from 0.1 G tokens 112 MB; ``madvise(MADV_RANDOM)`` changed
+    nothing). A ``pread`` copies only the bytes asked for. The file is opened per read, so no
+    descriptor is held whatever the number of shards, and the object pickles to worker processes.
+
+    Args:
+      path: the ``.npy`` file.
+      dtype: its element type.
+      length: N, its number of elements.
+      offset: where the data starts in the file (bytes after the ``.npy`` header).
+    """
+
+    __slots__ = ("path", "dtype", "_n", "_offset")
+
+    def __init__(self, path: str | os.PathLike, dtype: np.dtype, length: int, offset: int):
+        self.path, self.dtype, self._n, self._offset = os.fspath(path), np.dtype(dtype), int(length), int(offset)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self._n,)
+
+    def __getitem__(self, key: int | slice):
+        """``array[i]`` (a NumPy scalar) or ``array[lo:hi]`` (step 1; a new read-only ndarray [hi - lo]).
+
+        Raises:
+          TypeError: ``key`` is neither an int nor a slice of step 1.
+          IndexError: an int outside ``[-N, N)``.
+          DataError: the file holds fewer bytes than it did when it was opened.
+        """
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (self._n if key < 0 else 0)
+            if not 0 <= i < self._n:
+                raise IndexError(f"index {int(key)} is out of bounds for a ShardArray of {self._n} elements")
+            return self[i:i + 1][0]
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"ShardArray supports array[i] and array[lo:hi] only, got {key!r}")
+        lo, hi, _ = key.indices(self._n)
+        n = max(0, hi - lo)
+        size = self.dtype.itemsize
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, n * size, self._offset + lo * size)
+        finally:
+            os.close(fd)
+        if len(data) != n * size:
+            raise DataError(f"{self.path}: {len(data)} bytes where {n * size} were expected: the shard was truncated "
+                            "after it was opened; prepare the corpus again")
+        return np.frombuffer(data, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"ShardArray({self.path!r}, {self.dtype}, {self._n})"
+
+
+def _open_array(path: Path, dtype: np.dtype, shape: tuple[int, ...], size: int | None, mpath: Path, *,
+                pread: bool = False) -> np.ndarray | ShardArray:
+    """A shard array, its dtype, shape and file size checked: memory-mapped read-only, or with
+    ``pread`` a :class:`ShardArray` (read per slice; what the token and mask shards use)."""
     if not path.is_file():
         raise DataError(f"{path}: missing (listed in {mpath}); " + _PREPARE_HELP.format(dir=mpath.parent))
     actual_size = path.stat().st_size
@@ -729,11 +776,17 @@ def _open_array(path: Path, dtype: np.dtype, shape: tuple[int, ...], size: int |
     if size is not None and actual_size != size:
         raise DataError(f"{path}: {actual_size} bytes, but {mpath} says {size} (truncated or appended to); "
                         + _PREPARE_HELP.format(dir=mpath.parent))
+    if pread and isinstance(arr, np.memmap):
+        return ShardArray(path, dtype, shape[0], arr.offset)
     return arr
 
 
-def _check_offsets(path: Path, offsets: np.ndarray, n_tokens: int, mpath: Path, block: int = 1 << 20) -> None:
-    """Offsets start at 0, end at the shard's token count and never decrease (read in blocks)."""
+def _check_offsets(path: Path, n_tokens: int, mpath: Path, block: int = 1 << 20) -> None:
+    """Offsets start at 0, end at the shard's token count and never decrease (read in blocks with
+    ``pread``, so the check maps none of the file into the process)."""
+    header = np.load(path, mmap_mode="r", allow_pickle=False)
+    offsets = ShardArray(path, header.dtype, len(header), header.offset)
+    del header
     bad = None
     if int(offsets[0]) != 0 or int(offsets[-1]) != n_tokens:
         bad = f"they run from {int(offsets[0])} to {int(offsets[-1])}, expected 0 to {n_tokens}"

@@ -193,8 +193,8 @@ class PreparedSFTRows:
     :func:`moefast.data.sft.load_sft` builds for the split.
 
     Args:
-      shards: ``(tokens, offsets, mask)`` per shard: tokens [N_k] uint16/uint32, offsets int64
-        [D_k + 1], mask uint8 [N_k] (memory-mapped).
+      shards: ``(tokens, offsets, mask)`` per shard: tokens [N_k] uint16/uint32 and mask uint8 [N_k]
+        (:class:`~moefast.data.prepared.ShardArray` or ndarray), offsets int64 [D_k + 1] (memory-mapped).
       seq_len: T, tokens per row.
       pad_id: id filling the gaps between examples and the tail of the last row.
       overlong: ``"truncate"`` or ``"drop"`` for an example of more than T + 1 tokens.
@@ -204,7 +204,7 @@ class PreparedSFTRows:
                  overlong: str):
         T = self.seq_len = int(seq_len)
         self.pad_id = int(pad_id)
-        self._shards = [(np.asarray(t), np.asarray(o), np.asarray(m)) for t, o, m in shards]
+        self._shards = [(t, np.asarray(o), m) for t, o, m in shards]
         self._doc_bases = [0, *np.cumsum([len(o) - 1 for _, o, _ in self._shards]).tolist()]
         lengths = (np.concatenate([np.diff(o) for _, o, _ in self._shards]) if self._shards
                    else np.zeros((0,), np.int64))
@@ -335,10 +335,12 @@ def open_prepared_sft(directory: str | os.PathLike, *, tokenizer: str, seq_len: 
             if not n_docs:
                 continue
             mask_file = P._field(entry, mpath, "mask")
-            tokens = P._open_array(root / entry["tokens"], dtype, (n_tok,), entry.get("tokens_bytes"), mpath)
+            tokens = P._open_array(root / entry["tokens"], dtype, (n_tok,), entry.get("tokens_bytes"), mpath,
+                                   pread=True)
             offsets = P._open_array(root / entry["offsets"], np.dtype(np.int64), (n_docs + 1,),
                                     entry.get("offsets_bytes"), mpath)
-            mask = P._open_array(root / mask_file, np.dtype(np.uint8), (n_tok,), entry.get("mask_bytes"), mpath)
+            mask = P._open_array(root / mask_file, np.dtype(np.uint8), (n_tok,), entry.get("mask_bytes"), mpath,
+                                 pread=True)
             shards.append((tokens, offsets, mask))
             weighted += int(P._field(entry, mpath, "weighted_tokens"))
         r = rows[name] = PreparedSFTRows(shards, seq_len, pad_id=corpus.tokenizer.pad_id, overlong=overlong)

@@ -3,6 +3,8 @@ in-memory pipeline, per-process reading, exact resume, and every bad input as on
 
 import json
 import os
+import pickle
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -149,11 +151,36 @@ def test_iter_documents_reads_one_file_at_a_time(corpus_dir, monkeypatch):
     assert [d.id for d in it][-1] == "doc039.txt" and len(read) == 40
 
 
-def test_shards_are_memory_mapped_not_loaded(prepared_dir):
+def test_token_shards_are_read_not_mapped_or_loaded(prepared_dir, tmp_path):
+    # tokens are read per row with pread (a memory map put whole page-cache folios in the process's
+    # resident memory, growing with the corpus); offsets stay memory-mapped, nothing is loaded
     rows = open_prepared(prepared_dir, tokenizer="byte", seq_len=16).train
+    for i in range(0, len(rows), 7):
+        rows[i]
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else None
     for tokens, starts in rows._shards:
-        for arr in (tokens, starts.offsets):
-            assert not arr.flags.owndata and isinstance(arr.base, np.memmap), type(arr.base)
+        assert isinstance(tokens, prepared_mod.ShardArray)
+        assert not starts.offsets.flags.owndata and isinstance(starts.offsets.base, np.memmap)
+        if maps is not None:
+            assert tokens.path not in maps
+    # ShardArray: the .npy's data by int and slice, copies only what is asked for, pickles
+    src = np.arange(1000, dtype=np.uint16)
+    np.save(tmp_path / "a.npy", src)
+    header = np.load(tmp_path / "a.npy", mmap_mode="r")
+    arr = prepared_mod.ShardArray(tmp_path / "a.npy", np.uint16, 1000, header.offset)
+    assert len(arr) == 1000 and arr.shape == (1000,) and arr[3] == 3 and arr[-1] == 999
+    np.testing.assert_array_equal(arr[10:20], src[10:20])
+    np.testing.assert_array_equal(arr[990:2000], src[990:])
+    assert arr[5:5].shape == (0,)
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(arr))[0:4], src[:4])
+    with pytest.raises(IndexError):
+        arr[1000]
+    with pytest.raises(TypeError):
+        arr[::2]
+    with open(tmp_path / "a.npy", "r+b") as f:  # truncated after it was opened: an error, not short data
+        f.truncate(header.offset + 100)
+    with pytest.raises(DataError, match="truncated after it was opened"):
+        arr[0:100]
 
 
 def _tiny_hf_tokenizer(tmp_path, vocab_size=None):
