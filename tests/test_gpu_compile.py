@@ -86,14 +86,7 @@ def _bytes(r, kind, dtype):
     return sum(c["bytes"] for c in r["collectives"] if c["kind"] == kind and c["dtype"] == dtype)
 
 
-# Found on 2026-12-03 when dropless-ep joined CASES: the dropless expert-parallel step compiled for
-# GPUs all-reduces activation-sized bfloat16 values (4 all-reduces here); not yet traced to its
-# source (closing note of that day). strict: this fails as soon as the cause is fixed, so the mark goes.
-_BF16_REDUCTION = pytest.mark.xfail(strict=True, reason="dropless with an expert axis all-reduces bfloat16 "
-                                                        "values on GPU (under investigation)")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_BF16_REDUCTION) if c == "dropless-ep" else c for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_gradients_are_reduced_in_float32(case, compiled):
     """No reduction of bfloat16 values anywhere in the step (the compute dtype is bfloat16): the
     weight gradients' GEMMs return float32 and expert weights are summed in float32 whatever the

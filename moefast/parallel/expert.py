@@ -45,6 +45,7 @@ from moefast import routing
 from moefast.config import MoEConfig
 from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.kernels.platform import target_platform
+from moefast.kernels.vma import vary_together
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map, state_spec
 from moefast.parallel.precision import expert_weights
 
@@ -234,6 +235,11 @@ def _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets,
     ragged collective): peer j gets ``operand[input_offsets[j]:][:send_sizes[j]]`` written into its
     ``output`` at ``output_offsets[j]``; ``recv_sizes[j]`` rows arrive from peer j."""
     if ragged:
+        # The collective's result is typed as varying like ``output``. A fresh zeros buffer varies over
+        # no mesh axis, so the rows received would be typed as equal on every device: each use of them
+        # with per-device values then casts them to varying, and the backward pass sums the
+        # cotangents of every device over the whole mesh (a bfloat16 all-reduce, and wrong gradients).
+        (output, _), _ = vary_together(output, operand)
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                          axis_name=EXPERT_AXIS)
     d = operand.shape[1]
