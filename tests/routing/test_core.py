@@ -1,5 +1,6 @@
 """Routing math against an independent NumPy loop reference."""
 
+import functools
 import itertools
 import math
 
@@ -44,9 +45,11 @@ def np_route(logits, top_k, capacity, mask=None):
                 prob_sum=probs[mask].sum(0), z_sum=(lse[mask] ** 2).sum(), n=mask.sum())
 
 
-def check_against_reference(logits, top_k, capacity, mask=None):
-    r = routing.route(jnp.asarray(logits), top_k=top_k, capacity=capacity,
-                      mask_t=None if mask is None else jnp.asarray(mask))
+def check_against_reference(logits, top_k, capacity, mask=None, jit=False):
+    """``jit``: route in one compiled program (the way the model runs it) rather than op by op, the
+    same function at a fraction of the compile time (for the property test's many shapes)."""
+    fn = functools.partial(routing.route, top_k=top_k, capacity=capacity)
+    r = (jax.jit(fn) if jit else fn)(jnp.asarray(logits), mask_t=None if mask is None else jnp.asarray(mask))
     ref = np_route(logits, top_k, capacity, mask)
     valid = np.ones(len(logits), bool) if mask is None else np.asarray(mask)
     np.testing.assert_array_equal(np.asarray(r.expert_index)[valid], ref["index"][valid])
@@ -87,13 +90,13 @@ def test_capacity_drops_follow_position_order():
     np.testing.assert_array_equal(np.asarray(r.slot), [[0, -1], [0, -1]])
 
 
-@settings(max_examples=8, deadline=None)  # each example compiles (CI time)
+@settings(max_examples=8, deadline=None)  # each example compiles (CI time): jitted, one program each
 @given(data=st.data(), t=st.integers(1, 40), e=st.integers(1, 12), cap=st.integers(1, 40))
 def test_slots_unique_and_below_capacity(data, t, e, cap):
     k = data.draw(st.integers(1, e))
     logits = data.draw(hnp.arrays(np.float32, (t, e), elements=st.sampled_from([-2.0, 0.0, 0.5, 1.0, 7.0])))
     mask = data.draw(hnp.arrays(bool, (t,)))
-    r = check_against_reference(logits, k, cap, mask)
+    r = check_against_reference(logits, k, cap, mask, jit=True)
     slot, idx = np.asarray(r.slot), np.asarray(r.expert_index)
     kept = slot >= 0
     assert (slot[kept] < cap).all()
@@ -157,7 +160,7 @@ def test_capacity_grid_forward_backward(t, e, k, cf):
         y, s = layer(x, jnp.ones((1, t), bool))
         return jnp.sum(y ** 2) + s.aux_loss + s.z_loss
 
-    g = jax.grad(loss)(x)
+    g = jax.jit(jax.grad(loss))(x)  # one compiled program, not op-by-op dispatch (CI time)
     assert g.shape == x.shape and bool(jnp.all(jnp.isfinite(g)))
 
 
