@@ -1,4 +1,4 @@
-"""The chaos soak (scripts/chaos.py): a 120-step run SIGKILLed 20 times at seeded moments (start-up,
+"""The chaos soak (scripts/chaos.py): a 120-step run SIGKILLed 10 times (two per phase) at seeded moments (start-up,
 restore, steps, asynchronous saves, evaluation) and restarted each time ends bit-identical to an
 uninterrupted run, with every step's metrics once."""
 
@@ -14,16 +14,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_twenty_sigkills_end_bit_identical_to_an_uninterrupted_run(tmp_path):
+def test_ten_sigkills_end_bit_identical_to_an_uninterrupted_run(tmp_path):
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device in the script too
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos.py"), "--work-dir", str(tmp_path / "soak"),
-                        "--kills", "20", "--seed", "0", "--json", str(report)],
+                        "--kills", "10", "--seed", "0", "--json", str(report)],
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     r = json.loads(report.read_text())
     assert r["ok"] and not r["problems"]
-    assert r["kills"] >= 20 and all(n >= 3 for n in r["kills_by_phase"].values()), r["kills_by_phase"]
+    assert r["kills"] >= 10 and all(n >= 2 for n in r["kills_by_phase"].values()), r["kills_by_phase"]
     assert r["steps_replayed_at_least"] > 0 and r["arrays_compared_bitwise"] > 20
     # Checked again here from the files: every step's training record once, equal to the reference's.
     def records(run):
