@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from moefast.config import load_config
 from moefast.data import ByteTokenizer
@@ -21,17 +22,22 @@ def model():
     return build_model(load_config(None, SMALL + ["moe.capacity_factor=8"]), 259, seed=3)
 
 
+# The model compiled as one program (nnx.jit): the same forward pass as calling it op by op, seconds
+# faster. The tests of the eager position checks call the model directly.
+forward = nnx.jit(lambda m, tokens, positions=None, segment_ids=None: m(tokens, positions, segment_ids))
+
+
 def test_packed_documents_do_not_interact(model):
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 256, 9), rng.integers(0, 256, 7)
     tokens = np.concatenate([a, b])[None]
     seg = np.array([[1] * 9 + [2] * 7])
     pos = np.array([list(range(9)) + list(range(7))])
-    out = model(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg)).logits
+    out = forward(model, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg)).logits
     tokens2 = tokens.copy()
     tokens2[0, :9] = rng.integers(0, 256, 9)  # change document A only
-    out2 = model(jnp.asarray(tokens2), jnp.asarray(pos), jnp.asarray(seg)).logits
-    alone = model(jnp.asarray(b[None]), jnp.arange(7)[None], jnp.ones((1, 7), jnp.int32)).logits
+    out2 = forward(model, jnp.asarray(tokens2), jnp.asarray(pos), jnp.asarray(seg)).logits
+    alone = forward(model, jnp.asarray(b[None]), jnp.arange(7)[None], jnp.ones((1, 7), jnp.int32)).logits
     np.testing.assert_allclose(np.asarray(out[0, 9:]), np.asarray(out2[0, 9:]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out[0, 9:]), np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
     assert not np.allclose(np.asarray(out[0, :9]), np.asarray(out2[0, :9]))
@@ -39,10 +45,10 @@ def test_packed_documents_do_not_interact(model):
 
 def test_causality(model):
     tokens = np.random.default_rng(1).integers(0, 256, (2, 20))
-    out = model(jnp.asarray(tokens)).logits
+    out = forward(model, jnp.asarray(tokens)).logits
     changed = tokens.copy()
     changed[:, 12:] = (changed[:, 12:] + 1) % 256
-    out2 = model(jnp.asarray(changed)).logits
+    out2 = forward(model, jnp.asarray(changed)).logits
     np.testing.assert_allclose(np.asarray(out[:, :12]), np.asarray(out2[:, :12]), rtol=1e-5, atol=1e-5)
     assert not np.allclose(np.asarray(out[:, 12:]), np.asarray(out2[:, 12:]))
 
@@ -60,7 +66,6 @@ def test_positions_beyond_table_raise(model):
 
 
 def test_positions_beyond_table_under_jit_give_nan_not_clamped_values(model):
-    from flax import nnx
 
     graphdef, state = nnx.split(model)
     f = jax.jit(lambda st, pos: nnx.merge(graphdef, st)(jnp.zeros((1, 4), jnp.int32), pos).logits)
@@ -90,7 +95,7 @@ def test_generate_with_kv_cache_matches_full_forward():
     gen_ids = tok.encode(text)
     assert len(logits) >= 1
     full_ids = np.concatenate([prompt_ids, gen_ids])[None]
-    full = md.module(params)(jnp.asarray(full_ids), drop_tokens=False).logits[0]
+    full = jax.jit(lambda p, ids: md.module(p)(ids, drop_tokens=False).logits)(params, jnp.asarray(full_ids))[0]
     n = len(prompt_ids)
     for i in range(len(logits)):
         np.testing.assert_allclose(logits[i], np.asarray(full[n - 1 + i]), rtol=1e-4, atol=1e-4)
