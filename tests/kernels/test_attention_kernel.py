@@ -22,8 +22,11 @@ def _inputs(t, b=2, h=4, g=2, hd=16, seed=0, dtype=jnp.float32):
 def test_flash_equals_reference_forward_and_gradients(t):
     q, k, v, seg = _inputs(t)
     w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
-    np.testing.assert_allclose(flash_attention(q, k, v, seg), attention_reference(q, k, v, seg), rtol=1e-5, atol=1e-5)
-    grads = [jax.grad(lambda *a: (fn(*a, seg) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    # jitted: each function compiled as one program (the kernel still in the Pallas interpreter), not
+    # dispatched op by op (CI time)
+    np.testing.assert_allclose(jax.jit(flash_attention)(q, k, v, seg), jax.jit(attention_reference)(q, k, v, seg),
+                               rtol=1e-5, atol=1e-5)
+    grads = [jax.jit(jax.grad(lambda *a, fn=fn: (fn(*a, seg) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
              for fn in (flash_attention, attention_reference)]
     for a, e in zip(*grads):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
