@@ -47,6 +47,17 @@ def check_run_dir(run_dir: Path) -> None:
                           "choose a run dir in a writable directory, or make it writable")
 
 
+# What a run, import-hf, export-hf and plot write into a run dir (hidden entries are never counted).
+_RUN_ENTRIES = frozenset({_CONFIG, "checkpoints", "metrics.jsonl", "tensorboard", "profile", "tokenizer", "plots"})
+
+
+def _foreign_entries(run_dir: Path) -> list[str]:
+    """Names in an existing ``run_dir`` that no run writes, when it holds no run yet (sorted)."""
+    if not run_dir.is_dir() or (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
+        return []
+    return sorted(e.name for e in run_dir.iterdir() if not e.name.startswith(".") and e.name not in _RUN_ENTRIES)
+
+
 def check_writable(run_dir: Path) -> None:
     """Creates ``run_dir`` if needed and checks that files can be written in it (a probe file,
     removed at once): called at the start of a run, before anything is written.
@@ -55,9 +66,16 @@ def check_writable(run_dir: Path) -> None:
       ConfigError: ``run_dir`` cannot be created.
       CheckpointError: files cannot be written in it (read-only directory or file system, no
         space); the message names ``config.yaml`` (the first file a run writes) and the last
-        complete checkpoint, which is left as it is.
+        complete checkpoint, which is left as it is. Or ``run_dir`` holds files but no run (no
+        ``checkpoints/`` nor ``metrics.jsonl``) and names that a run does not write: another
+        directory was given by mistake, whose files a run would mix with its own.
     """
     check_run_dir(run_dir)
+    foreign = _foreign_entries(run_dir)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise CheckpointError(f"--run-dir {run_dir} holds files that are not a moefast run ({shown}) and no "
+                              "checkpoints/ or metrics.jsonl; choose a new or empty directory for the run")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
