@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("target", choices=["train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile", "data"],
                    help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
                         "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
-                        "fused routing), interleaved in rounds; "
+                        "slot dispatch, fused routing on GPU), interleaved in rounds; "
                         "memory: per-device bytes of parameters, optimizer state, compiled arguments and "
                         "temporaries of the config's train step for each model.remat policy, scan_layers off/on "
                         "and train.grad_accum_steps 2 and 4 (keys given as overrides are not varied), from XLA's "
