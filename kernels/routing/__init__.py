@@ -28,9 +28,9 @@ import jax.numpy as jnp
 
 from ..platform import target_platform
 from .ops import route_pallas, route_triton
-from .reference import POLICIES, RoutingResult, raw_gates, route_reference
+from .reference import POLICIES, SCORE_FUNCS, RoutingResult, Scoring, raw_gates, route_reference
 
-__all__ = ["IMPLS", "POLICIES", "RoutingResult", "resolve", "route"]
+__all__ = ["IMPLS", "POLICIES", "SCORE_FUNCS", "RoutingResult", "Scoring", "resolve", "route"]
 
 IMPLS = ("reference", "pallas", "triton", "auto")
 
@@ -52,7 +52,8 @@ def resolve(impl: str, platform: str | None = None) -> str:
 
 def route(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "position", impl: str = "auto",
           mask: jax.Array | None = None, bias: jax.Array | None = None,
-          capacity_limit: jax.Array | None = None, renormalize: bool = True) -> RoutingResult:
+          capacity_limit: jax.Array | None = None, renormalize: bool = True, score_func: str = "softmax",
+          num_groups: int = 1, topk_groups: int = 1, routed_scaling_factor: float = 1.0) -> RoutingResult:
     """Routes T tokens to their top-k of E experts with a capacity of C slots per expert.
 
     Args:
@@ -62,26 +63,38 @@ def route(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "positi
       policy: ``"position"`` (GShard order) or ``"priority"`` (largest gates keep the slots).
       impl: one of :data:`IMPLS`.
       mask: [T] bool, False for padding (never routed, counted nowhere).
-      bias: [E] float32 selection-only bias (aux-loss-free balancing, DeepSeek-V3).
+      bias: [E] float32 selection-only bias (aux-loss-free balancing, DeepSeek-V3 sec. 2.1.2 eq. 16),
+        in the units of the scores chosen on: logits for softmax, sigmoid affinities for sigmoid
+        (HF ``e_score_correction_bias``). Never part of a gate.
       capacity_limit: [E] int32 dynamic per-expert limit <= C.
-      renormalize: gates are the chosen probabilities renormalised to sum to 1 over the K chosen
-        (True: Mixtral; ``norm_topk_prob``) or the chosen probabilities as they are (False:
-        Switch, Qwen2-MoE, OLMoE). Choices, slots and statistics do not depend on it.
+      renormalize: gates are the chosen scores renormalised to sum to 1 over the K chosen
+        (True: Mixtral, DeepSeek-V3; ``norm_topk_prob``; sigmoid scores divide by the sum
+        ``+ 1e-20`` as HF does) or the chosen scores as they are (False: Switch, Qwen2-MoE, OLMoE,
+        DeepSeek-V2). Choices, slots and statistics do not depend on it.
+      score_func: ``"softmax"`` or ``"sigmoid"`` (DeepSeek-V3, GLM-4.5): see :mod:`.reference`.
+      num_groups: G >= 1 dividing E, expert groups of the group-limited top-k (HF ``n_group``;
+        1: none). The group score follows ``score_func``: the sum of the two best biased sigmoid
+        scores (DeepSeek-V3 noaux_tc) or the best softmax score (DeepSeek-V2 group_limited_greedy).
+      topk_groups: groups each token may choose from, in [1, G] (HF ``topk_group``).
+      routed_scaling_factor: dimensionless multiplier of the gates, applied once after any
+        renormalisation (HF ``routed_scaling_factor``; 1.0: none).
 
     Returns:
       :class:`RoutingResult` (see :mod:`.reference` for the exact conventions). Gradients flow
       from ``gates``, ``prob_sum`` and ``z_sum`` to ``logits``.
 
     Raises:
-      ValueError: bad shapes, top_k, capacity, policy or impl (at trace time).
+      ValueError: bad shapes, top_k, capacity, policy or impl, or a score function, group limit or
+        scaling factor that does not fit E and K (:meth:`.reference.Scoring.check`), at trace time.
     """
     impl = resolve(impl)
+    scoring = Scoring(score_func, num_groups, topk_groups, float(routed_scaling_factor))
     route_fn = {"pallas": route_pallas, "triton": route_triton}.get(impl, route_reference)
     r = route_fn(logits, top_k=top_k, capacity=capacity, policy=policy, mask=mask, bias=bias,
-                 capacity_limit=capacity_limit)
+                 capacity_limit=capacity_limit, scoring=scoring)
     if renormalize:
         return r
-    # The kernels' renormalised gates are left unused (dead code under jit); the raw ones are one
-    # softmax of the logits at the chosen experts, differentiable as they are.
+    # The kernels' renormalised gates are left unused (dead code under jit); the raw ones are the
+    # scores of the logits at the chosen experts times the scale, differentiable as they are.
     m = jnp.ones(logits.shape[:1], bool) if mask is None else mask.astype(bool)
-    return r._replace(gates=raw_gates(logits, r.expert_index, m))
+    return r._replace(gates=raw_gates(logits, r.expert_index, m, scoring))

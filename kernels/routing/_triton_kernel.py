@@ -10,9 +10,12 @@ import triton.language as tl
 
 def routing_kernel(logits_ptr, mask_ptr, bias_ptr, num_tokens, num_experts, index_ptr, gates_ptr, rank_ptr,
                    counts_ptr, prob_sum_ptr, z_ptr, TOP_K: tl.constexpr, TB: tl.constexpr, EP: tl.constexpr,
-                   KP: tl.constexpr):
+                   KP: tl.constexpr, SIGMOID: tl.constexpr = False, NUM_GROUPS: tl.constexpr = 1,
+                   TOPK_GROUPS: tl.constexpr = 1, GROUP_SIZE: tl.constexpr = 1, SCALE: tl.constexpr = 1.0):
     # Parameter order is jax-triton's calling convention: the inputs (arrays and scalars) as passed
-    # to triton_call, then one pointer per output of out_type, then the constexprs.
+    # to triton_call, then one pointer per output of out_type, then the constexprs. NUM_GROUPS > 1
+    # means a group limit that removes experts (the launchers pass 1 otherwise); SCALE the gates'
+    # routed_scaling_factor (see kernels/routing/reference.py).
     pid = tl.program_id(0)
     rows = pid * TB + tl.arange(0, TB)  # [Tb]
     cols = tl.arange(0, EP)  # [Ep]
@@ -31,8 +34,36 @@ def routing_kernel(logits_ptr, mask_ptr, bias_ptr, num_tokens, num_experts, inde
     lse = tl.log(denom) + x_max
 
     bias = tl.load(bias_ptr + cols, mask=real, other=0.0)
-    score = x + bias[None, :]
     col2 = cols[None, :] + tl.zeros((TB, EP), tl.int32)  # [Tb, Ep] expert ids
+    if SIGMOID:  # the reference's expression; 0 on padded experts (x = -inf)
+        s = 1.0 / (1.0 + tl.exp(-x))
+        probs = s / tl.sum(s, axis=1)[:, None]  # affinities normalised over the experts (statistics)
+        score = s + bias[None, :]
+    else:
+        s = probs
+        score = x + bias[None, :]
+    if NUM_GROUPS > 1:  # group-limited top-k: as kernels/routing/pallas.py _group_limit
+        gid = col2 // GROUP_SIZE  # >= NUM_GROUPS on padded experts
+        group_score = tl.zeros((TB, EP), tl.float32)
+        for g in tl.static_range(NUM_GROUPS):
+            in_g = gid == g
+            a = tl.where(in_g, score, float("-inf"))
+            m1 = tl.max(a, axis=1)
+            if SIGMOID:  # sum of the two largest (a tie at the top counts twice)
+                i1 = tl.min(tl.where(in_g & (a == m1[:, None]), col2, EP), axis=1)
+                m1 = m1 + tl.max(tl.where(col2 == i1[:, None], float("-inf"), a), axis=1)
+            group_score = tl.where(in_g, m1[:, None], group_score)
+        kept = col2 >= num_experts  # padded experts never count as a group
+        for _ in tl.static_range(TOPK_GROUPS):  # ties: the lower group index
+            g_avail = tl.where(kept, float("-inf"), group_score)
+            g_best = tl.max(g_avail, axis=1)
+            pick = tl.min(tl.where((g_avail == g_best[:, None]) & (kept == 0), gid, NUM_GROUPS), axis=1)
+            kept = kept | (gid == pick[:, None])
+        kept = kept & (col2 < num_experts)
+        if SIGMOID:
+            score = tl.where(kept, score, 0.0)
+        else:
+            score = tl.where(kept, score, float("-inf"))
     taken = col2 >= num_experts  # padded experts are never chosen
     index_acc = tl.zeros((TB, KP), tl.int32)
     prob_acc = tl.zeros((TB, KP), tl.float32)
@@ -44,7 +75,7 @@ def routing_kernel(logits_ptr, mask_ptr, bias_ptr, num_tokens, num_experts, inde
         best = tl.max(avail, axis=1)
         idx = tl.min(tl.where((avail == best[:, None]) & (taken == 0), col2, EP), axis=1)  # [Tb]
         hit = col2 == idx[:, None]
-        p_k = tl.sum(tl.where(hit, probs, 0.0), axis=1)
+        p_k = tl.sum(tl.where(hit, s, 0.0), axis=1)
         onehot = (hit & valid[:, None]).to(tl.int32)
         within = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # -1 if masked
         at_k = kcol[None, :] == k
@@ -55,7 +86,12 @@ def routing_kernel(logits_ptr, mask_ptr, bias_ptr, num_tokens, num_experts, inde
         taken = taken | hit
         chosen_total += p_k
 
-    gates = tl.where(valid[:, None] & (kcol[None, :] < TOP_K), prob_acc / chosen_total[:, None], 0.0)
+    if SIGMOID:
+        chosen_total += 1e-20
+    gates = prob_acc / chosen_total[:, None]
+    if SCALE != 1.0:
+        gates = gates * SCALE
+    gates = tl.where(valid[:, None] & (kcol[None, :] < TOP_K), gates, 0.0)
     tk = rows[:, None] * TOP_K + kcol[None, :]
     tk_mask = in_t[:, None] & (kcol[None, :] < TOP_K)
     tl.store(index_ptr + tk, index_acc, mask=tk_mask)

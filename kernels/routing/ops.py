@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .pallas import check_block_tokens, default_interpret, routing_blocks
-from .reference import RoutingResult, chosen_probs, differentiable_outputs, finish, validate
+from .reference import RoutingResult, Scoring, chosen_probs, differentiable_outputs, finish, validate
 
 __all__ = ["route_pallas", "route_triton"]
 
@@ -45,32 +45,34 @@ def _position_ranks(block_rank, counts, expert_index, block_tokens: int):
     return rank.astype(jnp.int32), jnp.sum(counts_kbe, axis=0).astype(jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _route_core(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps, kernel):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _route_core(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps, kernel, scoring):
     """``kernel``: ``"pallas"`` or ``"triton"`` (through jax-triton, GPU only)."""
     if kernel == "triton":
         from . import triton as triton_kernel
 
         out = triton_kernel.routing_blocks(logits, mask, bias, top_k=top_k, block_tokens=block_tokens,
-                                           num_warps=num_warps)
+                                           num_warps=num_warps, scoring=scoring)
     else:
         out = routing_blocks(logits, mask, bias, top_k=top_k, block_tokens=block_tokens, interpret=interpret,
-                             rank_method=rank_method, num_warps=num_warps)
+                             rank_method=rank_method, num_warps=num_warps, scoring=scoring)
     rank, tokens_per_expert = _position_ranks(out.block_rank, out.counts, out.expert_index, block_tokens)
     return (out.expert_index, out.gates, rank, tokens_per_expert, jnp.sum(out.prob_sum, axis=0),
             jnp.sum(out.z_sum))
 
 
-def _route_core_fwd(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps, kernel):
-    outs = _route_core(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps, kernel)
+def _route_core_fwd(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps, kernel, scoring):
+    outs = _route_core(logits, mask, bias, top_k, block_tokens, interpret, rank_method, num_warps, kernel, scoring)
     return outs, (logits, outs[0], mask, bias)
 
 
-def _route_core_bwd(top_k, block_tokens, interpret, rank_method, num_warps, kernel, residuals, cotangents):
+def _route_core_bwd(top_k, block_tokens, interpret, rank_method, num_warps, kernel, scoring, residuals,
+                    cotangents):
     del top_k, block_tokens, interpret, rank_method, num_warps, kernel
     logits, expert_index, mask, bias = residuals
     _, g_gates, _, _, g_prob_sum, g_z_sum = cotangents  # int outputs carry float0 cotangents
-    _, vjp = jax.vjp(lambda lg: differentiable_outputs(lg.astype(jnp.float32), expert_index, mask), logits)
+    _, vjp = jax.vjp(lambda lg: differentiable_outputs(lg.astype(jnp.float32), expert_index, mask, scoring),
+                     logits)
     (g_logits,) = vjp((g_gates, g_prob_sum, g_z_sum))
     # The mask is boolean (float0 cotangent); the bias only selects experts, so its gradient is zero,
     # as in the reference (top-k indices carry no derivative).
@@ -83,7 +85,7 @@ _route_core.defvjp(_route_core_fwd, _route_core_bwd)
 def route_triton(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "position",
                  mask: jax.Array | None = None, bias: jax.Array | None = None,
                  capacity_limit: jax.Array | None = None, block_tokens: int = 128,
-                 num_warps: int | None = None) -> RoutingResult:
+                 num_warps: int | None = None, scoring: Scoring = Scoring()) -> RoutingResult:
     """:func:`route_pallas` with the Triton kernel (:mod:`.triton`) called through jax-triton: the
     same contract, custom VJP, capacity and policies. GPU only.
 
@@ -93,7 +95,7 @@ def route_triton(logits: jax.Array, *, top_k: int, capacity: int, policy: str = 
     """
     from . import triton as triton_kernel
 
-    logits32, mask = validate(logits, top_k, capacity, policy, mask, bias, capacity_limit)
+    logits32, mask = validate(logits, top_k, capacity, policy, mask, bias, capacity_limit, scoring)
     check_block_tokens(block_tokens)
     why = triton_kernel.available()
     if why:
@@ -102,17 +104,17 @@ def route_triton(logits: jax.Array, *, top_k: int, capacity: int, policy: str = 
         logits = logits32
     bias_e = jnp.zeros((logits.shape[1],), jnp.float32) if bias is None else bias.astype(jnp.float32)
     index, gates, rank, tokens_per_expert, prob_sum, z_sum = _route_core(
-        logits, mask, bias_e, top_k, block_tokens, False, "cumsum", num_warps, "triton")
+        logits, mask, bias_e, top_k, block_tokens, False, "cumsum", num_warps, "triton", scoring)
     return finish(index, gates, rank, tokens_per_expert, prob_sum, z_sum, mask, capacity=capacity,
                   policy=policy, capacity_limit=capacity_limit,
-                  priority_score=chosen_probs(logits32, index) if policy == "priority" else None)
+                  priority_score=chosen_probs(logits32, index, scoring) if policy == "priority" else None)
 
 
 def route_pallas(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "position",
                  mask: jax.Array | None = None, bias: jax.Array | None = None,
                  capacity_limit: jax.Array | None = None, block_tokens: int = 128,
                  interpret: bool | None = None, rank_method: str = "cumsum",
-                 num_warps: int | None = None) -> RoutingResult:
+                 num_warps: int | None = None, scoring: Scoring = Scoring()) -> RoutingResult:
     """Top-k routing with capacity, computed by the Pallas kernel in one pass over the logits.
 
     Same contract as :func:`.reference.route_reference`: ``expert_index``, ``slot``,
@@ -136,6 +138,8 @@ def route_pallas(logits: jax.Array, *, top_k: int, capacity: int, policy: str = 
       rank_method: ``"cumsum"`` or ``"matmul"``, how the kernel counts within-block ranks (see
         :mod:`.pallas`); same results.
       num_warps: Triton warps per block (compiled mode); ``None``: 4 for small blocks, else 8.
+      scoring: score function, group limit and gate scaling (:class:`.reference.Scoring`); the
+        kernel computes all three in its one pass.
 
     Returns:
       :class:`.reference.RoutingResult`. Gradients (``jax.grad``/``jax.vjp``) flow from ``gates``,
@@ -147,7 +151,7 @@ def route_pallas(logits: jax.Array, *, top_k: int, capacity: int, policy: str = 
       NotImplementedError: interpret mode inside ``jax.shard_map(check_vma=True)`` on varying
         inputs (see :func:`.pallas.routing_blocks`).
     """
-    logits32, mask = validate(logits, top_k, capacity, policy, mask, bias, capacity_limit)
+    logits32, mask = validate(logits, top_k, capacity, policy, mask, bias, capacity_limit, scoring)
     check_block_tokens(block_tokens, rank_method)
     if interpret is None:
         interpret = default_interpret()
@@ -155,7 +159,7 @@ def route_pallas(logits: jax.Array, *, top_k: int, capacity: int, policy: str = 
         logits = logits32
     bias_e = jnp.zeros((logits.shape[1],), jnp.float32) if bias is None else bias.astype(jnp.float32)
     index, gates, rank, tokens_per_expert, prob_sum, z_sum = _route_core(
-        logits, mask, bias_e, top_k, block_tokens, bool(interpret), rank_method, num_warps, "pallas")
+        logits, mask, bias_e, top_k, block_tokens, bool(interpret), rank_method, num_warps, "pallas", scoring)
     return finish(index, gates, rank, tokens_per_expert, prob_sum, z_sum, mask, capacity=capacity,
                   policy=policy, capacity_limit=capacity_limit,
-                  priority_score=chosen_probs(logits32, index) if policy == "priority" else None)
+                  priority_score=chosen_probs(logits32, index, scoring) if policy == "priority" else None)

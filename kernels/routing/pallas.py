@@ -7,12 +7,19 @@ experts are never chosen and padded choices are sliced off by :func:`routing_blo
 
 Per token block the kernel computes, in float32 whatever the logits' dtype:
 
-* the softmax statistics (row max, logsumexp) and the probabilities;
-* the top-k experts of ``logits + bias`` by K rounds (a ``fori_loop``) of "max over the experts
+* the softmax statistics (row max, logsumexp) and the probabilities, or, with sigmoid scores
+  (:class:`.reference.Scoring`), the sigmoid affinities (:func:`.reference.sigmoid`);
+* the choice scores (``logits + bias``, or ``sigmoid + bias``) and, with a group limit, each
+  group's score (top-2 sum or max, per token: one masked max per group, a static loop over the G
+  groups), the ``topk_groups`` best groups by ``topk_groups`` rounds of the max-then-lowest-index
+  selection below (on the group score broadcast to the group's experts), and the other groups'
+  experts replaced by 0.0 (sigmoid) or -inf (softmax), as :func:`.reference.group_limit` does;
+* the top-k experts of the choice scores by K rounds (a ``fori_loop``) of "max over the experts
   not yet taken, then the lowest expert index that reaches it" (argmax written as
   ``min(where(x == max, iota, Ep))``, which lowers on GPU), so ties go to the lower expert index
   exactly as :func:`jax.lax.top_k` does (NaN scores are not supported);
-* the gates: the chosen probabilities renormalised over the K choices (0 for masked tokens);
+* the gates: the chosen scores renormalised over the K choices (sigmoid: ``+ 1e-20`` in the
+  denominator), times the scaling factor (0 for masked tokens);
 * per choice rank k and expert e, the number of unmasked assignments in the block (``counts``),
   and each assignment's rank *within the block* among assignments of the same expert and the same
   choice rank: an inclusive prefix count over tokens of the one-hot ``[Tb, Ep]`` assignment
@@ -40,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ..platform import target_platform
+from .reference import Scoring
 from ..vma import out_struct as _out_struct, vary_together
 
 __all__ = ["RANK_METHODS", "BlockOutputs", "check_block_tokens", "default_interpret", "next_power_of_2",
@@ -50,10 +58,10 @@ class BlockOutputs(NamedTuple):
     """What the kernel produces for T tokens (already sliced back to T, K and E)."""
 
     expert_index: jax.Array  # [T, K] int32, chosen experts, best first
-    gates: jax.Array  # [T, K] float32, renormalised chosen probs; 0 for masked tokens
+    gates: jax.Array  # [T, K] float32, renormalised chosen scores times the scale; 0 for masked tokens
     block_rank: jax.Array  # [T, K] int32, rank in the token block among same (k, expert); -1 masked
     counts: jax.Array  # [B, K, E] int32, unmasked assignments per block, choice rank and expert
-    prob_sum: jax.Array  # [B, E] float32, per-block sum over unmasked tokens of the softmax
+    prob_sum: jax.Array  # [B, E] float32, per-block sum over unmasked tokens of the softmax (or normalised sigmoid)
     z_sum: jax.Array  # [B] float32, per-block sum over unmasked tokens of logsumexp**2
 
 
@@ -78,8 +86,32 @@ def default_interpret() -> bool:
     return target_platform() == "cpu"
 
 
+def _group_limit(sel, col, real, scoring: Scoring, num_experts: int):
+    """:func:`.reference.group_limit` on one block [Tb, Ep] (padded experts: ``real`` False)."""
+    ep = sel.shape[1]
+    gs = num_experts // scoring.num_groups
+    gid = col // gs  # >= G on padded experts
+    group_score = jnp.zeros_like(sel)  # each expert holds its group's score
+    for g in range(scoring.num_groups):  # static: G masked maxima over the block
+        in_g = gid == g
+        a = jnp.where(in_g, sel, -jnp.inf)
+        m1 = jnp.max(a, axis=1, keepdims=True)
+        if scoring.score_func == "sigmoid":  # sum of the two largest (a tie at the top counts twice)
+            i1 = jnp.min(jnp.where(in_g & (a == m1), col, ep), axis=1, keepdims=True)
+            m1 = m1 + jnp.max(jnp.where(col == i1, -jnp.inf, a), axis=1, keepdims=True)
+        group_score = jnp.where(in_g, m1, group_score)
+    kept = jnp.logical_not(real)  # padded experts never count as a group
+    for _ in range(scoring.topk_groups):  # ties: the lower group index, as jax.lax.top_k
+        avail = jnp.where(kept, -jnp.inf, group_score)
+        best = jnp.max(avail, axis=1, keepdims=True)
+        pick = jnp.min(jnp.where((avail == best) & jnp.logical_not(kept), gid, scoring.num_groups), axis=1)
+        kept = kept | (gid == pick[:, None])
+    return jnp.where(kept & real, sel, 0.0 if scoring.score_func == "sigmoid" else -jnp.inf)
+
+
 def _routing_kernel(logits_ref, mask_ref, bias_ref, index_ref, gates_ref, rank_ref, counts_ref,
-                    prob_sum_ref, z_ref, *, num_experts: int, top_k: int, rank_method: str):
+                    prob_sum_ref, z_ref, *, num_experts: int, top_k: int, rank_method: str,
+                    scoring: Scoring = Scoring()):
     x = logits_ref[...].astype(jnp.float32)  # [Tb, Ep]
     tb, ep = x.shape
     kp = index_ref.shape[1]
@@ -87,6 +119,7 @@ def _routing_kernel(logits_ref, mask_ref, bias_ref, index_ref, gates_ref, rank_r
     real = col < num_experts
     x = jnp.where(real, x, -jnp.inf)
     valid = mask_ref[...] != 0  # [Tb]
+    sigmoid = scoring.score_func == "sigmoid"
 
     # The softmax as jax.nn.softmax computes it (max, exp, sum, divide). The sum's rounding order is
     # the backend's, so a probability may differ from the reference's in the last bit; the choice
@@ -97,7 +130,15 @@ def _routing_kernel(logits_ref, mask_ref, bias_ref, index_ref, gates_ref, rank_r
     probs = unnormalized / denom  # [Tb, Ep]; 0 on padded experts
     lse = jnp.log(denom[:, 0]) + x_max[:, 0]  # [Tb]
 
-    score = x + bias_ref[...][None, :]  # selection on logits + bias: exact, identical in every impl
+    if sigmoid:  # the reference's expression; 0 on padded experts (x = -inf)
+        s = 1.0 / (1.0 + jnp.exp(-x))
+        probs = s / jnp.sum(s, axis=1, keepdims=True)  # affinities normalised over the experts (statistics)
+        score = s + bias_ref[...][None, :]
+    else:
+        s = probs
+        score = x + bias_ref[...][None, :]  # selection on logits + bias: exact, identical in every impl
+    if scoring.grouped:
+        score = _group_limit(score, col, real, scoring, num_experts)
     kcol = jax.lax.broadcasted_iota(jnp.int32, (tb, kp), 1)
     krow = jax.lax.broadcasted_iota(jnp.int32, (kp, ep), 0)
     valid_te = valid[:, None]
@@ -116,7 +157,7 @@ def _routing_kernel(logits_ref, mask_ref, bias_ref, index_ref, gates_ref, rank_r
         best = jnp.max(avail, axis=1, keepdims=True)
         idx = jnp.min(jnp.where((avail == best) & jnp.logical_not(taken), col, ep), axis=1)  # [Tb]
         hit = col == idx[:, None]  # [Tb, Ep] one-hot of the k-th choice
-        p_k = jnp.sum(jnp.where(hit, probs, 0.0), axis=1)  # exact: a single non-zero term
+        p_k = jnp.sum(jnp.where(hit, s, 0.0), axis=1)  # exact: a single non-zero term
         onehot = (hit & valid_te).astype(jnp.int32)  # masked tokens count nowhere
         within = jnp.sum(prefix_count(onehot) * onehot, axis=1) - 1  # [Tb], -1 if masked
         at_k = kcol == k
@@ -132,8 +173,13 @@ def _routing_kernel(logits_ref, mask_ref, bias_ref, index_ref, gates_ref, rank_r
             jnp.zeros((kp, ep), jnp.int32), jnp.zeros((tb,), jnp.float32))
     _, index_acc, prob_acc, rank_acc, counts_acc, chosen_total = jax.lax.fori_loop(0, top_k, choose, init)
 
+    if sigmoid:
+        chosen_total = chosen_total + 1e-20
+    gates = prob_acc / chosen_total[:, None]
+    if scoring.scale != 1.0:
+        gates = gates * jnp.float32(scoring.scale)
     index_ref[...] = index_acc
-    gates_ref[...] = jnp.where(valid_te & (kcol < top_k), prob_acc / chosen_total[:, None], 0.0)
+    gates_ref[...] = jnp.where(valid_te & (kcol < top_k), gates, 0.0)
     rank_ref[...] = rank_acc
     counts_ref[...] = counts_acc
     prob_sum_ref[...] = jnp.sum(jnp.where(valid_te, probs, 0.0), axis=0)
@@ -144,10 +190,10 @@ RANK_METHODS = ("cumsum", "matmul")
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "block_tokens", "interpret", "rank_method", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "scoring"))
 def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, interpret: bool = True,
                    rank_method: str = "cumsum", num_warps: int | None = None,
-                   num_stages: int | None = None) -> BlockOutputs:
+                   num_stages: int | None = None, scoring: Scoring = Scoring()) -> BlockOutputs:
     """Runs the routing kernel over token blocks (no capacity, no global ranks).
 
     Args:
@@ -161,6 +207,8 @@ def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, i
       rank_method: ``"cumsum"`` or ``"matmul"``: how within-block ranks are counted (see above).
       num_warps, num_stages: Triton compiler parameters (compiled mode only); ``None``: a default
         from the block size.
+      scoring: score function, group limit and gate scaling (:class:`.reference.Scoring`, checked
+        by the caller).
 
     Returns:
       :class:`BlockOutputs` with B = ceil(T / Tb) blocks.
@@ -185,7 +233,8 @@ def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, i
 
     if num_warps is None:
         num_warps = 4 if tb * ep <= 8192 else 8
-    kernel = functools.partial(_routing_kernel, num_experts=e, top_k=top_k, rank_method=rank_method)
+    kernel = functools.partial(_routing_kernel, num_experts=e, top_k=top_k, rank_method=rank_method,
+                               scoring=scoring)
     # Under shard_map(check_vma=True) the outputs must declare the mesh axes they vary over (the
     # inputs' union; the inputs are made to agree). The Pallas interpreter cannot run there: it
     # re-traces the body on varying values and rejects every op mixing them with a constant.

@@ -4,7 +4,8 @@ Dimension letters: T tokens, E experts, K top_k, B token blocks, Tb tokens per b
 Kp >= K are the expert and choice axes padded to powers of two (Triton block shapes).
 
 One program per token block computes, in float32 whatever the logits' dtype, exactly what the
-Pallas kernel does (see :mod:`.pallas` for the conventions; as there, NaN logits are not supported:
+Pallas kernel does (softmax or sigmoid scores, the group limit and the gates' scaling factor of
+:class:`.reference.Scoring` included, as constexprs) (see :mod:`.pallas` for the conventions; as there, NaN logits are not supported:
 a NaN row's choices may differ from the reference's, an expert index may be E, and rows with
 infinite logits give a NaN ``z_sum`` where the reference gives inf): the softmax statistics, the top-k of
 ``logits + bias`` by K rounds of "max over the experts not yet taken, then the lowest expert index
@@ -44,8 +45,10 @@ import subprocess
 import sys
 
 from .pallas import BlockOutputs, check_block_tokens, next_power_of_2
+from .reference import Scoring
 
-__all__ = ["available", "compile_for", "cuda_ptxas", "ptxas_version", "routing_blocks", "routing_blocks_torch"]
+__all__ = ["available", "compile_for", "cuda_ptxas", "ptxas_version", "routing_blocks", "routing_blocks_torch",
+           "scoring_constexprs"]
 
 
 def available(platform: str | None = None) -> str | None:
@@ -111,7 +114,8 @@ def _assembler_for_jax(ptxas: str | None = None) -> str | None:
 
 
 def compile_for(arch: int = 90, *, ptxas: str | None = None, top_k: int = 2, num_experts: int = 8,
-                block_tokens: int = 128, logits_dtype: str = "bf16", num_warps: int = 4) -> tuple[str, bytes]:
+                block_tokens: int = 128, logits_dtype: str = "bf16", num_warps: int = 4,
+                scoring: Scoring = Scoring()) -> tuple[str, bytes]:
     """Compiles the kernel with Triton for compute capability ``arch`` (no GPU needed) with the PTX
     version JAX's toolkit accepts (module docstring).
 
@@ -120,7 +124,8 @@ def compile_for(arch: int = 90, *, ptxas: str | None = None, top_k: int = 2, num
       ptxas: the ptxas to assemble with, whose CUDA release sets the PTX version (``None``: the
         toolkit's, :func:`cuda_ptxas`, when older than Triton's own and ``TRITON_PTXAS_BLACKWELL_PATH``
         is unset; else Triton's choice).
-      top_k, num_experts, block_tokens, logits_dtype, num_warps: the kernel's specialisation.
+      top_k, num_experts, block_tokens, logits_dtype, num_warps, scoring: the kernel's
+        specialisation (:class:`.reference.Scoring`).
 
     Returns:
       ``(ptx, cubin)``: the PTX text and the cubin that ptxas assembled from it.
@@ -135,11 +140,12 @@ def compile_for(arch: int = 90, *, ptxas: str | None = None, top_k: int = 2, num
     from ._triton_kernel import routing_kernel
 
     check_block_tokens(block_tokens)
+    scoring.check(num_experts, top_k)
     ep, kp = next_power_of_2(num_experts), next_power_of_2(top_k)
     types = [f"*{logits_dtype}", "*i32", "*fp32", "i32", "i32", "*i32", "*fp32", "*i32", "*i32", "*fp32", "*fp32"]
     names = ["logits_ptr", "mask_ptr", "bias_ptr", "num_tokens", "num_experts", "index_ptr", "gates_ptr", "rank_ptr",
              "counts_ptr", "prob_sum_ptr", "z_ptr"]
-    consts = {"TOP_K": top_k, "TB": block_tokens, "EP": ep, "KP": kp}
+    consts = {"TOP_K": top_k, "TB": block_tokens, "EP": ep, "KP": kp, **scoring_constexprs(scoring, num_experts)}
     signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
     src = ASTSource(triton.jit(routing_kernel), signature, constexprs=consts)
     with triton.knobs.nvidia.scope():
@@ -193,12 +199,20 @@ def interpreting() -> bool:
     return type(tl.max).__name__ == "InterpretedFunction"
 
 
+def scoring_constexprs(scoring: Scoring, num_experts: int) -> dict:
+    """The kernel's constexprs for ``scoring`` (NUM_GROUPS 1 when the group limit removes nothing)."""
+    g = scoring.num_groups if scoring.grouped else 1
+    return dict(SIGMOID=scoring.score_func == "sigmoid", NUM_GROUPS=g, TOPK_GROUPS=scoring.topk_groups if g > 1 else 1,
+                GROUP_SIZE=num_experts // g, SCALE=float(scoring.scale))
+
+
 def _sizes(t: int, e: int, top_k: int, block_tokens: int) -> tuple[int, int, int]:
     check_block_tokens(block_tokens)
     return -(-t // block_tokens), next_power_of_2(e), next_power_of_2(top_k)
 
 
-def routing_blocks_torch(logits, mask, bias, *, top_k: int, block_tokens: int = 128) -> BlockOutputs:
+def routing_blocks_torch(logits, mask, bias, *, top_k: int, block_tokens: int = 128,
+                         scoring: Scoring = Scoring()) -> BlockOutputs:
     """Runs the Triton kernel on torch tensors: CUDA tensors compiled, or CPU tensors in the Triton
     interpreter (``TRITON_INTERPRET=1`` set before triton is imported, as the tests' conftest does).
 
@@ -208,12 +222,14 @@ def routing_blocks_torch(logits, mask, bias, *, top_k: int, block_tokens: int = 
       bias: torch [E] float32 selection-only bias.
       top_k: K in [1, E].
       block_tokens: Tb, a positive power of two.
+      scoring: score function, group limit and gate scaling (:class:`.reference.Scoring`).
 
     Returns:
       :class:`.pallas.BlockOutputs` of numpy arrays (B = ceil(T / Tb) blocks).
 
     Raises:
-      ValueError: ``block_tokens`` is not a positive power of two.
+      ValueError: ``block_tokens`` is not a positive power of two, or ``scoring`` does not fit E
+        and K (:meth:`.reference.Scoring.check`).
       RuntimeError: CPU tensors without the interpreter.
     """
     import torch
@@ -224,20 +240,22 @@ def routing_blocks_torch(logits, mask, bias, *, top_k: int, block_tokens: int = 
 
     t, e = logits.shape
     _check(t, e, top_k, mask.shape, bias.shape)
+    scoring.check(e, top_k)
     nb, ep, kp = _sizes(t, e, top_k, block_tokens)
     dev = logits.device
     out = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
            for name, shape, dtype in _output_shapes(t, e, top_k, nb)}
     # the order of jax-triton's triton_call (see routing_blocks): inputs, then the outputs
     _kernel()[(nb,)](logits.contiguous(), mask.to(torch.int32).contiguous(), bias.to(torch.float32).contiguous(),
-                     t, e, *out.values(), TOP_K=top_k, TB=block_tokens, EP=ep, KP=kp)
+                     t, e, *out.values(), TOP_K=top_k, TB=block_tokens, EP=ep, KP=kp,
+                     **scoring_constexprs(scoring, e))
     n = {k: (v.float() if v.dtype == torch.bfloat16 else v).cpu().numpy() for k, v in out.items()}
     return BlockOutputs(expert_index=n["index"], gates=n["gates"], block_rank=n["rank"], counts=n["counts"],
                         prob_sum=n["prob_sum"], z_sum=n["z"])
 
 
-def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, num_warps: int | None = None
-                   ) -> BlockOutputs:
+def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, num_warps: int | None = None,
+                   scoring: Scoring = Scoring()) -> BlockOutputs:
     """Runs the Triton kernel from JAX on a GPU (``jax_triton.triton_call``).
 
     Args:
@@ -245,7 +263,7 @@ def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, n
       mask: [T] bool, False for padding.
       bias: [E] float32 selection-only bias.
       top_k: K in [1, E]; block_tokens: Tb, a positive power of two; num_warps: Triton warps
-        (``None``: 4 for small blocks, else 8).
+        (``None``: 4 for small blocks, else 8); scoring: :class:`.reference.Scoring`.
 
     Returns:
       :class:`.pallas.BlockOutputs` of jax arrays.
@@ -272,7 +290,8 @@ def routing_blocks(logits, mask, bias, *, top_k: int, block_tokens: int = 128, n
     if num_warps is None:
         num_warps = 4 if block_tokens * ep <= 8192 else 8
     shapes = [jax.ShapeDtypeStruct(shape, getattr(jnp, dtype)) for _, shape, dtype in _output_shapes(t, e, top_k, nb)]
-    kw = dict(kernel=_kernel(), grid=(nb,), num_warps=num_warps, TOP_K=top_k, TB=block_tokens, EP=ep, KP=kp)
+    kw = dict(kernel=_kernel(), grid=(nb,), num_warps=num_warps, TOP_K=top_k, TB=block_tokens, EP=ep, KP=kp,
+              **scoring_constexprs(scoring, e))
     # jax-triton passes the array inputs, then the scalars (static: Python ints), in this order, then
     # one pointer per output: the kernel's parameter order (kernels/routing/_triton_kernel.py)
     args = (logits, mask.astype(jnp.int32), bias.astype(jnp.float32), int(t), int(e))

@@ -1,0 +1,245 @@
+"""Sigmoid scores, group-limited top-k and the routed scaling factor in every routing implementation.
+
+Each case runs the reference (jnp), the Pallas kernel (interpreter) and the Triton kernel (Triton
+interpreter, torch CPU tensors) and compares them with an independent NumPy transcription of
+Hugging Face transformers' routers: ``DeepseekV3TopkRouter`` / ``Glm4MoeMoE.route_tokens_to_experts``
+("noaux_tc": sigmoid, bias for choice only, group score = sum of the top-2 biased scores,
+other groups filled with 0.0, gates = unbiased scores / (sum + 1e-20) * routed_scaling_factor) and
+``DeepseekV2MoEGate`` ("group_limited_greedy": softmax, group score = max probability, other groups
+filled with 0.0, gates = probabilities * routed_scaling_factor, never renormalised). transformers
+leaves the order of tied scores to ``torch.topk``; moefast's rule (the lower index wins, for groups
+too) is what the NumPy version does with a stable sort. Choices, slots and counts are compared
+bitwise between the implementations; gates and statistics to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moefast.kernels.routing import Scoring, ops, route
+from moefast.kernels.routing.reference import chosen_probs, finish
+
+torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
+pytest.importorskip("triton", reason="triton (a test dependency) is not installed")
+
+from moefast.kernels.routing import triton as triton_kernel  # noqa: E402
+
+GATES = dict(rtol=2e-6, atol=1e-7)
+
+
+def hf_route(logits, bias, *, top_k, score_func, n_group, topk_group, norm_topk_prob, scale):
+    """NumPy transcription of transformers' routers (module docstring): ``(index [T, K], gates [T, K])``,
+    the K experts best first (ties: lower index)."""
+    x = np.asarray(logits, np.float32)
+    t, e = x.shape
+    if score_func == "sigmoid":
+        s = (np.float32(1) / (np.float32(1) + np.exp(-x))).astype(np.float32)
+        choice = (s + np.asarray(bias, np.float32)[None, :]).astype(np.float32)
+        group = np.sort(choice.reshape(t, n_group, e // n_group), axis=-1)
+        group_scores = group[..., -1] + group[..., -2]
+    else:  # DeepSeek-V2: no correction bias
+        z = np.exp(x - x.max(-1, keepdims=True))
+        s = (z / z.sum(-1, keepdims=True)).astype(np.float32)
+        choice = s
+        group_scores = choice.reshape(t, n_group, e // n_group).max(-1)
+    group_idx = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
+    group_mask = np.zeros((t, n_group), bool)
+    np.put_along_axis(group_mask, group_idx, True, axis=-1)
+    score_mask = np.repeat(group_mask, e // n_group, axis=-1)
+    masked = np.where(score_mask, choice, np.float32(0.0))  # masked_fill(~score_mask, 0.0)
+    index = np.argsort(-masked, axis=-1, kind="stable")[:, :top_k]
+    w = np.take_along_axis(s, index, axis=-1)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + (np.float32(1e-20) if score_func == "sigmoid" else 0))
+    return index.astype(np.int32), (w * np.float32(scale)).astype(np.float32)
+
+
+def _torch(x):
+    return torch.from_numpy(np.array(x))
+
+
+def triton_interpreted(logits, *, top_k, capacity, policy, mask, bias, scoring, block_tokens):
+    """The Triton kernel under the Triton interpreter, then the global ranks and capacity exactly as
+    :mod:`moefast.kernels.routing.ops` does after either kernel."""
+    out = triton_kernel.routing_blocks_torch(_torch(logits), _torch(mask), _torch(bias), top_k=top_k,
+                                             block_tokens=block_tokens, scoring=scoring)
+    index, gates, block_rank, counts, prob_sum, z_sum = map(jnp.asarray, out)
+    rank, tokens_per_expert = ops._position_ranks(block_rank, counts, index, block_tokens)
+    score = chosen_probs(jnp.asarray(logits, jnp.float32), index, scoring) if policy == "priority" else None
+    return finish(index, gates, rank, tokens_per_expert, prob_sum.sum(0), z_sum.sum(), mask, capacity=capacity,
+                  policy=policy, priority_score=score)
+
+
+def _logits(kind, t, e, seed):
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        return (2.0 * rng.standard_normal((t, e))).astype(np.float32)
+    x = rng.integers(-1, 2, (t, e)).astype(np.float32)  # "ties": many equal scores and group scores
+    x[::5] = 0.0  # all-equal rows: every group ties
+    return x
+
+
+def _bias(kind, e, seed):
+    rng = np.random.default_rng(seed + 100)
+    if kind == "none":
+        return np.zeros(e, np.float32)
+    if kind == "spread":  # large enough to change choices
+        return (0.5 * rng.standard_normal(e)).astype(np.float32)
+    if kind == "negative":  # many biased scores below 0: dropped groups' experts (0.0) win over them
+        return np.full(e, -0.8, np.float32)
+    if kind == "group0":  # unequal load: group 0 favoured
+        return np.where(np.arange(e) < 4, 0.5, 0.0).astype(np.float32)
+    raise ValueError(kind)
+
+
+# name: (T, E, K, G, topk_groups, score_func, norm_topk_prob, scale, logits, bias, capacity, policy, Tb)
+CASES = {
+    # DeepSeek-V3 shape in small: 4 groups, 2 kept, spread bias, drops under the priority policy
+    "v3-priority": (37, 16, 4, 4, 2, "sigmoid", True, 2.5, "normal", "spread", 6, "priority", 16),
+    # biased scores < 0 in kept groups: transformers' 0.0 fill lets dropped groups' experts win
+    "v3-negative": (21, 16, 4, 4, 1, "sigmoid", True, 1.0, "normal", "negative", 21, "position", 8),
+    # E = 12 in a kernel padded to 16: experts 12..15 form a group of padding only, never kept
+    "unequal-load": (40, 12, 3, 3, 2, "sigmoid", False, 2.5, "normal", "group0", 8, "position", 16),
+    "ties": (24, 8, 2, 4, 2, "sigmoid", True, 2.5, "ties", "none", 24, "position", 8),
+    # DeepSeek-V2 group_limited_greedy: softmax, max per group, raw gates x 16; padded groups 4, 5
+    "v2": (29, 12, 3, 4, 2, "softmax", False, 16.0, "normal", "none", 29, "position", 16),
+    # one group (GLM-4.5, Kimi K2): no limit at all
+    "one-group": (19, 8, 2, 1, 1, "sigmoid", True, 2.5, "normal", "spread", 19, "position", 8),
+    # DeepSeek-V3's ratios (256 experts, 8 groups, 4 kept, top-8) at 64 experts
+    "v3-64": (9, 64, 8, 8, 4, "sigmoid", True, 2.5, "normal", "spread", 9, "position", 8),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _case(name):
+    t, e, k, g, tg, sf, norm, scale, lk, bk, cap, policy, bt = CASES[name]
+    seed = sum(map(ord, name))
+    logits, bias = _logits(lk, t, e, seed), _bias(bk, e, seed)
+    mask = np.random.default_rng(seed + 1).random(t) < 0.8
+    mask[0] = True
+    kw = dict(top_k=k, capacity=cap, policy=policy, mask=jnp.asarray(mask), bias=jnp.asarray(bias),
+              renormalize=norm, score_func=sf, num_groups=g, topk_groups=tg, routed_scaling_factor=scale)
+    want = hf_route(logits, bias, top_k=k, score_func=sf, n_group=g, topk_group=tg, norm_topk_prob=norm, scale=scale)
+    got = {impl: jax.jit(functools.partial(route, impl=impl, **kw))(jnp.asarray(logits))
+           for impl in ("reference", "pallas")}
+    scoring = Scoring(sf, g, tg, scale)
+    tri = triton_interpreted(logits, top_k=k, capacity=cap, policy=policy, mask=jnp.asarray(mask),
+                             bias=bias, scoring=scoring, block_tokens=bt)
+    if not norm:  # as route() does after either kernel: raw gates from the logits
+        tri = tri._replace(gates=got["reference"].gates)
+    got["triton"] = tri
+    return logits, bias, mask, want, got
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_impl_matches_transformers_routing(name):
+    logits, bias, mask, (want_index, want_gates), got = _case(name)
+    ref = got["reference"]
+    for impl, r in got.items():
+        np.testing.assert_array_equal(np.asarray(r.expert_index)[mask], want_index[mask], err_msg=impl)
+        np.testing.assert_allclose(np.asarray(r.gates)[mask], want_gates[mask], **GATES, err_msg=impl)
+        assert not np.asarray(r.gates)[~mask].any(), impl
+        for field in ("expert_index", "slot", "tokens_per_expert", "num_dropped"):
+            np.testing.assert_array_equal(getattr(r, field), getattr(ref, field), err_msg=f"{impl} {field}")
+        np.testing.assert_allclose(r.prob_sum, ref.prob_sum, rtol=1e-5, atol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(r.z_sum, ref.z_sum, rtol=1e-5, err_msg=impl)
+
+
+def test_negative_biased_scores_let_a_dropped_groups_expert_win():
+    """transformers fills the dropped groups with 0.0, not -inf: an expert of a dropped group (0.0)
+    outranks a kept expert whose biased score is negative. The case must show it happening."""
+    logits, bias, mask, (want_index, _), got = _case("v3-negative")
+    s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    group = (s + bias).reshape(len(s), 4, 4)
+    kept_group = np.argmax(np.sort(group, -1)[..., -2:].sum(-1), axis=-1)  # topk_groups=1
+    chosen_group = np.asarray(got["pallas"].expert_index) // 4
+    outside = (chosen_group != kept_group[:, None]) & mask[:, None]
+    assert outside.any() and (chosen_group == kept_group[:, None]).any()
+
+
+def test_one_group_is_no_group_limit():
+    """G = 1 (GLM-4.5, Kimi K2 configs) chooses exactly what routing without groups chooses, on every impl."""
+    logits, bias, mask, _, got = _case("one-group")
+    free = route(jnp.asarray(logits), top_k=2, capacity=19, mask=jnp.asarray(mask), bias=jnp.asarray(bias),
+                 score_func="sigmoid", routed_scaling_factor=2.5, impl="reference")
+    for impl, r in got.items():
+        np.testing.assert_array_equal(r.expert_index, free.expert_index, err_msg=impl)
+        np.testing.assert_allclose(r.gates, free.gates, **GATES, err_msg=impl)
+
+
+def test_bias_never_reaches_the_gates():
+    """Gates are the unbiased sigmoid scores of the chosen experts (times the scale): where the bias
+    leaves a token's choices as they were, its gates are bitwise the same as without the bias."""
+    logits, bias, mask, _, _ = _case("v3-priority")
+    kw = dict(top_k=4, capacity=6, policy="priority", mask=jnp.asarray(mask), score_func="sigmoid", num_groups=4,
+              topk_groups=2, routed_scaling_factor=2.5)
+    small = jnp.asarray(0.05 * bias)  # changes some tokens' choices, not all
+    for impl in ("reference", "pallas"):
+        with_bias = route(jnp.asarray(logits), bias=small, impl=impl, **kw)
+        without = route(jnp.asarray(logits), bias=None, impl=impl, **kw)
+        same = np.all(np.asarray(with_bias.expert_index) == np.asarray(without.expert_index), axis=1)
+        assert same.any() and not same.all(), "the bias must change some choices and leave others"
+        np.testing.assert_array_equal(np.asarray(with_bias.gates)[same], np.asarray(without.gates)[same],
+                                      err_msg=impl)
+    # raw gates (norm_topk_prob false) are exactly the chosen experts' unbiased sigmoid scores x 2.5
+    logits, bias, mask, _, got = _case("unequal-load")
+    s = 1.0 / (1.0 + jnp.exp(-jnp.asarray(logits)))
+    want = jnp.take_along_axis(s, got["reference"].expert_index, axis=-1) * jnp.float32(2.5)
+    np.testing.assert_array_equal(np.asarray(got["reference"].gates)[mask], np.asarray(want)[mask])
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas", "triton"])
+def test_scaling_applied_once(impl):
+    """The gates with routed_scaling_factor 2.5 are 2.5 x those with 1.0 (and transformers' gates
+    above are scaled once): not zero times, not twice, on every path."""
+    logits, bias, mask, _, got = _case("v3-priority")
+    scoring = Scoring("sigmoid", 4, 2, 1.0)
+    if impl == "triton":
+        one = triton_interpreted(logits, top_k=4, capacity=6, policy="priority", mask=jnp.asarray(mask), bias=bias,
+                                 scoring=scoring, block_tokens=16)
+    else:
+        one = route(jnp.asarray(logits), top_k=4, capacity=6, policy="priority", mask=jnp.asarray(mask),
+                    bias=jnp.asarray(bias), score_func="sigmoid", num_groups=4, topk_groups=2, impl=impl)
+    np.testing.assert_array_equal(one.expert_index, got[impl].expert_index)
+    np.testing.assert_allclose(got[impl].gates, 2.5 * np.asarray(one.gates), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(np.asarray(one.gates)[mask].sum(-1), 1.0, rtol=1e-6)
+
+
+def test_pallas_gradient_matches_reference():
+    """The kernel's custom VJP differentiates the sigmoid gates (renormalised, scaled) and the
+    normalised-affinity statistics exactly as the reference does; the bias gets none."""
+    logits, bias, mask, _, _ = _case("v3-priority")
+    w = jax.random.normal(jax.random.key(3), (37, 4))
+    kw = dict(top_k=4, capacity=6, policy="priority", mask=jnp.asarray(mask), score_func="sigmoid", num_groups=4,
+              topk_groups=2, routed_scaling_factor=2.5)
+
+    def loss(impl, lg, b):
+        r = route(lg, bias=b, impl=impl, **kw)
+        return jnp.sum(r.gates * w) + jnp.sum(r.prob_sum * jnp.arange(16.0)) + 1e-3 * r.z_sum
+
+    grads = {impl: jax.jit(jax.grad(functools.partial(loss, impl), argnums=(0, 1)))(jnp.asarray(logits),
+                                                                                      jnp.asarray(bias))
+             for impl in ("reference", "pallas")}
+    g_ref, g_pal = grads["reference"], grads["pallas"]
+    np.testing.assert_allclose(g_pal[0], g_ref[0], rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(g_ref[0]))))
+    assert not np.asarray(g_pal[1]).any() and not np.asarray(g_ref[1]).any()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_groups=3), "num_groups=3 must be an int >= 1 dividing num_experts=8"),
+    (dict(num_groups=4, topk_groups=5), "topk_groups=5"),
+    (dict(num_groups=8, topk_groups=2, score_func="sigmoid"), "groups need >= 2 experts"),
+    (dict(num_groups=4, topk_groups=1, top_k=3), "top_k=3 is more than the 2 experts"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+    (dict(score_func="tanh"), "score_func"),
+])
+def test_bad_scoring_raises_at_trace_time(kw, match):
+    args = {"top_k": 2, "capacity": 4, **kw}
+    for impl in ("reference", "pallas"):
+        with pytest.raises(ValueError, match=match):
+            route(jnp.zeros((4, 8)), impl=impl, **args)
