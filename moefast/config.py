@@ -253,8 +253,10 @@ class MoEConfig:
       capacity_factor_min, capacity_factor_max: bounds of the dynamic capacity (capacity factors).
       load_ema_decay: decay per step of the load average (dynamic capacity).
       aux_free_bias_rate: aux-loss-free balancing (DeepSeek-V3, Liu et al. 2024, sec. 2.1.2): a
-        per-expert bias added to the router logits for selection only, updated after every step
-        by ``bias += rate * sign(mean_load - load)`` outside the optimizer; 0 disables it.
+        per-expert float32 bias added, for selection only, to the scores experts are chosen on
+        (the router logits with ``score_func: softmax``, the sigmoid affinities with ``sigmoid``:
+        HF's ``e_score_correction_bias``; never part of a gate), updated after every step by
+        ``bias += rate * sign(mean_load - load)`` outside the optimizer; 0 disables it.
       aux_loss_coef: weight of the load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4).
       z_loss_coef: weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5).
       warmup_steps: expert warm-up: for the first ``warmup_steps`` optimizer steps routing is
@@ -268,9 +270,25 @@ class MoEConfig:
       warmup_noise: noise std, in logit units (``"noise"`` warm-up).
       aux_loss_coef_start: if set, the load-balancing coefficient starts at this value and decays
         linearly to ``aux_loss_coef`` at ``warmup_steps`` (needs ``warmup_steps > 0``).
-      norm_topk_prob: the K gates are the chosen softmax probabilities renormalised to sum to 1
-        (True: Mixtral, Qwen3-MoE checkpoints) or the probabilities as they are (False: Switch,
-        OLMoE, Qwen2-MoE); Hugging Face's name. Choices and capacity do not depend on it.
+      norm_topk_prob: the K gates are the chosen scores renormalised to sum to 1 (True: Mixtral,
+        Qwen3-MoE, DeepSeek-V3, GLM-4.5 checkpoints; sigmoid scores are divided by their sum
+        ``+ 1e-20`` as in HF's DeepSeek-V3) or the scores as they are (False: Switch, OLMoE,
+        Qwen2-MoE, DeepSeek-V2, whose HF code never renormalises); Hugging Face's name. Choices
+        and capacity do not depend on it.
+      score_func: the router's scores (``moefast.kernels.routing.reference``): ``"softmax"`` over
+        the experts (Mixtral, Qwen, OLMoE, DeepSeek-V2) or ``"sigmoid"`` per expert (DeepSeek-V3,
+        Kimi K2, GLM-4.5; HF's remote-code ``scoring_func``). It also fixes the group score below.
+      num_groups: G, the experts form G groups of ``num_experts / G`` consecutive experts for the
+        group-limited top-k (HF ``n_group``); 1: no group limit (what a one-group checkpoint such as
+        GLM-4.5 or Kimi K2 means). A token first keeps its ``topk_groups`` best groups, by the sum
+        of each group's two best biased sigmoid scores (``sigmoid``: DeepSeek-V3 "noaux_tc") or by
+        its best softmax probability (``softmax``: DeepSeek-V2 "group_limited_greedy"), then
+        chooses its top_k experts with the other groups' scores set to 0.0, as Hugging Face does.
+      topk_groups: groups kept per token, in [1, num_groups] (HF ``topk_group``).
+      routed_scaling_factor: dimensionless multiplier of the routed experts' gates, applied once
+        after ``norm_topk_prob``'s renormalisation and never to a shared expert (HF
+        ``routed_scaling_factor``: 2.5 in DeepSeek-V3, 16 in DeepSeek-V2, 1.0 in V2-Lite); 1.0
+        leaves the gates as they are.
       shared_expert_d_ff: hidden width of a shared SwiGLU expert that every token passes through
         besides its routed experts (Qwen2-MoE ``shared_expert``; DeepSeekMoE, Dai et al. 2024,
         sec. 3.2); 0: none.
@@ -301,6 +319,10 @@ class MoEConfig:
     warmup_noise: float = 1.0
     aux_loss_coef_start: float | None = None
     norm_topk_prob: bool = True
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
     shared_expert_d_ff: int = 0
     shared_expert_gate: bool = True
 
@@ -344,6 +366,22 @@ class MoEConfig:
         _require(self.aux_loss_coef_start is None or (self.aux_loss_coef_start >= 0 and self.warmup_steps > 0),
                  "moe.aux_loss_coef_start", "needs moe.warmup_steps > 0 (the decay length) and a value >= 0; "
                  f"got {self.aux_loss_coef_start} with warmup_steps={self.warmup_steps}")
+        self._check_groups()
+
+    def _check_groups(self):
+        e, g = self.num_experts, self.num_groups
+        _require(g >= 1 and e % g == 0, "moe.num_groups",
+                 f"must be >= 1 and divide moe.num_experts={e} (groups of equal size), got {g}")
+        _require(1 <= self.topk_groups <= g, "moe.topk_groups",
+                 f"must be in [1, moe.num_groups={g}], got {self.topk_groups}")
+        limited = g > 1 and self.topk_groups < g
+        _require(not limited or self.score_func == "softmax" or e // g >= 2, "moe.num_groups",
+                 f"{g} groups of {e // g} expert: a sigmoid group's score is the sum of its two best experts "
+                 "(DeepSeek-V3), so each group needs >= 2 experts")
+        _require(not limited or self.top_k <= self.topk_groups * (e // g), "moe.topk_groups",
+                 f"keeps {self.topk_groups} groups of {e // g} experts, fewer than moe.top_k={self.top_k}")
+        _require(self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor),
+                 "moe.routed_scaling_factor", f"must be a finite number > 0, got {self.routed_scaling_factor}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -321,7 +321,9 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     if warmup:  # (key, active)
         logits_te = _warmup_logits(logits_te, *warmup, moe, reduce_axes)
     r = routing.route(logits_te, top_k=moe.top_k, capacity=capacity, mask_t=mask_t, policy=moe.routing_policy,
-                      impl=moe.routing_impl, bias=bias_e, capacity_limit=limit, renormalize=moe.norm_topk_prob)
+                      impl=moe.routing_impl, bias=bias_e, capacity_limit=limit, renormalize=moe.norm_topk_prob,
+                      score_func=moe.score_func, num_groups=moe.num_groups, topk_groups=moe.topk_groups,
+                      routed_scaling_factor=moe.routed_scaling_factor)
     r = jax.tree.map(lambda a: checkpoint_name(a, ROUTING), r)
 
     if moe.dropless and ep == 1:

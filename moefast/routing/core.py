@@ -1,9 +1,10 @@
 """Routing policy around the kernel: capacity and the router losses.
 
 The routing operation itself (top-k, gates, slots, statistics) is :mod:`moefast.kernels.routing`,
-whose reference documents the conventions: float32 math, softmax over all experts then top-k with
-renormalised gates (ties: lower expert index), GShard position-order slots (or gate priority),
-assignments over capacity dropped, padding never routed.
+whose reference documents the conventions: float32 math, softmax (or sigmoid, DeepSeek-V3) scores,
+an optional group-limited top-k, gates renormalised (ties: lower expert index) and scaled once by
+``routed_scaling_factor``, GShard position-order slots (or gate priority), assignments over capacity
+dropped, padding never routed.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def compute_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fac
 
 def route(logits_te: jax.Array, *, top_k: int, capacity: int, mask_t: jax.Array | None = None,
           policy: str = "position", impl: str = "auto", bias: jax.Array | None = None,
-          capacity_limit: jax.Array | None = None, renormalize: bool = True) -> RoutingResult:
+          capacity_limit: jax.Array | None = None, renormalize: bool = True, score_func: str = "softmax",
+          num_groups: int = 1, topk_groups: int = 1, routed_scaling_factor: float = 1.0) -> RoutingResult:
     """Top-k routing with capacity: :func:`moefast.kernels.routing.route` (see there for the
     conventions and implementations).
 
@@ -71,19 +73,26 @@ def route(logits_te: jax.Array, *, top_k: int, capacity: int, mask_t: jax.Array 
       mask_t: [T] bool, True for real tokens; ``None`` means all real.
       policy: ``"position"`` or ``"priority"``.
       impl: kernel implementation (``"auto"``: the fastest available).
-      bias: [E] float32 selection bias (aux-loss-free balancing).
+      bias: [E] float32 selection bias (aux-loss-free balancing), in the units of the scores chosen
+        on (logits for softmax, sigmoid affinities for sigmoid); never part of a gate.
       capacity_limit: [E] int32 dynamic per-expert limit <= capacity.
       renormalize: renormalise the K gates to sum to 1 (``moe.norm_topk_prob``).
+      score_func: ``"softmax"`` or ``"sigmoid"`` (``moe.score_func``).
+      num_groups, topk_groups: group-limited top-k (``moe.num_groups``, ``moe.topk_groups``; HF
+        ``n_group``, ``topk_group``); 1, 1: none.
+      routed_scaling_factor: dimensionless gate multiplier, applied once (``moe.routed_scaling_factor``).
 
     Returns:
       A :class:`RoutingResult`.
 
     Raises:
-      ValueError: logits not 2-D, top_k outside [1, E], capacity < 1, a bad policy/impl, or a mask
-        of the wrong shape.
+      ValueError: logits not 2-D, top_k outside [1, E], capacity < 1, a bad policy/impl, a mask
+        of the wrong shape, or a group limit / scaling factor that does not fit E and K.
     """
     return kernel_routing.route(logits_te, top_k=top_k, capacity=capacity, policy=policy, impl=impl,
-                                mask=mask_t, bias=bias, capacity_limit=capacity_limit, renormalize=renormalize)
+                                mask=mask_t, bias=bias, capacity_limit=capacity_limit, renormalize=renormalize,
+                                score_func=score_func, num_groups=num_groups, topk_groups=topk_groups,
+                                routed_scaling_factor=routed_scaling_factor)
 
 
 def load_balancing_loss(tokens_per_expert: jax.Array, prob_sum: jax.Array, num_tokens: jax.Array,
@@ -92,11 +101,13 @@ def load_balancing_loss(tokens_per_expert: jax.Array, prob_sum: jax.Array, num_t
 
     ``f_i`` is the fraction of routed assignments that chose expert i (normalised by ``top_k`` so the
     fractions sum to 1) and ``P_i`` the mean full-softmax probability of expert i, both over unmasked
-    tokens. Perfectly balanced routing gives 1.0. ``f`` carries no gradient; ``P`` does.
+    tokens. With sigmoid scores ``prob_sum`` holds the affinities normalised over the experts, and
+    the loss is DeepSeek-V3's balance loss ``sum_i f_i P_i`` with ``f_i`` scaled by E (Liu et al.
+    2024, sec. 2.1.2, eqs. 17-20), computed over the routing group rather than one sequence. Perfectly balanced routing gives 1.0. ``f`` carries no gradient; ``P`` does.
 
     Args:
       tokens_per_expert: [E] int, assignments per expert before capacity.
-      prob_sum: [E] float32, summed probabilities over unmasked tokens.
+      prob_sum: [E] float32, summed probabilities (or normalised sigmoid affinities) over unmasked tokens.
       num_tokens: [] float32, unmasked tokens (the loss is 0 when there are none).
       top_k: K.
 
