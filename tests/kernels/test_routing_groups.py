@@ -165,8 +165,9 @@ def test_negative_biased_scores_let_a_dropped_groups_expert_win():
 def test_one_group_is_no_group_limit():
     """G = 1 (GLM-4.5, Kimi K2 configs) chooses exactly what routing without groups chooses, on every impl."""
     logits, bias, mask, _, got = _case("one-group")
-    free = route(jnp.asarray(logits), top_k=2, capacity=19, mask=jnp.asarray(mask), bias=jnp.asarray(bias),
-                 score_func="sigmoid", routed_scaling_factor=2.5, impl="reference")
+    free = jax.jit(functools.partial(route, top_k=2, capacity=19, score_func="sigmoid", routed_scaling_factor=2.5,
+                                     impl="reference"))(jnp.asarray(logits), mask=jnp.asarray(mask),
+                                                        bias=jnp.asarray(bias))
     for impl, r in got.items():
         np.testing.assert_array_equal(r.expert_index, free.expert_index, err_msg=impl)
         np.testing.assert_allclose(r.gates, free.gates, **GATES, err_msg=impl)
@@ -243,3 +244,18 @@ def test_bad_scoring_raises_at_trace_time(kw, match):
     for impl in ("reference", "pallas"):
         with pytest.raises(ValueError, match=match):
             route(jnp.zeros((4, 8)), impl=impl, **args)
+
+
+def test_grouped_sigmoid_kernel_lowers_for_cuda_from_cpu():
+    """The compiled (non-interpreted) Pallas kernel with DeepSeek-V3's options lowers for GPUs: the
+    group loop and the sigmoid go through the Pallas Triton lowering (forward and custom VJP)."""
+    f = functools.partial(ops.route_pallas, top_k=8, capacity=64, interpret=False, block_tokens=128,
+                          scoring=Scoring("sigmoid", 8, 4, 2.5))
+
+    def loss(lg):
+        r = f(lg)
+        return jnp.sum(r.gates) + jnp.sum(r.prob_sum)
+
+    text = jax.jit(jax.grad(loss)).trace(jnp.zeros((200, 64), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
