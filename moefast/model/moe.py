@@ -24,6 +24,11 @@ __all__ = ["MoELayer", "MoEStats"]
 class MoELayer(nnx.Module):
     """Top-k routed SwiGLU experts, with an optional shared expert.
 
+    Routing follows ``moe`` whole: softmax or sigmoid scores (``moe.score_func``), an optional
+    group-limited top-k (``moe.num_groups``, ``moe.topk_groups``), ``moe.norm_topk_prob`` and
+    ``moe.routed_scaling_factor``, which scales the routed experts' gates once (inside the routing,
+    :mod:`moefast.kernels.routing`) and never the shared expert.
+
     Parameters (float32, logical axes in brackets): ``router`` [D, E] (embed, router), ``w_in``
     [E, D, 2F] (expert, embed, mlp) — gate and up projections fused, gate first — and ``w_out``
     [E, F, D] (expert, mlp, embed). With ``moe.shared_expert_d_ff`` = Fs > 0 also ``shared_w_in``
