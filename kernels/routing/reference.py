@@ -46,6 +46,12 @@ Sigmoid scores and group limits (Hugging Face transformers ``DeepseekV3TopkRoute
     With softmax scores 0.0 is a probability, the choice score ``-inf`` in logit units (never
     chosen while a kept expert has a finite logit).
   * G = 1 is exactly no group limit (GLM-4.5, Kimi K2 configs); so is ``topk_groups == G``.
+  * Exactness: softmax choices are made on ``logits + bias`` (one exact add), identical on every
+    backend. Sigmoid choices go through ``exp``: the reference and the Pallas interpreter run the
+    same XLA op (bitwise equal, tested), the Triton interpreter NumPy's ``exp`` (equal on the tested
+    cases), but a compiled GPU kernel's ``exp`` may differ from XLA:GPU's in the last bit, so there
+    two experts whose biased scores are within an ulp may be chosen in the other order (not yet
+    measured on a GPU).
   * Statistics for sigmoid scores: ``prob_sum`` sums the affinities normalised over all experts,
     ``s / sum_j s_j`` (DeepSeek-V3 sec. 2.1.2, eqs. 19-20, the complementary sequence-wise
     balance loss), so :func:`moefast.routing.load_balancing_loss` keeps its meaning; ``z_sum`` is
