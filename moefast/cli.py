@@ -523,7 +523,8 @@ def _prepare(args) -> int:
           f"{counts} ({m['dtype']}, tokenizer {m['tokenizer']['name']})")
     if src["skipped_files"]:
         print(f"note: {len(src['skipped_files'])} unreadable files skipped (first: {src['skipped_files'][0][0]})")
-    print(f"train with data.source={args.out_dir} data.tokenizer={args.tokenizer}")
+    print(f"train with data.source={args.out_dir} data.tokenizer={args.tokenizer}"
+          + (" data.format=sft" if args.format == "sft" else ""))
     return 0
 
 
