@@ -414,8 +414,8 @@ class DataConfig:
         beside ``tokenizer``'s tokenizer.json and trained on the assistant's tokens only, each
         conversation whole in one row (:mod:`moefast.data.sft`).
       sft_overlong: with ``format: sft``, a conversation longer than a row (more than ``seq_len`` + 1
-        tokens): ``"truncate"`` keeps its first ``seq_len`` + 1 tokens, ``"drop"`` leaves it out;
-        the corpus summary counts either.
+        tokens): ``"truncate"`` keeps its first ``seq_len`` tokens (so the next example starts on the
+        next row), ``"drop"`` leaves it out; the corpus summary counts either.
     """
 
     source: str = "stdlib"

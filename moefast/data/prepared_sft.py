@@ -24,7 +24,8 @@ binary search over the offsets as pretraining rows are: at start, one pass over 
 lengths (from the offsets) places every kept example, and the reader keeps three int64 numbers per
 conversation (its start in the packed stream, its length, its index), 24 bytes, not its tokens;
 a row then reads the few conversations that overlap its window from the memory maps. Overlong
-conversations (more than ``seq_len + 1`` tokens) are truncated or dropped at start, so one prepared
+conversations (more than ``seq_len + 1`` tokens) are truncated (to ``seq_len`` tokens:
+:func:`moefast.data.sft.truncated_length`) or dropped at start, so one prepared
 corpus serves every ``seq_len``; only their masks are read to count the targets left.
 
 One difference from the in-memory path: the train/validation split is made at prepare time over all
@@ -210,12 +211,15 @@ class PreparedSFTRows:
                    else np.zeros((0,), np.int64))
         self.truncated = self.dropped_overlong = self.dropped_no_target = 0
         self.lost_weighted = 0  # targets of the truncated and dropped examples
+        from moefast.data.sft import truncated_length
+
+        cut = truncated_length(T)  # what load_sft keeps of an overlong example
         long = np.flatnonzero(lengths - 1 > T)
         keep = np.ones(len(lengths), bool)
         for d in long.tolist():
             mask = self._slice(d, 0, int(lengths[d]), 2)
             full = int(mask[1:].sum())
-            if overlong == "drop" or not mask[1:T + 1].any():
+            if overlong == "drop" or not mask[1:cut].any():
                 keep[d] = False
                 self.lost_weighted += full
                 if overlong == "drop":
@@ -224,9 +228,10 @@ class PreparedSFTRows:
                     self.dropped_no_target += 1
             else:
                 self.truncated += 1
-                self.lost_weighted += full - int(mask[1:T + 1].sum())
+                self.lost_weighted += full - int(mask[1:cut].sum())
         self._docs = np.flatnonzero(keep).astype(np.int64)
-        self._lens = np.minimum(lengths[self._docs], T + 1).astype(np.int64)
+        kept = lengths[self._docs]
+        self._lens = np.where(kept - 1 > T, cut, kept).astype(np.int64)
         starts = np.zeros(len(self._docs), np.int64)
         cursor = 0
         for i, n in enumerate(self._lens.tolist()):  # packing._pack_examples' placement

@@ -98,11 +98,32 @@ __all__ = [
     "read_conversations",
     "split_examples",
     "tokenize_conversation",
+    "truncated_length",
 ]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 Overlong = Literal["truncate", "drop"]
 OVERLONG_CHOICES = ("truncate", "drop")
+
+
+def truncated_length(seq_len: int) -> int:
+    """Tokens an overlong example keeps under ``data.sft_overlong: truncate``: T (2 when T is 1).
+
+    Not T + 1, although an example of T + 1 tokens fits a row (T inputs, T targets): rows share
+    their boundary token (row r is the packed stream's ``[r*T, r*T + T]``), so an example ending at
+    ``r*T + T`` takes the first token of row r + 1, and the next example, if it too had T + 1
+    tokens, could only start at row r + 2, leaving row r + 1 all padding. Cut to T tokens, each
+    truncated example fills one row and the next starts at the next row: one target is given up
+    per truncated example instead of a row (29 overlong conversations at T = 64 packed into 57
+    rows, 28 of them without a target, before this rule; 29 rows after).
+
+    Args:
+      seq_len: T, tokens per row.
+
+    Returns:
+      The truncated example's length (tokens).
+    """
+    return int(seq_len) if int(seq_len) > 1 else 2
 
 # Noncharacters (never in interchange text) that the {% generation %} tag writes around its body;
 # removed from the rendered text, their places are the weighted spans.
@@ -155,10 +176,11 @@ class SFTStats:
       assistant_turns: assistant messages among them.
       tokens: tokens of the kept examples (after truncation).
       weighted_tokens: tokens with loss weight 1 among them.
-      truncated: examples longer than a row, cut to ``seq_len + 1`` tokens (``overlong=truncate``).
+      truncated: examples longer than a row (more than ``seq_len + 1`` tokens), cut to
+        :func:`truncated_length` (``seq_len``) tokens (``overlong=truncate``).
       dropped_overlong: examples longer than a row, left out (``overlong=drop``).
-      dropped_no_target: examples whose assistant tokens all lay beyond ``seq_len + 1`` tokens,
-        left out after truncation (nothing to train on).
+      dropped_no_target: examples whose assistant tokens all lay beyond the truncation,
+        left out after it (nothing to train on).
     """
 
     conversations: int = 0
@@ -574,8 +596,9 @@ def load_sft(source: str, tokenizer: Tokenizer, *, seq_len: int, overlong: Overl
       tokenizer: a :class:`HFTokenizer` with a chat template beside its ``tokenizer.json``.
       seq_len: T, tokens per row; an example of N tokens has N - 1 targets and fits a row when
         N - 1 <= T.
-      overlong: ``"truncate"``: an example that does not fit keeps its first T + 1 tokens (and is
-        left out if none of its targets there is the assistant's); ``"drop"``: it is left out.
+      overlong: ``"truncate"``: an example that does not fit keeps its first T tokens
+        (:func:`truncated_length`), and is left out if none of its targets there is the
+        assistant's; ``"drop"``: it is left out.
       val_fraction: see :func:`split_examples`.
 
     Returns:
@@ -602,7 +625,8 @@ def load_sft(source: str, tokenizer: Tokenizer, *, seq_len: int, overlong: Overl
             if overlong == "drop":
                 stats.dropped_overlong += 1
                 continue
-            ids, weights = ids[: seq_len + 1], weights[: seq_len + 1]
+            keep = truncated_length(seq_len)
+            ids, weights = ids[:keep], weights[:keep]
             if not weights[1:].any():
                 stats.dropped_no_target += 1
                 continue

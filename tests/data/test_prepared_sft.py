@@ -122,13 +122,14 @@ def test_rows_equal_pack_documents_over_any_sharding(data, seq_len, overlong):
         offsets = np.concatenate([[0], np.cumsum([len(d) for d in part])]).astype(np.int64)
         shards.append((np.concatenate(part).astype(np.uint16), offsets, np.concatenate(masks[lo:hi])))
     rows = PreparedSFTRows(shards, seq_len, pad_id=99, overlong=overlong)
-    # the in-memory rule (moefast.data.sft.load_sft): truncate to T + 1 tokens, or drop; none without a target
+    # the in-memory rule (moefast.data.sft.load_sft): truncate to T tokens (2 at T=1), or drop; none without a target
+    cut = max(seq_len, 2)
     kept_t, kept_w = [], []
     for d, w in zip(docs, masks):
         if len(d) - 1 > seq_len:
-            if overlong == "drop" or not w[1:seq_len + 1].any():
+            if overlong == "drop" or not w[1:cut].any():
                 continue
-            d, w = d[:seq_len + 1], w[:seq_len + 1]
+            d, w = d[:cut], w[:cut]
         kept_t.append(d)
         kept_w.append(w.astype(np.float32))
     ref = pack_documents(kept_t, seq_len, bos_id=None, eos_id=98, pad_id=99, loss_weights=kept_w)

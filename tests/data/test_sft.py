@@ -427,6 +427,18 @@ def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path, qwen):
         load_sft(path, qwen, seq_len=6, overlong="truncate", val_fraction=0.3)
 
 
+def test_truncated_examples_fill_one_row_each(tmp_path, qwen):
+    """A newcomer's finding: 29 overlong conversations at seq_len 64 packed into 57 rows. Truncated to
+    T + 1 tokens, each example took the next row's first token (rows share their boundary), so the
+    next truncated one started a row later, leaving an all-padding row between every two."""
+    path = _jsonl(tmp_path / "chat.jsonl", *_conversations(8, long_every=1))  # every example longer than a row
+    train, val, _, stats = load_sft(path, qwen, seq_len=16, overlong="truncate", val_fraction=0.3)
+    for rows in (train, val):
+        assert len(rows) == rows.num_documents  # one row per truncated example, none of padding only
+        assert all(rows[i]["loss_weight"].sum() > 0 for i in range(len(rows)))
+    assert stats.truncated == 8 and stats.tokens == 8 * 16  # each cut to T tokens (one target less than T + 1)
+
+
 def test_chat_template_list_uses_default(tmp_path):
     listed = [{"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
               {"name": "default", "template": QWEN_TEMPLATE}]
