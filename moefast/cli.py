@@ -521,6 +521,8 @@ def _prepare(args) -> int:
                   f"{val['documents']} documents / {val['tokens']} tokens")
     print(f"{src['documents']} {what} ({src['bytes'] / 1e6:.2f} MB) from {args.source!r} in {m['seconds']:.1f} s"
           f"{counts} ({m['dtype']}, tokenizer {m['tokenizer']['name']})")
+    if "split" in m:
+        print(f"split: {m['split']['note']}")
     if src["skipped_files"]:
         print(f"note: {len(src['skipped_files'])} unreadable files skipped (first: {src['skipped_files'][0][0]})")
     print(f"train with data.source={args.out_dir} data.tokenizer={args.tokenizer}"

@@ -401,7 +401,9 @@ class DataConfig:
         run's own copy as ``tokenizer``, so the run dir can move), then in the working directory.
       seq_len: tokens per packed row (T).
       batch_size: global batch, in rows (B), summed over all processes and devices.
-      val_fraction: fraction of documents (by hash of their path/id) held out for validation.
+      val_fraction: fraction of documents (by hash of their path/id) held out for validation; when
+        the hash holds out none, those of smallest hash, or each document's tail for a corpus too
+        small for whole ones (``moefast.data.sources.split_documents``).
       prefetch: training batches read, converted and put on the devices ahead of use, on a
         background thread per process (the overlap lever: the step never waits for the host
         pipeline in steady state); 0 reads each batch when the step needs it. ``"auto"`` (default):

@@ -50,13 +50,20 @@ Design choices:
   per row.
 
 The train/validation split uses ``sources.split_documents``' rule (``blake2b(id) / 2**64 <
-val_fraction``, and its cut-every-document fallback when one side would be empty), so a prepared
-corpus and the in-memory pipeline split, tokenize and pack the same documents into the same rows;
-with the same seed ``train_dataset`` yields the same batches from both.
+val_fraction``, and its fallbacks when one side would be empty: the documents of smallest hash held
+out whole, or every document cut when there are too few), so a prepared corpus and the in-memory
+pipeline split, tokenize and pack the same documents into the same rows; with the same seed
+``train_dataset`` yields the same batches from both. A fallback costs another pass over the source
+(its ids, for the smallest hashes) and a second tokenization; it happens only to small corpora. The
+manifest's ``split`` says which rule was used and why, and ``moefast prepare`` prints it.
 
-An interrupted prepare never leaves a dataset that looks complete: shards are written into
-``OUT_DIR/.partial-*``, moved to ``OUT_DIR/shards`` in one rename, and ``manifest.json`` is
-written (atomically) last; a re-run removes the leftovers of an interrupted one and starts again.
+An interrupted prepare never leaves a dataset that looks complete: ``OUT_DIR/.prepare-in-progress.json``
+(the command being run) is written first, shards are written into ``OUT_DIR/.partial-*``, moved to
+``OUT_DIR/shards`` in one rename, ``manifest.json`` is written (atomically) last, and the marker
+removed. A prepare that fails (bad input, Ctrl-C, a write error) removes what it wrote, and OUT_DIR
+itself if it created it; a ``--force`` prepare keeps the dataset it was to replace until its own is
+written. Training on a directory holding the marker or leftovers without a manifest is one error
+naming the command to run again; a re-run removes the leftovers and starts again.
 """
 
 from __future__ import annotations
@@ -64,11 +71,14 @@ from __future__ import annotations
 import bisect
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
+import heapq
 import json
 import os
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -112,14 +122,85 @@ _BATCH_DOCS = 512
 _BATCH_BYTES = 8 << 20
 _IN_FLIGHT = 4
 
-_PREPARE_HELP = "prepare it again: moefast prepare SOURCE {dir} --force"
+# Written into OUT_DIR (atomically) before anything else and removed once the manifest is written:
+# the command that was run, so that training on an unfinished dataset can say how to finish it.
+IN_PROGRESS = ".prepare-in-progress.json"
+_DEFAULT_VAL_FRACTION = 0.02
+
+
+def _prepare_args(source: str, tokenizer: str, data_format: str, val_fraction: float, text_field: str) -> dict:
+    """What a prepare was asked, with paths made absolute (the source as given is kept in the manifest)."""
+    def absolute(p: str) -> str:
+        expanded = os.path.expanduser(p)
+        return os.path.abspath(expanded) if os.path.exists(expanded) or sources._GLOB_CHARS & set(expanded) else p
+
+    return {"source": source if source == "stdlib" else absolute(source), "tokenizer": absolute(str(tokenizer)),
+            "format": data_format, "val_fraction": val_fraction, "text_field": text_field}
+
+
+def prepare_command(out_dir: str | os.PathLike, args: dict) -> str:
+    """The ``moefast prepare`` command line that writes ``out_dir`` again from ``args``
+    (:func:`_prepare_args`'s keys), shell-quoted, with ``--force``."""
+    argv = ["moefast", "prepare", str(args["source"]), os.fspath(out_dir)]
+    if args.get("format", "text") != "text":
+        argv += ["--format", str(args["format"])]
+    if args.get("tokenizer", "byte") != "byte":
+        argv += ["--tokenizer", str(args["tokenizer"])]
+    if args.get("val_fraction", _DEFAULT_VAL_FRACTION) != _DEFAULT_VAL_FRACTION:
+        argv += ["--val-fraction", f"{args['val_fraction']:g}"]
+    if args.get("format", "text") == "text" and args.get("text_field", "text") != "text":
+        argv += ["--text-field", str(args["text_field"])]
+    return shlex.join([*argv, "--force"])
+
+
+def _read_json_quietly(path: Path) -> dict | None:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _args_of(record: dict | None) -> dict | None:
+    """The prepare arguments a manifest or in-progress marker records (older manifests: rebuilt
+    from their ``sources`` and ``tokenizer`` entries), or None."""
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("prepare_args"), dict) and "source" in record["prepare_args"]:
+        return record["prepare_args"]
+    try:
+        src, tok = record["sources"], record["tokenizer"]
+        return {"source": src["source"], "tokenizer": tok["name"], "format": record.get("data_format", "text"),
+                "val_fraction": record.get("val_fraction", _DEFAULT_VAL_FRACTION),
+                "text_field": src.get("text_field", "text")}
+    except (KeyError, TypeError):
+        return None
+
+
+def _again(root: Path, manifest: dict | None = None) -> str:
+    """``"prepare it again: moefast prepare ..."``: the command that wrote ``root``, as its manifest
+    (or in-progress marker) records it, into ``root`` as it is named now."""
+    records = (manifest,) if manifest is not None else (_read_json_quietly(root / MANIFEST),
+                                                         _read_json_quietly(root / IN_PROGRESS))
+    for record in records:
+        args = _args_of(record)
+        if args is not None:
+            return "prepare it again: " + prepare_command(root, args)
+    return f"prepare it again: moefast prepare SOURCE {shlex.quote(str(root))} --force (SOURCE: the corpus it was " \
+           "prepared from)"
+
+
+def _unfinished(source: str, path: Path) -> DataError:
+    return DataError(f"data.source={source!r}: the `moefast prepare` into {path} did not finish (interrupted or "
+                     f"failed: no {MANIFEST}); {_again(path)}")
 
 
 def is_prepared(source: str) -> bool:
     """Whether ``data.source`` names a prepared corpus: a directory holding ``manifest.json``.
 
     Raises:
-      DataError: the directory holds only the leftovers of an interrupted ``moefast prepare``.
+      DataError: the directory holds an unfinished ``moefast prepare`` (its in-progress marker, or
+        only the leftovers of one), naming the command to run again.
     """
     if not isinstance(source, str) or source == "stdlib":
         return False
@@ -128,9 +209,8 @@ def is_prepared(source: str) -> bool:
         return False
     if (path / MANIFEST).is_file():
         return True
-    if _only_leftovers(path) and any(path.iterdir()):
-        raise DataError(f"data.source={source!r}: {path} holds an interrupted `moefast prepare` (no {MANIFEST}); "
-                        f"run the prepare again into it")
+    if (path / IN_PROGRESS).exists() or (_only_leftovers(path) and any(path.iterdir())):
+        raise _unfinished(source, path)
     return False
 
 
@@ -183,7 +263,8 @@ def prepare(source: str, out_dir: str | os.PathLike, *, tokenizer: str = "byte",
       val_fraction: fraction of documents held out for validation, in (0, 1) (dimensionless).
       text_field: field / column holding the text in records.
       force: prepare into a directory that already holds files (a previous dataset's
-        ``manifest.json`` and ``shards/`` are removed first; other files are left alone).
+        ``manifest.json`` and ``shards/`` are replaced once the new shards are written, and kept if
+        this prepare fails; other files are left alone).
       shard_tokens: tokens per shard before the next one starts (tokens).
       progress: show a tqdm bar with tokens/s on stderr.
 
@@ -192,7 +273,10 @@ def prepare(source: str, out_dir: str | os.PathLike, *, tokenizer: str = "byte",
 
     Raises:
       DataError: any error of the source or tokenizer; ``out_dir`` is not empty and ``force`` is
-        not set; or the validation or training split is empty.
+        not set; the validation or training split is empty; or ``out_dir`` cannot be written
+        (permissions, a full disk). A failed prepare removes what it wrote, and ``out_dir`` itself
+        if it created it; one that existed keeps an in-progress marker, so that training on it
+        names the command to run again.
     """
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction: must be in (0, 1), got {val_fraction}")
@@ -204,23 +288,28 @@ def prepare(source: str, out_dir: str | os.PathLike, *, tokenizer: str = "byte",
     listed = sources.list_files(source)
     files = [_file_entry(p) for p, _ in listed[0]]
     out = Path(os.path.expanduser(os.fspath(out_dir)))
-    _claim_out_dir(out, force, [p for p, _ in listed[0]])
-
-    partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=out))
+    args = _prepare_args(source, tokenizer, "text", val_fraction, text_field)
     t0 = time.perf_counter()
-    bar = _progress_bar(progress)
-    def write(cut: bool) -> tuple[dict, SourceStats]:
-        stats = SourceStats(source=source)
-        docs = sources.iter_documents(source, text_field, stats, files=listed)
-        return _write_splits(partial / SHARD_DIR, docs, tok, dtype, val_fraction, int(shard_tokens), bar,
-                             cut=cut), stats
+    with _preparing(out, force, [p for p, _ in listed[0]], args) as partial, _Progress(progress) as bar:
+        def write(rule: str, held: set[str] | None = None) -> tuple[dict, SourceStats]:
+            stats = SourceStats(source=source)
+            docs = sources.iter_documents(source, text_field, stats, files=listed)
+            return _write_splits(partial / SHARD_DIR, docs, tok, dtype, val_fraction, int(shard_tokens), bar,
+                                 rule=rule, held=held), stats
 
-    try:
-        splits, stats = write(cut=False)
-        held_out = bool(splits["train"]["documents"] and splits["val"]["documents"])
-        if not held_out:  # split_documents' fallback: too few documents to hold whole ones out; cut each
+        splits, stats = write("hash")
+        n, rule = stats.documents, "hash"
+        if not (splits["train"]["documents"] and splits["val"]["documents"]):  # split_documents' fallback
             shutil.rmtree(partial / SHARD_DIR)
-            splits, stats = write(cut=True)
+            k = sources.fallback_held_out(n, val_fraction)
+            if k:
+                rule = "smallest_hash"
+                scored = ((sources.id_fraction(d.id), d.id) for d in sources.iter_documents(source, text_field,
+                                                                                            files=listed))
+                splits, stats = write(rule, {doc_id for _, doc_id in heapq.nsmallest(k, scored)})
+            else:
+                rule = "cut"
+                splits, stats = write(rule)
         for name in SPLITS:
             if not splits[name]["documents"]:
                 raise DataError(f"{source!r}: the {'validation' if name == 'val' else 'training'} split is empty "
@@ -233,26 +322,130 @@ def prepare(source: str, out_dir: str | os.PathLike, *, tokenizer: str = "byte",
                           "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
             "dtype": dtype.name,
             "val_fraction": val_fraction,
-            "held_out_documents": held_out,
+            "held_out_documents": rule != "cut",
+            "split": {"rule": rule, "note": _split_note(rule, n, splits["val"]["documents"], val_fraction)},
             "splits": splits,
             "sources": {"source": source, "text_field": text_field, "documents": stats.documents,
                         "bytes": stats.bytes, "empty_documents": stats.empty_documents,
                         "non_utf8_documents": stats.non_utf8_documents,
                         "skipped_files": [list(s) for s in stats.skipped_files], "files": files},
+            "prepare_args": args,
             "seconds": round(time.perf_counter() - t0, 3),
         }
-        os.replace(partial / SHARD_DIR, out / SHARD_DIR)
-        _write_json_atomic(out / MANIFEST, manifest)
-    finally:
-        bar.close()
-        shutil.rmtree(partial, ignore_errors=True)
+        _publish(out, partial, manifest)
     return manifest
 
 
-def _progress_bar(enabled: bool):
-    from tqdm import tqdm
+def _split_note(rule: str, n: int, held: int, val_fraction: float) -> str:
+    """One line for ``moefast prepare``'s output: which train/validation split was made, and why."""
+    if rule == "hash":
+        return (f"split by hash of each document's id (blake2b < {val_fraction:g}): {held} of {n} documents held out "
+                "for validation")
+    if rule == "smallest_hash":
+        return (f"the hash rule (blake2b(id) < {val_fraction:g}) held out {'every' if held == n else 'no'} document "
+                f"of {n}, so the {held} of smallest hash are held out instead, whole")
+    k = min(max(n - 1, 1), max(1, round(n * val_fraction)))
+    return (f"{n} document{'s are' if n != 1 else ' is'} too few to hold whole ones out at --val-fraction "
+            f"{val_fraction:g} (the fewest, {k} of {n}, would be {k / n:.0%}): validation is the last "
+            f"{val_fraction:.0%} of each document, whose start is trained on; add documents for a held-out "
+            "validation set")
 
-    return tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not enabled, mininterval=0.5, smoothing=0.1)
+
+class _Progress:
+    """The tqdm bar of a prepare: created at the first tokens and shown after half a second (an error
+    before then prints no bar), cleared, not left on the screen, when the prepare fails."""
+
+    def __init__(self, enabled: bool):
+        self._enabled, self._bar = enabled, None
+
+    def update(self, n: int) -> None:
+        if not self._enabled:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            # delay: nothing is shown for a prepare that ends (or fails) within half a second
+            self._bar = tqdm(desc="prepare", unit="tok", unit_scale=True, mininterval=0.5, smoothing=0.1, delay=0.5)
+        self._bar.update(n)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._bar is not None:
+            if exc_type is not None:
+                self._bar.leave = False  # the error is what the user needs to see
+            self._bar.close()
+
+
+@contextlib.contextmanager
+def _writing(where: Path):
+    """Turns an ``OSError`` of writing OUT_DIR (permissions, a full disk) into one DataError."""
+    try:
+        yield
+    except OSError as e:
+        raise DataError(f"{e.filename or where}: cannot write the prepared corpus ({e.strerror or e}); make OUT_DIR "
+                        "writable, with room for the shards, or choose another OUT_DIR") from None
+
+
+@contextlib.contextmanager
+def _preparing(out: Path, force: bool, source_files: list[Path], args: dict):
+    """Claims ``out`` (:func:`_claim_out_dir`), marks it in progress and yields a fresh partial directory
+    inside it. On success (the body called :func:`_publish`) the marker is removed. On any failure,
+    Ctrl-C included, what this prepare wrote is removed, and so is ``out`` itself (with the parents
+    it made) if this prepare created it; a directory that existed keeps its marker, so that training
+    on it says the prepare did not finish and how to run it again. Nothing else is ever removed."""
+    created = _claim_out_dir(out, force, source_files)
+    ok = False
+    try:
+        with _writing(out):
+            _write_json_atomic(out / IN_PROGRESS, {"prepare_args": args, "started": time.time()})
+            partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=out))
+        try:
+            yield partial
+            ok = True
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    finally:
+        if ok:
+            (out / IN_PROGRESS).unlink(missing_ok=True)
+        else:
+            _abandon(out, created)
+
+
+def _publish(out: Path, partial: Path, manifest: dict) -> None:
+    """Writes the new manifest beside the old one, then replaces a previous dataset (``--force``: its
+    manifest first, so that from then on it no longer looks complete, then its shards), moves the
+    new shards into place and renames the new manifest in: from here on ``out`` is the new dataset.
+    Only renames and removals follow the last write, so a full disk or a read-only directory fails
+    before the previous dataset is touched."""
+    with _writing(out):
+        new_manifest = _write_json_beside(out / MANIFEST, manifest)  # what may fail (room, permissions) first
+        try:
+            (out / MANIFEST).unlink(missing_ok=True)
+            if (out / SHARD_DIR).is_dir() and not (out / SHARD_DIR).is_symlink():
+                shutil.rmtree(out / SHARD_DIR)  # _claim_out_dir checked it holds shard files only
+            os.replace(partial / SHARD_DIR, out / SHARD_DIR)
+            os.replace(new_manifest, out / MANIFEST)
+        finally:
+            new_manifest.unlink(missing_ok=True)
+
+
+def _abandon(out: Path, created: list[Path]) -> None:
+    """After a failed prepare: removes what it wrote (a previous dataset that is still complete is
+    kept; the in-progress marker is kept in a directory that existed and holds no complete dataset,
+    so that training there says the prepare did not finish), then the directories it created,
+    deepest first, while they are empty."""
+    keep_marker = not created and not (out / MANIFEST).is_file()  # an intact previous dataset needs none
+    try:
+        for e in list(out.iterdir()):
+            if _ours(e) and not (keep_marker and e.name == IN_PROGRESS) and not (
+                    e.name == SHARD_DIR and (out / MANIFEST).is_file()):
+                shutil.rmtree(e, ignore_errors=True) if e.is_dir() and not e.is_symlink() else e.unlink(missing_ok=True)
+        for d in created:
+            d.rmdir()
+    except OSError:  # not empty (something else was put there), or not ours to remove: left as it is
+        pass
 
 
 # What a prepare writes into shards/: <split>-NNNNN.<array>.npy (tokens, offsets, ...)
@@ -269,22 +462,29 @@ def _foreign_in_shards(shards: Path) -> list[str]:
 
 def _ours(e: Path) -> bool:
     """Whether ``e`` (an entry of OUT_DIR) is something a prepare writes or leaves when interrupted."""
-    if e.name.startswith(PARTIAL_PREFIX) or e.name.startswith(f".{MANIFEST}."):
+    if (e.name.startswith(PARTIAL_PREFIX) or e.name.startswith(f".{MANIFEST}.") or e.name == IN_PROGRESS
+            or e.name.startswith(f".{IN_PROGRESS}.")):
         return True
     return e.name == SHARD_DIR and not _foreign_in_shards(e)
 
 
 def _only_leftovers(path: Path) -> bool:
-    """Whether every entry of ``path`` is what an interrupted prepare leaves (``.partial-*``, a
-    ``shards`` directory holding only shard files)."""
+    """Whether every entry of ``path`` is what an interrupted prepare leaves (``.partial-*``, its
+    in-progress marker, a ``shards`` directory holding only shard files)."""
     return all(_ours(e) for e in path.iterdir())
 
 
-def _claim_out_dir(out: Path, force: bool, source_files: list[Path]) -> None:
+def _claim_out_dir(out: Path, force: bool, source_files: list[Path]) -> list[Path]:
     """Makes ``out`` ready for a prepare: created, or empty but for an interrupted prepare's leftovers
-    (removed), or ``force`` (a previous dataset's manifest and shard files removed, the manifest
-    first). Only what a prepare writes is ever removed: a source file inside ``out``, or files of
-    other names in ``out/shards``, are refused, ``force`` or not."""
+    (removed), or ``force``. A previous dataset there (its manifest and shards) is left whole until
+    :func:`_publish` replaces it, so a ``--force`` prepare that fails keeps it (at the cost of disk
+    room for both while the new one is written). Only what a prepare writes is ever removed: a
+    source file inside ``out``, or files of other names in ``out/shards``, are refused, ``force`` or
+    not.
+
+    Returns:
+      The directories this call created (``out`` and missing parents), deepest first.
+    """
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory; choose another OUT_DIR")
     resolved = out.resolve()
@@ -292,6 +492,11 @@ def _claim_out_dir(out: Path, force: bool, source_files: list[Path]) -> None:
     if inside:
         raise DataError(f"{out}: the source's files lie inside OUT_DIR (first: {inside[0]}); choose an OUT_DIR "
                         "outside the source")
+    created = []
+    missing = out
+    while not missing.exists() and not missing.is_symlink() and missing != missing.parent:
+        created.append(missing)
+        missing = missing.parent
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -301,14 +506,15 @@ def _claim_out_dir(out: Path, force: bool, source_files: list[Path]) -> None:
     if foreign:
         raise DataError(f"{shards}: holds files a prepare did not write ({', '.join(foreign[:5])}); move them or "
                         "choose another OUT_DIR (--force only replaces a prepared corpus)")
-    if not _only_leftovers(out):
-        if not force:
-            raise DataError(f"{out}: not empty (holds {', '.join(sorted(e.name for e in out.iterdir())[:5])}); "
-                            "choose an empty or new OUT_DIR, or pass --force to replace a prepared corpus there")
-        (out / MANIFEST).unlink(missing_ok=True)  # first: from here on it no longer looks complete
-    for e in out.iterdir():
-        if _ours(e):
-            shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+    if not _only_leftovers(out) and not force:
+        raise DataError(f"{out}: not empty (holds {', '.join(sorted(e.name for e in out.iterdir())[:5])}); "
+                        "choose an empty or new OUT_DIR, or pass --force to replace a prepared corpus there")
+    complete = (out / MANIFEST).is_file()
+    with _writing(out):
+        for e in out.iterdir():
+            if _ours(e) and not (complete and e.name == SHARD_DIR):  # a complete dataset's shards stay
+                shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+    return created
 
 
 def _file_entry(path: Path) -> dict:
@@ -317,6 +523,13 @@ def _file_entry(path: Path) -> dict:
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
+    """Writes ``obj`` to ``path`` atomically: readers see the old file or the whole new one."""
+    os.replace(_write_json_beside(path, obj), path)
+
+
+def _write_json_beside(path: Path, obj: dict) -> Path:
+    """Writes ``obj`` into a new hidden file beside ``path`` (``.<name>.XXXX``, synced to disk, with the
+    umask's mode) and returns it, to be renamed over ``path``; nothing is left behind on failure."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         umask = os.umask(0o022)
@@ -327,10 +540,10 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return Path(tmp)
 
 
 class _ShardWriter:
@@ -354,6 +567,10 @@ class _ShardWriter:
     def flush(self) -> None:
         if not self._chunks:
             return
+        with _writing(self.directory):
+            self._flush()
+
+    def _flush(self) -> None:
         name = f"{self.split}-{len(self.shards):05d}"
         lengths = np.fromiter((len(c) for c in self._chunks), np.int64, len(self._chunks))
         offsets = np.zeros((len(lengths) + 1,), np.int64)
@@ -381,11 +598,17 @@ class _ShardWriter:
         return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
 
 
-def _split_pieces(docs: Iterable[Document], val_fraction: float, cut: bool) -> Iterator[tuple[str, bytes]]:
-    """``(split, bytes)`` per document, as :func:`~moefast.data.sources.split_documents` assigns them."""
+def _split_pieces(docs: Iterable[Document], val_fraction: float, rule: str,
+                  held: set[str] | None = None) -> Iterator[tuple[str, bytes]]:
+    """``(split, bytes)`` per document, as :func:`~moefast.data.sources.split_documents` assigns them:
+    ``rule`` ``"hash"`` (its rule), ``"smallest_hash"`` (the ids in ``held`` to validation) or
+    ``"cut"`` (every document cut in two)."""
     for d in docs:
-        if not cut:
+        if rule == "hash":
             yield ("val" if sources.id_fraction(d.id) < val_fraction else "train"), d.data
+            continue
+        if rule == "smallest_hash":
+            yield ("val" if d.id in held else "train"), d.data
             continue
         for name, piece in zip(SPLITS, sources.cut_document(d, val_fraction)):
             if piece is not None:
@@ -405,8 +628,9 @@ def _batches(pieces: Iterator[tuple[str, bytes]]) -> Iterator[list[tuple[str, by
 
 
 def _write_splits(directory: Path, docs: Iterator[Document], tok: Tokenizer, dtype: np.dtype, val_fraction: float,
-                  shard_tokens: int, bar, *, cut: bool) -> dict:
-    directory.mkdir()
+                  shard_tokens: int, bar, *, rule: str, held: set[str] | None = None) -> dict:
+    with _writing(directory.parent):
+        directory.mkdir()
     writers = {name: _ShardWriter(directory, name, dtype, shard_tokens) for name in SPLITS}
     pending: collections.deque = collections.deque()
 
@@ -419,7 +643,7 @@ def _write_splits(directory: Path, docs: Iterator[Document], tok: Tokenizer, dty
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="moefast-prepare") as pool:
         try:
-            for batch in _batches(_split_pieces(docs, val_fraction, cut)):
+            for batch in _batches(_split_pieces(docs, val_fraction, rule, held)):
                 pending.append(([n for n, _ in batch], pool.submit(tok.encode_batch, [b for _, b in batch])))
                 while len(pending) >= _IN_FLIGHT:
                     drain_one()
@@ -585,7 +809,7 @@ def _field(manifest: dict, path: Path, *keys):
     for key in keys:
         if not isinstance(value, dict) or key not in value:
             raise DataError(f"{path}: no {'.'.join(keys)!r}: not a manifest this version of moefast wrote; "
-                            + _PREPARE_HELP.format(dir=path.parent))
+                            + _again(path.parent))
         value = value[key]
     return value
 
@@ -600,17 +824,19 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
+        if (path.parent / IN_PROGRESS).exists():
+            raise _unfinished(str(directory), path.parent) from None
         raise DataError(f"{path}: missing; {path.parent} is not a prepared corpus (moefast prepare SOURCE "
                         f"{path.parent})") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: cannot read it as JSON ({e}); " + _PREPARE_HELP.format(dir=path.parent)) from None
+        raise DataError(f"{path}: cannot read it as JSON ({e}); " + _again(path.parent)) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise DataError(f"{path}: format {got!r}, expected {FORMAT!r}: not a corpus written by moefast prepare")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise DataError(f"{path}: format version {version!r}, this moefast reads version {FORMAT_VERSION}; "
-                        + _PREPARE_HELP.format(dir=path.parent))
+                        + _again(path.parent, manifest))
     return manifest
 
 
@@ -656,11 +882,11 @@ def open_prepared(directory: str | os.PathLike, *, tokenizer: str, seq_len: int,
                        ("pad_id", tok.pad_id)):
         if _field(manifest, mpath, "tokenizer", key) != value:
             raise DataError(f"{mpath}: tokenizer.{key} is {manifest['tokenizer'][key]}, but data.tokenizer="
-                            f"{tokenizer!r} has {value}; " + _PREPARE_HELP.format(dir=root))
+                            f"{tokenizer!r} has {value}; " + _again(root, manifest))
     dtype_name = _field(manifest, mpath, "dtype")
     if dtype_name != _token_dtype(tok.vocab_size).name:
         raise DataError(f"{mpath}: dtype {dtype_name!r} does not hold vocab_size {tok.vocab_size} as prepare writes "
-                        f"it ({_token_dtype(tok.vocab_size).name}); " + _PREPARE_HELP.format(dir=root))
+                        f"it ({_token_dtype(tok.vocab_size).name}); " + _again(root, manifest))
     dtype = np.dtype(dtype_name)
     specials = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
     rows = {}
@@ -670,10 +896,11 @@ def open_prepared(directory: str | os.PathLike, *, tokenizer: str, seq_len: int,
         for entry in _field(manifest, mpath, "splits", name, "shards"):
             n_docs, n_tok, tokens_file, offsets_file = (
                 _field(entry, mpath, key) for key in ("documents", "num_tokens", "tokens", "offsets"))
-            tokens = _open_array(root / tokens_file, dtype, (n_tok,), entry.get("tokens_bytes"), mpath, pread=True)
+            tokens = _open_array(root / tokens_file, dtype, (n_tok,), entry.get("tokens_bytes"), mpath, pread=True,
+                                 manifest=manifest)
             offsets = _open_array(root / offsets_file, np.dtype(np.int64), (n_docs + 1,),
-                                  entry.get("offsets_bytes"), mpath)
-            _check_offsets(root / offsets_file, n_tok, mpath)
+                                  entry.get("offsets_bytes"), mpath, manifest=manifest)
+            _check_offsets(root / offsets_file, n_tok, mpath, manifest=manifest)
             if n_docs:
                 shards.append((tokens, offsets))
         rows[name] = PreparedRows(shards, seq_len, **specials)
@@ -752,36 +979,54 @@ class ShardArray:
         return f"ShardArray({self.path!r}, {self.dtype}, {self._n})"
 
 
-def _open_array(path: Path, dtype: np.dtype, shape: tuple[int, ...], size: int | None, mpath: Path, *,
-                pread: bool = False) -> np.ndarray | ShardArray:
-    """A shard array, its dtype, shape and file size checked: memory-mapped read-only, or with
-    ``pread`` a :class:`ShardArray` (read per slice; what the token and mask shards use)."""
+def _open_array(path: Path, dtype: np.dtype, shape: tuple[int], size: int | None, mpath: Path, *,
+                pread: bool = False, manifest: dict | None = None) -> np.ndarray | ShardArray:
+    """A 1-D shard array, its size, dtype and shape checked against the manifest and its own ``.npy``
+    header before anything is mapped: memory-mapped read-only, or with ``pread`` a
+    :class:`ShardArray` (read per slice; what the token and mask shards use).
+
+    Raises:
+      DataError: naming the file and the command that prepares the corpus again: the file is
+        missing; its size differs from the manifest's record, or from what its header implies
+        (truncated: both sizes given); its header is unreadable; its dtype or shape differ.
+    """
+    again = _again(mpath.parent, manifest)
     if not path.is_file():
-        raise DataError(f"{path}: missing (listed in {mpath}); " + _PREPARE_HELP.format(dir=mpath.parent))
-    actual_size = path.stat().st_size
+        raise DataError(f"{path}: missing (listed in {mpath}); {again}")
+    actual = path.stat().st_size
     try:
-        if shape[0] == 0:  # an empty file cannot be memory-mapped
-            arr = np.load(path, allow_pickle=False)
-        else:
-            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            header_shape, _, header_dtype = read_header(f)
+            offset = f.tell()
     except (ValueError, OSError, EOFError) as e:
-        raise DataError(f"{path}: not a readable .npy array ({e}): truncated or overwritten; "
-                        + _PREPARE_HELP.format(dir=mpath.parent)) from None
-    if arr.dtype != dtype:
-        raise DataError(f"{path}: dtype {arr.dtype}, but {mpath} says {dtype}; "
-                        + _PREPARE_HELP.format(dir=mpath.parent))
-    if arr.shape != shape:
-        raise DataError(f"{path}: shape {arr.shape}, but {mpath} says {shape}; "
-                        + _PREPARE_HELP.format(dir=mpath.parent))
-    if size is not None and actual_size != size:
-        raise DataError(f"{path}: {actual_size} bytes, but {mpath} says {size} (truncated or appended to); "
-                        + _PREPARE_HELP.format(dir=mpath.parent))
-    if pread and isinstance(arr, np.memmap):
-        return ShardArray(path, dtype, shape[0], arr.offset)
-    return arr
+        if size is not None and actual < size:
+            raise DataError(f"{path}: truncated: {actual} bytes, expected {size} (recorded in {mpath}); "
+                            f"{again}") from None
+        raise DataError(f"{path}: not a readable .npy array ({e}): truncated or overwritten; {again}") from None
+    if header_dtype != dtype:
+        raise DataError(f"{path}: dtype {header_dtype}, but {mpath} says {dtype}; {again}")
+    if tuple(header_shape) != tuple(shape):
+        raise DataError(f"{path}: shape {tuple(header_shape)}, but {mpath} says {tuple(shape)}; {again}")
+    if size is not None and actual != size:
+        what = "truncated" if actual < size else "longer than prepare wrote it (appended to or overwritten)"
+        raise DataError(f"{path}: {what}: {actual} bytes, expected {size} (recorded in {mpath}); {again}")
+    expected = offset + int(np.prod(shape)) * dtype.itemsize
+    if actual != expected:
+        what = "truncated" if actual < expected else "longer than its header says"
+        raise DataError(f"{path}: {what}: {actual} bytes, expected {expected} ({shape[0]} {dtype} values after a "
+                        f"{offset}-byte header); {again}")
+    if pread:
+        return ShardArray(path, dtype, shape[0], offset)
+    if shape[0] == 0:  # an empty file cannot be memory-mapped
+        return np.zeros(shape, dtype)
+    return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
-def _check_offsets(path: Path, n_tokens: int, mpath: Path, block: int = 1 << 20) -> None:
+def _check_offsets(path: Path, n_tokens: int, mpath: Path, block: int = 1 << 20, *,
+                   manifest: dict | None = None) -> None:
     """Offsets start at 0, end at the shard's token count and never decrease (read in blocks with
     ``pread``, so the check maps none of the file into the process)."""
     header = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -796,4 +1041,4 @@ def _check_offsets(path: Path, n_tokens: int, mpath: Path, block: int = 1 << 20)
                 bad = f"they decrease in entries [{lo}, {lo + block}]"
                 break
     if bad:
-        raise DataError(f"{path}: corrupt document offsets ({bad}); " + _PREPARE_HELP.format(dir=mpath.parent))
+        raise DataError(f"{path}: corrupt document offsets ({bad}); " + _again(mpath.parent, manifest))

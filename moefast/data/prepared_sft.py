@@ -41,7 +41,6 @@ import bisect
 import hashlib
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -85,7 +84,8 @@ class _MaskedShardWriter(P._ShardWriter):
         entry = self.shards[-1]
         name = Path(entry["tokens"]).name.removesuffix(".tokens.npy")
         path = self.directory / f"{name}.mask.npy"
-        np.save(path, np.concatenate(masks) if masks else np.zeros((0,), np.uint8), allow_pickle=False)
+        with P._writing(self.directory):
+            np.save(path, np.concatenate(masks) if masks else np.zeros((0,), np.uint8), allow_pickle=False)
         entry.update({"mask": f"{P.SHARD_DIR}/{name}.mask.npy", "mask_bytes": path.stat().st_size,
                       "weighted_tokens": weighted})
         self.weighted_tokens += weighted
@@ -125,32 +125,30 @@ def prepare_sft(source: str, out_dir: str | os.PathLike, *, tokenizer: str, val_
     listed = sft._source_files(source)
     files = [P._file_entry(p) for p, _ in listed]
     out = Path(os.path.expanduser(os.fspath(out_dir)))
-    P._claim_out_dir(out, force, [p for p, _ in listed])
-    partial = Path(tempfile.mkdtemp(prefix=P.PARTIAL_PREFIX, dir=out))
+    args = P._prepare_args(source, tokenizer, "sft", val_fraction, "text")
     t0 = time.perf_counter()
-    bar = P._progress_bar(progress)
+    with P._preparing(out, force, [p for p, _ in listed], args) as partial, P._Progress(progress) as bar:
+        def write(held: set[str] | None) -> tuple[dict, dict, list[float]]:
+            directory = partial / P.SHARD_DIR
+            with P._writing(partial):
+                directory.mkdir()
+            writers = {name: _MaskedShardWriter(directory, name, dtype, int(shard_tokens)) for name in P.SPLITS}
+            counts = {"conversations": 0, "assistant_turns": 0, "bytes": 0}
+            hashes = []
+            for conv in sft.iter_conversations(source):
+                ids, weights = sft.tokenize_conversation(tok, template, conv.messages, conv.where)
+                h = id_fraction(conv.id)
+                hashes.append(h)
+                name = "val" if (conv.id in held if held is not None else h < val_fraction) else "train"
+                writers[name].add(ids, (weights > 0).astype(np.uint8))
+                counts["conversations"] += 1
+                counts["assistant_turns"] += sum(m["role"] == "assistant" for m in conv.messages)
+                counts["bytes"] += conv.bytes
+                bar.update(len(ids))
+            for w in writers.values():
+                w.flush()
+            return {name: w.summary() for name, w in writers.items()}, counts, hashes
 
-    def write(held: set[str] | None) -> tuple[dict, dict, list[float]]:
-        directory = partial / P.SHARD_DIR
-        directory.mkdir()
-        writers = {name: _MaskedShardWriter(directory, name, dtype, int(shard_tokens)) for name in P.SPLITS}
-        counts = {"conversations": 0, "assistant_turns": 0, "bytes": 0}
-        hashes = []
-        for conv in sft.iter_conversations(source):
-            ids, weights = sft.tokenize_conversation(tok, template, conv.messages, conv.where)
-            h = id_fraction(conv.id)
-            hashes.append(h)
-            name = "val" if (conv.id in held if held is not None else h < val_fraction) else "train"
-            writers[name].add(ids, (weights > 0).astype(np.uint8))
-            counts["conversations"] += 1
-            counts["assistant_turns"] += sum(m["role"] == "assistant" for m in conv.messages)
-            counts["bytes"] += conv.bytes
-            bar.update(len(ids))
-        for w in writers.values():
-            w.flush()
-        return {name: w.summary() for name, w in writers.items()}, counts, hashes
-
-    try:
         splits, counts, hashes = write(None)
         n = counts["conversations"]
         if n < 2:
@@ -177,13 +175,10 @@ def prepare_sft(source: str, out_dir: str | os.PathLike, *, tokenizer: str, val_
                     "chat_template": template_identity(template.text), "chat_template_source": template.source},
             "sources": {"source": source, "documents": counts["conversations"], "bytes": counts["bytes"],
                         "empty_documents": 0, "non_utf8_documents": 0, "skipped_files": [], "files": files},
+            "prepare_args": args,
             "seconds": round(time.perf_counter() - t0, 3),
         }
-        os.replace(partial / P.SHARD_DIR, out / P.SHARD_DIR)
-        P._write_json_atomic(out / P.MANIFEST, manifest)
-    finally:
-        bar.close()
-        shutil.rmtree(partial, ignore_errors=True)
+        P._publish(out, partial, manifest)
     return manifest
 
 
@@ -326,8 +321,7 @@ def open_prepared_sft(directory: str | os.PathLike, *, tokenizer: str, seq_len: 
     recorded = P._field(manifest, mpath, "sft", "chat_template")
     if template_identity(template.text) != recorded:
         raise DataError(f"{mpath}: prepared with another chat template ({recorded}) than {template.source} "
-                        f"({template_identity(template.text)}) now holds; prepare it again: moefast prepare SOURCE "
-                        f"{root} --format sft --tokenizer {tokenizer} --force")
+                        f"({template_identity(template.text)}) now holds; " + P._again(root, manifest))
     dtype = np.dtype(manifest["dtype"])
     rows = {}
     stats = sft.SFTStats(conversations=int(P._field(manifest, mpath, "sft", "conversations")),
@@ -341,11 +335,11 @@ def open_prepared_sft(directory: str | os.PathLike, *, tokenizer: str, seq_len: 
                 continue
             mask_file = P._field(entry, mpath, "mask")
             tokens = P._open_array(root / entry["tokens"], dtype, (n_tok,), entry.get("tokens_bytes"), mpath,
-                                   pread=True)
+                                   pread=True, manifest=manifest)
             offsets = P._open_array(root / entry["offsets"], np.dtype(np.int64), (n_docs + 1,),
-                                    entry.get("offsets_bytes"), mpath)
+                                    entry.get("offsets_bytes"), mpath, manifest=manifest)
             mask = P._open_array(root / mask_file, np.dtype(np.uint8), (n_tok,), entry.get("mask_bytes"), mpath,
-                                 pread=True)
+                                 pread=True, manifest=manifest)
             shards.append((tokens, offsets, mask))
             weighted += int(P._field(entry, mpath, "weighted_tokens"))
         r = rows[name] = PreparedSFTRows(shards, seq_len, pad_id=corpus.tokenizer.pad_id, overlong=overlong)

@@ -29,6 +29,7 @@ __all__ = [
     "Document",
     "SourceStats",
     "cut_document",
+    "fallback_held_out",
     "glob_base",
     "id_fraction",
     "iter_documents",
@@ -221,10 +222,17 @@ def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Doc
     A document goes to validation iff ``blake2b(id) / 2**64 < val_fraction`` (a fixed hash, not
     Python's salted ``hash``), so the split depends only on the ids, not on order or machine.
 
-    Fallback: if that leaves either side empty (e.g. a corpus of one file), every document is cut
-    instead: its first ``floor(len * (1 - val_fraction))`` bytes (moved back to a UTF-8 character
-    boundary) go to train as ``id``, the rest to validation as ``id + "#val"``. Empty pieces are
-    dropped, so a side can still end up empty when documents are tiny.
+    That rule holds out no document at all with probability ``(1 - val_fraction)**n``: 45 % for 40
+    documents at the default 0.02. Then (or when it holds out every one) the fallback is, as
+    :func:`fallback_held_out` decides:
+
+    - whole documents: the ``k = max(1, round(n * val_fraction))`` documents of smallest hash are
+      held out, when ``k`` is at most twice the fraction asked for (``k <= 2 * val_fraction * n``:
+      25 documents or more at 0.02);
+    - else (too few documents: one of 5 would hold out 20 % where 2 % was asked) every document is
+      cut: its first ``floor(len * (1 - val_fraction))`` bytes (moved back to a UTF-8 character
+      boundary) go to train as ``id``, the rest to validation as ``id + "#val"``. Empty pieces are
+      dropped, so a side can still end up empty when documents are tiny.
 
     Args:
       docs: the corpus.
@@ -238,13 +246,16 @@ def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Doc
     """
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"data.val_fraction: must be in (0, 1), got {val_fraction}")
+    hashes = [id_fraction(d.id) for d in docs]
+    held = [h < val_fraction for h in hashes]
+    if any(held) and not all(held):
+        return [d for d, v in zip(docs, held) if not v], [d for d, v in zip(docs, held) if v]
+    k = fallback_held_out(len(docs), val_fraction)
+    if k:
+        chosen = set(sorted(range(len(docs)), key=lambda i: hashes[i])[:k])
+        return ([d for i, d in enumerate(docs) if i not in chosen], [d for i, d in enumerate(docs) if i in chosen])
     train: list[Document] = []
     val: list[Document] = []
-    for d in docs:
-        (val if id_fraction(d.id) < val_fraction else train).append(d)
-    if train and val:
-        return train, val
-    train, val = [], []
     for d in docs:
         head, tail = cut_document(d, val_fraction)
         if head is not None:
@@ -252,6 +263,24 @@ def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Doc
         if tail is not None:
             val.append(tail)
     return train, val
+
+
+def fallback_held_out(n: int, val_fraction: float) -> int:
+    """Documents :func:`split_documents`' fallback holds out whole, when the hash rule held out none
+    or all of ``n``: ``k = min(n - 1, max(1, round(n * val_fraction)))`` if ``k <= 2 * val_fraction * n``,
+    else 0 (every document is cut instead).
+
+    Args:
+      n: documents in the corpus.
+      val_fraction: the fraction asked for, in (0, 1) (dimensionless).
+
+    Returns:
+      k (documents), or 0 for the cut fallback.
+    """
+    if n < 2:
+        return 0
+    k = min(n - 1, max(1, round(n * val_fraction)))
+    return k if k <= 2 * val_fraction * n + 1e-9 else 0
 
 
 def cut_document(doc: Document, val_fraction: float) -> tuple[Document | None, Document | None]:

@@ -361,6 +361,101 @@ def test_missing_truncated_or_retyped_shard(fresh_prepared):
         load_corpus(cfg)
 
 
+def test_truncated_shard_names_its_sizes_and_the_prepare_command(fresh_prepared, corpus_dir):
+    """A newcomer's finding: a truncated token shard gave numpy's raw "mmap length is greater than file
+    size" and advice with a placeholder SOURCE. Now: the file, its size and the expected one, and the
+    command that prepared it (from the manifest), with or without the manifest's record of sizes."""
+    out = fresh_prepared
+    path = _shard(out)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 10)
+    command = f"moefast prepare {corpus_dir} {out} --val-fraction 0.2 --force"
+    with pytest.raises(DataError) as e:
+        load_corpus(_cfg(str(out)))
+    assert str(e.value) == (f"{path}: truncated: {size - 10} bytes, expected {size} (recorded in {out / MANIFEST}); "
+                            f"prepare it again: {command}")
+    m = _manifest(out)  # a manifest without the sizes: the .npy header says what the file must hold
+    for split in m["splits"].values():
+        for entry in split["shards"]:
+            entry.pop("tokens_bytes"), entry.pop("offsets_bytes")
+    (out / MANIFEST).write_text(json.dumps(m))
+    n = m["splits"]["train"]["shards"][0]["num_tokens"]
+    with pytest.raises(DataError) as e:
+        load_corpus(_cfg(str(out)))
+    assert str(e.value) == (f"{path}: truncated: {size - 10} bytes, expected {size} ({n} uint16 values after a "
+                            f"{size - 2 * n}-byte header); prepare it again: {command}")
+
+
+def test_failed_prepare_removes_the_out_dir_it_created_and_marks_one_it_did_not(corpus_dir, tmp_path, capsys):
+    """A newcomer's finding: a failed prepare left an empty OUT_DIR, and training on it said it "holds no
+    regular non-hidden files". A failed prepare removes an OUT_DIR (and parents) it created; in one that
+    existed it leaves only its in-progress marker, and training there is one error naming the command."""
+    from moefast.cli import main
+
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "a.txt").write_text("x")  # cut fallback: 0 bytes of train, 1 of validation
+    new = tmp_path / "new" / "deeper" / "ds"
+    assert main(["prepare", str(one), str(new), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "training split is empty" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="training split is empty"):
+        prepare(str(one), mine, force=True, progress=False)
+    assert sorted(os.listdir(mine)) == [prepared_mod.IN_PROGRESS, "notes.txt"]
+    assert (mine / "notes.txt").read_text() == "mine"
+    for source in (str(mine), str(mine) + "/"):
+        with pytest.raises(DataError) as e:
+            load_corpus(_cfg(source))
+        assert str(e.value) == (f"data.source={source!r}: the `moefast prepare` into {mine} did not finish "
+                                f"(interrupted or failed: no {MANIFEST}); prepare it again: moefast prepare {one} "
+                                f"{mine} --force")
+    with pytest.raises(DataError, match="did not finish"):
+        open_prepared(mine, tokenizer="byte", seq_len=16)
+    prepare(corpus_dir, mine, force=True, progress=False)  # the run again: marker gone, the user's file kept
+    assert sorted(os.listdir(mine)) == [MANIFEST, "notes.txt", "shards"] and is_prepared(str(mine))
+
+
+def test_a_failed_force_prepare_keeps_the_dataset_it_was_to_replace(fresh_prepared, corpus_dir, monkeypatch,
+                                                                     capsys):
+    """A read-only OUT_DIR (simulated: root ignores permissions) or a full disk: one error naming the
+    file and what to change; the dataset there, which --force was to replace, is intact."""
+    from moefast.cli import main
+
+    def files():
+        return {p: p.read_bytes() for p in sorted(fresh_prepared.rglob("*")) if p.is_file()}
+
+    before = files()
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(fresh_prepared / "x"))
+
+    monkeypatch.setattr(prepared_mod.tempfile, "mkstemp", read_only)  # every JSON write: the marker first
+    with pytest.raises(DataError, match=rf"{fresh_prepared / 'x'}: cannot write the prepared corpus \(Permission "
+                                        r"denied\); make OUT_DIR writable"):
+        prepare(corpus_dir, fresh_prepared, force=True, progress=False)
+    monkeypatch.undo()
+    assert files() == before
+    real = prepared_mod._write_json_beside
+    monkeypatch.setattr(prepared_mod, "_write_json_beside",  # the manifest write fails, after the shards
+                        lambda path, obj: read_only() if path.name == MANIFEST else real(path, obj))
+    with pytest.raises(DataError, match="cannot write the prepared corpus"):
+        prepare(corpus_dir, fresh_prepared, force=True, val_fraction=0.5, progress=False)
+    monkeypatch.undo()
+    assert files() == before
+    monkeypatch.setattr(prepared_mod.np.lib.format, "open_memmap", read_only)  # a shard write fails
+    assert main(["prepare", corpus_dir, str(fresh_prepared), "--force", "--no-progress"]) == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "cannot write the prepared corpus" in err and len(err.splitlines()) == 1
+    assert files() == before
+    assert len(load_corpus(_cfg(str(fresh_prepared))).train) > 0
+
+
 def test_manifest_from_another_tokenizer_or_version(fresh_prepared, tmp_path):
     out = fresh_prepared
     tok_dir = _tiny_hf_tokenizer(tmp_path)
@@ -394,19 +489,53 @@ def test_empty_split(fresh_prepared, tmp_path):
 
 
 def test_cut_fallback_matches_split_documents(tmp_path):
-    """Too few documents to hold whole ones out: each is cut, as split_documents does."""
+    """Too few documents to hold whole ones out (one of 2 would be 50% where 20% was asked): each is
+    cut, as split_documents does."""
     src = _write_corpus(tmp_path / "two", n_files=2, seed=3)
-    m = prepare(src, tmp_path / "ds", val_fraction=0.3, progress=False)
-    assert m["held_out_documents"] is False
-    cfg = _cfg(src, val_fraction=0.3, batch_size=1, seq_len=4)
-    prep = load_corpus(_cfg(str(tmp_path / "ds"), val_fraction=0.3, batch_size=1, seq_len=4))
+    m = prepare(src, tmp_path / "ds", val_fraction=0.2, progress=False)
+    assert m["held_out_documents"] is False and m["split"]["rule"] == "cut"
+    assert "2 documents are too few to hold whole ones out" in m["split"]["note"]
+    cfg = _cfg(src, val_fraction=0.2, batch_size=1, seq_len=4)
+    prep = load_corpus(_cfg(str(tmp_path / "ds"), val_fraction=0.2, batch_size=1, seq_len=4))
     assert not prep.held_out_documents
     memory = load_corpus(cfg)
     _assert_rows_equal(prep.train, memory.train)
     _assert_rows_equal(prep.val, memory.val)
     for corpus in (prep, memory):  # the same warning, naming each its own data.source
         (warning,) = corpus.warnings(cfg)
-        assert "has 2 documents, too few" in warning and "the last 30% of each document" in warning
+        assert "has 2 documents, too few" in warning and "the last 20% of each document" in warning
+
+
+def test_directory_the_hash_rule_holds_none_of_keeps_documents_whole(corpus_dir, tmp_path, capsys):
+    """A newcomer's finding: a directory of .txt files prepared at the default --val-fraction 0.02
+    was cut document by document (held_out_documents false), though README says documents are split
+    by hash: the rule blake2b(id) < 0.02 holds out none of 39 documents 45% of the time. The 1
+    document of smallest hash is held out instead, whole, in memory and prepared alike."""
+    import shutil
+
+    from moefast.cli import main
+    from moefast.data.sources import id_fraction
+
+    src = tmp_path / "src"
+    shutil.copytree(corpus_dir, src, ignore=lambda d, names: ["doc026.txt"])  # the one with a hash below 0.02
+    src = str(src)
+    docs, _ = load_documents(src)
+    assert len(docs) == 39 and min(id_fraction(d.id) for d in docs) >= 0.02  # the hash rule holds out none
+    out = tmp_path / "ds"
+    assert main(["prepare", src, str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "split: the hash rule (blake2b(id) < 0.02) held out no document of 39, so the 1 of smallest hash" in printed
+    m = _manifest(out)
+    assert m["held_out_documents"] is True and m["split"]["rule"] == "smallest_hash"
+    assert (m["splits"]["train"]["documents"], m["splits"]["val"]["documents"]) == (38, 1)
+    train, val = split_documents(docs, 0.02)
+    assert [d.id for d in val] == [min(docs, key=lambda d: id_fraction(d.id)).id] and len(train) == 38
+    cfg = _cfg(src, val_fraction=0.02)
+    prep, memory = load_corpus(_cfg(str(out), val_fraction=0.02)), load_corpus(cfg)
+    assert prep.held_out_documents and memory.held_out_documents
+    assert prep.warnings(cfg) == memory.warnings(cfg) == []
+    _assert_rows_equal(prep.val, memory.val)
+    _assert_rows_equal(prep.train, memory.train, n=5)
 
 
 # ----------------------------------------------------------------------------------------------- #
@@ -469,13 +598,13 @@ def test_interrupted_prepare_leaves_no_dataset_and_reruns_cleanly(corpus_dir, tm
     monkeypatch.setattr(prepared_mod._ShardWriter, "flush", failing_flush)
     with pytest.raises(KeyboardInterrupt):
         prepare(corpus_dir, out, shard_tokens=1000, progress=False)
-    assert len(calls) == 3 and os.listdir(out) == []
+    assert len(calls) == 3 and not out.exists()  # it created OUT_DIR: nothing of value, removed
     monkeypatch.undo()
     # a killed prepare leaves its partial directory behind: not a dataset, and a re-run removes it
-    (out / ".partial-killed").mkdir()
+    (out / ".partial-killed").mkdir(parents=True)
     (out / ".partial-killed" / "train-00000.tokens.npy").write_bytes(b"\x93NUMPY")
     assert not (out / MANIFEST).exists()
-    with pytest.raises(DataError, match="interrupted `moefast prepare`"):
+    with pytest.raises(DataError, match="`moefast prepare` into .* did not finish"):
         load_corpus(_cfg(str(out)))
     prepare(corpus_dir, out, progress=False)
     assert sorted(os.listdir(out)) == [MANIFEST, "shards"] and is_prepared(str(out))

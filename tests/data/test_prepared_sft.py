@@ -184,6 +184,26 @@ def test_prepare_sft_errors_name_the_line(tmp_path, tok_dir):
         prepare_sft(str(bad), tmp_path / "o2", tokenizer="byte", progress=False)
 
 
+def test_a_failed_sft_prepare_prints_the_error_and_no_progress_bar(tmp_path, tok_dir, capsys):
+    """A newcomer's finding: a jsonl line without "messages", or a conversation without an assistant
+    turn, printed empty tqdm bars before the error. Now the error is the only output, and the OUT_DIR
+    the prepare created is gone."""
+    from moefast.cli import main
+
+    no_messages = tmp_path / "a.jsonl"
+    no_messages.write_text(json.dumps({"text": "hi"}) + "\n")
+    no_assistant = tmp_path / "b.jsonl"
+    no_assistant.write_text("".join(json.dumps(c) + "\n" for c in _conversations(20))
+                            + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    for path, message in ((no_messages, "a.jsonl:1: "), (no_assistant, "b.jsonl:21: no assistant message")):
+        out = tmp_path / f"out-{path.stem}"
+        assert main(["prepare", str(path), str(out), "--format", "sft", "--tokenizer", tok_dir]) == 2  # bar enabled
+        captured = capsys.readouterr()
+        assert captured.err.startswith("error: ") and message in captured.err, captured.err
+        assert len(captured.err.splitlines()) == 1 and "\r" not in captured.err and "tok/s" not in captured.err
+        assert captured.out == "" and not out.exists()
+
+
 def test_moefast_prepare_format_sft(chats, tok_dir, tmp_path, capsys):
     from moefast.cli import main
 

@@ -238,6 +238,21 @@ def test_split_single_document_falls_back_to_cutting_bytes():
     val[0].data.decode("utf-8")
 
 
+def test_split_fallback_keeps_documents_whole_unless_too_few():
+    """When the hash rule holds out none (or all), the k = max(1, round(n * f)) documents of smallest
+    hash go to validation, whole, if k <= 2 * f * n; fewer documents are cut instead."""
+    from moefast.data.sources import fallback_held_out, id_fraction
+
+    assert [fallback_held_out(n, 0.02) for n in (1, 2, 24, 25, 40, 74, 75)] == [0, 0, 0, 1, 1, 1, 2]
+    assert fallback_held_out(2, 0.5) == 1 and fallback_held_out(2, 0.2) == 0
+    docs = [d for d in _docs(200) if id_fraction(d.id) >= 0.02][:30]  # none held out by the rule
+    train, val = split_documents(docs, 0.02)
+    assert val == [min(docs, key=lambda d: id_fraction(d.id))] and len(train) == 29
+    assert {d.id for d in train}.isdisjoint(d.id for d in val)
+    train, val = split_documents(docs[:20], 0.02)  # 1 of 20 would be 5%: cut
+    assert len(train) == len(val) == 20 and all(d.id.endswith("#val") for d in val)
+
+
 def test_split_rejects_bad_fraction():
     with pytest.raises(DataError, match="val_fraction"):
         split_documents(_docs(3), 1.0)
