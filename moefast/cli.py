@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args) -> int:
-    from moefast.data import DataError
+    from moefast.data import DataError, get_tokenizer
     from moefast.data.prepared import prepare
     from moefast.data.prepared_sft import prepare_sft
 
@@ -523,6 +523,11 @@ def _prepare(args) -> int:
           f"{counts} ({m['dtype']}, tokenizer {m['tokenizer']['name']})")
     if "split" in m:
         print(f"split: {m['split']['note']}")
+    unused_bos = getattr(get_tokenizer(args.tokenizer), "unused_bos_token", None)
+    if unused_bos is not None:
+        print(f"note: the tokenizer's config names bos_token {unused_bos!r}, but neither its post-processor nor "
+              f"\"add_bos_token\": true adds it, so documents get no BOS (as transformers encodes them); set "
+              f"\"add_bos_token\": true in its tokenizer_config.json and prepare again to start each with it")
     if src["skipped_files"]:
         print(f"note: {len(src['skipped_files'])} unreadable files skipped (first: {src['skipped_files'][0][0]})")
     print(f"train with data.source={args.out_dir} data.tokenizer={args.tokenizer}"

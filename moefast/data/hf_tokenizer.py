@@ -8,8 +8,11 @@ EOS and PAD follows the tokenizer's post-processor and configs, in this order:
 - BOS: the special token the post-processor prepends on ``encode(..., add_special_tokens=True)``
   (Llama/Mixtral ``<s>``), else ``bos_token`` of ``tokenizer_config.json`` if it sets
   ``add_bos_token: true``, else none (Qwen, GPT-NeoX/OLMoE): ``bos_id`` is then ``None`` and
-  documents are not prefixed. An ``add_bos_token: false`` does not remove a post-processor's BOS
-  (``transformers`` 5 keeps it too).
+  documents are not prefixed. A ``bos_token`` alone is not a BOS: GPT-2- and OLMoE-style configs
+  name one that nothing adds, and ``transformers`` 5 encodes such a tokenizer without it (checked
+  in ``tests/data/test_hf_tokenizer.py``); it is kept in :attr:`HFTokenizer.unused_bos_token` so
+  that ``moefast prepare`` can say so. An ``add_bos_token: false`` does not remove a
+  post-processor's BOS (``transformers`` 5 keeps it too).
 - EOS: the special token the post-processor appends, else ``eos_token`` of ``tokenizer_config.json``
   (then ``special_tokens_map.json``), else ``eos_token_id`` of ``config.json`` (then
   ``generation_config.json``; a list means its first id).
@@ -120,6 +123,10 @@ class HFTokenizer(Tokenizer):
         ``special_tokens_map.json``, ``config.json``, ``generation_config.json``), or the path of a
         ``tokenizer.json`` file, whose directory is then searched for those optional files.
 
+    Attributes:
+      unused_bos_token: the ``bos_token`` a config names when neither the post-processor nor
+        ``add_bos_token: true`` adds it (``bos_id`` is then None), else None.
+
     Raises:
       DataError: no ``tokenizer.json`` at ``path`` or it cannot be loaded; a config file is not a
         JSON object; a special token named by a config is not in the vocabulary or an id is outside
@@ -161,6 +168,9 @@ class HFTokenizer(Tokenizer):
             bos = self._token_id(tok_cfg, "bos_token")
             if bos is None:
                 raise DataError(f"{self._files[TOKENIZER_CONFIG]}: add_bos_token is true but no bos_token is set")
+        # A bos_token that nothing adds (GPT-2, OLMoE): named by the config, never put before a document.
+        self.unused_bos_token = (_token_content(tok_cfg.get("bos_token"))
+                                 if bos is None and self._token_id(tok_cfg, "bos_token") is not None else None)
         eos = suffix[-1] if suffix else self._token_id(tok_cfg, "eos_token")
         if eos is None:
             eos = self._config_id(id_cfgs, "eos_token_id")

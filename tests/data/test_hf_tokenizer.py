@@ -146,6 +146,31 @@ def test_bos_from_post_processor_or_config(tmp_path):
             "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "add_bos_token": True}))
 
 
+def test_a_bos_token_alone_is_no_bos_as_in_transformers(tmp_path, capsys):
+    """A newcomer's finding: tokenizer_config.json set bos_token, yet the prepared manifest said bos_id
+    null. That is right: nothing adds that token (no post-processor BOS, no add_bos_token), and
+    transformers encodes the tokenizer without it; README now says so, and prepare says why."""
+    from moefast.cli import main
+
+    path = _save(tmp_path / "tok", _sentencepiece_json(bos_template=False),
+                 tokenizer_config={"eos_token": "</s>", "bos_token": "<s>"})
+    tok = HFTokenizer(path)
+    assert tok.bos_id is None and tok.unused_bos_token == "<s>"
+    with_bos = HFTokenizer(_save(tmp_path / "tok2", SENTENCEPIECE,
+                                 tokenizer_config={"eos_token": "</s>", "bos_token": "<s>"}))
+    assert with_bos.bos_id is not None and with_bos.unused_bos_token is None
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text(" ".join(SENTENCES))
+    assert main(["prepare", str(tmp_path / "src"), str(tmp_path / "ds"), "--tokenizer", path, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "note: the tokenizer's config names bos_token '<s>', but neither its post-processor nor" in out
+    assert json.loads((tmp_path / "ds" / "manifest.json").read_text())["tokenizer"]["bos_id"] is None
+    transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    for text in TEXTS:
+        assert hf.encode(text) == tok.encode(text).tolist(), text  # no BOS from transformers either
+
+
 def test_eos_and_pad_resolution_order(tmp_path):
     bl = Tokenizer.from_str(BYTE_LEVEL)
     eot, padding = bl.token_to_id("<|endoftext|>"), bl.token_to_id("<|padding|>")
