@@ -125,7 +125,7 @@ class HFTokenizer(Tokenizer):
 
     Attributes:
       unused_bos_token: the ``bos_token`` a config names when neither the post-processor nor
-        ``add_bos_token: true`` adds it (``bos_id`` is then None), else None.
+        ``add_bos_token: true`` adds it (``bos_id`` is then None) and it is not the EOS, else None.
 
     Raises:
       DataError: no ``tokenizer.json`` at ``path`` or it cannot be loaded; a config file is not a
@@ -168,9 +168,6 @@ class HFTokenizer(Tokenizer):
             bos = self._token_id(tok_cfg, "bos_token")
             if bos is None:
                 raise DataError(f"{self._files[TOKENIZER_CONFIG]}: add_bos_token is true but no bos_token is set")
-        # A bos_token that nothing adds (GPT-2, OLMoE): named by the config, never put before a document.
-        self.unused_bos_token = (_token_content(tok_cfg.get("bos_token"))
-                                 if bos is None and self._token_id(tok_cfg, "bos_token") is not None else None)
         eos = suffix[-1] if suffix else self._token_id(tok_cfg, "eos_token")
         if eos is None:
             eos = self._config_id(id_cfgs, "eos_token_id")
@@ -178,6 +175,11 @@ class HFTokenizer(Tokenizer):
             looked = [f"{file} (post-processor)", *self._files.values()]
             raise DataError("data.tokenizer: no EOS token found; looked at " + ", ".join(looked) + ": set eos_token in "
                             f"{TOKENIZER_CONFIG} (or eos_token_id in {MODEL_CONFIG})")
+        # A bos_token that nothing adds (OLMoE-style): named by the config, never put before a document.
+        # One equal to EOS (GPT-2's <|endoftext|>) could not be a BOS anyway.
+        named_bos = self._token_id(tok_cfg, "bos_token") if bos is None else None
+        self.unused_bos_token = (_token_content(tok_cfg.get("bos_token"))
+                                 if named_bos is not None and named_bos != eos else None)
         pad = self._token_id(tok_cfg, "pad_token")
         if pad is None:
             pad = self._config_id(id_cfgs, "pad_token_id")

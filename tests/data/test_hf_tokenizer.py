@@ -159,6 +159,9 @@ def test_a_bos_token_alone_is_no_bos_as_in_transformers(tmp_path, capsys):
     with_bos = HFTokenizer(_save(tmp_path / "tok2", SENTENCEPIECE,
                                  tokenizer_config={"eos_token": "</s>", "bos_token": "<s>"}))
     assert with_bos.bos_id is not None and with_bos.unused_bos_token is None
+    gpt2 = HFTokenizer(_save(tmp_path / "gpt2", BYTE_LEVEL, tokenizer_config={"bos_token": "<|endoftext|>",
+                                                                             "eos_token": "<|endoftext|>"}))
+    assert gpt2.bos_id is None and gpt2.unused_bos_token is None  # the EOS could not be a BOS: nothing to say
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.txt").write_text(" ".join(SENTENCES))
     assert main(["prepare", str(tmp_path / "src"), str(tmp_path / "ds"), "--tokenizer", path, "--no-progress"]) == 0
