@@ -2,6 +2,7 @@
 the load-balancing loss is the mean of the micro-batches' own values."""
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ def batch(b=32, t=32, seed=0):
             "loss_weight": jnp.asarray(weight)}
 
 
+@functools.cache  # each (M, overrides, mesh) compiled and run once for the module: the tests share them
 def run(m, *overrides, mesh_overrides=()):
     cfg = load_config(None, [*BASE, *mesh_overrides, f"train.grad_accum_steps={m}", *overrides])
     md = ModelDef(cfg, 259)
@@ -61,21 +63,31 @@ def test_micro_batches_give_the_global_batch_loss_and_gradients(mesh_overrides):
         np.testing.assert_allclose(np.asarray(moe.dropped_fraction), 0.0)
 
 
-@pytest.mark.parametrize("mesh_overrides", [(), ("mesh.data=2", "mesh.expert=4")], ids=["1-device", "data2-expert4"])
-def test_load_balancing_loss_is_the_mean_over_micro_batches(mesh_overrides):
-    """aux = (1/M) sum_m aux(micro-batch m), each aux(m) the Switch loss of micro-batch m as a batch
-    of its own (computed here with M = 1 on one device): not scaled by M or by the data-parallel size."""
-    m = 4
-    _, (_, aux, _, moe), _ = run(m, mesh_overrides=mesh_overrides)
-    single = ModelDef(load_config(None, [*BASE, "data.batch_size=8"]), 259)
+@functools.cache
+def micro_batch_references(m):
+    """(aux(micro-batch i) for each i, the whole batch's aux), each as a batch of its own on one
+    device with the default aux coefficient: the same for every mesh, computed once."""
+    single = ModelDef(load_config(None, [*BASE, f"data.batch_size={32 // m}"]), 259)
     params = single.init_params(0)  # the same initialisation (same seed and shapes)
     micro = micro_batches(batch(), m)
     one = jax.jit(lambda mb: loss_fn(single, params, mb, None, None, STEP)[1])
     per_micro = [one({k: v[i] for k, v in micro.items()}) for i in range(m)]
+    whole = jax.jit(lambda b: loss_fn(ModelDef(load_config(None, BASE), 259), params, b, None, None, STEP)[1][1])(batch())
+    return per_micro, whole
+
+
+@pytest.mark.parametrize("mesh_overrides", [(), ("mesh.data=2", "mesh.expert=4")], ids=["1-device", "data2-expert4"])
+def test_load_balancing_loss_is_the_mean_over_micro_batches(mesh_overrides):
+    """aux = (1/M) sum_m aux(micro-batch m), each aux(m) the Switch loss of micro-batch m as a batch
+    of its own (computed here with M = 1 on one device): not scaled by M or by the data-parallel size.
+    The M = 4 run is the one the test above made (aux_loss_coef 0): the step returns the
+    load-balancing loss before its coefficient, and the references use the default coefficient."""
+    m = 4
+    _, (_, aux, _, moe), _ = run(m, "moe.aux_loss_coef=0", mesh_overrides=mesh_overrides)
+    per_micro, whole = micro_batch_references(m)
     expected_layers = np.mean([np.asarray(t[3].aux_loss) for t in per_micro], axis=0)
     np.testing.assert_allclose(np.asarray(moe.aux_loss), expected_layers, rtol=1e-5)
     np.testing.assert_allclose(float(aux), float(np.mean([float(t[1]) for t in per_micro])), rtol=1e-5)
-    whole = jax.jit(lambda b: loss_fn(ModelDef(load_config(None, BASE), 259), params, b, None, None, STEP)[1][1])(batch())
     assert abs(float(aux) - float(whole)) > 1e-6  # not the whole batch's value: it is not linear
 
 
