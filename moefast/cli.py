@@ -11,15 +11,21 @@ import sys
 
 
 def _inference_config(cfg):
-    """A run's config for eval/generate/export on whatever devices this process has: the checkpoint
-    is restored into a plain data-parallel mesh, whatever mesh it was trained on, and a routing
-    kernel this machine cannot run (``triton`` off a GPU) is replaced by ``auto``: every
-    implementation computes the same routing."""
+    """A run's config for eval/generate/export on the devices of this job: the checkpoint is
+    restored onto the run's model-parallel axes (``fsdp``, ``expert``) when they fit the devices,
+    else onto a plain data-parallel mesh (:func:`moefast.parallel.inference_mesh`, which says why),
+    and a routing kernel these devices cannot run (``triton`` off a GPU) is replaced by ``auto``:
+    every implementation computes the same routing."""
     import dataclasses
 
-    from moefast.config import MeshConfig
+    import jax
 
-    cfg = cfg.replace(mesh=MeshConfig())
+    from moefast.parallel import inference_mesh
+
+    mesh, note = inference_mesh(cfg, jax.device_count())
+    if note and jax.process_index() == 0:
+        print(note, file=sys.stderr)
+    cfg = cfg.replace(mesh=mesh)
     if cfg.moe.routing_impl == "triton":
         from moefast.kernels.routing import triton as triton_kernel
 
@@ -29,6 +35,18 @@ def _inference_config(cfg):
                   "(the same routing)", file=sys.stderr)
             cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, routing_impl="auto"))
     return cfg
+
+
+def _distributed_options(sub: argparse.ArgumentParser) -> None:
+    """``--coordinator``, ``--num-processes``, ``--process-id``, ``--distributed-timeout``: every
+    command that runs a model joins a multi-process job the same way."""
+    sub.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                     help="multi-process: address of process 0 (auto-detected under SLURM / Open MPI)")
+    sub.add_argument("--num-processes", type=int, default=None, help="multi-process: number of processes")
+    sub.add_argument("--process-id", type=int, default=None, help="multi-process: this process, 0-based")
+    sub.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
+                     help="multi-process: seconds to wait for peers to join, and for a dead peer's "
+                          "heartbeat before stopping with an error (default 300)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,17 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="run directory (default: runs/<config name>)")
     t.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="multi-process: address of process 0 (auto-detected under SLURM / Open MPI)")
-    t.add_argument("--num-processes", type=int, default=None, help="multi-process: number of processes")
-    t.add_argument("--process-id", type=int, default=None, help="multi-process: this process, 0-based")
+    _distributed_options(t)
     t.add_argument("--profile", default=None, metavar="START:END",
                    help="write a jax.profiler trace of optimizer steps START to END (1-based, inclusive) into "
                         "RUN_DIR/profile (ui.perfetto.dev opens its *.trace.json.gz; TensorBoard needs "
                         "tensorboard-plugin-profile); those steps are left out of tokens/s")
-    t.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
-                   help="multi-process: seconds to wait for peers to join, and for a dead peer's "
-                        "heartbeat before stopping with an error (default 300)")
     t.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="config overrides, e.g. train.steps=200 moe.top_k=1; the keys are the fields of "
                         "the config sections in moefast/config.py, documented there (configs/tiny.yaml sets "
@@ -63,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="validation loss and bits per byte of a run's latest checkpoint")
     e.add_argument("--run-dir", required=True, help="run directory written by moefast train")
     e.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    _distributed_options(e)
 
     g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
     g.add_argument("--run-dir", required=True, help="run directory written by moefast train")
@@ -71,12 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature, 0 = greedy (default 0.8)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    _distributed_options(g)
     i = sub.add_parser("import-hf", help="start a run from a Hugging Face checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, "
                                          "OLMoE): its step-0 checkpoint holds the weights")
     i.add_argument("hf_dir", metavar="DIR", help="local Hugging Face model directory (config.json, *.safetensors, "
                                                  "tokenizer.json if any)")
     i.add_argument("--run-dir", required=True, help="new run directory; continue with moefast train --run-dir")
     i.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    _distributed_options(i)
     i.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="settings of the run that the checkpoint does not fix, e.g. data.source=my.jsonl "
                         "moe.capacity_factor=0 model.scan_layers=true (the data and moe sections can only be "
@@ -89,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
                         "gate_up_proj/down_proj")
     x.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="saved tensors' dtype")
     x.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
+    _distributed_options(x)
     pl = sub.add_parser("plot", help="PNG plots of a run's metrics: loss and bits per byte, tokens/s and MFU, "
                                      "expert load per layer, dropped fraction and router entropy, alerts marked")
     pl.add_argument("--run-dir", required=True, help="run directory written by moefast train")
@@ -315,10 +331,18 @@ def main(argv: list[str] | None = None) -> int:
         xla_flags.configure(cfg.overlap.xla_flags)  # before JAX starts: XLA reads XLA_FLAGS once
         for size in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert):
             mesh_devices *= max(size, 1)
+    elif args.command in ("eval", "generate", "export-hf"):  # the run's model-parallel axes: CPU devices for them
+        from moefast.train.run_dir import load_run_config as _run_config
+
+        try:
+            run_mesh = _run_config(args.run_dir).mesh
+            mesh_devices = max(run_mesh.fsdp, 1) * max(run_mesh.expert, 1)
+        except (RuntimeError, OSError, ValueError):  # not a run dir, a bad config: the command reports it below
+            pass
     from moefast.parallel.cpu_devices import set_cpu_devices
 
     set_cpu_devices(args.cpu_devices, mesh_devices)
-    if args.command == "train":
+    if args.command in ("train", "eval", "generate", "import-hf", "export-hf"):
         from moefast.parallel.distributed import initialize
 
         try:
@@ -355,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer = Trainer(cfg, args.run_dir, progress=False)
             step, params, routing_state = trainer.restore_params()
             m = trainer.evaluate(params, routing_state)
-            print(f"step {step} | eval loss {m['eval_loss']:.4f} | eval bits/byte {m['eval_bits_per_byte']:.4f}")
+            if trainer.is_main:
+                print(f"step {step} | eval loss {m['eval_loss']:.4f} | eval bits/byte {m['eval_bits_per_byte']:.4f}")
         elif args.command == "bench":
             out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
             if out_dir is not None and not os.path.isdir(out_dir):
@@ -459,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer = Trainer(cfg, args.run_dir, progress=False)
             step, params, _ = trainer.restore_params()
             hf.save_hf(cfg.replace(data=trainer.data_cfg), params, args.out_dir, layout=args.layout, dtype=args.dtype,
-                       log=lambda s: print(f"step {step}: {s}"))
-            if cfg.data.tokenizer == "byte":
+                       log=lambda s: print(f"step {step}: {s}"))  # logged by process 0, which writes
+            if cfg.data.tokenizer == "byte" and trainer.is_main:
                 print("note: the run uses the byte tokenizer, which has no tokenizer.json: ids 0-255 are the UTF-8 "
                       "bytes, 256/257/258 PAD/BOS/EOS (in config.json)")
         elif args.command == "generate":
@@ -471,8 +496,9 @@ def main(argv: list[str] | None = None) -> int:
             _, params, routing_state = trainer.restore_params()
             text = generate(trainer.model_def, params, trainer.tokenizer, args.prompt,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                            routing_state=routing_state)
-            print(args.prompt + text)
+                            routing_state=routing_state, mesh=trainer.mesh)
+            if trainer.is_main:
+                print(args.prompt + text)
     except (ConfigError, DataError, CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -576,32 +602,40 @@ def _import_hf(args) -> None:
             raise hf.HFFormatError(f"{src} has no tokenizer.json and its vocabulary ({cfg.model.vocab_size} ids) is "
                                    f"smaller than the byte tokenizer's {byte_ids}: put the model's tokenizer.json in "
                                    f"{src} or pass data.tokenizer=PATH")
-        print(f"note: {src} has no tokenizer.json; the run uses the byte tokenizer (ids 0-{byte_ids - 1}), which is "
-              "not the tokenizer the model was trained with")
+        if jax.process_index() == 0:
+            print(f"note: {src} has no tokenizer.json; the run uses the byte tokenizer (ids 0-{byte_ids - 1}), which is "
+                  "not the tokenizer the model was trained with")
     trainer = Trainer(cfg, run_dir, progress=False)  # checks the config against the devices and tokenizer
+    main = trainer.is_main  # with several processes (a shared run dir), process 0 writes the files and prints
     params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"])
-    for key, want in _changed_from_hf(src, cfg):
+    for key, want in _changed_from_hf(src, cfg) if main else ():
         print(f"note: {key}={want!r} differs from {src / 'config.json'}: the imported model computes something "
               "else than the original")
     # nothing this import creates is left behind unless it all succeeds (and nothing else is removed)
     made = [p for p in (run_dir, run_dir / "tokenizer", run_dir / "checkpoints") if not p.exists()]
     try:
         if tok_files:  # the run keeps its own copy (the HF directory may move or go), found relative to it
-            if run_dir / "tokenizer" not in made:
-                raise CheckpointError(f"{run_dir / 'tokenizer'} already exists; import into a new run directory")
-            (run_dir / "tokenizer").mkdir(parents=True)
-            for f in tok_files:
-                shutil.copy2(f, run_dir / "tokenizer" / f.name)
+            if main:
+                if run_dir / "tokenizer" not in made:
+                    raise CheckpointError(f"{run_dir / 'tokenizer'} already exists; import into a new run directory")
+                (run_dir / "tokenizer").mkdir(parents=True)
+                for f in tok_files:
+                    shutil.copy2(f, run_dir / "tokenizer" / f.name)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("moefast import-hf: tokenizer copied")
             cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer="tokenizer"))
             trainer = Trainer(cfg, run_dir, progress=False)
         where = trainer.initialize(params)
     except BaseException:
-        for p in made:
+        for p in made if main else ():
             shutil.rmtree(p, ignore_errors=True)
         raise
     n = sum(x.size for x in jax.tree.leaves(params))
-    print(f"imported {hf.hf_config(src)['model_type']} ({n / 1e6:,.2f}M parameters) from {src} into {where}; "
-          f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
+    if main:
+        print(f"imported {hf.hf_config(src)['model_type']} ({n / 1e6:,.2f}M parameters) from {src} into {where}; "
+              f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
 
 
 def _changed_from_hf(src, cfg) -> list[tuple[str, object]]:

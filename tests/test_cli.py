@@ -158,7 +158,7 @@ def test_eval_and_generate_of_a_triton_run_fall_back_off_gpu(capsys):
 
     cfg = load_config(None, ["moe.routing_impl=triton", "mesh.expert=2"])
     got = cli._inference_config(cfg)
-    assert got.moe.routing_impl == "auto" and got.mesh.expert == 1
+    assert got.moe.routing_impl == "auto" and got.mesh.expert == 2  # the run's expert axis fits the 8 devices
     assert dataclasses.replace(got.moe, routing_impl="triton") == cfg.moe  # nothing else changed
     assert "moe.routing_impl=triton cannot run here" in capsys.readouterr().err
 

@@ -610,14 +610,17 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
     values = dict(_flat_paths(unrolled))
     leaves = _leaves(spec, cfg, layout, {p: np.shape(v) for p, v in values.items()})
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed export to the same place
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is for other tools and users
+    # With several processes every one gathers the tensors (collectives) and process 0 alone writes.
     is_main = jax.process_index() == 0
+    tmp = None
+    if is_main:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed export to the same place
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is for other tools and users
     try:
         shards: list[list[str]] = []
         pending: dict[str, np.ndarray] = {}
@@ -668,6 +671,6 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
                 log(f"wrote {spec.model_type} ({layout} experts, {dtype}) to {out_dir}: {n} safetensors file(s), "
                     f"{total / 2**20:,.1f} MiB")
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

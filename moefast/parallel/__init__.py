@@ -6,6 +6,7 @@ from moefast.parallel.mesh import (
     LOGICAL_RULES,
     MESH_AXES,
     batch_spec,
+    inference_mesh,
     logical_to_spec,
     make_mesh,
     mesh_shape,
@@ -16,6 +17,6 @@ from moefast.parallel.mesh import (
     state_spec,
 )
 
-__all__ = ["BATCH_AXES", "LOGICAL_RULES", "MESH_AXES", "MoEStats", "batch_spec", "expert_ffn",
+__all__ = ["BATCH_AXES", "LOGICAL_RULES", "MESH_AXES", "MoEStats", "batch_spec", "expert_ffn", "inference_mesh",
            "logical_to_spec", "make_mesh", "mesh_shape", "moe_ffn", "optimizer_spec", "param_specs",
            "platform", "shardings", "state_spec"]

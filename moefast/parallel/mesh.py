@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moefast.config import ConfigError, ExperimentConfig
+from moefast.config import ConfigError, ExperimentConfig, MeshConfig
 
 __all__ = [
     "BATCH_AXES",
@@ -33,6 +33,7 @@ __all__ = [
     "MESH_AXES",
     "batch_spec",
     "check_mesh_axes",
+    "inference_mesh",
     "logical_to_spec",
     "make_mesh",
     "mesh_shape",
@@ -96,6 +97,33 @@ def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
                           f"{rows} row{'s' if rows != 1 else ''} cannot be split over the {shards} batch shards; "
                           f"use data.batch_size a multiple of {m * shards} or fewer micro-batches")
     return sizes
+
+
+def inference_mesh(cfg: ExperimentConfig, num_devices: int) -> tuple[MeshConfig, str | None]:
+    """The mesh on which evaluation, generation and export restore a run's parameters.
+
+    The run's model-parallel axes (``fsdp``, ``expert``) are kept, so each device holds only its
+    share of the parameters as in training and a model larger than one device can be evaluated,
+    sampled and exported; ``data`` takes the rest of ``num_devices``. When those axes cannot be
+    laid over ``num_devices`` (e.g. a run trained with ``mesh.expert=8`` evaluated on one device),
+    the parameters are replicated on every device (data parallelism) and a note says so.
+
+    Args:
+      cfg: the run's config (its ``mesh``, ``moe.num_experts`` and ``data.batch_size``).
+      num_devices: devices of this job (all processes).
+
+    Returns:
+      ``(mesh, note)``: the :class:`~moefast.config.MeshConfig` to use and ``None``, or the
+      data-parallel mesh and a one-line note saying why the run's mesh was not used.
+    """
+    m = cfg.mesh
+    keep = MeshConfig(data=1 if -1 in (m.fsdp, m.expert) else -1, fsdp=m.fsdp, expert=m.expert)
+    try:
+        mesh_shape(cfg.replace(mesh=keep), num_devices)
+        return keep, None
+    except ConfigError as e:
+        return MeshConfig(), (f"note: the run's mesh (fsdp={m.fsdp}, expert={m.expert}) does not fit the {num_devices} "
+                              f"device(s) here ({e}); every device holds the whole model (data parallelism)")
 
 
 def check_mesh_axes(mesh, where: str) -> None:

@@ -55,6 +55,38 @@ def test_two_processes_match_one_process(tmp_path, text_dir):
     np.testing.assert_allclose(losses(tmp_path / "multi"), losses(tmp_path / "single"), rtol=1e-5)
     assert (tmp_path / "multi" / "checkpoints" / "3").is_dir()
 
+    # generate and export-hf join the job too, on the run's expert axis: the same text and tensors
+    # as one process with all 8 devices
+    def run(cmd, *extra, cpu_devices=8, process=None):
+        args = [sys.executable, "-m", "moefast", *cmd, "--run-dir", str(tmp_path / "multi"),
+                "--cpu-devices", str(cpu_devices), *extra]
+        if process is not None:
+            args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process)]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    gen = ["generate", "--prompt", "def ", "--max-new-tokens", "6", "--temperature", "0"]
+    for cmd in (gen, ["export-hf", str(tmp_path / "hf-one")]):
+        out, err = run(cmd).communicate(timeout=240)
+        assert err == "" or "error" not in err, err
+        if cmd is gen:
+            one_text = out
+    for cmd in (gen, ["export-hf", str(tmp_path / "hf-two")]):
+        port = free_port()
+        procs = [run(cmd, cpu_devices=4, process=i) for i in range(2)]
+        results = [p.communicate(timeout=240) for p in procs]
+        for p, (out, err) in zip(procs, results):
+            assert p.returncode == 0, err
+        # process 0 prints, last (gloo reports its connections on stdout first, from its own threads)
+        if cmd is gen:
+            assert one_text.startswith("def ") and results[0][0].endswith(one_text) and "def " not in results[1][0]
+        else:
+            assert "wrote" in results[0][0] and "wrote" not in results[1][0]
+    from safetensors.numpy import load_file
+
+    one, two = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf-one", "hf-two"))
+    assert one.keys() == two.keys() and all(np.array_equal(one[k], two[k]) for k in one)
+
 
 def test_dead_peer_stops_the_other_process(tmp_path, text_dir):
     port = free_port()
