@@ -54,6 +54,9 @@ STATEFUL = ["model.dropout=0.1", "moe.capacity_mode=dynamic", "moe.aux_free_bias
             "moe.warmup_steps=6", "moe.aux_loss_coef_start=0.1"]
 
 
+# Settings whose compiled step is test_train_step_is_traced_once's (same model and train.steps, which
+# the learning-rate schedule holds): later Trainers of the session load it from the compilation cache.
+PLAIN = ["train.steps=10", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0"]
 PREFETCH = (["data.prefetch=0"], ["data.prefetch=3"], ["data.prefetch=1"])  # full run; first and second half
 
 
@@ -70,27 +73,27 @@ def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
     the learning-rate schedule and the aux coefficient continue from the restored step. Device
     prefetch reads batches ahead of the step, but the checkpoint keeps the position of the last
     batch trained on: the same with no prefetch, 3 batches ahead and 1 ahead after the resume."""
-    common = ["train.steps=8", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0", *extra]
+    common = [*PLAIN, *extra]
     corpus = load_corpus(small_config(*common).data)
     full, split = tmp_path / "full", tmp_path / "split"
     Trainer(small_config(*common, *prefetch[0]), full, log=None, progress=False, corpus=corpus).run()
-    first = Trainer(small_config(*common, *prefetch[1], "train.stop_at=4"), split, log=None, progress=False,
+    first = Trainer(small_config(*common, *prefetch[1], "train.stop_at=5"), split, log=None, progress=False,
                     corpus=corpus)
-    assert first.run().steps == 4
+    assert first.run().steps == 5
     second = Trainer(small_config(*common, *prefetch[2]), split, log=None, progress=False, corpus=corpus)
     summary = second.run()
-    assert summary.steps == 8 and summary.steps_this_run == 4
+    assert summary.steps == 10 and summary.steps_this_run == 5
     assert second.trace_count == 1  # the restored state fits the compiled step: no retrace
 
     losses_full = [r["loss"] for r in read_records(full, "train")]
     losses_split = [r["loss"] for r in read_records(split, "train")]
-    assert len(losses_full) == 8 and losses_split == losses_full  # exact float equality
+    assert len(losses_full) == 10 and losses_split == losses_full  # exact float equality
 
     cfg = small_config(*common)
     abstract = second.abstract_state()
     a = Checkpointer(full / "checkpoints").restore(abstract, cfg)
     b = Checkpointer(split / "checkpoints").restore(abstract, cfg)
-    assert a.step == b.step == 8
+    assert a.step == b.step == 10
     assert a.data_state == b.data_state
     assert jax.tree.structure(b.state) == jax.tree.structure(second.init_state())  # no list/tuple drift
     for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
@@ -134,7 +137,8 @@ def test_checkpoint_converts_between_scanned_and_unrolled_layers(small_config, t
 
 
 def test_resume_with_incompatible_config_fails_clearly(small_config, tmp_path):
-    Trainer(small_config("train.steps=2", "train.eval_every=0"), tmp_path, log=None, progress=False).run()
+    # a plain run (its step comes from the session's compilation cache)
+    Trainer(small_config(*PLAIN), tmp_path, log=None, progress=False).run()
     other = Trainer(small_config("train.steps=4", "moe.num_experts=8"), tmp_path, log=None, progress=False)
     with pytest.raises(Exception, match="different 'moe' config"):
         other.run()
@@ -183,9 +187,9 @@ def test_steady_state_steps_read_nothing_back_from_the_devices(small_config, tmp
     runs those steps under ``jax.transfer_guard_device_to_host("disallow")``, but on CPU device
     arrays are host memory and the guard never fires, so this test records every read of an
     array's host value (``ArrayImpl._value``, behind ``float()``, ``np.asarray`` and
-    ``jax.device_get``) with the last step the loop had dispatched: 9 steps, a log line every 4
+    ``jax.device_get``) with the last step the loop had dispatched: 10 steps, a log line every 4
     (read one step late: step 4's after step 5 is queued, step 8's after step 9), no evaluation or
-    checkpoint before the end."""
+    checkpoint before the end (step 10)."""
     from jax._src import array
 
     from moefast.train import timing
@@ -197,6 +201,6 @@ def test_steady_state_steps_read_nothing_back_from_the_devices(small_config, tmp
     record = timing.StepBook.record
     monkeypatch.setattr(timing.StepBook, "record", lambda self, step, m: (dispatched.append(step),
                                                                           record(self, step, m))[1])
-    cfg = small_config("train.steps=9", "train.log_every=4", "train.eval_every=0", "train.checkpoint_every=0")
-    assert Trainer(cfg, tmp_path, log=None, progress=False).run().steps == 9
-    assert {1, 5, 9} <= set(reads) <= {0, 1, 5, 9}, sorted(set(reads))
+    cfg = small_config(*PLAIN, "train.log_every=4")  # the step compiled by test_train_step_is_traced_once
+    assert Trainer(cfg, tmp_path, log=None, progress=False).run().steps == 10
+    assert {1, 5, 9, 10} <= set(reads) <= {0, 1, 5, 9, 10}, sorted(set(reads))
