@@ -238,3 +238,63 @@ def test_cache_bytes_per_token_for_gqa_and_mla():
     v3 = load_config(None, ["model.attention=mla", "model.num_heads=128", "model.q_lora_rank=1536",
                             "model.dtype=bfloat16"]).model  # the defaults are DeepSeek-V3's MLA widths
     assert transformer.cache_bytes_per_token(v3) == 1152
+
+
+def _packed_batch(b=4, t=32):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (b, t)).astype(np.int32)
+    seg = np.ones((b, t), np.int32)
+    seg[1] = np.where(np.arange(t) < 13, 1, 2)  # two packed documents
+    seg[:, t - 4:] = 0  # padding
+    pos = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+    pos[1, 13:] -= 13
+    return {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "segment_ids": seg, "positions": pos,
+            "loss_weight": (seg != 0).astype(np.float32)}
+
+
+def _loss_and_grads(*overrides):
+    from moefast.train.step import loss_and_grads
+
+    md = ModelDef(load_config(None, [*MLA_MODEL, "data.batch_size=4", "model.dropout=0.1", *overrides]), 259)
+    state = md.init_state(0)
+    fn = jax.jit(lambda p, r, b, k: loss_and_grads(md, p, r, b, k, jnp.int32(1)))
+    loss, terms, g = fn(state["params"], state["routing"], jax.tree.map(jnp.asarray, _packed_batch()), jax.random.key(7))
+    return md, (loss, terms[:3]), g
+
+
+def test_mla_with_remat_and_scan_layers_equals_unrolled():
+    """Packed documents with padding, dropout keys inside the remat: scan_layers with
+    remat=minimal gives the unrolled, remat-free losses and gradients to fp32 rounding (the policies
+    are bitwise the plain step: test_remat_scan.py)."""
+    from moefast.model.layout import to_layout
+
+    md, ref, g_ref = _loss_and_grads()
+    _, out, g = _loss_and_grads("model.scan_layers=true", "model.remat=minimal")
+    g = to_layout(g, md.cfg.model, False)
+    assert jax.tree.structure(g) == jax.tree.structure(g_ref)
+    for a, e in zip(jax.tree.leaves((out, g)), jax.tree.leaves((ref, g_ref))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-6)
+
+
+def test_mla_flash_path_equals_blocked_path():
+    """The fused kernel (Pallas interpreter here; values padded to the query/key width) and the
+    blocked einsums, packed documents with padding: same outputs and parameter gradients."""
+    hf, _ = _hf_deepseek("v3", 16, False)
+    mla = _copy_into_mla(hf, 16, False)
+    graphdef, params = nnx.split(mla)
+    batch = _packed_batch(b=2, t=T)
+    seg, pos = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"])
+    same_doc = (seg[:, :, None] == seg[:, None, :]) & _causal_mask()[0]
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(2, T, D)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(5).normal(size=(2, T, D)), jnp.float32)
+
+    def loss(params, mask):
+        rope = rope_cos_sin(pos, MAX_LEN, R, 10000.0, yarn=_yarn(R))
+        out = nnx.merge(graphdef, params)(x, rope, mask, None, 0)[0]
+        return jnp.sum(jnp.where(seg[..., None] > 0, out * w, 0.0)), out
+
+    (_, flash), g_flash = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, seg)
+    (_, blocked), g_blocked = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, same_doc[:, None])
+    np.testing.assert_allclose(np.asarray(flash), np.asarray(blocked), rtol=1e-5, atol=1e-5)
+    for a, e in zip(jax.tree.leaves(g_flash), jax.tree.leaves(g_blocked)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
