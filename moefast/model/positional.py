@@ -336,7 +336,7 @@ def rope_cos_sin(positions_bt: jax.Array, max_seq_len: int, head_dim: int, base:
     else:  # the frequencies are a constant; the phase, its cos and sin are computed in the step
         valid = (positions_bt >= 0) & (positions_bt < max_seq_len)
         inv_freq = jnp.asarray(yarn.inv_freq(head_dim, float(base)), jnp.float32)
-        phase = jnp.where(valid[..., None], positions_bt.astype(jnp.float32)[..., None] * inv_freq, jnp.nan)
+        phase = jnp.where(valid[..., None], positions_bt.astype(jnp.float32)[..., None] * inv_freq[None, None, :], jnp.nan)
         factor = jnp.float32(yarn.attention_factor)
         cos_btf, sin_btf = jnp.cos(phase) * factor, jnp.sin(phase) * factor
     return cos_btf[:, :, None, :], sin_btf[:, :, None, :]

@@ -131,6 +131,23 @@ def test_yarn_frequencies_and_factors_equal_transformers():
         assert np.ptp(ours.inv_freq(64, 10000.0) / (10000.0 ** (-np.arange(0, 64, 2) / 64))) > 0.5  # really scaled
 
 
+def test_yarn_tables_cached_and_computed_in_the_step_agree():
+    """``cache.tables=false`` computes YaRN's phases in the step (float32) from the same
+    frequencies; the cached table is one constant per scaling (its key holds the YaRN parameters)."""
+    from moefast.model.positional import TABLES, rope_table
+
+    pos = jnp.asarray(POSITIONS)
+    yarn = _yarn(R)
+    cached = rope_cos_sin(pos, MAX_LEN, 16, 10000.0, yarn=yarn)
+    computed = jax.jit(lambda p: rope_cos_sin(p, MAX_LEN, 16, 10000.0, cached=False, yarn=yarn))(pos)
+    for a, e in zip(cached, computed):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
+    plain = rope_table(MAX_LEN, 16, 10000.0)
+    assert not np.allclose(plain[0], rope_table(MAX_LEN, 16, 10000.0, yarn)[0])
+    assert rope_table(MAX_LEN, 16, 10000.0, yarn)[0] is not plain[0]
+    assert any(k[3][1:2] == ("yarn",) for k in TABLES.keys())
+
+
 def test_rope_deinterleave_permutation_makes_rotate_half_equal_interleaved_rotation():
     """Permuted projection columns + moefast's rotate-half RoPE == transformers' interleaved rotation
     (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``) of the unpermuted projection, bit for bit in
