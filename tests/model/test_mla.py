@@ -23,7 +23,7 @@ YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=ORIGI
 POSITIONS = np.stack([np.arange(T) + 40, np.arange(T) + 3])  # row 0 entirely past ORIGINAL
 
 
-def _yarn(rope_dim):
+def _yarn():
     return Yarn(YARN["factor"], ORIGINAL, YARN["beta_fast"], YARN["beta_slow"], YARN["mscale"], YARN["mscale_all_dim"])
 
 
@@ -66,11 +66,11 @@ def _hf_deepseek(version, q_lora_rank, rope_interleave):
     return attn, Rope(cfg)
 
 
-def _copy_into_mla(hf, q_lora_rank, interleaved):
+def _copy_into_mla(hf, q_lora_rank, interleaved, dtype=jnp.float32):
     """An MLAttention holding ``hf``'s weights: each a transpose, the RoPE output columns of the
     query and shared-key projections permuted once when the checkpoint is interleaved."""
     mla = transformer.MLAttention(D, H, q_lora_rank=q_lora_rank, kv_lora_rank=C, qk_nope_head_dim=N, qk_rope_head_dim=R,
-                                  v_head_dim=HV, softmax_multiplier=_yarn(R).softmax_multiplier, dtype=jnp.float32,
+                                  v_head_dim=HV, softmax_multiplier=_yarn().softmax_multiplier, dtype=dtype,
                                   init_std=0.02, out_std=0.02, rngs=nnx.Rngs(0))
     perm = rope_deinterleave_permutation(R) if interleaved else np.arange(R)
     q_cols = np.concatenate([h * (N + R) + np.concatenate([np.arange(N), N + perm]) for h in range(H)])
@@ -91,7 +91,7 @@ def _copy_into_mla(hf, q_lora_rank, interleaved):
 
 @nnx.jit
 def _mla_forward(mla, x, positions):
-    rope = rope_cos_sin(positions, MAX_LEN, R, 10000.0, yarn=_yarn(R))
+    rope = rope_cos_sin(positions, MAX_LEN, R, 10000.0, yarn=_yarn())
     return mla(x, rope, _causal_mask(), None, 0)[0]
 
 
@@ -115,6 +115,12 @@ def test_mla_equals_transformers_with_yarn_past_the_original_context(version, q_
     # control: without the YaRN softmax multiplier the outputs differ (the scale is seen)
     mla.scale = (N + R) ** -0.5
     assert not np.allclose(np.asarray(_mla_forward(mla, jnp.asarray(x), jnp.asarray(POSITIONS))), _t(out), atol=1e-3)
+    if version == "v3" and q_lora_rank:  # bfloat16 compute (parameters float32): within bf16 rounding
+        bf16 = _mla_forward(_copy_into_mla(hf, q_lora_rank, interleave, jnp.bfloat16), jnp.asarray(x),
+                            jnp.asarray(POSITIONS))
+        assert bf16.dtype == jnp.bfloat16
+        err = np.abs(np.asarray(bf16, np.float32) - _t(out)).max()
+        assert err < 0.03 * np.abs(_t(out)).max(), err
 
 
 def test_yarn_frequencies_and_factors_equal_transformers():
@@ -137,7 +143,7 @@ def test_yarn_tables_cached_and_computed_in_the_step_agree():
     from moefast.model.positional import TABLES, rope_table
 
     pos = jnp.asarray(POSITIONS)
-    yarn = _yarn(R)
+    yarn = _yarn()
     cached = rope_cos_sin(pos, MAX_LEN, 16, 10000.0, yarn=yarn)
     computed = jax.jit(lambda p: rope_cos_sin(p, MAX_LEN, 16, 10000.0, cached=False, yarn=yarn))(pos)
     for a, e in zip(cached, computed):
@@ -193,7 +199,7 @@ def test_glm_partial_rotary_equals_transformers_glm4_moe(rope_scaling):
     attn.qkv[...] = jnp.asarray(np.concatenate([_t(p.weight).T for p in (hf.q_proj, hf.k_proj, hf.v_proj)], 1))
     attn.qkv_bias[...] = jnp.asarray(np.concatenate([_t(p.bias) for p in (hf.q_proj, hf.k_proj, hf.v_proj)]))
     attn.out[...] = jnp.asarray(_t(hf.o_proj.weight).T)
-    yarn = None if rope_scaling is None else _yarn(hd // 2)
+    yarn = None if rope_scaling is None else _yarn()
 
     @nnx.jit
     def forward(attn, x, positions):
@@ -306,7 +312,7 @@ def test_mla_flash_path_equals_blocked_path():
     w = jnp.asarray(np.random.default_rng(5).normal(size=(2, T, D)), jnp.float32)
 
     def loss(params, mask):
-        rope = rope_cos_sin(pos, MAX_LEN, R, 10000.0, yarn=_yarn(R))
+        rope = rope_cos_sin(pos, MAX_LEN, R, 10000.0, yarn=_yarn())
         out = nnx.merge(graphdef, params)(x, rope, mask, None, 0)[0]
         return jnp.sum(jnp.where(seg[..., None] > 0, out * w, 0.0)), out
 
