@@ -278,7 +278,8 @@ def _packed_batch(b=4, t=32):
 def _loss_and_grads(*overrides):
     from moefast.train.step import loss_and_grads
 
-    md = ModelDef(load_config(None, [*MLA_MODEL, "data.batch_size=4", "model.dropout=0.1", *overrides]), 259)
+    md = ModelDef(load_config(None, [*MLA_MODEL, "data.batch_size=4", "model.dropout=0.1", "model.num_dense_layers=1",
+                                     *overrides]), 259)
     state = md.init_state(0)
     fn = jax.jit(lambda p, r, b, k: loss_and_grads(md, p, r, b, k, jnp.int32(1)))
     loss, terms, g = fn(state["params"], state["routing"], jax.tree.map(jnp.asarray, _packed_batch()), jax.random.key(7))
@@ -286,9 +287,9 @@ def _loss_and_grads(*overrides):
 
 
 def test_mla_with_remat_and_scan_layers_equals_unrolled():
-    """Packed documents with padding, dropout keys inside the remat: scan_layers with
-    remat=minimal gives the unrolled, remat-free losses and gradients to fp32 rounding (the policies
-    are bitwise the plain step: test_remat_scan.py)."""
+    """Packed documents with padding, dropout keys inside the remat, a dense then an MoE block:
+    scan_layers with remat=minimal gives the unrolled, remat-free losses and gradients to fp32
+    rounding (the policies are bitwise the plain step: test_remat_scan.py)."""
     from moefast.model.layout import to_layout
 
     md, ref, g_ref = _loss_and_grads()
