@@ -53,7 +53,8 @@ def flash_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
         by G; Hv may differ from Hd: MLA).
       segment_ids_bt: [B, T] int document ids: query t sees key s <= t of the same id.
       sm_scale: logit scale; ``None``: ``Hd ** -0.5``.
-      block: rows of the forward kernel's query and key blocks (a power of two).
+      block: rows of the forward kernel's query and key blocks (a power of two); at most 64 for
+        head widths above 128 (shared memory).
       interpret: run in the Pallas interpreter; ``None``: when compiling for CPU
         (:func:`~moefast.kernels.platform.target_platform`).
 
@@ -76,6 +77,10 @@ def flash_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
     g = k_btgd.shape[2]
     if interpret is None:
         interpret = target_platform() == "cpu"
+    if max(hd, v_btgd.shape[-1]) > 128:
+        # Triton keeps a query block and two pipeline stages of key and value blocks in shared memory
+        # (227 KiB per block on H100/H200): 128 rows of width 256 (MLA's 192, padded) need 320 KiB.
+        block = min(block, 64)
     rows, tp = padded_length(t, block)
     k = jnp.repeat(k_btgd, h // g, axis=2) if g != h else k_btgd
     v = jnp.repeat(v_btgd, h // g, axis=2) if g != h else v_btgd
