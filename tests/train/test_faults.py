@@ -67,6 +67,12 @@ def test_nonfinite_step_changes_nothing_but_the_step_counter():
     assert all(changed)
 
 
+# The in-process runs' train.steps (part of the learning-rate schedule, so of the compiled step): one
+# step program for all of them (test_train.py's too), compiled once and then loaded from the session's
+# compilation cache.
+STEPS = "train.steps=10"
+
+
 def poison(monkeypatch, bad_steps):
     """Makes the loss of the given (1-based) steps NaN through a NaN loss weight."""
     original = Trainer.put_batch
@@ -84,11 +90,10 @@ def poison(monkeypatch, bad_steps):
 
 def test_loop_skips_nonfinite_steps_and_logs_them(small_config, tmp_path, monkeypatch):
     poison(monkeypatch, {3, 4})
-    cfg = small_config("train.steps=8", "train.log_every=1", "train.eval_every=0",
-                       "train.max_consecutive_nonfinite=3")
+    cfg = small_config(STEPS, "train.log_every=1", "train.eval_every=0", "train.max_consecutive_nonfinite=3")
     logs = []
     summary = Trainer(cfg, tmp_path, log=logs.append, progress=False).run()
-    assert summary.steps == 8 and summary.skipped_steps == 2
+    assert summary.steps == 10 and summary.skipped_steps == 2
     assert [r["step"] for r in records(tmp_path, "nonfinite")] == [3, 4]
     assert any("step 3: non-finite loss" in line and "update skipped (1 in a row)" in line for line in logs)
     assert np.isfinite(summary.final_loss)
@@ -96,7 +101,7 @@ def test_loop_skips_nonfinite_steps_and_logs_them(small_config, tmp_path, monkey
 
 def test_loop_stops_after_max_consecutive_nonfinite_naming_the_last_checkpoint(small_config, tmp_path, monkeypatch):
     poison(monkeypatch, set(range(5, 20)))
-    cfg = small_config("train.steps=12", "train.eval_every=0", "train.checkpoint_every=2",
+    cfg = small_config(STEPS, "train.eval_every=0", "train.checkpoint_every=2",
                        "train.max_consecutive_nonfinite=3")
     with pytest.raises(TrainingError, match=r"step 7: 3 consecutive steps with non-finite loss or gradients "
                                             r"since step 5") as e:
@@ -105,7 +110,7 @@ def test_loop_stops_after_max_consecutive_nonfinite_naming_the_last_checkpoint(s
     # The good checkpoints are intact and a restart (with the cause fixed) resumes from the last.
     monkeypatch.undo()
     summary = Trainer(cfg, tmp_path, log=None, progress=False).run()
-    assert summary.steps == 12 and summary.skipped_steps == 0
+    assert summary.steps == 10 and summary.skipped_steps == 0
 
 
 # ---------------------------------------------------------------- signals
@@ -146,8 +151,8 @@ def test_signal_finishes_the_step_checkpoints_and_exits_0_then_resumes(tmp_path,
     assert stopped["stopped_by"] == sig.name and (run / "checkpoints" / str(n)).is_dir()
     assert [r["step"] for r in records(run, "train")] == list(range(1, n + 1))
 
-    cmd, env = _start(run, text_dir, steps=n + 2)
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    cmd, env = _start(run, text_dir, steps=100_000)  # the same compiled step (from the cache), to step n + 2
+    p = subprocess.run([*cmd, f"train.stop_at={n + 2}"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     assert f"resuming from step {n}" in p.stdout
     assert [r["step"] for r in records(run, "train")][-2:] == [n + 1, n + 2]
@@ -188,7 +193,7 @@ def test_monitoring_records_in_metrics_and_collapsed_router_alert(small_config, 
         return state
 
     monkeypatch.setattr(Trainer, "init_state", collapsed)
-    cfg = small_config("train.steps=6", "train.log_every=1", "train.eval_every=0",
+    cfg = small_config(STEPS, "train.log_every=1", "train.eval_every=0",
                        "monitor.max_load_ratio=1.5", "monitor.patience=2")
     logs = []
     Trainer(cfg, tmp_path, log=logs.append, progress=False).run()
@@ -205,7 +210,7 @@ def test_monitoring_records_in_metrics_and_collapsed_router_alert(small_config, 
 
 
 def test_default_monitoring_has_no_alert_on_a_healthy_run(small_config, tmp_path):
-    Trainer(small_config("train.steps=6", "train.log_every=1", "train.eval_every=0"),
+    Trainer(small_config(STEPS, "train.log_every=1", "train.eval_every=0"),
             tmp_path, log=None, progress=False).run()
     assert records(tmp_path, "alert") == []
     assert all(0 < np.min(r["router_entropy"]) <= np.log(4) + 1e-6 for r in records(tmp_path, "train"))
@@ -248,9 +253,11 @@ def test_warmup_follows_the_step_and_evaluation_never_uses_it():
     batch, key = make_batch(), jax.random.key(0)
     state = warm.init_state(0)
 
+    # one compiled step per model (steps 0 and 5 of the warm-up model are the same program)
+    steps = {md: jax.jit(lambda s, md=md: train_step(md, s, batch, key)[1]) for md in (warm, plain)}
+
     def metrics(md, step):
-        s = dict(state, step=jnp.asarray(step, jnp.int32))
-        return jax.jit(lambda s: train_step(md, s, batch, key)[1])(s)
+        return steps[md](dict(state, step=jnp.asarray(step, jnp.int32)))
 
     during, after, base = metrics(warm, 0), metrics(warm, 5), metrics(plain, 5)
     assert not np.array_equal(np.asarray(during["tokens_per_expert"]), np.asarray(base["tokens_per_expert"]))
@@ -288,7 +295,8 @@ def test_evaluation_loss_of_a_sequence_does_not_depend_on_its_batch_mates():
     for seed in (2, 3):
         batch = {k: v.at[0].set(row0[k][0]) for k, v in make_batch(seed=seed).items()}
         train_batches.append(batch)
-    m = [jax.jit(lambda b: train_step(md, state, b, jax.random.key(0))[1])(b) for b in train_batches]
+    step = jax.jit(lambda b: train_step(md, state, b, jax.random.key(0))[1])  # one compile for both batches
+    m = [step(b) for b in train_batches]
     assert float(m[0]["dropped_fraction"][0]) > 0
 
 
@@ -306,7 +314,7 @@ def test_sigterm_in_process_stops_after_that_step_and_restores_handlers(small_co
     before = signal.getsignal(signal.SIGTERM)
     # No prefetch: put_batch runs in the loop, just before step 2 (with prefetch it runs earlier, on
     # the prefetch thread, and the signal would arrive during step 1).
-    cfg = small_config("train.steps=50", "train.eval_every=0", "train.checkpoint_every=0", "data.prefetch=0")
+    cfg = small_config(STEPS, "train.eval_every=0", "train.checkpoint_every=0", "data.prefetch=0")
     summary = Trainer(cfg, tmp_path, log=None, progress=False).run()
     assert summary.stopped_by == "SIGTERM" and summary.steps == 2 and summary.checkpoint.endswith("/2")
     assert signal.getsignal(signal.SIGTERM) is before
@@ -322,7 +330,7 @@ def test_signal_before_the_first_step_runs_no_step(small_config, tmp_path, monke
         os.kill(os.getpid(), signal.SIGINT)  # e.g. Ctrl-C while the step compiles
 
     monkeypatch.setattr(signals.StopRequest, "install", install_then_signal)
-    cfg = small_config("train.steps=5", "train.eval_every=0")
+    cfg = small_config(STEPS, "train.eval_every=0")
     summary = Trainer(cfg, tmp_path, log=None, progress=False).run()
     assert summary.stopped_by == "SIGINT" and summary.steps_this_run == 0 and summary.checkpoint is None
     assert not any((tmp_path / "checkpoints").iterdir())
