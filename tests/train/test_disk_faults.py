@@ -45,13 +45,16 @@ mount -t tmpfs -o size=3m tmpfs $OUT/full
 echo $? > $OUT/full.rc
 cp -a $OUT/full/run $OUT/full_copy
 mount -t tmpfs -o size=20m tmpfs $OUT/ro
-"$@" --run-dir $OUT/ro/run train.steps=10 > /dev/null 2> $OUT/ro_first.err || exit 3
+"$@" --run-dir $OUT/ro/run train.steps=300 train.stop_at=10 > /dev/null 2> $OUT/ro_first.err || exit 3
 mount -o remount,ro $OUT/ro
 "$@" --run-dir $OUT/ro/run train.steps=20 > $OUT/ro.out 2> $OUT/ro.err
 echo $? > $OUT/ro.rc
 """
 
 
+# The full run, the first read-only run and the copy's resume share train.steps=300 (the learning-rate
+# schedule is part of the compiled step): one step program, compiled once, then loaded from the
+# session's compilation cache.
 @pytest.mark.slow
 def test_full_and_read_only_file_systems_stop_cleanly_and_the_run_resumes(text_dir, tmp_path):
     why = _namespaces_work()
