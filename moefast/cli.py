@@ -518,10 +518,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args) -> int:
-    from moefast.data import DataError, get_tokenizer
-    from moefast.data.prepared import prepare
-    from moefast.data.prepared_sft import prepare_sft
+    import signal
+    from pathlib import Path
 
+    from moefast.data import DataError, get_tokenizer
+    from moefast.data.prepared import IN_PROGRESS, MANIFEST
+    from moefast.data.prepared_sft import prepare_sft
+    from moefast.data.prepared import prepare
+
+    class _Terminated(KeyboardInterrupt):
+        """SIGTERM (timeout, Slurm, docker stop) as a Ctrl-C: prepare removes what it wrote."""
+
+    def on_sigterm(signum, frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         if args.format == "sft":
             m = prepare_sft(args.source, args.out_dir, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
@@ -532,19 +543,30 @@ def _prepare(args) -> int:
     except (DataError, OSError) as e:
         print(f"error: {_in_prepare_terms(str(e))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # prepare has removed its partial output
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # prepare has removed its partial output: say what is left
+        out = Path(os.path.expanduser(args.out_dir))
+        if not out.exists():
+            left = f"removed {out}"
+        elif (out / IN_PROGRESS).exists():
+            left = f"left {out / IN_PROGRESS} (training there says to prepare again)"
+        elif (out / MANIFEST).is_file():
+            left = f"removed what it wrote; the dataset already in {out} is kept"
+        else:
+            left = f"removed what it wrote in {out}"
+        print(f"interrupted{' (SIGTERM)' if isinstance(e, _Terminated) else ''}: {left}", file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     src, train, val = m["sources"], m["splits"]["train"], m["splits"]["val"]
     if args.format == "sft":
         what = "conversations"
-        counts = (f": train {train['documents']} conversations / {train['tokens']} tokens of which "
+        counts = (f": train {_count(train['documents'], 'conversation')} / {train['tokens']} tokens of which "
                   f"{train['weighted_tokens']} are targets (assistant), validation {val['documents']} / {val['tokens']} "
                   f"/ {val['weighted_tokens']}")
     else:
         what = "documents"
-        counts = (f": train {train['documents']} documents / {train['tokens']} tokens, validation "
-                  f"{val['documents']} documents / {val['tokens']} tokens")
+        counts = (f": train {_count(train['documents'], 'document')} / {train['tokens']} tokens, validation "
+                  f"{_count(val['documents'], 'document')} / {val['tokens']} tokens")
     print(f"{src['documents']} {what} ({src['bytes'] / 1e6:.2f} MB) from {args.source!r} in {m['seconds']:.1f} s"
           f"{counts} ({m['dtype']}, tokenizer {m['tokenizer']['name']})")
     if "split" in m:
@@ -561,8 +583,13 @@ def _prepare(args) -> int:
     return 0
 
 
+def _count(n: int, unit: str) -> str:
+    return f"{n} {unit}{'' if n == 1 else 's'}"
+
+
 # The data readers name the run config's keys; `moefast prepare` takes the same values as arguments.
-_PREPARE_TERMS = {"data.source": "SOURCE", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer",
+_PREPARE_TERMS = {"data.format=": "--format ", "data.source": "SOURCE", "data.text_field": "--text-field",
+                  "data.tokenizer": "--tokenizer",
                   "data.val_fraction": "--val-fraction"}
 
 

@@ -336,18 +336,23 @@ def prepare(source: str, out_dir: str | os.PathLike, *, tokenizer: str = "byte",
     return manifest
 
 
-def _split_note(rule: str, n: int, held: int, val_fraction: float) -> str:
-    """One line for ``moefast prepare``'s output: which train/validation split was made, and why."""
+def _split_note(rule: str, n: int, held: int, val_fraction: float, unit: str = "document") -> str:
+    """One line for ``moefast prepare``'s output: which train/validation split was made, and why
+    (``unit``: what is split, "document" or "conversation")."""
+    def count(k: int) -> str:
+        return f"{k} {unit}{'' if k == 1 else 's'}"
+
     if rule == "hash":
-        return (f"split by hash of each document's id (blake2b < {val_fraction:g}): {held} of {n} documents held out "
+        return (f"split by hash of each {unit}'s id (blake2b < {val_fraction:g}): {held} of {count(n)} held out "
                 "for validation")
     if rule == "smallest_hash":
-        return (f"the hash rule (blake2b(id) < {val_fraction:g}) held out {'every' if held == n else 'no'} document "
-                f"of {n}, so the {held} of smallest hash are held out instead, whole")
+        return (f"the hash rule (blake2b(id) < {val_fraction:g}) held out {'every' if held == n else 'no'} {unit} "
+                f"of {n}, so the {count(held) + ' of smallest hash are' if held != 1 else unit + ' of smallest hash is'}"
+                " held out instead, whole")
     k = min(max(n - 1, 1), max(1, round(n * val_fraction)))
-    return (f"{n} document{'s are' if n != 1 else ' is'} too few to hold whole ones out at --val-fraction "
+    return (f"{count(n)} {'are' if n != 1 else 'is'} too few to hold whole ones out at --val-fraction "
             f"{val_fraction:g} (the fewest, {k} of {n}, would be {k / n:.0%}): validation is the last "
-            f"{val_fraction:.0%} of each document, whose start is trained on; add documents for a held-out "
+            f"{val_fraction:.0%} of each {unit}, whose start is trained on; add {unit}s for a held-out "
             "validation set")
 
 

@@ -154,8 +154,10 @@ def prepare_sft(source: str, out_dir: str | os.PathLike, *, tokenizer: str, val_
         if n < 2:
             raise DataError(f"{source!r}: {n} conversation(s): SFT needs at least 2, one for training and one for "
                             "validation")
+        rule = "hash"
         if not (splits["train"]["documents"] and splits["val"]["documents"]):
             # split_examples' fallback: hold out the conversations of smallest hash
+            rule = "smallest_hash"
             k = min(n - 1, max(1, round(n * val_fraction)))
             ids = [c.id for c in sft.iter_conversations(source)]
             held = {ids[i] for i in sorted(range(n), key=lambda i: hashes[i])[:k]}
@@ -170,6 +172,8 @@ def prepare_sft(source: str, out_dir: str | os.PathLike, *, tokenizer: str, val_
             "dtype": dtype.name,
             "val_fraction": val_fraction,
             "held_out_documents": True,
+            "split": {"rule": rule, "note": P._split_note(rule, n, splits["val"]["documents"], val_fraction,
+                                                          unit="conversation")},
             "splits": splits,
             "sft": {"conversations": counts["conversations"], "assistant_turns": counts["assistant_turns"],
                     "chat_template": template_identity(template.text), "chat_template_source": template.source},

@@ -365,7 +365,9 @@ def _jsonl_document(line: bytes, where: str, doc_id: str, text_field: str) -> Do
                         f"file must be one object such as {{\"{text_field}\": \"...\"}}")
     if text_field not in record:
         raise DataError(f"{where}: no field {text_field!r} (fields: {sorted(record)[:10]}); set data.text_field "
-                        "to the field that holds the text")
+                        "to the field that holds the text"
+                        + ("; for conversations use data.format=sft"
+                           if "messages" in record else ""))
     text = record[text_field]
     if text is None:
         text = ""

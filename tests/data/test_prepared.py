@@ -524,7 +524,9 @@ def test_directory_the_hash_rule_holds_none_of_keeps_documents_whole(corpus_dir,
     out = tmp_path / "ds"
     assert main(["prepare", src, str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "split: the hash rule (blake2b(id) < 0.02) held out no document of 39, so the 1 of smallest hash" in printed
+    assert ("split: the hash rule (blake2b(id) < 0.02) held out no document of 39, so the document of smallest hash "
+            "is held out instead, whole") in printed
+    assert "validation 1 document /" in printed  # not "1 documents"
     m = _manifest(out)
     assert m["held_out_documents"] is True and m["split"]["rule"] == "smallest_hash"
     assert (m["splits"]["train"]["documents"], m["splits"]["val"]["documents"]) == (38, 1)
@@ -628,3 +630,44 @@ def test_cli_prepare(corpus_dir, tmp_path, capsys):
     assert main(["prepare", str(tmp_path / "nothing-*.txt"), str(tmp_path / "ds2"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "SOURCE" in err and "data.source" not in err
+
+
+def test_sigterm_cleans_up_like_ctrl_c_and_says_what_is_left(corpus_dir, tmp_path, monkeypatch, capsys):
+    """A newcomer's finding: SIGTERM (timeout, Slurm, docker stop) killed prepare with 143 and left
+    OUT_DIR/.partial-* and the in-progress marker. Now it is a Ctrl-C: what prepare wrote is removed,
+    the message says what is left, and the exit status is still 143."""
+    import signal
+
+    from moefast.cli import main
+
+    real_flush, calls = prepared_mod._ShardWriter.flush, []
+
+    def terminated_flush(self):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        real_flush(self)
+
+    monkeypatch.setattr(prepared_mod._ShardWriter, "flush", terminated_flush)
+    handler = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "new" / "ds"
+    assert main(["prepare", corpus_dir, str(out), "--no-progress"]) == 143
+    assert not (tmp_path / "new").exists() and len(calls) == 2
+    assert capsys.readouterr().err == f"interrupted (SIGTERM): removed {out}\n"
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    calls.clear()
+    assert main(["prepare", corpus_dir, str(existing), "--no-progress"]) == 143
+    assert sorted(os.listdir(existing)) == [".prepare-in-progress.json"]  # no .partial-*
+    assert capsys.readouterr().err.startswith(f"interrupted (SIGTERM): left {existing / '.prepare-in-progress.json'}")
+    assert signal.getsignal(signal.SIGTERM) is handler  # restored
+
+
+def test_a_chats_jsonl_prepared_as_text_points_to_format_sft(tmp_path, capsys):
+    from moefast.cli import main
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert main(["prepare", str(chats), str(tmp_path / "ds"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no field 'text' (fields: ['messages'])" in err and "for conversations use --format sft" in err, err

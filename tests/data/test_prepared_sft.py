@@ -214,3 +214,25 @@ def test_moefast_prepare_format_sft(chats, tok_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "80 conversations" in printed
     assert f"of which {manifest['splits']['train']['weighted_tokens']} are targets" in printed
+    # the split rule, printed and recorded as for text (a newcomer's finding: SFT printed none)
+    assert manifest["split"]["rule"] == "hash"
+    assert f"split: {manifest['split']['note']}" in printed
+    assert (f"{manifest['splits']['val']['documents']} of 80 conversations held out for validation"
+            in manifest["split"]["note"])
+
+
+def test_a_tiny_sft_corpus_says_it_held_out_the_conversation_of_smallest_hash(tok_dir, tmp_path):
+    src = tmp_path / "two.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in _conversations(2)))
+    m = prepare_sft(str(src), tmp_path / "o", tokenizer=tok_dir, val_fraction=0.02, progress=False)
+    assert m["split"]["rule"] == "smallest_hash"
+    assert "of 2, so the conversation of smallest hash is held out instead" in m["split"]["note"]
+
+
+def test_cli_sft_without_a_chat_tokenizer_names_the_flags(chats, tmp_path, capsys):
+    from moefast.cli import main
+
+    assert main(["prepare", chats, str(tmp_path / "o"), "--format", "sft", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--format sft needs a Hugging Face tokenizer" in err and "--tokenizer set to its directory" in err, err
+    assert "data." not in err
