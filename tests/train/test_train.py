@@ -163,7 +163,9 @@ def test_persistent_compilation_cache_is_written_and_hit(small_config, tmp_path)
     events = []
     monitoring.register_event_listener(lambda name, **kw: events.append(name))
     cache_dir = tmp_path / "xla"
-    common = ["train.steps=2", "train.eval_every=0", f"cache.compile_dir={cache_dir}"]
+    # one layer: the runs compile for real (a fresh cache directory, then the cache turned off); the
+    # cache's behaviour does not depend on the model's size
+    common = ["model.num_layers=1", "train.steps=2", "train.eval_every=0", f"cache.compile_dir={cache_dir}"]
     corpus = load_corpus(small_config().data)
     try:
         Trainer(small_config(*common), tmp_path / "a", log=None, progress=False, corpus=corpus).run()
@@ -173,8 +175,8 @@ def test_persistent_compilation_cache_is_written_and_hit(small_config, tmp_path)
         Trainer(small_config(*common), tmp_path / "b", log=None, progress=False, corpus=corpus).run()
         assert "/jax/compilation_cache/cache_hits" in events  # the new Trainer's step was loaded from disk
         events.clear()
-        off = Trainer(small_config("train.steps=1", "train.eval_every=0", "cache.compile_dir=null"),
-                      tmp_path / "c", log=None, progress=False, corpus=corpus)
+        off = Trainer(small_config("model.num_layers=1", "train.steps=1", "train.eval_every=0",
+                                   "cache.compile_dir=null"), tmp_path / "c", log=None, progress=False, corpus=corpus)
         assert off.compile_cache_dir is None
         off.run()
         assert "/jax/compilation_cache/cache_hits" not in events
