@@ -46,9 +46,9 @@ def run(m, *overrides, mesh_overrides=()):
 def test_micro_batches_give_the_global_batch_loss_and_gradients(mesh_overrides):
     # aux_loss_coef 0: the gradients are those of cross-entropy + z-loss, which are linear in the batch
     results = {m: run(m, "moe.aux_loss_coef=0", mesh_overrides=mesh_overrides) for m in (1, 2, 4)}
-    _, (ce1, _, z1, moe1), g1 = results[1]
+    _, (ce1, _, z1, moe1, _), g1 = results[1]
     for m in (2, 4):
-        loss, (ce, aux, z, moe), g = results[m]
+        loss, (ce, aux, z, moe, _), g = results[m]
         np.testing.assert_allclose(float(ce), float(ce1), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(float(z), float(z1), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(float(loss), float(ce1) + 0.1 * float(z1), rtol=1e-5, atol=1e-5)
@@ -66,7 +66,7 @@ def test_load_balancing_loss_is_the_mean_over_micro_batches(mesh_overrides):
     """aux = (1/M) sum_m aux(micro-batch m), each aux(m) the Switch loss of micro-batch m as a batch
     of its own (computed here with M = 1 on one device): not scaled by M or by the data-parallel size."""
     m = 4
-    _, (_, aux, _, moe), _ = run(m, mesh_overrides=mesh_overrides)
+    _, (_, aux, _, moe, _), _ = run(m, mesh_overrides=mesh_overrides)
     single = ModelDef(load_config(None, [*BASE, "data.batch_size=8"]), 259)
     params = single.init_params(0)  # the same initialisation (same seed and shapes)
     micro = micro_batches(batch(), m)
