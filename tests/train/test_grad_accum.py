@@ -42,16 +42,23 @@ def run(m, *overrides, mesh_overrides=()):
         return jax.jit(lambda p, r, b: loss_and_grads(md, p, r, b, None, STEP))(state["params"], state["routing"], batch())
 
 
-@pytest.mark.parametrize("mesh_overrides", [(), ("mesh.data=2", "mesh.expert=4")], ids=["1-device", "data2-expert4"])
-def test_micro_batches_give_the_global_batch_loss_and_gradients(mesh_overrides):
-    # aux_loss_coef 0: the gradients are those of cross-entropy + z-loss, which are linear in the batch
-    results = {m: run(m, "moe.aux_loss_coef=0", mesh_overrides=mesh_overrides) for m in (1, 2, 4)}
-    _, (ce1, _, z1, moe1, _), g1 = results[1]
+@pytest.mark.parametrize("mesh_overrides,mtp", [((), 0), (("mesh.data=2", "mesh.expert=4"), 1)],
+                         ids=["1-device", "data2-expert4-mtp"])
+def test_micro_batches_give_the_global_batch_loss_and_gradients(mesh_overrides, mtp):
+    """On the mesh with a multi-token prediction module: its loss is normalised by the whole
+    batch's MTP targets too (DeepSeek-V3 eq. 24), so it and its gradients equal M = 1's."""
+    # aux_loss_coef 0: the gradients are those of cross-entropy + z-loss (+ MTP), linear in the batch
+    results = {m: run(m, "moe.aux_loss_coef=0", f"model.mtp_depth={mtp}", mesh_overrides=mesh_overrides)
+               for m in (1, 2, 4)}
+    _, (ce1, _, z1, moe1, mtp1), g1 = results[1]
     for m in (2, 4):
-        loss, (ce, aux, z, moe, _), g = results[m]
+        loss, (ce, aux, z, moe, mtp_m), g = results[m]
         np.testing.assert_allclose(float(ce), float(ce1), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(float(z), float(z1), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(float(loss), float(ce1) + 0.1 * float(z1), rtol=1e-5, atol=1e-5)
+        mtp_term = 0.0 if mtp1 is None else 0.3 * float(np.mean(mtp1))  # train.mtp_loss_coef's default
+        if mtp1 is not None:
+            np.testing.assert_allclose(np.asarray(mtp_m), np.asarray(mtp1), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(float(loss), float(ce1) + 0.1 * float(z1) + mtp_term, rtol=1e-5, atol=1e-5)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
         # the global batch's routing statistics: assignments summed, token-weighted means
