@@ -6,6 +6,7 @@ layers and remat: tests/train/test_train.py.)"""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from moefast.config import load_config
 from moefast.model import init_cache
@@ -204,3 +205,10 @@ def test_mtp_targets_stay_inside_their_document():
                     want[r, i] = w[r, i + k]
         np.testing.assert_array_equal(got, want, err_msg=f"depth {k}")
     assert np.asarray(weights[2])[0, : t - 3].tolist() == w[0, 3:].tolist()
+
+
+def test_hf_export_refuses_mtp_modules_naming_the_field():
+    from moefast.interop.hf import HFFormatError, hf_family
+
+    with pytest.raises(HFFormatError, match=r"model\.mtp_depth=1"):
+        hf_family(load_config(None, ["model.mtp_depth=1"]))
