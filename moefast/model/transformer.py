@@ -61,8 +61,8 @@ class ModelOutput(NamedTuple):
     logits: jax.Array  # [B, T, V] float32
     moe: MoEStats | None  # fields stacked over MoE layers: [L_moe, E] / [L_moe]; None without MoE layers
     cache: KVCache | None  # updated cache when one was passed
-    # multi-token prediction (model.mtp_depth = D > 0, no cache): D arrays [B, T] -> [B, T, V] float32,
-    # entry k-1 holds module k's logits for token t_{i+k+1} at row i; None otherwise
+    # multi-token prediction (model.mtp_depth = D > 0, no cache): D arrays [B, T, V] float32, entry
+    # k - 1 holding module k's logits for token t_{i+k+1} at row i; None otherwise
     mtp_logits: tuple[jax.Array, ...] | None = None
 
 
