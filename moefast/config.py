@@ -176,6 +176,14 @@ class ModelConfig:
         of the paper, sec. 3.2; HF's names, defaults 32 and 1).
       mscale, mscale_all_dim: YaRN: DeepSeek's attention-factor coefficients (HF's names; ``None``
         or 0: not set).
+      mtp_depth: D, multi-token prediction modules (DeepSeek-V3, arXiv 2412.19437, sec. 2.2,
+        eqs. 21-25); 0 (the default) = none, the model and its loss exactly as without the field.
+        Module k (1..D) projects ``[RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})]`` (the checkpoint
+        order of ``eh_proj``) from 2D to D, runs one transformer block of its own (MoE when the
+        model has MoE layers, dense otherwise) and predicts token ``t_{i+k+1}`` through the shared
+        embedding and output head after its own RMSNorm (:class:`moefast.model.MTPModule`). Its
+        loss is weighted by ``train.mtp_loss_coef``; generation never runs the modules. Must be
+        below ``data.seq_len``.
 """
 
     d_model: int = 256
@@ -215,6 +223,7 @@ class ModelConfig:
     beta_slow: float = 1.0
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    mtp_depth: int = 0
 
     def __post_init__(self):
         _check_choices(self, "model")
@@ -234,6 +243,8 @@ class ModelConfig:
         _require(self.rope_base > 1.0, "model.rope_base", f"must be > 1, got {self.rope_base}")
         _require(self.position_encoding != "sinusoidal" or self.d_model % 2 == 0, "model.d_model",
                  f"must be even for sinusoidal position encodings, got {self.d_model}")
+        _require(self.mtp_depth >= 0, "model.mtp_depth",
+                 f"must be >= 0 (0 = no multi-token prediction), got {self.mtp_depth}")
         self._check_attention()
         self._check_rope()
 
@@ -578,6 +589,11 @@ class TrainConfig:
       peak_tflops: peak TFLOP/s of one device, the denominator of MFU (on CPU: of the whole
         processor); ``None`` = from the table of known accelerators, or on CPU a matmul probe
         measured at start (:mod:`moefast.train.mfu`).
+      mtp_loss_coef: lambda, the weight of the multi-token prediction loss (DeepSeek-V3, arXiv
+        2412.19437, eq. 25): ``L_MTP = lambda / D * sum_k L_MTP^k`` is added to the training loss,
+        each ``L_MTP^k`` the mean cross-entropy of module k's valid targets. DeepSeek-V3 used 0.3,
+        then 0.1. Ignored when ``model.mtp_depth`` is 0 (any value >= 0 is accepted then); 0 with
+        modules trains them not at all but still logs their losses.
     """
 
     steps: int = 600
@@ -597,6 +613,7 @@ class TrainConfig:
     max_consecutive_nonfinite: int = 5
     peak_tflops: float | None = None
     grad_accum_steps: int = 1
+    mtp_loss_coef: float = 0.3
 
     def __post_init__(self):
         _check_choices(self, "train")
@@ -622,6 +639,8 @@ class TrainConfig:
                  f"must be >= 1 (1 = no accumulation), got {self.grad_accum_steps}")
         _require(self.max_consecutive_nonfinite >= 1, "train.max_consecutive_nonfinite",
                  f"must be >= 1, got {self.max_consecutive_nonfinite}")
+        _require(math.isfinite(self.mtp_loss_coef) and self.mtp_loss_coef >= 0, "train.mtp_loss_coef",
+                 f"must be a finite number >= 0, got {self.mtp_loss_coef}")
 
     @property
     def last_step(self) -> int:
@@ -775,6 +794,9 @@ class ExperimentConfig:
         m = self.train.grad_accum_steps
         _require(self.data.batch_size % m == 0, "train.grad_accum_steps",
                  f"must divide data.batch_size={self.data.batch_size} (micro-batches of whole rows), got {m}")
+        _require(self.model.mtp_depth < self.data.seq_len, "model.mtp_depth",
+                 f"{self.model.mtp_depth} leaves no target inside a row of data.seq_len={self.data.seq_len} "
+                 "tokens; lower model.mtp_depth")
 
     def replace(self, **sections: Any) -> "ExperimentConfig":
         return dataclasses.replace(self, **sections)

@@ -52,6 +52,10 @@ def test_overrides_apply_and_parse_types():
     ("data.seq_len=2048", r"data\.seq_len: 2048 exceeds model\.max_seq_len=1024"),
     ("model.num_kv_heads=3", r"model\.num_kv_heads: must divide model\.num_heads=4"),
     ("train.stop_at=1000", r"train\.stop_at: must be null or in \[1, train\.steps=600\]"),
+    ("model.mtp_depth=-1", r"model\.mtp_depth: must be >= 0 \(0 = no multi-token prediction\), got -1"),
+    ("model.mtp_depth=256", r"model\.mtp_depth: 256 leaves no target inside a row of data\.seq_len=256"),
+    ("train.mtp_loss_coef=-0.1", r"train\.mtp_loss_coef: must be a finite number >= 0"),
+    ("train.mtp_loss_coef=.nan", r"train\.mtp_loss_coef: must be a finite number >= 0"),
     ("steps=3", r"expected section\.key=value"),
     ("train.steps", r"expected section\.key=value"),
 ])
@@ -164,3 +168,10 @@ def test_overrides_must_be_a_list_of_strings():
     with pytest.raises(ConfigError, match="got list"):
         load_config(overrides=["train.steps=10", 3])
     assert load_config(overrides=("train.steps=10",)).train.steps == 10
+
+
+def test_mtp_coefficient_without_modules_is_accepted():
+    """train.mtp_loss_coef is ignored at model.mtp_depth=0 (a shared base config may set it)."""
+    cfg = load_config(None, ["train.mtp_loss_coef=1.0"])
+    assert cfg.model.mtp_depth == 0 and cfg.train.mtp_loss_coef == 1.0
+    assert load_config(None, ["model.mtp_depth=255"]).model.mtp_depth == 255  # one target per row at most

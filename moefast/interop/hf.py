@@ -274,6 +274,9 @@ def hf_family(cfg: ExperimentConfig) -> str:
     if e.aux_free_bias_rate > 0:
         raise HFFormatError("moe.aux_free_bias_rate > 0: the learned selection bias changes which experts are chosen "
                             "and HF MoE routers have no bias; such a model cannot be exported exactly")
+    if m.mtp_depth:
+        raise HFFormatError(f"model.mtp_depth={m.mtp_depth}: the supported families have no multi-token prediction "
+                            "layers; export a model with model.mtp_depth=0")
     problems = {}
     for model_type, spec in families.REGISTRY.items():
         problems[model_type] = _problems(spec, cfg)
@@ -462,6 +465,9 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     vocab = m.vocab_size
     if vocab is None:
         raise HFFormatError("model.vocab_size is null; build the config with config_from_hf")
+    if m.mtp_depth:
+        raise HFFormatError(f"model.mtp_depth={m.mtp_depth}: multi-token prediction layers are not imported yet; "
+                            "import with model.mtp_depth=0")
     target = _abstract_params(cfg, vocab)
     unrolled = dict(_flat_paths(to_layout(target, m, scanned=False)))
     leaves = _leaves(spec, cfg, _disk_layout(spec, cfg, files.where), {p: a.shape for p, a in unrolled.items()})

@@ -24,6 +24,12 @@ The convention is PaLM's (Chowdhery et al. 2022, appendix B): training FLOPs per
   nothing. With MLA the term is ``6 * L * H * (Hd_qk + Hv) * T``, Hd_qk = ``qk_nope_head_dim +
   qk_rope_head_dim`` and Hv = ``v_head_dim`` (the training path's expanded heads).
 
+Multi-token prediction (``model.mtp_depth`` = D; DeepSeek-V3, arXiv 2412.19437, sec. 2.2): each
+module adds its projection ``M_k`` (``2 * D * D``), one block (attention, and the router and
+``top_k`` experts of an MoE block or the dense SwiGLU) and one more pass through the shared LM head
+to ``N_active``, and one more layer to the attention term (every module runs over all T positions).
+Its embedding lookups are gathers; its three RMSNorm scales count in ``total`` only.
+
 This is *model* FLOPs: the work of exact top-k routing, whatever the implementation does. Capacity
 padding (``capacity_factor`` > 1 computes empty slots), rematerialisation and the optimizer are not
 counted, so MFU is lower when they cost time, as it should be.
@@ -91,6 +97,15 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
     total = layers_total + embed + d + (0 if m.tie_embeddings else embed)  # + final norm
     active = (m.num_layers * attn + n_moe * (d * e.num_experts + e.top_k * expert + shared) + n_dense * dense
               + embed)
+    if m.mtp_depth:  # DeepSeek-V3 sec. 2.2: M_k, one block, three norms; the head is shared (active once more)
+        if n_moe:
+            block_total = attn + norms + d * e.num_experts + shared + e.num_experts * expert
+            block_active = attn + d * e.num_experts + e.top_k * expert + shared
+            experts += m.mtp_depth * e.num_experts * expert
+        else:
+            block_total, block_active = attn + norms + dense, attn + dense
+        total += m.mtp_depth * (2 * d * d + 3 * d + block_total)
+        active += m.mtp_depth * (2 * d * d + block_active + embed)
     return ParamCounts(total=total, active=active,
                        active_with_embedding=active + (0 if m.tie_embeddings else embed), experts=experts)
 
@@ -129,6 +144,7 @@ def model_flops_per_token(cfg: ExperimentConfig, vocab_size: int | None = None, 
     m = cfg.model
     t = cfg.data.seq_len if seq_len is None else seq_len
     n_active = param_counts(cfg, vocab_size).active
+    layers = m.num_layers + m.mtp_depth  # each MTP module has one more attention layer
     if m.attention == "mla":  # scores over Hd_qk features, weighted values over Hv: 6 * L * H * (Hd_qk + Hv) * T
-        return float(6 * n_active + 6 * m.num_layers * m.num_heads * sum(attention_widths(m)) * t)
-    return float(6 * n_active + 12 * m.num_layers * m.num_heads * m.head_dim * t)
+        return float(6 * n_active + 6 * layers * m.num_heads * sum(attention_widths(m)) * t)
+    return float(6 * n_active + 12 * layers * m.num_heads * m.head_dim * t)

@@ -22,9 +22,14 @@ policy of :data:`REMAT_POLICIES`, and identical blocks may be stacked and run by
 (parameter layout: :mod:`moefast.model.layout`). With a KV cache (generation) the stacked blocks are
 sliced and run one by one.
 
+Multi-token prediction (``model.mtp_depth`` = D > 0; DeepSeek-V3, arXiv 2412.19437, sec. 2.2):
+after the main stack, D :class:`MTPModule` s run in sequence (unrolled, also with ``scan_layers``)
+and their logits come back in :attr:`ModelOutput.mtp_logits`; never with a KV cache (generation).
+
 Randomness: every random draw uses ``fold_in(step_key, site)`` with site ``3 * layer`` (dropout of
 the attention output), ``3 * layer + 1`` (dropout of the feed-forward output) and ``3 * layer + 2``
-(expert warm-up routing noise); no key is split or carried between calls.
+(expert warm-up routing noise); no key is split or carried between calls. Multi-token prediction
+module k (1-based) uses layer id ``L + k - 1``.
 """
 
 from __future__ import annotations
@@ -46,9 +51,9 @@ from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map
 from moefast.parallel.precision import dense, embed_lookup
 
-__all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "MLA_NORM_EPS", "MLAttention", "ModelOutput", "REMAT_POLICIES",
-           "Transformer", "attention_impl", "build_model", "cache_bytes_per_token", "causal_attention", "fused_attention",
-           "init_cache", "init_routing_state"]
+__all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "MLA_NORM_EPS", "MLAttention", "MTPModule", "ModelOutput",
+           "REMAT_POLICIES", "Transformer", "attention_impl", "build_model", "cache_bytes_per_token", "causal_attention",
+           "fused_attention", "init_cache", "init_routing_state", "shift_left"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -59,6 +64,9 @@ class ModelOutput(NamedTuple):
     logits: jax.Array  # [B, T, V] float32
     moe: MoEStats | None  # fields stacked over MoE layers: [L_moe, E] / [L_moe]; None without MoE layers
     cache: KVCache | None  # updated cache when one was passed
+    # multi-token prediction (model.mtp_depth = D > 0, no cache): D arrays [B, T, V] float32, entry
+    # k - 1 holding module k's logits for token t_{i+k+1} at row i; None otherwise
+    mtp_logits: tuple[jax.Array, ...] | None = None
 
 
 def _dropout(x, rate: float, key, site: int):
@@ -369,7 +377,7 @@ class DenseMLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ExperimentConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ExperimentConfig, layer: int, *, rngs: nnx.Rngs, is_moe: bool | None = None):
         m = cfg.model
         dtype = _DTYPES[m.dtype]
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
@@ -386,7 +394,7 @@ class Block(nnx.Module):
                                   init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
                                   norm_eps=m.norm_eps, rngs=rngs)
         self.ffn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
-        self.is_moe = m.is_moe_layer(layer)
+        self.is_moe = m.is_moe_layer(layer) if is_moe is None else is_moe
         if self.is_moe:
             self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe, dtype=dtype, init_std=m.init_std, out_std=out_std,
                                 rngs=rngs)
@@ -413,6 +421,72 @@ class Block(nnx.Module):
             f = self.ffn(h)
         x = x + _dropout(f, self.dropout, step_key, 3 * layer + 1)
         return x, stats, new_cache
+
+
+def shift_left(a_bt: jax.Array, k: int, fill=0) -> jax.Array:
+    """``a`` moved k places left along axis 1, the last k columns ``fill``: row i holds ``a[:, i + k]``.
+
+    Args:
+      a_bt: [B, T, ...] array; k: static shift in tokens, 0 <= k.
+      fill: value of the k columns past the end (same dtype as ``a_bt``).
+
+    Returns:
+      [B, T, ...] like ``a_bt``.
+    """
+    if k == 0:
+        return a_bt
+    pad = jnp.full((a_bt.shape[0], min(k, a_bt.shape[1]), *a_bt.shape[2:]), fill, a_bt.dtype)
+    return jnp.concatenate([a_bt[:, k:], pad], axis=1)
+
+
+class MTPModule(nnx.Module):
+    """Multi-token prediction module k (DeepSeek-V3, arXiv 2412.19437, sec. 2.2, eqs. 21-22):
+
+        h'_i^k = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})]      (eq. 21)
+        h^k = RMSNorm_head(TRM_k(h'^k))                               (eq. 22, and the head's norm)
+
+    then ``P^k_{i+k+1} = softmax(OutHead(h_i^k))`` (eq. 23) through the model's shared output head.
+    ``h^0`` is the main model's output after its final RMSNorm, and each module passes its output
+    after its own head norm to the next, as the released checkpoints are used by Hugging Face
+    transformers (5.24, ``MtpModel``) and vLLM; the concatenation puts the embedding first, the
+    checkpoints' order (the paper writes the hidden state first; only ``M_k``'s rows move).
+
+    Parameters (Hugging Face DeepSeek-V3 names of MTP layer ``L + k - 1`` in brackets):
+    ``enorm`` [D] (``enorm``), ``hnorm`` [D] (``hnorm``), ``eh_proj`` [2D, D] (``eh_proj``, stored
+    transposed [D, 2D] there), ``block`` (:class:`Block`, the decoder layer: ``input_layernorm``,
+    ``self_attn``, ``post_attention_layernorm``, ``mlp``), ``head_norm`` [D]
+    (``shared_head.norm``). ``shared_head.head`` and ``embed_tokens`` are the main model's head and
+    embedding (shared, not stored here).
+
+    The block is an MoE block when the model has MoE layers (its statistics, aux and z losses join
+    the main model's, and it has a routing-state row), else dense.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, k: int, *, rngs: nnx.Rngs):
+        m = cfg.model
+        self.dtype = _DTYPES[m.dtype]
+        self.enorm = _rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
+        self.hnorm = _rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
+        self.eh_proj = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (2 * m.d_model, m.d_model)),
+                                 logical_axes=(None, "embed"))
+        has_moe = any(m.is_moe_layer(i) for i in range(m.num_layers))
+        self.block = Block(cfg, m.num_layers + k - 1, rngs=rngs, is_moe=has_moe)
+        self.head_norm = _rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.block.is_moe
+
+    def __call__(self, h_btd, emb_btd, layer, rope, attn_mask, token_mask, cache=None, cache_index=0,
+                 step_key=None, routing_state=None, routing_warmup=None, *, drop_tokens=True):
+        """One module: ``h_btd`` [B, T, D] = h^{k-1} (compute dtype), ``emb_btd`` [B, T, D] =
+        Emb(t_{i+k}) at row i; the rest as :meth:`Block.__call__` (``layer`` = L + k - 1).
+        Returns ``(h^k [B, T, D] in the compute dtype, stats or None, None)``."""
+        x = jnp.concatenate([self.enorm(emb_btd), self.hnorm(h_btd)], axis=-1).astype(self.dtype)
+        x = dense(x, self.eh_proj[...], self.dtype, (None, "embed"))
+        x, stats, _ = self.block(x, layer, rope, attn_mask, token_mask, None, cache_index, step_key,
+                                 routing_state, routing_warmup, drop_tokens=drop_tokens)
+        return self.head_norm(x).astype(self.dtype), stats, None
 
 
 MINIMAL_SAVED = (ROUTING, EXPERT_IN, EXPERT_OUT)
@@ -487,6 +561,10 @@ class Transformer(nnx.Module):
         if not m.tie_embeddings:
             self.lm_head = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (m.d_model, vocab_size)),
                                      logical_axes=("embed", "vocab"))
+        self.mtp_depth = m.mtp_depth
+        if m.mtp_depth:  # after every other parameter: the main model's initial values do not depend on D
+            self.mtp_routing_row = sum(m.is_moe_layer(i) for i in range(m.num_layers))  # MTP rows follow the main's
+            self.mtp = nnx.List([MTPModule(cfg, k, rngs=rngs) for k in range(1, m.mtp_depth + 1)])
 
     def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                  segment_ids_bt: jax.Array | None = None, *, cache: KVCache | None = None,
@@ -578,12 +656,46 @@ class Transformer(nnx.Module):
         else:
             x, moe, new_cache = self._unrolled(x, make, routing_state, cache, **layer_args)
         x = self.final_norm(x).astype(x.dtype)
-        if self.tie_embeddings:
-            logits = dense(x, self.embed[...], self.dtype, ("vocab", "embed"), transposed=True)
-        else:
-            logits = dense(x, self.lm_head[...], self.dtype, ("embed", "vocab"))
-        logits = logits.astype(jnp.float32)
+        logits = self._head(x)
+        if self.mtp_depth and cache is None:
+            mtp_logits, mtp_moe = self._mtp(x, tokens_bt, make, routing_state, **layer_args)
+            if mtp_moe is not None:
+                moe = mtp_moe if moe is None else jax.tree.map(lambda *a: jnp.concatenate(a), moe, mtp_moe)
+            return ModelOutput(logits=logits, moe=moe, cache=None, mtp_logits=mtp_logits)
         return ModelOutput(logits=logits, moe=moe, cache=new_cache)
+
+    def _head(self, x_btd):
+        """The output head (shared by the multi-token prediction modules): float32 [B, T, V]."""
+        if self.tie_embeddings:
+            logits = dense(x_btd, self.embed[...], self.dtype, ("vocab", "embed"), transposed=True)
+        else:
+            logits = dense(x_btd, self.lm_head[...], self.dtype, ("embed", "vocab"))
+        return logits.astype(jnp.float32)
+
+    def _mtp(self, h_btd, tokens_bt, make, routing_state, *, drop_tokens, **kw):
+        """The D multi-token prediction modules in order (DeepSeek-V3 sec. 2.2, eqs. 21-23), each
+        under ``jax.checkpoint`` like a block. Module k reads the embedding of ``t_{i+k}`` (tokens
+        shifted k places left; the k rows past the end read id 0 and are never targets) and the
+        attention tables of the main blocks: the same packed-document mask, and the same positions
+        (module k's inputs sit at the positions of ``t_{i+k}``, k further on inside a document, but
+        rotary attention depends only on position differences, which are the same). Returns
+        ``(D logits [B, T, V] float32, MoE statistics [D, ...] or None)``."""
+        logits, stats = [], []
+        for k, module in enumerate(self.mtp, start=1):
+            emb = embed_lookup(self.embed[...], shift_left(tokens_bt, k), self.dtype, ("vocab", "embed"))
+            rs = None
+            if routing_state is not None and module.is_moe:
+                rs = {n: v[self.mtp_routing_row + k - 1] for n, v in routing_state.items()}
+            attn_mask, rope = make()
+            graphdef, state = nnx.split(module)
+            h_btd, s_k, _ = _block_fn(graphdef, self.remat, drop_tokens)(
+                state, h_btd, emb, self.num_layers + k - 1, rope, attn_mask, kw["token_mask"], None,
+                kw["cache_index"], kw["step_key"], rs, kw["routing_warmup"])
+            logits.append(self._head(h_btd))
+            if s_k is not None:
+                stats.append(s_k)
+        moe = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
+        return tuple(logits), moe
 
     def layer_modules(self) -> list[Block]:
         """The L blocks in order, as modules (scanned stacks sliced, so each holds one layer's
@@ -690,10 +802,12 @@ def build_model(cfg: ExperimentConfig, vocab_size: int, *, seed: int | None = No
 def init_routing_state(cfg: ExperimentConfig) -> dict[str, jax.Array]:
     """Non-trainable routing state, one row per MoE layer: the aux-loss-free selection ``bias``
     (zeros) and the ``load_ema`` of each expert's share of assignments (uniform), float32 [L_moe, E].
-    Empty when the model has no MoE layer."""
+    Empty when the model has no MoE layer. With multi-token prediction (``model.mtp_depth`` = D)
+    the D MTP blocks are MoE layers too: rows L_moe .. L_moe + D - 1, after the main model's."""
     n = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
     if n == 0:
         return {}
+    n += cfg.model.mtp_depth
     e = cfg.moe.num_experts
     return {"bias": jnp.zeros((n, e), jnp.float32), "load_ema": jnp.full((n, e), 1.0 / e, jnp.float32)}
 

@@ -42,7 +42,9 @@ class Evaluator:
 
     def __call__(self, params: dict, routing_state: dict) -> dict[str, float]:
         """Validation loss (``eval_loss``, nats/token) and ``eval_bits_per_byte`` of ``params`` (in
-        the state's shardings) with ``routing_state``, over all validation batches (one transfer)."""
+        the state's shardings) with ``routing_state``, over all validation batches (one transfer).
+        With multi-token prediction also ``eval_mtp_loss``: the mean over the D modules of each
+        one's cross-entropy per target (nats; ``eval_loss`` stays the main model's)."""
         if self._data is None:
             self._data = self._batches()
         totals = None
@@ -53,4 +55,7 @@ class Evaluator:
         totals = jax.device_get(totals)
         ce = float(totals["ce_sum"]) / max(float(totals["weight_sum"]), 1.0)
         bpb = float(totals["ce_sum"]) / LN2 / max(float(totals["bytes"]), 1.0)
-        return {"eval_loss": ce, "eval_bits_per_byte": bpb}
+        out = {"eval_loss": ce, "eval_bits_per_byte": bpb}
+        if "mtp_ce_sum" in totals:
+            out["eval_mtp_loss"] = float(np.mean(totals["mtp_ce_sum"] / np.maximum(totals["mtp_weight_sum"], 1.0)))
+        return out

@@ -24,6 +24,7 @@ from moefast.config import ExperimentConfig
 from moefast.kernels.platform import target_platform
 from moefast.model import ModelOutput, Transformer, build_model, init_routing_state
 from moefast.model.layout import is_stacked_path
+from moefast.model.transformer import shift_left
 
 __all__ = [
     "BATCH_KEYS",
@@ -34,6 +35,7 @@ __all__ = [
     "loss_fn",
     "make_optimizer",
     "micro_batches",
+    "mtp_loss_weights",
     "train_step",
     "update_routing_state",
 ]
@@ -121,6 +123,44 @@ def _loss_terms(out: ModelOutput, batch: dict[str, jax.Array], cfg: ExperimentCo
     return ce_sum, weight_sum
 
 
+def mtp_loss_weights(batch: dict[str, jax.Array], k: int) -> jax.Array:
+    """Weights of multi-token prediction module k's targets (DeepSeek-V3, arXiv 2412.19437, eq. 24).
+
+    Row i's target is ``t_{i+k+1}`` = ``targets[:, i + k]``; it counts, with weight
+    ``loss_weight[:, i + k]``, only when that weight is non-zero and position i + k is in the same
+    packed document as position i (equal non-zero segment ids; documents are contiguous, so every
+    token between them is too). The last k rows of a row have no target.
+
+    Args:
+      batch: ``loss_weight`` [B, T] (any float or int dtype) and ``segment_ids`` [B, T] int.
+      k: the module's depth, 1 <= k < T.
+
+    Returns:
+      [B, T] float32 weights (0 where no target counts).
+    """
+    seg = batch["segment_ids"]
+    same_doc = (shift_left(seg, k) == seg) & (seg != 0)
+    return jnp.where(same_doc, shift_left(batch["loss_weight"].astype(jnp.float32), k, 0.0), 0.0)
+
+
+def _mtp_terms(out: ModelOutput, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy and summed weight of each module's targets, float32 [D] each."""
+    ce_sums, weight_sums = [], []
+    for k, logits in enumerate(out.mtp_logits, start=1):
+        w = mtp_loss_weights(batch, k)
+        ce_bt = optax.softmax_cross_entropy_with_integer_labels(logits, shift_left(batch["targets"], k))
+        ce_sums.append(jnp.sum(jnp.where(w > 0, ce_bt * w, 0.0)))
+        weight_sums.append(jnp.sum(w))
+    return jnp.stack(ce_sums), jnp.stack(weight_sums)
+
+
+def _mtp_weight_totals(cfg: ExperimentConfig, batch: dict[str, jax.Array]) -> jax.Array | None:
+    """Summed target weight of each module over ``batch``, float32 [D]; ``None`` without modules."""
+    if not cfg.model.mtp_depth:
+        return None
+    return jnp.stack([jnp.sum(mtp_loss_weights(batch, k)) for k in range(1, cfg.model.mtp_depth + 1)])
+
+
 def aux_loss_coef(cfg: ExperimentConfig, step: jax.Array) -> jax.Array:
     """The load-balancing coefficient at ``step``: ``moe.aux_loss_coef``, or, with
     ``moe.aux_loss_coef_start`` set, a linear decay from it to ``aux_loss_coef`` over
@@ -134,11 +174,15 @@ def aux_loss_coef(cfg: ExperimentConfig, step: jax.Array) -> jax.Array:
 
 def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step_key: jax.Array | None,
             routing_state: dict[str, jax.Array] | None = None, step: jax.Array | None = None,
-            micro: tuple[jax.Array, jax.Array, int] | None = None
-            ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, Any]]:
+            micro: tuple[jax.Array, jax.Array, int] | tuple[jax.Array, jax.Array, int, jax.Array] | None = None
+            ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]]:
     """Training loss: mean cross-entropy over tokens with non-zero ``loss_weight`` plus
     the load-balancing coefficient (:func:`aux_loss_coef`) times the load-balancing loss and
-    ``z_loss_coef`` times the z-loss, each averaged over MoE layers.
+    ``z_loss_coef`` times the z-loss, each averaged over MoE layers (the blocks of the multi-token
+    prediction modules included), plus, with ``model.mtp_depth`` = D > 0, the multi-token
+    prediction loss ``L_MTP = train.mtp_loss_coef / D * sum_k L_MTP^k`` (DeepSeek-V3, arXiv
+    2412.19437, eq. 25), ``L_MTP^k`` the mean cross-entropy of module k over its targets
+    (:func:`mtp_loss_weights`, eq. 24).
 
     Args:
       params: pure-dict parameters; batch: arrays [B, T] keyed by :data:`BATCH_KEYS`;
@@ -149,11 +193,15 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step
         ``(weight_total, tokens_total, M)``, the global batch's summed ``loss_weight`` and its
         non-padding tokens ([] float32). Each term is then this micro-batch's share of the global
         batch's term, so the M values add up to it: cross-entropy sum / ``weight_total``, z-loss
-        times this micro-batch's tokens / ``tokens_total``, load-balancing loss / M.
+        times this micro-batch's tokens / ``tokens_total``, load-balancing loss / M. With D > 0 a
+        fourth entry, float32 [D], the global batch's summed target weight of each module: each
+        ``L_MTP^k`` is then its cross-entropy sum over it.
 
     Returns:
-      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats))``, float32 scalars; ``moe_stats`` is a
-      :class:`~moefast.model.MoEStats` stacked over MoE layers, or ``None``.
+      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses))``, float32 scalars;
+      ``moe_stats`` is a :class:`~moefast.model.MoEStats` stacked over MoE layers (the main
+      model's, then the D multi-token prediction blocks'), or ``None``; ``mtp_losses`` float32 [D],
+      ``L_MTP^k`` of each module (not scaled by the coefficient), or ``None`` without modules.
     """
     cfg = model_def.cfg
     step = jnp.zeros((), jnp.int32) if step is None else step
@@ -169,12 +217,17 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step
     if micro is None:
         ce = ce_sum / jnp.maximum(weight_sum, 1.0)
     else:
-        weight_total, tokens_total, m = micro
+        weight_total, tokens_total, m = micro[:3]
         ce = ce_sum / jnp.maximum(weight_total, 1.0)
         z = z * (_num_tokens(batch) / jnp.maximum(tokens_total, 1.0))
         aux = aux / m
     loss = ce + aux_loss_coef(cfg, step) * aux + cfg.moe.z_loss_coef * z
-    return loss, (ce, aux, z, out.moe)
+    mtp = None
+    if out.mtp_logits is not None:
+        mtp_ce_sum, mtp_weight_sum = _mtp_terms(out, batch)
+        mtp = mtp_ce_sum / jnp.maximum(mtp_weight_sum if micro is None else micro[3], 1.0)  # [D]
+        loss = loss + cfg.train.mtp_loss_coef * jnp.mean(mtp)
+    return loss, (ce, aux, z, out.moe, mtp)
 
 
 def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.Array],
@@ -196,14 +249,17 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     Returns:
       ``(new_state, metrics)``; metrics are scalars plus, per MoE layer, ``tokens_per_expert``
       [L_moe, E], ``dropped_fraction``, ``router_entropy``, ``aux_loss_per_layer`` and
-      ``z_loss_per_layer`` [L_moe].
+      ``z_loss_per_layer`` [L_moe] (with multi-token prediction, the D MTP blocks are the last D of
+      the L_moe rows). With ``model.mtp_depth`` = D > 0 also ``mtp_loss`` (the mean of the D
+      module losses, before ``train.mtp_loss_coef``) and ``mtp_loss_depth_1`` ..
+      ``mtp_loss_depth_D``; ``total_loss`` includes the weighted MTP loss.
     """
     cfg = model_def.cfg
     step = state["step"]
     random = cfg.model.dropout > 0 or cfg.moe.warmup_steps > 0
     step_key = jax.random.fold_in(base_key, step) if random else None
-    loss, (ce, aux, z, moe), grads = loss_and_grads(model_def, state["params"], state["routing"], batch,
-                                                    step_key, step)
+    loss, (ce, aux, z, moe, mtp), grads = loss_and_grads(model_def, state["params"], state["routing"], batch,
+                                                         step_key, step)
     tx = make_optimizer(cfg)
     grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -239,6 +295,10 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
         metrics["router_entropy"] = moe.router_entropy
         metrics["aux_loss_per_layer"] = moe.aux_loss
         metrics["z_loss_per_layer"] = moe.z_loss
+    if mtp is not None:
+        metrics["mtp_loss"] = jnp.mean(mtp)
+        for k in range(mtp.shape[0]):
+            metrics[f"mtp_loss_depth_{k + 1}"] = mtp[k]
     new_state = {"params": params,
                  "opt_state": opt_state,
                  "step": step + 1,
@@ -291,10 +351,11 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
     load-balancing loss (and ``aux_loss`` per layer) the mean of the micro-batches' values,
     assignments per expert summed, dropped fraction and router entropy weighted by each
     micro-batch's tokens. Micro-batch i's dropout and warm-up key is ``fold_in(step_key, i)``.
+    The multi-token prediction losses are normalised by the whole batch's target weights too.
 
     Returns:
-      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats), grads)``; ``grads`` in the parameters'
-      shardings under a mesh.
+      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses), grads)`` (see
+      :func:`loss_fn`); ``grads`` in the parameters' shardings under a mesh.
     """
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, model_def), has_aux=True)
     m = model_def.cfg.train.grad_accum_steps
@@ -303,18 +364,21 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
         return loss, terms, _constrain_grads(model_def, grads)
     weight_total = jnp.sum(batch["loss_weight"].astype(jnp.float32))
     tokens_total = _num_tokens(batch)
+    totals = (weight_total, tokens_total, m)
+    mtp_totals = _mtp_weight_totals(model_def.cfg, batch)
+    if mtp_totals is not None:
+        totals = (*totals, mtp_totals)
     micro = micro_batches(batch, m)
 
     def body(grad_sum, xs):
         mb, i = xs
         key = None if step_key is None else jax.random.fold_in(step_key, i)
-        (loss, (ce, aux, z, moe)), g = grad_fn(params, mb, key, routing_state, step,
-                                                (weight_total, tokens_total, m))
+        (loss, (ce, aux, z, moe, mtp)), g = grad_fn(params, mb, key, routing_state, step, totals)
         grad_sum = jax.tree.map(jnp.add, grad_sum, _constrain_grads(model_def, g))
-        return grad_sum, (loss, ce, aux, z, moe, _num_tokens(mb) / jnp.maximum(tokens_total, 1.0))
+        return grad_sum, (loss, ce, aux, z, moe, mtp, _num_tokens(mb) / jnp.maximum(tokens_total, 1.0))
 
     zeros = _constrain_grads(model_def, jax.tree.map(jnp.zeros_like, params))
-    grads, (loss, ce, aux, z, moe, share) = jax.lax.scan(body, zeros, (micro, jnp.arange(m)))
+    grads, (loss, ce, aux, z, moe, mtp, share) = jax.lax.scan(body, zeros, (micro, jnp.arange(m)))
     if moe is not None:  # [M, L_moe, ...] -> [L_moe, ...]
         w = share[:, None]
         moe = type(moe)(tokens_per_expert=jnp.sum(moe.tokens_per_expert, axis=0),
@@ -322,7 +386,8 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
                         z_loss=jnp.sum(moe.z_loss * w, axis=0),
                         dropped_fraction=jnp.sum(moe.dropped_fraction * w, axis=0),
                         router_entropy=jnp.sum(moe.router_entropy * w, axis=0))
-    return jnp.sum(loss), (jnp.sum(ce), jnp.sum(aux), jnp.sum(z), moe), grads
+    mtp = None if mtp is None else jnp.sum(mtp, axis=0)  # [M, D] -> [D]
+    return jnp.sum(loss), (jnp.sum(ce), jnp.sum(aux), jnp.sum(z), moe, mtp), grads
 
 
 def _schedule_count(opt_state) -> jax.Array:
@@ -358,7 +423,8 @@ def eval_step(model_def: ModelDef, params: dict, routing_state: dict, batch: dic
     """Summed validation cross-entropy (nats), weight and UTF-8 bytes of one batch.
 
     No randomness and no capacity dropping, so each token's loss does not depend on the rest of
-    the batch.
+    the batch. With multi-token prediction also ``mtp_ce_sum`` and ``mtp_weight_sum``, float32 [D]:
+    each module's summed cross-entropy and target weight (:func:`mtp_loss_weights`).
 
     Args:
       bytes_per_token: int [V], text bytes each token id stands for (bits per byte).
@@ -368,4 +434,8 @@ def eval_step(model_def: ModelDef, params: dict, routing_state: dict, batch: dic
     ce_sum, weight_sum = _loss_terms(out, batch, model_def.cfg)
     w = batch["loss_weight"].astype(jnp.float32)
     nbytes = jnp.sum(jnp.asarray(bytes_per_token, jnp.float32)[batch["targets"]] * w)
+    if out.mtp_logits is not None:
+        mtp_ce_sum, mtp_weight_sum = _mtp_terms(out, batch)
+        return {"ce_sum": ce_sum, "weight_sum": weight_sum, "bytes": nbytes, "mtp_ce_sum": mtp_ce_sum,
+                "mtp_weight_sum": mtp_weight_sum}
     return {"ce_sum": ce_sum, "weight_sum": weight_sum, "bytes": nbytes}

@@ -44,16 +44,23 @@ def run(m, *overrides, mesh_overrides=()):
         return jax.jit(lambda p, r, b: loss_and_grads(md, p, r, b, None, STEP))(state["params"], state["routing"], batch())
 
 
-@pytest.mark.parametrize("mesh_overrides", [(), ("mesh.data=2", "mesh.expert=4")], ids=["1-device", "data2-expert4"])
-def test_micro_batches_give_the_global_batch_loss_and_gradients(mesh_overrides):
-    # aux_loss_coef 0: the gradients are those of cross-entropy + z-loss, which are linear in the batch
-    results = {m: run(m, "moe.aux_loss_coef=0", mesh_overrides=mesh_overrides) for m in (1, 2, 4)}
-    _, (ce1, _, z1, moe1), g1 = results[1]
+@pytest.mark.parametrize("mesh_overrides,mtp", [((), 0), (("mesh.data=2", "mesh.expert=4"), 1)],
+                         ids=["1-device", "data2-expert4-mtp"])
+def test_micro_batches_give_the_global_batch_loss_and_gradients(mesh_overrides, mtp):
+    """On the mesh with a multi-token prediction module: its loss is normalised by the whole
+    batch's MTP targets too (DeepSeek-V3 eq. 24), so it and its gradients equal M = 1's."""
+    # aux_loss_coef 0: the gradients are those of cross-entropy + z-loss (+ MTP), linear in the batch
+    results = {m: run(m, "moe.aux_loss_coef=0", f"model.mtp_depth={mtp}", mesh_overrides=mesh_overrides)
+               for m in (1, 2, 4)}
+    _, (ce1, _, z1, moe1, mtp1), g1 = results[1]
     for m in (2, 4):
-        loss, (ce, aux, z, moe), g = results[m]
+        loss, (ce, aux, z, moe, mtp_m), g = results[m]
         np.testing.assert_allclose(float(ce), float(ce1), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(float(z), float(z1), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(float(loss), float(ce1) + 0.1 * float(z1), rtol=1e-5, atol=1e-5)
+        mtp_term = 0.0 if mtp1 is None else 0.3 * float(np.mean(mtp1))  # train.mtp_loss_coef's default
+        if mtp1 is not None:
+            np.testing.assert_allclose(np.asarray(mtp_m), np.asarray(mtp1), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(float(loss), float(ce1) + 0.1 * float(z1) + mtp_term, rtol=1e-5, atol=1e-5)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
         # the global batch's routing statistics: assignments summed, token-weighted means
@@ -64,27 +71,31 @@ def test_micro_batches_give_the_global_batch_loss_and_gradients(mesh_overrides):
 
 
 @functools.cache
-def micro_batch_references(m):
+def micro_batch_references(m, mtp):
     """(aux(micro-batch i) for each i, the whole batch's aux), each as a batch of its own on one
-    device with the default aux coefficient: the same for every mesh, computed once."""
-    single = ModelDef(load_config(None, [*BASE, f"data.batch_size={32 // m}"]), 259)
+    device with the default aux coefficient (and ``mtp`` prediction modules, whose MoE block counts
+    in aux): the same for every mesh, computed once."""
+    extra = [f"model.mtp_depth={mtp}"]
+    single = ModelDef(load_config(None, [*BASE, f"data.batch_size={32 // m}", *extra]), 259)
     params = single.init_params(0)  # the same initialisation (same seed and shapes)
     micro = micro_batches(batch(), m)
     one = jax.jit(lambda mb: loss_fn(single, params, mb, None, None, STEP)[1])
     per_micro = [one({k: v[i] for k, v in micro.items()}) for i in range(m)]
-    whole = jax.jit(lambda b: loss_fn(ModelDef(load_config(None, BASE), 259), params, b, None, None, STEP)[1][1])(batch())
+    whole_def = ModelDef(load_config(None, [*BASE, *extra]), 259)
+    whole = jax.jit(lambda b: loss_fn(whole_def, params, b, None, None, STEP)[1][1])(batch())
     return per_micro, whole
 
 
-@pytest.mark.parametrize("mesh_overrides", [(), ("mesh.data=2", "mesh.expert=4")], ids=["1-device", "data2-expert4"])
-def test_load_balancing_loss_is_the_mean_over_micro_batches(mesh_overrides):
+@pytest.mark.parametrize("mesh_overrides,mtp", [((), 0), (("mesh.data=2", "mesh.expert=4"), 1)],
+                         ids=["1-device", "data2-expert4-mtp"])
+def test_load_balancing_loss_is_the_mean_over_micro_batches(mesh_overrides, mtp):
     """aux = (1/M) sum_m aux(micro-batch m), each aux(m) the Switch loss of micro-batch m as a batch
     of its own (computed here with M = 1 on one device): not scaled by M or by the data-parallel size.
     The M = 4 run is the one the test above made (aux_loss_coef 0): the step returns the
     load-balancing loss before its coefficient, and the references use the default coefficient."""
     m = 4
-    _, (_, aux, _, moe), _ = run(m, "moe.aux_loss_coef=0", mesh_overrides=mesh_overrides)
-    per_micro, whole = micro_batch_references(m)
+    _, (_, aux, _, moe, _), _ = run(m, "moe.aux_loss_coef=0", f"model.mtp_depth={mtp}", mesh_overrides=mesh_overrides)
+    per_micro, whole = micro_batch_references(m, mtp)
     expected_layers = np.mean([np.asarray(t[3].aux_loss) for t in per_micro], axis=0)
     np.testing.assert_allclose(np.asarray(moe.aux_loss), expected_layers, rtol=1e-5)
     np.testing.assert_allclose(float(aux), float(np.mean([float(t[1]) for t in per_micro])), rtol=1e-5)

@@ -60,12 +60,13 @@ PLAIN = ["train.steps=10", "train.log_every=1", "train.eval_every=0", "train.che
 PREFETCH = (["data.prefetch=0"], ["data.prefetch=3"], ["data.prefetch=1"])  # full run; first and second half
 
 
-FIT = ["data.batch_size=16", "train.grad_accum_steps=2", "model.scan_layers=true", "model.remat=minimal", "model.dropout=0.1"]
+FIT = ["data.batch_size=16", "train.grad_accum_steps=2", "model.scan_layers=true", "model.remat=minimal", "model.dropout=0.1",
+       "model.mtp_depth=1"]  # with a multi-token prediction module (unrolled after the scanned stack)
 
 
 @pytest.mark.parametrize("extra,prefetch", [([], PREFETCH), (["model.dropout=0.1"], ([], [], [])),
                                             (STATEFUL, ([], [], [])), (FIT, ([], [], []))],
-                         ids=["plain-prefetch-0-3-1", "dropout", "stateful-routing", "accumulate-scan-remat"])
+                         ids=["plain-prefetch-0-3-1", "dropout", "stateful-routing", "accumulate-scan-remat-mtp"])
 def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
     """A run of 2N steps equals a run stopped at N and restarted to 2N, bit for bit. With dropout
     and expert warm-up the step's keys derive from the seed and the restored step, so they repeat;
@@ -88,6 +89,13 @@ def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
     losses_full = [r["loss"] for r in read_records(full, "train")]
     losses_split = [r["loss"] for r in read_records(split, "train")]
     assert len(losses_full) == 10 and losses_split == losses_full  # exact float equality
+    if "model.mtp_depth=1" in extra:  # its loss logged apart (and in the total), replayed exactly too
+        mtp = [(r["mtp_loss"], r["mtp_loss_depth_1"]) for r in read_records(split, "train")]
+        assert mtp == [(r["mtp_loss"], r["mtp_loss_depth_1"]) for r in read_records(full, "train")]
+        assert all(a == b and np.isfinite(a) and a > 0 for a, b in mtp)
+        assert all(r["total_loss"] > r["loss"] for r in read_records(full, "train"))
+        assert [np.isfinite(r["eval_mtp_loss"]) for r in read_records(full, "eval")] == [True]
+        assert a_moe_rows(second) == 2 + 1  # the MTP block's routing row after the two main MoE layers
 
     cfg = small_config(*common)
     abstract = second.abstract_state()
@@ -98,6 +106,10 @@ def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
     assert jax.tree.structure(b.state) == jax.tree.structure(second.init_state())  # no list/tuple drift
     for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def a_moe_rows(trainer):
+    return trainer.abstract_state()["routing"]["bias"].shape[0]
 
 
 @pytest.mark.parametrize("first,then", [(False, True), (True, False)], ids=["unrolled-to-scanned", "scanned-to-unrolled"])
