@@ -25,6 +25,12 @@ def _truncate_array_data(step_dir):
             os.truncate(os.path.join(root, f), 10)
 
 
+# The command-line runs' train.steps (part of the learning-rate schedule, so of the compiled step): one
+# step program for both (and test_faults.py's signal runs), compiled once, then loaded from the
+# session's compilation cache; train.stop_at ends a run earlier.
+STEPS = "train.steps=100000"
+
+
 @pytest.mark.slow
 def test_every_checkpoint_corrupt_is_one_error_line(text_dir, tmp_path):
     """``moefast eval`` of a run whose checkpoints are all corrupt prints exactly one line: orbax's
@@ -32,7 +38,7 @@ def test_every_checkpoint_corrupt_is_one_error_line(text_dir, tmp_path):
     cfg = ["--cpu-devices", "1", *SMALL_MODEL, f"data.source={text_dir}"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     p = subprocess.run([sys.executable, "-m", "moefast", "train", "--run-dir", str(tmp_path), "--no-progress", *cfg,
-                        "train.steps=4", "train.checkpoint_every=2", "train.eval_every=0"],
+                        STEPS, "train.stop_at=4", "train.checkpoint_every=2", "train.eval_every=0"],
                        capture_output=True, text=True, env=env, timeout=180)
     assert p.returncode == 0, p.stderr[-2000:]
     for step in ("2", "4"):
@@ -76,7 +82,7 @@ CHILD = textwrap.dedent("""
 def test_second_ctrl_c_while_the_checkpoint_is_written_exits_quietly(text_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     p = subprocess.run([sys.executable, "-c", CHILD, "train", "--run-dir", str(tmp_path), "--cpu-devices", "1",
-                        "--no-progress", *SMALL_MODEL, f"data.source={text_dir}", "train.steps=50",
+                        "--no-progress", *SMALL_MODEL, f"data.source={text_dir}", STEPS,
                         "train.checkpoint_every=0", "train.eval_every=0"],
                        capture_output=True, text=True, env=env, timeout=180)
     assert p.returncode == 130, p.stdout[-2000:] + p.stderr[-3000:]
