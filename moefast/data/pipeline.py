@@ -24,7 +24,7 @@ import numpy as np
 
 from moefast.data.errors import DataError
 from moefast.data.packing import ROW_KEYS, PackedRows, pack_documents
-from moefast.data.prepared import PreparedRows, is_prepared, open_prepared
+from moefast.data.prepared import PreparedRows, corpus_identity, is_prepared, open_prepared
 from moefast.data.sources import SourceStats, load_documents, split_documents
 from moefast.data.tokenizer import Tokenizer
 from moefast.data.tokenizer_registry import get_tokenizer
@@ -55,6 +55,9 @@ class Corpus:
       sft: with ``data.format: sft``, what was made of the conversations (truncated, dropped).
       prepared_val_fraction: for a corpus written by ``moefast prepare``, the validation fraction
         it was split with (``data.val_fraction`` is then not used); None otherwise.
+      prepared_identity: for a corpus written by ``moefast prepare``, the hash of its manifest
+        (:func:`moefast.data.prepared.corpus_identity`), which a run records with its checkpoints so
+        that a resume on a re-prepared corpus is refused; None otherwise.
     """
 
     tokenizer: Tokenizer
@@ -64,6 +67,7 @@ class Corpus:
     held_out_documents: bool = True
     sft: SFTStats | None = None
     prepared_val_fraction: float | None = None
+    prepared_identity: str | None = None
 
     def warnings(self, cfg: DataConfig) -> list[str]:
         """What makes this corpus's validation figures weaker than they look, and settings it does not
@@ -143,13 +147,14 @@ def _load_sft(cfg: DataConfig) -> Corpus:
     """``data.format: sft``: conversations, the loss on the assistant's tokens (:mod:`moefast.data.sft`)."""
     from moefast.data.sft import load_sft  # jinja2 is imported by SFT runs only
 
-    prepared_val_fraction = None
+    prepared_val_fraction = prepared_identity = None
     if is_prepared(cfg.source):  # moefast prepare --format sft: the masks come from the shards
         from moefast.data.prepared_sft import open_prepared_sft
 
         p, train, val, sft = open_prepared_sft(cfg.source, tokenizer=cfg.tokenizer, seq_len=cfg.seq_len,
                                                overlong=cfg.sft_overlong)
         tokenizer, stats, prepared_val_fraction = p.tokenizer, p.stats, p.manifest.get("val_fraction")
+        prepared_identity = corpus_identity(p.manifest)
     else:
         tokenizer = get_tokenizer(cfg.tokenizer)
         train, val, stats, sft = load_sft(cfg.source, tokenizer, seq_len=cfg.seq_len, overlong=cfg.sft_overlong,
@@ -159,7 +164,7 @@ def _load_sft(cfg: DataConfig) -> Corpus:
                         f"rows of data.seq_len={cfg.seq_len} ({sft.summary()}); training needs at least "
                         f"data.batch_size={cfg.batch_size} rows: add conversations or lower data.batch_size")
     return Corpus(tokenizer=tokenizer, train=train, val=val, stats=stats, sft=sft,
-                  prepared_val_fraction=prepared_val_fraction)
+                  prepared_val_fraction=prepared_val_fraction, prepared_identity=prepared_identity)
 
 
 def _load_prepared(cfg: DataConfig) -> Corpus:
@@ -170,7 +175,8 @@ def _load_prepared(cfg: DataConfig) -> Corpus:
         raise DataError(f"{size}; training needs at least data.batch_size={cfg.batch_size} rows: prepare a larger "
                         f"corpus, or lower data.batch_size or data.seq_len")
     return Corpus(tokenizer=p.tokenizer, train=p.train, val=p.val, stats=p.stats,
-                  held_out_documents=p.held_out_documents, prepared_val_fraction=p.manifest.get("val_fraction"))
+                  held_out_documents=p.held_out_documents, prepared_val_fraction=p.manifest.get("val_fraction"),
+                  prepared_identity=corpus_identity(p.manifest))
 
 
 def _check_processes(cfg: DataConfig, process_index: int, process_count: int) -> int:

@@ -95,7 +95,7 @@ from moefast.data.sources import Document, SourceStats
 from moefast.data.tokenizer import ByteTokenizer, Tokenizer
 from moefast.data.tokenizer_registry import get_tokenizer
 
-__all__ = [
+__all__ = ["corpus_identity", 
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
@@ -242,6 +242,22 @@ def tokenizer_identity(tokenizer: Tokenizer) -> str:
                     "Face tokenizers can be prepared")
 
 
+def corpus_identity(manifest: dict) -> str:
+    """``"sha256:<hex>"`` of what a prepared corpus is: its tokenizer's identity, format, dtype,
+    split (rule, shards and their document and token counts) and source files (paths, sizes,
+    mtimes). A run records it with its checkpoints: a data position refers to one corpus, so a
+    resume on a corpus prepared again from changed files is refused. Preparing the same files
+    again with the same arguments gives the same identity (the time taken and the spelling of the
+    command are left out).
+    """
+    src = manifest.get("sources") or {}
+    what = {"tokenizer": (manifest.get("tokenizer") or {}).get("identity"),
+            "split_rule": (manifest.get("split") or {}).get("rule"),
+            **{k: manifest.get(k) for k in ("format_version", "data_format", "dtype", "val_fraction", "splits", "sft")},
+            "sources": {k: src.get(k) for k in ("documents", "bytes", "files")}}
+    return "sha256:" + hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
@@ -346,9 +362,9 @@ def _split_note(rule: str, n: int, held: int, val_fraction: float, unit: str = "
         return (f"split by hash of each {unit}'s id (blake2b < {val_fraction:g}): {held} of {count(n)} held out "
                 "for validation")
     if rule == "smallest_hash":
+        which = f"{unit} of smallest hash is" if held == 1 else f"{count(held)} of smallest hash are"
         return (f"the hash rule (blake2b(id) < {val_fraction:g}) held out {'every' if held == n else 'no'} {unit} "
-                f"of {n}, so the {count(held) + ' of smallest hash are' if held != 1 else unit + ' of smallest hash is'}"
-                " held out instead, whole")
+                f"of {n}, so the {which} held out instead, whole")
     k = min(max(n - 1, 1), max(1, round(n * val_fraction)))
     return (f"{count(n)} {'are' if n != 1 else 'is'} too few to hold whole ones out at --val-fraction "
             f"{val_fraction:g} (the fewest, {k} of {n}, would be {k / n:.0%}): validation is the last "

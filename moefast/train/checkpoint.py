@@ -403,11 +403,17 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: dict[str, Any], data_state: Any, cfg: ExperimentConfig,
-             *, force: bool = False, loop_state: dict[str, Any] | None = None) -> bool:
+             *, force: bool = False, loop_state: dict[str, Any] | None = None,
+             identity: dict[str, Any] | None = None) -> bool:
         """Starts saving ``step`` (returns at once when asynchronous).
 
         ``loop_state``: JSON-serialisable host state of the training loop at ``step`` (e.g. the
         expert-load monitor's counters), stored in ``meta`` as ``"loop"``.
+
+        ``identity``: what the state and data position were made with, stored in ``meta`` as
+        ``"identity"``: ``"tokenizer"`` (``{"name", "vocab_size", "identity"}``, checked by
+        :meth:`restore` before any array is read) and ``"corpus"`` (a prepared corpus's
+        :func:`~moefast.data.prepared.corpus_identity`, checked on resume).
 
         The first save of this object (and the first after a failed write) removes unfinished
         writes (``<step>.orbax-checkpoint-tmp``) that a killed run or a failed write left behind.
@@ -425,7 +431,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {step} already exists in {self.directory}; it is not "
                                   "overwritten")
         # "fresh": no data position (an imported step 0, Trainer.initialize): nothing was trained on yet
-        meta = {"step": int(step), "config": cfg.to_dict(), "fresh": data_state is None, "loop": loop_state or {}}
+        meta = {"step": int(step), "config": cfg.to_dict(), "fresh": data_state is None, "loop": loop_state or {},
+                "identity": identity or {}}
         try:
             started = self.manager.save(int(step), args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
@@ -478,7 +485,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restoring
     def restore(self, abstract_state: dict[str, Any], cfg: ExperimentConfig,
-                step: int | None = None) -> Restored:
+                step: int | None = None, *, tokenizer: dict[str, Any] | None = None) -> Restored:
         """Restores ``step`` (default: latest) into the structure/shardings of ``abstract_state``.
 
         With ``step=None``, steps are tried newest first: a step whose files cannot be read
@@ -493,13 +500,17 @@ class Checkpointer:
             the restored arrays get exactly this tree structure and these shardings.
           cfg: the run's config; its model/moe/data sections must match the checkpoint's.
           step: the step to restore (default: the newest that restores).
+          tokenizer: the run's tokenizer now (``{"name", "vocab_size", "identity"}``); checked
+            against the one the checkpoint records (older checkpoints: the rows of its
+            ``params.embed``) before any array is read.
 
         Raises:
           TypeError: ``abstract_state`` is ``None`` (orbax would then guess the structure from the
             files: lists for tuples, string keys for integers, no empty states).
           CheckpointError: no checkpoint; one written with a different model/moe/data config (at
             once, no fallback); one that this machine cannot hold (out of memory, devices: at
-            once, nothing skipped or moved); no step could be restored (names the directory and,
+            once, nothing skipped or moved); one written with another tokenizer (at once: the
+            message names both); no step could be restored (names the directory and,
             for each step tried, what is wrong with its files); or the given ``step`` could not be
             restored.
         """
@@ -510,7 +521,7 @@ class Checkpointer:
         self._wait_pending()
         if step is not None:
             try:
-                return self._restore_step(abstract_state, cfg, int(step))
+                return self._restore_step(abstract_state, cfg, int(step), tokenizer)
             except _Unreadable as e:
                 raise CheckpointError(f"checkpoint {self._step_dir(step)} could not be restored: {e.reason}") from e
         steps = self.all_steps()[::-1]
@@ -520,7 +531,7 @@ class Checkpointer:
         skipped: list[tuple[int, str]] = []
         for s in steps:
             try:
-                restored = self._restore_step(abstract_state, cfg, s)
+                restored = self._restore_step(abstract_state, cfg, s, tokenizer)
             except _Unreadable as e:
                 skipped.append((s, e.reason))
                 continue
@@ -532,7 +543,8 @@ class Checkpointer:
             f"files are damaged, move the step directories out of {self.directory} to start from scratch, "
             "or use a new --run-dir")
 
-    def _restore_step(self, abstract_state: dict[str, Any], cfg: ExperimentConfig, step: int) -> Restored:
+    def _restore_step(self, abstract_state: dict[str, Any], cfg: ExperimentConfig, step: int,
+                      tokenizer: dict[str, Any] | None = None) -> Restored:
         """Restores one step. Raises :class:`_Unreadable` when its files cannot be read (on any
         process), :class:`CheckpointError` when its config does not fit."""
         meta, error = None, None
@@ -551,11 +563,16 @@ class Checkpointer:
                 free = {k for k in cfg.to_dict()[sec] if k not in PARAMETER_KEYS.get(sec, ())}
             now = {k: v for k, v in cfg.to_dict()[sec].items() if k not in free}
             was = {k: v for k, v in (saved.get(sec) or {}).items() if k not in free}
+            if sec == "data":  # older runs stored paths as typed: the same path, made absolute, is the same
+                was.update({k: now[k] for k in ("source", "tokenizer") if isinstance(was.get(k), str)
+                            and k in now and not os.path.isabs(was[k]) and os.path.abspath(was[k]) == now[k]})
             if was != now:
                 diff = sorted(k for k in now if was.get(k) != now[k])
                 raise CheckpointError(
                     f"checkpoint {self._step_dir(step)} was written with a different '{sec}' "
                     f"config (keys {diff}); use the same config or a new --run-dir")
+        if tokenizer is not None:
+            self._check_tokenizer(step, meta if isinstance(meta, dict) else {}, tokenizer, abstract_state)
         scanned_now = cfg.model.scan_layers
         scanned_then = bool((saved.get("model") or {}).get("scan_layers", False))
         target = abstract_state
@@ -578,6 +595,40 @@ class Checkpointer:
             self._note(f"checkpoint {self._step_dir(step)} was written with model.scan_layers={scanned_then}; "
                        f"its layers were converted to scan_layers={scanned_now}")
         return Restored(step=step, state=state, data_state=r.data, meta=r.meta)
+
+    def _check_tokenizer(self, step: int, meta: dict[str, Any], tokenizer: dict[str, Any],
+                         abstract_state: dict[str, Any]) -> None:
+        """Refuses a checkpoint trained with another tokenizer, before any array is read (whose
+        shape error would otherwise blame the files)."""
+        where, name = self._step_dir(step), tokenizer.get("name")
+        fix = (f"the checkpoint is fine: point data.tokenizer in {self.directory.parent / 'config.yaml'} at the "
+               "tokenizer it was trained with, or restore that tokenizer's files")
+        then = (meta.get("identity") or {}).get("tokenizer")
+        if then:
+            if then.get("vocab_size") != tokenizer.get("vocab_size"):
+                raise CheckpointError(
+                    f"checkpoint {where} was trained with a tokenizer of {then.get('vocab_size')} ids "
+                    f"({then.get('name')!r}), but data.tokenizer {name!r} now has {tokenizer.get('vocab_size')} ids "
+                    f"(its files changed since?); {fix}")
+            if then.get("identity") and tokenizer.get("identity") and then["identity"] != tokenizer["identity"]:
+                raise CheckpointError(
+                    f"checkpoint {where} was trained with another tokenizer than data.tokenizer {name!r} now is "
+                    f"(same {tokenizer.get('vocab_size')} ids, but its files hash to {tokenizer['identity'][:19]}..., "
+                    f"not {then['identity'][:19]}... as in training: they changed since); {fix}")
+            return
+        embed = (abstract_state.get("params") or {}).get("embed") if isinstance(abstract_state, dict) else None
+        if embed is None or not hasattr(embed, "shape"):
+            return
+        try:  # an older checkpoint records no tokenizer: the rows of its embedding
+            saved = json.loads((where / "state" / "_METADATA").read_text())["tree_metadata"]
+            rows = saved["('params', 'embed')"]["value_metadata"]["write_shape"][0]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return  # unreadable: the restore says what is wrong with the files
+        if rows != embed.shape[0]:
+            raise CheckpointError(
+                f"checkpoint {where} has an embedding of {rows} token ids, but this run's model has {embed.shape[0]} "
+                f"(data.tokenizer {name!r}: {tokenizer.get('vocab_size')} ids; its files changed since training?); "
+                f"{fix}")
 
     def _failed(self, step: int, error: BaseException | None, prefix: str = "") -> Exception:
         """The exception for a step that did not restore: :class:`_Unreadable` (skip it, try an

@@ -153,6 +153,8 @@ class Trainer:
         self._ckpt_log = self._log if log is not None else None
         self.progress = progress and self.is_main
         assert_same_config(cfg.to_dict())
+        # paths as typed are stored absolute: the run (config.yaml, checkpoints) works from any directory
+        self.cfg = cfg = run_dir_lib.absolute_data_paths(cfg, self.run_dir)
         self.compile_cache_dir = configure_compilation_cache(cfg.cache.compile_dir)
         # The host malloc policy is the process's: the CLI sets it, a script opts in
         # (moefast.host_memory.configure() before any JAX computation); a Trainer only reports it.
@@ -204,6 +206,27 @@ class Trainer:
                                          process_index=jax.process_index(), process_count=jax.process_count()))
         self.base_key = jax.random.key(cfg.train.seed)
         self._compiled_step = None
+
+    @functools.cached_property
+    def _tokenizer_record(self) -> dict[str, Any]:
+        from moefast.data import DataError
+        from moefast.data.prepared import tokenizer_identity
+
+        try:
+            identity = tokenizer_identity(self.tokenizer)
+        except DataError:  # a kind of tokenizer whose files are not known: its size is still checked
+            identity = None
+        return {"name": self.cfg.data.tokenizer, "vocab_size": self.tokenizer.vocab_size, "identity": identity}
+
+    def identity(self, *, corpus: bool = True) -> dict[str, Any]:
+        """What the run's checkpoints record of its data: the tokenizer (name, size and hash: a
+        checkpoint restored with another is refused before its arrays are read) and, with
+        ``corpus``, the prepared corpus's identity (a resume on a corpus prepared again is
+        refused); ``corpus=False`` does not read the corpus."""
+        out: dict[str, Any] = {"tokenizer": self._tokenizer_record}
+        if corpus and self.corpus.prepared_identity is not None:
+            out["corpus"] = self.corpus.prepared_identity
+        return out
 
     @functools.cached_property
     def corpus(self) -> Corpus:
@@ -384,7 +407,7 @@ class Trainer:
         # checkpoint exists, so a resume from it replays exactly the steps whose records it drops.
         run.writer.sync()
         run.ckpt.save(done, run.state, run.data_state, self.cfg, force=True,
-                      loop_state={"monitor": run.book.monitor.state_dict()})
+                      loop_state={"monitor": run.book.monitor.state_dict()}, identity=self.identity())
 
     def _stopping(self, run: _Run, done: int, *, saved: bool) -> bool:
         """Whether a signal stops the run after step ``done``; if so, its checkpoint is written
@@ -416,7 +439,7 @@ class Trainer:
                             async_save=cfg.checkpoint.async_save, log=self._ckpt_log)
         self._log_setup()
         begin = start_or_resume(cfg, ckpt, data_iter, init_state=self.init_state,
-                                abstract_state=self.abstract_state, log=self._log)
+                                abstract_state=self.abstract_state, log=self._log, identity=self.identity())
         start, last = begin.step, tc.last_step
         writer = self._open_metrics(ckpt, start)
         if start >= last:
@@ -576,7 +599,7 @@ class Trainer:
                                               "routing": init_routing_state(self.cfg),
                                               "step": jnp.zeros((), jnp.int32)},
                                    out_shardings={k: sharding[k] for k in ("opt_state", "routing", "step")})(params)
-                ckpt.save(0, {"params": params, **rest}, None, self.cfg)
+                ckpt.save(0, {"params": params, **rest}, None, self.cfg, identity=self.identity(corpus=False))
                 ckpt.wait()
             finally:
                 ckpt.close()
@@ -594,7 +617,7 @@ class Trainer:
                             log=self._ckpt_log)
         with quiet_orbax_aftermath():
             try:
-                r = ckpt.restore(self.abstract_state(), self.cfg)
+                r = ckpt.restore(self.abstract_state(), self.cfg, tokenizer=self.identity(corpus=False)["tokenizer"])
             finally:
                 ckpt.close()
         return r.step, r.state["params"], r.state["routing"]

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any, Callable
 
 from moefast.config import INVOCATION_KEYS, ExperimentConfig
-from moefast.train.checkpoint import Checkpointer
+from moefast.train.checkpoint import Checkpointer, CheckpointError
 
 __all__ = ["RunStart", "start_or_resume"]
 
@@ -25,7 +25,8 @@ class RunStart:
 
 
 def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, init_state: Callable[[], dict],
-                    abstract_state: Callable[[], dict], log: Callable[[str], None]) -> RunStart:
+                    abstract_state: Callable[[], dict], log: Callable[[str], None],
+                    identity: dict[str, Any] | None = None) -> RunStart:
     """The state a run starts from: the latest checkpoint in ``ckpt`` (its data position is set on
     ``data_iter``), or ``init_state()`` when there is none.
 
@@ -36,15 +37,27 @@ def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, ini
       init_state: makes a fresh train state in its shardings.
       abstract_state: the train state's ``jax.ShapeDtypeStruct`` tree with shardings (the restore target).
       log: console printer for the resume line and notes.
+      identity: what this run trains with, as :meth:`Checkpointer.save` records it
+        (``"tokenizer"``, ``"corpus"``).
 
     Raises:
       CheckpointError: no checkpoint restores, or one was written with another model/moe/data
-        config (:meth:`Checkpointer.restore`); nothing is written before this.
+        config or tokenizer (:meth:`Checkpointer.restore`); its data position refers to a
+        prepared corpus that was prepared again since (``data.source`` now holds another corpus);
+        nothing is written before this.
     """
     if ckpt.latest_step() is None:
         return RunStart(init_state(), 0, {})
-    restored = ckpt.restore(abstract_state(), cfg)  # fails before anything is written
+    identity = identity or {}
+    restored = ckpt.restore(abstract_state(), cfg, tokenizer=identity.get("tokenizer"))  # before anything is written
     start = restored.step
+    then = (restored.meta.get("identity") or {}).get("corpus")
+    if restored.data_state is not None and then and identity.get("corpus") and then != identity["corpus"]:
+        raise CheckpointError(
+            f"data.source {cfg.data.source} is not the prepared corpus checkpoint {ckpt.directory / str(start)} was "
+            f"trained on (its manifest.json differs: prepared again since, from changed files or with other "
+            f"arguments), so the saved data position would continue on another corpus; prepare it again from "
+            f"the files it was prepared from, or train on this corpus in a new --run-dir")
     if restored.data_state is not None:  # None: an imported step 0 (Trainer.initialize), data not yet read
         data_iter.set_state(restored.data_state)
     log(f"resuming from step {start} ({ckpt.directory / str(start)})")

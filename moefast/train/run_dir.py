@@ -15,7 +15,8 @@ import yaml
 from moefast.config import ConfigError, ExperimentConfig, without_invocation_keys
 from moefast.train.checkpoint import CheckpointError, complete_steps
 
-__all__ = ["check_run_dir", "check_writable", "load_run_config", "write_error", "write_run_config"]
+__all__ = ["absolute_data_paths", "check_run_dir", "check_writable", "load_run_config", "write_error",
+           "write_run_config"]
 
 _CONFIG = "config.yaml"
 _PROBE = ".write-probe.tmp"
@@ -95,6 +96,42 @@ def check_writable(run_dir: Path) -> None:
             f"cannot write {run_dir / _CONFIG}: {e.strerror}; nothing was trained or changed ({kept}). Make "
             f"{run_dir} writable or free space (ls -ld {run_dir}; df -h {run_dir}), or choose another --run-dir"
         ) from None
+
+
+_NAMED = {"source": ("stdlib",), "tokenizer": ("byte",)}  # data.* values that are names, not paths
+
+
+def absolute_data_paths(cfg: ExperimentConfig, run_dir: Path) -> ExperimentConfig:
+    """``cfg`` with its relative ``data.source`` and ``data.tokenizer`` paths made absolute, so that
+    the run (its ``config.yaml`` and checkpoints) works from any working directory: a path (or a
+    glob that matches) relative to the working directory becomes absolute; a tokenizer relative to
+    the run dir (``moefast import-hf`` copies one there) is kept as it is.
+
+    Raises:
+      ConfigError: a relative path that exists neither from the working directory nor (a tokenizer)
+        in the run dir, in a run that already has a ``config.yaml`` (one started by an older
+        moefast, which stored paths as typed, from another directory): the message names the key,
+        the path and how to fix it. In a new run such a path is left to the data readers' errors.
+    """
+    import dataclasses
+    import glob
+
+    changes = {}
+    for key, names in _NAMED.items():
+        value = getattr(cfg.data, key)
+        if not value or value in names or os.path.isabs(value) or value.startswith("~"):
+            continue
+        if key == "tokenizer" and (run_dir / value).exists():
+            continue  # run-dir-relative (import-hf): resolved against the run dir when it is used
+        if os.path.exists(value) or (glob.has_magic(value) and glob.glob(value)):
+            changes[key] = os.path.abspath(value)
+        elif (run_dir / _CONFIG).is_file():
+            raise ConfigError(
+                f"data.{key}: {value!r} is a relative path, and {os.path.abspath(value)!r} does not exist (the "
+                f"working directory is {os.getcwd()}); {run_dir / _CONFIG} stores it as typed (a run started by an "
+                f"older moefast): set data.{key} there to its absolute path, or run from the directory the run was "
+                "started in")
+    return cfg.replace(data=dataclasses.replace(cfg.data, **changes)) if changes else cfg
 
 
 def write_run_config(run_dir: Path, cfg: ExperimentConfig) -> None:

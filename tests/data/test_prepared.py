@@ -648,9 +648,20 @@ def test_sigterm_cleans_up_like_ctrl_c_and_says_what_is_left(corpus_dir, tmp_pat
             os.kill(os.getpid(), signal.SIGTERM)
         real_flush(self)
 
+    def unhandled(signum, frame):  # without prepare's own handler, fail the test, not the test process
+        raise AssertionError("SIGTERM reached the process's handler: moefast prepare installs none")
+
     monkeypatch.setattr(prepared_mod._ShardWriter, "flush", terminated_flush)
-    handler = signal.getsignal(signal.SIGTERM)
+    handler = signal.signal(signal.SIGTERM, unhandled)
     out = tmp_path / "new" / "ds"
+    try:
+        _check_sigterm(main, corpus_dir, out, tmp_path, calls, capsys)
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # prepare restores the handler it replaced
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+def _check_sigterm(main, corpus_dir, out, tmp_path, calls, capsys):
     assert main(["prepare", corpus_dir, str(out), "--no-progress"]) == 143
     assert not (tmp_path / "new").exists() and len(calls) == 2
     assert capsys.readouterr().err == f"interrupted (SIGTERM): removed {out}\n"
@@ -660,7 +671,6 @@ def test_sigterm_cleans_up_like_ctrl_c_and_says_what_is_left(corpus_dir, tmp_pat
     assert main(["prepare", corpus_dir, str(existing), "--no-progress"]) == 143
     assert sorted(os.listdir(existing)) == [".prepare-in-progress.json"]  # no .partial-*
     assert capsys.readouterr().err.startswith(f"interrupted (SIGTERM): left {existing / '.prepare-in-progress.json'}")
-    assert signal.getsignal(signal.SIGTERM) is handler  # restored
 
 
 def test_a_chats_jsonl_prepared_as_text_points_to_format_sft(tmp_path, capsys):
@@ -671,3 +681,22 @@ def test_a_chats_jsonl_prepared_as_text_points_to_format_sft(tmp_path, capsys):
     assert main(["prepare", str(chats), str(tmp_path / "ds"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "no field 'text' (fields: ['messages'])" in err and "for conversations use --format sft" in err, err
+
+
+def test_corpus_identity_is_kept_by_the_same_files_and_changed_by_other_ones(corpus_dir, tmp_path):
+    """What a run records of its prepared corpus (a resume refuses another: tests/train/test_run_identity.py):
+    the same files prepared again (--force) keep it; a changed file gives another."""
+    import shutil
+
+    from moefast.data.prepared import corpus_identity
+
+    src = tmp_path / "src"
+    shutil.copytree(corpus_dir, src)
+    out = tmp_path / "ds"
+    first = corpus_identity(prepare(str(src), out, val_fraction=0.2, progress=False))
+    assert load_corpus(_cfg(str(out))).prepared_identity == first
+    assert load_corpus(_cfg(str(src))).prepared_identity is None  # not prepared: nothing to record
+    assert corpus_identity(prepare(str(src), out, val_fraction=0.2, force=True, progress=False)) == first
+    (src / "doc003.txt").write_text("another text altogether")
+    assert corpus_identity(prepare(str(src), out, val_fraction=0.2, force=True, progress=False)) != first
+    assert load_corpus(_cfg(str(out))).prepared_identity != first
