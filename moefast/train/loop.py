@@ -130,7 +130,10 @@ class Trainer:
     Raises:
       ValueError: ``profile`` is not ``1 <= start <= end``.
       ConfigError: ``run_dir`` does not exist and cannot be created (a path component is a file,
-        or the directory above it is not writable); a routing implementation this mesh cannot run.
+        or the directory above it is not writable); a routing implementation this mesh cannot run;
+        a relative ``data.source``/``data.tokenizer`` of an existing run that is not found from the
+        working directory (:func:`moefast.train.run_dir.absolute_data_paths`; found ones are made
+        absolute in :attr:`cfg`).
       CheckpointError: ``run_dir`` exists and is not a directory.
     """
 
