@@ -48,7 +48,8 @@ DEFAULT_CAPACITY_FACTOR = 1.25
 # sections chooses how the same parameters are used).
 PARAMETER_KEYS = {"model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "dense_d_ff",
                             "vocab_size", "tie_embeddings", "num_dense_layers", "moe_every", "attention_bias",
-                            "qk_norm", "position_encoding"),
+                            "qk_norm", "position_encoding", "attention", "q_lora_rank", "kv_lora_rank",
+                            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
                   "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate")}
 # Keys that belong to one invocation of a run, never to the run: the run dir's config.yaml does
 # not keep them, and they are ignored in one that an older moefast wrote with them
@@ -138,6 +139,43 @@ class ModelConfig:
         ``layers`` axis (:mod:`moefast.model.layout`): the leading dense blocks form one stack and
         the MoE/dense pattern of ``moe_every`` one stack per position in the pattern; compile time
         no longer grows with depth. A checkpoint written with either layout restores into the other.
+      attention: the attention block: ``"gqa"`` (grouped-query attention over ``num_heads``,
+        ``num_kv_heads`` and ``head_dim``) or ``"mla"``: multi-head latent attention (DeepSeek-V2,
+        DeepSeek-AI 2024, sec. 2.1, eqs. 9-19; DeepSeek-V3 and GLM-4.7-Flash use it unchanged):
+        keys and values are expanded per head from one normalised compressed vector of
+        ``kv_lora_rank`` features per token, and a RoPE key of ``qk_rope_head_dim`` features shared
+        by every head; decoding caches only those two (:func:`moefast.model.transformer.cache_bytes_per_token`).
+        With ``"mla"``, ``head_dim`` and ``num_kv_heads`` are not used and ``attention_bias`` /
+        ``qk_norm`` must be ``"none"``.
+      q_lora_rank: MLA: rank of the low-rank query projection (eq. 12: ``q_a_proj`` -> RMSNorm ->
+        ``q_b_proj``); ``None`` or 0: one direct query projection ``q_proj`` (DeepSeek-V2-Lite).
+        Hugging Face's ``q_lora_rank``, as are the next four names.
+      kv_lora_rank: MLA: width of the compressed key/value vector (eq. 9, d_c).
+      qk_nope_head_dim: MLA: per-head query/key features without RoPE (eqs. 10, 13).
+      qk_rope_head_dim: MLA: per-head query features with RoPE, and the width of the shared RoPE key
+        (eqs. 14-15, d_h^R); even.
+      v_head_dim: MLA: per-head value width (eq. 11). The softmax scale is
+        ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` (times the YaRN multiplier below).
+      partial_rotary_factor: fraction of each head's ``head_dim`` features that RoPE rotates: the
+        first ``int(head_dim * partial_rotary_factor)`` (rotate-half within them, the rest pass
+        unchanged; GLM-4.5: 0.5), Hugging Face's name. The rotated width must be even. 1.0 with
+        ``"mla"`` (its RoPE width is ``qk_rope_head_dim``).
+      rope_type: ``"default"`` (RoFormer frequencies) or ``"yarn"``: YaRN scaling of the RoPE
+        frequencies (Peng et al. 2023, "YaRN", sec. 3.2-3.4; Hugging Face ``rope_type: yarn``): each
+        frequency is interpolated by ``rope_factor`` or kept, with a linear ramp between the
+        dimensions whose wavelength makes ``beta_fast`` and ``beta_slow`` rotations over
+        ``original_max_position_embeddings`` (floor/ceil of the bounds, HF's default
+        ``truncate``), and cos/sin are multiplied by the attention factor
+        ``m(rope_factor, mscale) / m(rope_factor, mscale_all_dim)`` when both are set, else
+        ``m(rope_factor, 1)``, with ``m(s, a) = 0.1 * a * ln(s) + 1`` for s > 1, else 1 (eq. 22).
+        With ``"mla"`` the softmax scale is also multiplied by ``m(rope_factor, mscale_all_dim) ** 2``
+        when ``mscale_all_dim`` is set (DeepSeek-V2/V3's checkpoints).
+      rope_factor: YaRN: context extension factor s (HF ``rope_parameters.factor``), >= 1.
+      original_max_position_embeddings: YaRN: the pretraining context length, in tokens (HF's name).
+      beta_fast, beta_slow: YaRN: ramp bounds, in rotations over the original context (alpha and beta
+        of the paper, sec. 3.2; HF's names, defaults 32 and 1).
+      mscale, mscale_all_dim: YaRN: DeepSeek's attention-factor coefficients (HF's names; ``None``
+        or 0: not set).
 """
 
     d_model: int = 256
@@ -163,6 +201,20 @@ class ModelConfig:
     init_std: float = 0.02
     remat: Literal["none", "full", "save_dots", "save_dots_no_batch", "minimal"] = "none"
     scan_layers: bool = False
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    partial_rotary_factor: float = 1.0
+    rope_type: Literal["default", "yarn"] = "default"
+    rope_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self):
         _check_choices(self, "model")
@@ -182,6 +234,44 @@ class ModelConfig:
         _require(self.rope_base > 1.0, "model.rope_base", f"must be > 1, got {self.rope_base}")
         _require(self.position_encoding != "sinusoidal" or self.d_model % 2 == 0, "model.d_model",
                  f"must be even for sinusoidal position encodings, got {self.d_model}")
+        self._check_attention()
+        self._check_rope()
+
+    def _check_attention(self):
+        if self.attention != "mla":
+            _require(0.0 < self.partial_rotary_factor <= 1.0 and self.rotary_dim >= 2 and self.rotary_dim % 2 == 0,
+                     "model.partial_rotary_factor", f"must be in (0, 1] and rotate an even number >= 2 of the "
+                     f"head_dim={self.head_dim} features, got {self.partial_rotary_factor} ({self.rotary_dim} features)")
+            return
+        _require(self.q_lora_rank is None or self.q_lora_rank >= 0, "model.q_lora_rank",
+                 f"must be >= 1, or 0 / null for a direct query projection; got {self.q_lora_rank}")
+        for k in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _require(getattr(self, k) >= 1, f"model.{k}", f"must be >= 1 with model.attention=mla, got {getattr(self, k)}")
+        _require(self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
+                 f"must be even and >= 2 with model.attention=mla, got {self.qk_rope_head_dim}")
+        _require(self.position_encoding == "rope", "model.position_encoding",
+                 "model.attention=mla rotates its qk_rope_head_dim features: use rope")
+        _require(self.num_kv_heads is None or self.num_kv_heads == self.num_heads, "model.num_kv_heads",
+                 f"model.attention=mla expands keys and values for every head: leave it null (got {self.num_kv_heads})")
+        _require(self.attention_bias == "none", "model.attention_bias",
+                 f"model.attention=mla has no projection biases here: use none (got {self.attention_bias})")
+        _require(self.qk_norm == "none", "model.qk_norm",
+                 f"model.attention=mla normalises its compressed vectors instead: use none (got {self.qk_norm})")
+        _require(self.partial_rotary_factor == 1.0, "model.partial_rotary_factor",
+                 "model.attention=mla rotates exactly qk_rope_head_dim features: use 1.0 and set qk_rope_head_dim")
+
+    def _check_rope(self):
+        if self.rope_type != "yarn":
+            return
+        _require(self.position_encoding == "rope", "model.rope_type", "yarn scales RoPE: needs model.position_encoding=rope")
+        _require(self.rope_factor >= 1.0 and math.isfinite(self.rope_factor), "model.rope_factor",
+                 f"must be a finite number >= 1 with model.rope_type=yarn, got {self.rope_factor}")
+        _require(self.original_max_position_embeddings is not None and self.original_max_position_embeddings >= 1,
+                 "model.original_max_position_embeddings",
+                 f"model.rope_type=yarn needs the pretraining context length (>= 1), got "
+                 f"{self.original_max_position_embeddings}")
+        _require(self.beta_fast > 0 and self.beta_slow > 0, "model.beta_fast",
+                 f"beta_fast and beta_slow must be > 0, got {self.beta_fast} and {self.beta_slow}")
 
     @property
     def dense_ff(self) -> int:
@@ -191,6 +281,14 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each query/key head that RoPE rotates: ``qk_rope_head_dim`` with MLA, else
+        ``int(head_dim * partial_rotary_factor)`` (Hugging Face's rounding)."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` (0-based) has an MoE feed-forward."""

@@ -68,6 +68,39 @@ def test_routing_options():
         load_config(None, ["moe.capacity_mode=dynamic", "moe.capacity_factor_max=1.0"])
 
 
+@pytest.mark.parametrize("overrides,key", [
+    (["model.attention=mla", "model.num_kv_heads=2"], "model.num_kv_heads"),
+    (["model.attention=mla", "model.attention_bias=qkv"], "model.attention_bias"),
+    (["model.attention=mla", "model.qk_norm=per_head"], "model.qk_norm"),
+    (["model.attention=mla", "model.qk_rope_head_dim=5"], "model.qk_rope_head_dim"),
+    (["model.attention=mla", "model.kv_lora_rank=0"], "model.kv_lora_rank"),
+    (["model.attention=mla", "model.q_lora_rank=-1"], "model.q_lora_rank"),
+    (["model.attention=mla", "model.partial_rotary_factor=0.5"], "model.partial_rotary_factor"),
+    (["model.attention=mla", "model.position_encoding=sinusoidal"], "model.position_encoding"),
+    (["model.attention=mqa"], "model.attention"),
+    (["model.partial_rotary_factor=0.03"], "model.partial_rotary_factor"),  # 64 * 0.03 = 1 feature
+    (["model.partial_rotary_factor=1.5"], "model.partial_rotary_factor"),
+    (["model.rope_type=yarn"], "model.original_max_position_embeddings"),
+    (["model.rope_type=yarn", "model.original_max_position_embeddings=256", "model.rope_factor=0.5"],
+     "model.rope_factor"),
+    (["model.rope_type=yarn", "model.original_max_position_embeddings=256", "model.position_encoding=sinusoidal"],
+     "model.rope_type"),
+    (["model.rope_type=yarn", "model.original_max_position_embeddings=256", "model.beta_slow=0"], "model.beta_fast"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_impossible_attention_and_rope_choices_name_the_field(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')}: "):
+        load_config(None, overrides)
+
+
+def test_attention_and_rope_options_load():
+    m = load_config(None, ["model.attention=mla", "model.q_lora_rank=null", "model.rope_type=yarn",
+                           "model.rope_factor=40", "model.original_max_position_embeddings=4096",
+                           "model.mscale=1.0", "model.mscale_all_dim=1.0"]).model
+    assert (m.rotary_dim, m.q_lora_rank, m.kv_heads) == (64, None, 4)
+    assert load_config(None, ["model.head_dim=128", "model.partial_rotary_factor=0.5"]).model.rotary_dim == 64
+    assert load_config(None).model.rotary_dim == 64 and load_config(None).model.attention == "gqa"
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="not found; shipped configs: .*tiny.yaml"):
         load_config(tmp_path / "nope.yaml")

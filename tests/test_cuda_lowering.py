@@ -99,3 +99,25 @@ def test_triton_routing_kernel_assembles_with_the_cuda12_ptxas(user_ptxas, tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     version, cubin_bytes, cuda = proc.stdout.split(maxsplit=2)
     assert cuda.strip() == "(12, 9)" and version == "8.8" and int(cubin_bytes) > 10_000
+
+
+def test_mla_flash_attention_lowers_for_cuda(small_config, monkeypatch):
+    """MLA on the fused path as a GPU step runs it (kernel compiled, not interpreted): values of
+    ``v_head_dim`` padded to the 12 query/key features, forward and gradients."""
+    from flax import nnx
+
+    from moefast.model import build_model, transformer
+
+    monkeypatch.setattr(transformer, "target_platform", lambda: "gpu")
+    cfg = small_config("model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=12",
+                       "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6",
+                       "model.attention_impl=flash", "model.num_layers=1", "model.num_dense_layers=1",
+                       "model.dtype=bfloat16")
+    graphdef, params = nnx.split(build_model(cfg, 259, seed=0))
+    tokens = jax.ShapeDtypeStruct((2, 32), jnp.int32)
+
+    def loss(params, tokens):
+        return nnx.merge(graphdef, params)(tokens, None, jnp.ones_like(tokens)).logits.sum()
+
+    text = _lower_for_cuda(jax.grad(loss), params, tokens)
+    assert text.count(TRITON_CALL) == 3  # the forward kernel; the backward's preprocessing and its dq/dk/dv kernel

@@ -1,7 +1,8 @@
 """Fused (flash) causal attention over packed documents: JAX's Pallas Triton kernel, fitted to moefast's
 shapes.
 
-Dimension letters: B batch, T tokens, H query heads, G key/value heads, Hd head dimension.
+Dimension letters: B batch, T tokens, H query heads, G key/value heads, Hd head dimension of queries
+and keys, Hv of values.
 
 The kernel is :func:`jax.experimental.pallas.ops.gpu.attention.mha` (online softmax over key blocks,
 Dao et al. 2022, FlashAttention, Algorithm 1; causal key blocks past the query block skipped; a
@@ -14,6 +15,9 @@ and T a multiple of its block, so this wrapper
 * pads T at the end up to a multiple of the block. The padded keys come after every real query, so
   the causal mask hides them; the padded queries attend to themselves only and are cut off (their
   cotangent is 0, so they add nothing to the gradients).
+* pads the narrower of the query/key and value widths with zero features when they differ (MLA:
+  Hd = 192 against Hv = 128 in DeepSeek-V3): zero query/key features add nothing to a logit (the
+  scale stays that of the real Hd), zero value features are cut off the output.
 
 On GPU the kernel is compiled by Triton; on CPU it runs in the Pallas interpreter (slow: for tests).
 """
@@ -45,7 +49,8 @@ def flash_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
 
     Args:
       q_bthd: [B, T, H, Hd] queries, float16/bfloat16/float32.
-      k_btgd, v_btgd: [B, T, G, Hd] keys and values in the queries' dtype (H divisible by G).
+      k_btgd: [B, T, G, Hd] keys, v_btgd: [B, T, G, Hv] values, in the queries' dtype (H divisible
+        by G; Hv may differ from Hd: MLA).
       segment_ids_bt: [B, T] int document ids: query t sees key s <= t of the same id.
       sm_scale: logit scale; ``None``: ``Hd ** -0.5``.
       block: rows of the forward kernel's query and key blocks (a power of two).
@@ -53,7 +58,7 @@ def flash_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
         (:func:`~moefast.kernels.platform.target_platform`).
 
     Returns:
-      [B, T, H, Hd] in the queries' dtype; differentiable (``jax.grad``/``jax.vjp``; not
+      [B, T, H, Hv] in the queries' dtype; differentiable (``jax.grad``/``jax.vjp``; not
       ``jax.jvp``) with respect to q, k and v. Equals :func:`.reference.attention_reference` to
       float rounding.
 
@@ -75,6 +80,11 @@ def flash_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
     k = jnp.repeat(k_btgd, h // g, axis=2) if g != h else k_btgd
     v = jnp.repeat(v_btgd, h // g, axis=2) if g != h else v_btgd
     q, seg = q_bthd, segment_ids_bt.astype(jnp.int32)
+    hv = v.shape[-1]
+    if hv != hd:  # one width for the kernel: zero features change no logit and are cut off the output
+        width = max(hd, hv)
+        feat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - x.shape[-1])))
+        q, k, v = feat(q), feat(k), feat(v)
     if tp != t:
         pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
@@ -84,4 +94,5 @@ def flash_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
                                         block_kv_dq=min(32, rows))
     o = pallas_attention.mha(q, k, v, seg, sm_scale=hd ** -0.5 if sm_scale is None else sm_scale, causal=True,
                              block_sizes=sizes, interpret=interpret)
-    return o[:, :t] if tp != t else o
+    o = o[:, :t] if tp != t else o
+    return o[..., :hv] if hv != hd else o

@@ -266,6 +266,11 @@ def hf_family(cfg: ExperimentConfig) -> str:
     m, e = cfg.model, cfg.moe
     if m.position_encoding != "rope":
         raise HFFormatError("model.position_encoding: HF MoE families use RoPE; 'sinusoidal' cannot be exported")
+    unsupported = [f"model.{k}={getattr(m, k)}" for k, plain in (("attention", "gqa"), ("rope_type", "default"),
+                                                                  ("partial_rotary_factor", 1.0)) if getattr(m, k) != plain]
+    if unsupported:
+        raise HFFormatError(f"{', '.join(unsupported)}: no Hugging Face family of moefast has it yet (DeepSeek-V2/V3 "
+                            "and GLM-4.5 export is to come); such a model cannot be exported")
     if e.aux_free_bias_rate > 0:
         raise HFFormatError("moe.aux_free_bias_rate > 0: the learned selection bias changes which experts are chosen "
                             "and HF MoE routers have no bias; such a model cannot be exported exactly")

@@ -14,11 +14,20 @@ and cosine are computed inside the step in float32, by every layer that needs th
 
 Neither path ever computes a phase in bfloat16: at position 4095 a bf16 phase is off by up to
 8 radians (bf16 keeps 8 significant bits), which scrambles the rotation.
+
+Variants: YaRN frequency scaling (:class:`Yarn`, ``model.rope_type=yarn``) changes the frequencies
+and scales cos/sin, still in one constant table; partial rotary (``model.partial_rotary_factor``)
+is a table of the rotated width, :func:`apply_rope` passing the other features unchanged.
+Checkpoints whose RoPE features are interleaved pairs (DeepSeek's ``rope_interleave``) are
+converted once, at import, by permuting weight columns (:func:`rope_deinterleave_permutation`):
+the runtime has one layout, rotate-half.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 import threading
 from typing import Callable
 
@@ -29,12 +38,15 @@ import numpy as np
 __all__ = [
     "TABLES",
     "TableCache",
+    "Yarn",
     "apply_rope",
     "check_positions",
     "rope_cos_sin",
+    "rope_deinterleave_permutation",
     "rope_table",
     "sinusoidal_encoding",
     "sinusoidal_table",
+    "yarn_mscale",
 ]
 
 
@@ -125,13 +137,87 @@ def _rope_inv_freq(head_dim: int, base: float, dtype=np.float64) -> np.ndarray:
     return (base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(dtype)
 
 
-def rope_table(max_seq_len: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention-temperature factor ``0.1 * mscale * ln(scale) + 1`` for ``scale > 1``, else 1
+    (Peng et al. 2023, "YaRN", sec. 3.4, eq. 22 with DeepSeek's coefficient ``mscale``); a
+    dimensionless multiplier."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large
+    Language Models", sec. 3.2 "NTK-by-parts" and 3.4), as Hugging Face's ``rope_type: yarn``
+    computes it (``truncate`` true, its default).
+
+    Attributes:
+      factor: s, the context extension (``rope_parameters.factor``), >= 1.
+      original_max_position_embeddings: L, the pretraining context, in tokens.
+      beta_fast, beta_slow: the ramp's bounds alpha/beta, in rotations over L (32 and 1).
+      mscale, mscale_all_dim: DeepSeek's coefficients of :func:`yarn_mscale` (``None``/0: unset).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    @classmethod
+    def from_config(cls, model_cfg) -> "Yarn | None":
+        """The scaling of a :class:`~moefast.config.ModelConfig` (``None`` unless ``rope_type`` is yarn)."""
+        m = model_cfg
+        if m.rope_type != "yarn":
+            return None
+        return cls(float(m.rope_factor), int(m.original_max_position_embeddings), float(m.beta_fast),
+                   float(m.beta_slow), m.mscale, m.mscale_all_dim)
+
+    @property
+    def attention_factor(self) -> float:
+        """The multiplier of cos and sin (so of every rotated query/key feature; the paper's
+        sqrt(1/t), sec. 3.4): ``m(s, mscale) / m(s, mscale_all_dim)`` when both are set, else
+        ``m(s, 1)`` (:func:`yarn_mscale`)."""
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_multiplier(self) -> float:
+        """DeepSeek-V2/V3's multiplier of the MLA softmax scale: ``m(s, mscale_all_dim) ** 2`` when
+        ``mscale_all_dim`` is set, else 1."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    def inv_freq(self, dim: int, base: float) -> np.ndarray:
+        """float64 [dim/2] frequencies: pair i keeps ``base**(-2i/dim)`` when its wavelength turns
+        more than ``beta_fast`` times over L, is divided by s when it turns fewer than
+        ``beta_slow`` times, and in between blends linearly in i (sec. 3.2, the ramp gamma)."""
+        def pair_index(rotations):  # the i whose wavelength 2*pi*base**(2i/dim) turns `rotations` times over L
+            return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(pair_index(self.beta_fast)), 0)
+        high = min(math.ceil(pair_index(self.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)  # 1: interpolate
+        extrapolated = _rope_inv_freq(dim, base)
+        return extrapolated / self.factor * ramp + extrapolated * (1.0 - ramp)
+
+    def key(self) -> tuple:
+        """Hashable parameters for :data:`TABLES`."""
+        return ("yarn", self.factor, self.original_max_position_embeddings, self.beta_fast, self.beta_slow,
+                self.mscale or 0.0, self.mscale_all_dim or 0.0)
+
+
+def rope_table(max_seq_len: int, head_dim: int, base: float, yarn: Yarn | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of ``position * base**(-2i/head_dim)`` (RoFormer eq. 15), from :data:`TABLES`.
 
     Args:
       max_seq_len: S, positions 0..S-1.
-      head_dim: per-head width (even).
+      head_dim: rotated width per head (even): the whole head, or the rotated part of it.
       base: wavelength base (10000 in RoFormer).
+      yarn: YaRN scaling (:class:`Yarn`): its frequencies, and cos/sin times its
+        ``attention_factor``; ``None``: plain RoPE.
 
     Returns:
       ``(cos, sin)``, each float32 [S, F]; the phase is computed in float64. Read-only views of one
@@ -144,11 +230,39 @@ def rope_table(max_seq_len: int, head_dim: int, base: float) -> tuple[np.ndarray
         raise ValueError(f"head_dim={head_dim} must be even for RoPE")
 
     def build(n: int) -> np.ndarray:
-        phase = np.arange(n, dtype=np.float64)[:, None] * _rope_inv_freq(head_dim, base)[None, :]
-        return np.stack([np.cos(phase), np.sin(phase)], axis=1).astype(np.float32)
+        inv_freq = _rope_inv_freq(head_dim, base) if yarn is None else yarn.inv_freq(head_dim, base)
+        phase = np.arange(n, dtype=np.float64)[:, None] * inv_freq[None, :]
+        table = np.stack([np.cos(phase), np.sin(phase)], axis=1)
+        return (table if yarn is None else table * yarn.attention_factor).astype(np.float32)
 
-    table = TABLES.get("rope", max_seq_len, head_dim, np.float32, (float(base),), build)
+    params = (float(base),) if yarn is None else (float(base), *yarn.key())
+    table = TABLES.get("rope", max_seq_len, head_dim, np.float32, params, build)
     return table[:, 0], table[:, 1]
+
+
+def rope_deinterleave_permutation(rope_dim: int) -> np.ndarray:
+    """The permutation that takes RoPE features stored as interleaved pairs to moefast's
+    rotate-half layout.
+
+    Checkpoints with ``rope_interleave`` (DeepSeek-V2/V3, GLM-4.7-Flash) rotate features (2i, 2i+1)
+    together by frequency i; moefast rotates (i, i + F). Reordering the output columns of the
+    projections that produce rotated features (MLA's ``kv_a_proj_with_mqa`` rope columns and each
+    head's rope columns of ``q_b_proj`` / ``q_proj``) by this permutation, once at import, makes
+    :func:`apply_rope` compute exactly Hugging Face's de-interleaved rotation, and the same
+    attention scores as the interleaved (complex) one of DeepSeek-V2.
+
+    Args:
+      rope_dim: R, the rotated features per head (even).
+
+    Returns:
+      int64 [R]: ``new[..., j] = interleaved[..., perm[j]]``, i.e. ``[0, 2, ..., R-2, 1, 3, ..., R-1]``.
+
+    Raises:
+      ValueError: ``rope_dim`` is odd or < 2.
+    """
+    if rope_dim < 2 or rope_dim % 2:
+        raise ValueError(f"rope_dim={rope_dim} must be even and >= 2")
+    return np.concatenate([np.arange(0, rope_dim, 2), np.arange(1, rope_dim, 2)])
 
 
 def sinusoidal_table(max_seq_len: int, d_model: int, dtype=np.float32) -> np.ndarray:
@@ -201,35 +315,49 @@ def _phase_f32(positions_bt: jax.Array, width: int, base: float, max_seq_len: in
 
 
 def rope_cos_sin(positions_bt: jax.Array, max_seq_len: int, head_dim: int, base: float, *,
-                 cached: bool = True) -> tuple[jax.Array, jax.Array]:
+                 cached: bool = True, yarn: Yarn | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin for each token's position, ready for :func:`apply_rope`.
 
     Args:
       positions_bt: [B, T] int positions in [0, max_seq_len).
+      head_dim: the rotated width 2F (the whole head, or its rotated part).
       cached: gather from the constant :func:`rope_table` (True) or compute in the step (False).
+      yarn: YaRN scaling (:class:`Yarn`) or ``None``.
 
     Returns:
       ``(cos, sin)``, float32 [B, T, 1, F]; NaN rows for out-of-range positions.
     """
     if cached:
-        cos, sin = rope_table(max_seq_len, head_dim, float(base))
+        cos, sin = rope_table(max_seq_len, head_dim, float(base), yarn)
         cos_btf, sin_btf = _gather_rows(cos, positions_bt), _gather_rows(sin, positions_bt)
-    else:
+    elif yarn is None:
         phase = _phase_f32(positions_bt, head_dim, float(base), max_seq_len)
         cos_btf, sin_btf = jnp.cos(phase), jnp.sin(phase)
+    else:  # the frequencies are a constant; the phase, its cos and sin are computed in the step
+        valid = (positions_bt >= 0) & (positions_bt < max_seq_len)
+        inv_freq = jnp.asarray(yarn.inv_freq(head_dim, float(base)), jnp.float32)
+        phase = jnp.where(valid[..., None], positions_bt.astype(jnp.float32)[..., None] * inv_freq[None, None, :], jnp.nan)
+        factor = jnp.float32(yarn.attention_factor)
+        cos_btf, sin_btf = jnp.cos(phase) * factor, jnp.sin(phase) * factor
     return cos_btf[:, :, None, :], sin_btf[:, :, None, :]
 
 
 def apply_rope(x_bthd: jax.Array, cos_bt1f: jax.Array, sin_bt1f: jax.Array) -> jax.Array:
-    """Rotates query/key features by their positions (rotate-half layout).
+    """Rotates query/key features by their positions (rotate-half layout: feature i and i + F
+    form a pair).
 
     Args:
       x_bthd: [B, T, H, head_dim] queries or keys, any float dtype.
-      cos_bt1f, sin_bt1f: float32 [B, T, 1, head_dim/2] from :func:`rope_cos_sin`.
+      cos_bt1f, sin_bt1f: float32 [B, T, 1, F] from :func:`rope_cos_sin`, 2F <= head_dim. With
+        2F < head_dim (partial rotary, Hugging Face's ``partial_rotary_factor``) the first 2F
+        features rotate and the others pass unchanged.
 
     Returns:
       [B, T, H, head_dim] in ``x_bthd.dtype``; the rotation is computed in float32.
     """
+    rot = 2 * cos_bt1f.shape[-1]
+    if rot < x_bthd.shape[-1]:
+        return jnp.concatenate([apply_rope(x_bthd[..., :rot], cos_bt1f, sin_bt1f), x_bthd[..., rot:]], axis=-1)
     x = x_bthd.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
     out = jnp.concatenate([x1 * cos_bt1f - x2 * sin_bt1f, x2 * cos_bt1f + x1 * sin_bt1f], axis=-1)

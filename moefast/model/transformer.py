@@ -9,6 +9,9 @@ Block (pre-norm): ``x + Attn(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))`` where FF
 computed by :func:`causal_attention` (XLA einsums over the causal key blocks, a [B, 1, T, T] mask)
 or by the fused kernel :func:`fused_attention` (segment ids, memory linear in T), chosen by
 ``model.attention_impl`` (:func:`attention_impl`; ``"auto"``: fused when compiling for GPUs).
+With ``model.attention=mla`` the block's attention is :class:`MLAttention` (DeepSeek-V2/V3
+multi-head latent attention) on the same two paths, and the generation cache holds its compressed
+vectors (:func:`cache_bytes_per_token`).
 
 Caching (``cache.tables``): the positional rows (gathered from constant tables, see
 :mod:`moefast.model.positional`) and the attention mask are computed once per forward pass and
@@ -38,17 +41,18 @@ from moefast.kernels.attention import flash_attention
 from moefast.kernels.platform import target_platform
 from moefast.model.layout import layer_layout
 from moefast.model.moe import MoELayer, MoEStats
-from moefast.model.positional import apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
+from moefast.model.positional import Yarn, apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
 from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map
 from moefast.parallel.precision import dense, embed_lookup
 
-__all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "ModelOutput", "REMAT_POLICIES", "Transformer", "attention_impl",
-           "build_model", "causal_attention", "fused_attention", "init_cache", "init_routing_state"]
+__all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "MLA_NORM_EPS", "MLAttention", "ModelOutput", "REMAT_POLICIES",
+           "Transformer", "attention_impl", "build_model", "cache_bytes_per_token", "causal_attention", "fused_attention",
+           "init_cache", "init_routing_state"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-KVCache = list  # per layer: {"k": [B, S, G, Hd], "v": [B, S, G, Hd]}
+KVCache = list  # per layer: {"k": [B, S, G, Hd], "v": [B, S, G, Hd]} (GQA) or {"kv": [B, S, C], "k_rope": [B, S, R]} (MLA)
 
 
 class ModelOutput(NamedTuple):
@@ -86,7 +90,7 @@ def _attend(q_btghd, k_bsgd, v_bsgd, mask_b11ts):
 
 
 def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask_b1ts: jax.Array, *,
-                     causal: bool, block: int = ATTENTION_BLOCK) -> jax.Array:
+                     causal: bool, block: int = ATTENTION_BLOCK, scale: float | None = None) -> jax.Array:
     """Scaled dot-product attention (Vaswani et al. 2017, eq. 1) with grouped-query heads, computing
     only the key blocks a causal mask can reach.
 
@@ -99,14 +103,15 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
     attention (the skipped logits are all masked).
 
     Args:
-      q_bthd: [B, T, H, Hd] queries; k_bsgd, v_bsgd: [B, S, G, Hd] keys and values (H divisible by
-        G), same dtype as the queries.
+      q_bthd: [B, T, H, Hd] queries; k_bsgd: [B, S, G, Hd] keys, v_bsgd: [B, S, G, Hv] values (H
+        divisible by G; Hv = Hd but in MLA), same dtype as the queries.
       mask_b1ts: bool [B or 1, 1, T, S], True where a query may attend to a key.
       causal: the mask is causal over T == S (query t never sees key s > t).
       block: query rows per block (static).
+      scale: logit scale, a dimensionless multiplier; ``None``: ``Hd ** -0.5``.
 
     Returns:
-      [B, T, H, Hd] in the queries' dtype; logits and softmax are computed in float32.
+      [B, T, H, Hv] in the queries' dtype; logits and softmax are computed in float32.
 
     Raises:
       ValueError: ``causal`` with T != S, or H not divisible by G.
@@ -117,7 +122,7 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
         raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={g}")
     if causal and t != s_len:
         raise ValueError(f"causal block attention needs as many queries as keys (got {t} and {s_len})")
-    q = (q_bthd * jnp.asarray(hd ** -0.5, q_bthd.dtype)).reshape(b, t, g, h // g, hd)
+    q = (q_bthd * jnp.asarray(hd ** -0.5 if scale is None else scale, q_bthd.dtype)).reshape(b, t, g, h // g, hd)
     mask = mask_b1ts[:, :, None]  # [B, 1, 1, T, S]
     if not causal or t <= block:
         o = _attend(q, k_bsgd, v_bsgd, mask)
@@ -126,7 +131,7 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
             _attend(q[:, i: i + block], k_bsgd[:, : i + block], v_bsgd[:, : i + block],
                     mask[..., i: i + block, : i + block])
             for i in range(0, t, block)], axis=1)
-    return o.reshape(b, t, h, hd)
+    return o.reshape(b, t, h, v_bsgd.shape[-1])
 
 
 def _token_shards() -> tuple[tuple[str, ...], int]:
@@ -158,7 +163,8 @@ def attention_impl(impl: str, batch: int) -> str:
     return impl
 
 
-def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, segment_ids_bt: jax.Array, *,
+                    scale: float | None = None) -> jax.Array:
     """Causal grouped-query attention inside packed documents with the fused kernel
     (:func:`moefast.kernels.attention.flash_attention`), each device on its own rows.
 
@@ -166,14 +172,16 @@ def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
     partitioning rule: left to the partitioner, every device would gather the whole batch).
 
     Args:
-      q_bthd: [B, T, H, Hd] queries (unscaled); k_btgd, v_btgd: [B, T, G, Hd] in their dtype.
+      q_bthd: [B, T, H, Hd] queries (unscaled); k_btgd: [B, T, G, Hd] keys, v_btgd: [B, T, G, Hv]
+        values (Hv = Hd but in MLA), in their dtype.
       segment_ids_bt: [B, T] int document ids (query t sees keys s <= t of its own id).
+      scale: logit scale; ``None``: ``Hd ** -0.5``.
 
     Returns:
-      [B, T, H, Hd] in the queries' dtype.
+      [B, T, H, Hv] in the queries' dtype.
     """
     interpret = target_platform() == "cpu"
-    run = lambda q, k, v, seg: flash_attention(q, k, v, seg, interpret=interpret)
+    run = lambda q, k, v, seg: flash_attention(q, k, v, seg, sm_scale=scale, interpret=interpret)
     axes, shards = _token_shards()
     if shards == 1:
         return run(q_bthd, k_btgd, v_btgd, segment_ids_bt)
@@ -248,6 +256,103 @@ class Attention(nnx.Module):
         return o, new_cache
 
 
+MLA_NORM_EPS = 1e-6
+"""Epsilon of MLA's two RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``): DeepSeek's reference code
+and Hugging Face's build them with the default 1e-6 whatever ``rms_norm_eps`` is."""
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention (MLA; DeepSeek-V2, DeepSeek-AI 2024, sec. 2.1, eqs. 9-19;
+    DeepSeek-V3 uses it unchanged), causal, with the shared RoPE key of the decoupled rotary
+    strategy (sec. 2.1.3).
+
+    Dimension letters (besides the module's): C = ``kv_lora_rank`` (d_c), Q = ``q_lora_rank``
+    (d_c'), N = ``qk_nope_head_dim``, R = ``qk_rope_head_dim`` (d_h^R), Hv = ``v_head_dim``.
+
+    Parameters (Hugging Face DeepSeek-V3's names; each is the HF ``nn.Linear`` weight transposed,
+    [in, out], the heads' columns head-major as HF's ``view(..., H, -1)``):
+
+    * ``q_a_proj`` [D, Q] (embed, lora), ``q_a_layernorm`` scale [Q], ``q_b_proj`` [Q, H·(N+R)]
+      (lora, heads): the low-rank query, eq. 12 with RMSNorm on c^Q; or, with ``q_lora_rank`` 0 /
+      ``None``, ``q_proj`` [D, H·(N+R)] (embed, heads) (DeepSeek-V2-Lite).
+    * ``kv_a_proj_with_mqa`` [D, C+R] (embed, lora): the compressed KV c^KV (eq. 9) and the shared
+      RoPE key k^R before rotation (eq. 15); ``kv_a_layernorm`` scale [C] normalises c^KV.
+    * ``kv_b_proj`` [C, H·(N+Hv)] (lora, heads): per head the no-RoPE key k^C (eq. 10) and the value
+      (eq. 11).
+    * ``o_proj`` [H·Hv, D] (heads, embed) (eq. 19).
+
+    Each head's query is ``[q^C, RoPE(q^R)]`` and key ``[k^C, RoPE(k^R)]`` (eqs. 16-17); the logit
+    scale is ``(N + R) ** -0.5 * softmax_multiplier`` (YaRN, :attr:`Yarn.softmax_multiplier`).
+    Without a cache (training) keys and values are expanded per head and attended as H heads
+    (:func:`causal_attention` / :func:`fused_attention`). With a cache (generation) only c^KV
+    (normalised) and the rotated k^R are cached, [B, S, C] and [B, S, R], and ``kv_b_proj`` is
+    absorbed into the query and the output (sec. 2.1.2): one shared key [c^KV, k^R] of C + R
+    features and one shared value c^KV for all heads, the same function of the inputs.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, softmax_multiplier: float = 1.0,
+                 dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank or 0, kv_lora_rank
+        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.dtype = dtype
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * softmax_multiplier
+        init = jax.nn.initializers.normal(init_std)
+        qk = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        if self.q_lora_rank:
+            self.q_a_proj = nnx.Param(init(rngs.params(), (d_model, self.q_lora_rank)), logical_axes=("embed", "lora"))
+            self.q_a_layernorm = _rms_norm(self.q_lora_rank, MLA_NORM_EPS, dtype, rngs)
+            self.q_b_proj = nnx.Param(init(rngs.params(), (self.q_lora_rank, qk)), logical_axes=("lora", "heads"))
+        else:
+            self.q_proj = nnx.Param(init(rngs.params(), (d_model, qk)), logical_axes=("embed", "heads"))
+        self.kv_a_proj_with_mqa = nnx.Param(init(rngs.params(), (d_model, kv_lora_rank + qk_rope_head_dim)),
+                                            logical_axes=("embed", "lora"))
+        self.kv_a_layernorm = _rms_norm(kv_lora_rank, MLA_NORM_EPS, dtype, rngs)
+        self.kv_b_proj = nnx.Param(init(rngs.params(), (kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))),
+                                   logical_axes=("lora", "heads"))
+        self.o_proj = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * v_head_dim, d_model)),
+                                logical_axes=("heads", "embed"))
+
+    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
+        """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin);
+        ``cache``: ``{"kv": [B, S, C], "k_rope": [B, S, R]}`` (:func:`init_cache`) or ``None``.
+        Returns ``([B, T, D] in the compute dtype, the updated cache or None)``."""
+        b, t, _ = x_btd.shape
+        h, n, r, c, hv = self.num_heads, self.nope, self.rope, self.kv_lora_rank, self.v_head_dim
+        if self.q_lora_rank:
+            q = dense(x_btd, self.q_a_proj[...], self.dtype, ("embed", "lora"))
+            q = dense(self.q_a_layernorm(q).astype(self.dtype), self.q_b_proj[...], self.dtype, ("lora", "heads"))
+        else:
+            q = dense(x_btd, self.q_proj[...], self.dtype, ("embed", "heads"))
+        q = q.reshape(b, t, h, n + r)
+        q_nope, q_rope = q[..., :n], apply_rope(q[..., n:], *rope)
+        kv_a = dense(x_btd, self.kv_a_proj_with_mqa[...], self.dtype, ("embed", "lora"))
+        c_kv = self.kv_a_layernorm(kv_a[..., :c]).astype(self.dtype)  # [B, T, C]
+        k_rope = apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared by the heads
+        if cache is None:
+            kv = dense(c_kv, self.kv_b_proj[...], self.dtype, ("lora", "heads")).reshape(b, t, h, n + hv)
+            k = jnp.concatenate([kv[..., :n], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, r))], axis=-1)
+            q, v = jnp.concatenate([q_nope, q_rope], axis=-1), kv[..., n:]
+            if mask_b1ts.ndim == 2:  # segment ids: the fused kernel
+                o = fused_attention(q, k, v, mask_b1ts, scale=self.scale)
+            else:
+                o = causal_attention(q, k, v, mask_b1ts, causal=True, scale=self.scale)
+            new_cache = None
+        else:
+            c_kv = jax.lax.dynamic_update_slice_in_dim(cache["kv"], c_kv.astype(cache["kv"].dtype), cache_index, axis=1)
+            k_rope = jax.lax.dynamic_update_slice_in_dim(cache["k_rope"], k_rope.astype(cache["k_rope"].dtype),
+                                                         cache_index, axis=1)
+            new_cache = {"kv": c_kv, "k_rope": k_rope}
+            w = self.kv_b_proj[...].astype(self.dtype).reshape(c, h, n + hv)
+            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w[..., :n], preferred_element_type=jnp.float32)
+            q = jnp.concatenate([q_lat.astype(self.dtype), q_rope], axis=-1)  # [B, T, H, C + R]
+            k = jnp.concatenate([c_kv, k_rope], axis=-1).astype(self.dtype)[:, :, None]  # [B, S, 1, C + R]
+            o_lat = causal_attention(q, k, c_kv.astype(self.dtype)[:, :, None], mask_b1ts, causal=False,
+                                     scale=self.scale)  # [B, T, H, C]
+            o = jnp.einsum("bthc,chv->bthv", o_lat, w[..., n:], preferred_element_type=jnp.float32).astype(self.dtype)
+        return dense(o.reshape(b, t, h * hv), self.o_proj[...], self.dtype, ("heads", "embed")), new_cache
+
+
 class DenseMLP(nnx.Module):
     """SwiGLU feed-forward (Shazeer 2020), gate and up projections fused into one [D, 2F] matrix."""
 
@@ -270,9 +375,16 @@ class Block(nnx.Module):
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
         self.dropout = m.dropout
         self.attn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
-        self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, dtype=dtype,
-                              init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
-                              norm_eps=m.norm_eps, rngs=rngs)
+        if m.attention == "mla":
+            yarn = Yarn.from_config(m)
+            self.attn = MLAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                                    qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                                    v_head_dim=m.v_head_dim, softmax_multiplier=yarn.softmax_multiplier if yarn else 1.0,
+                                    dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+        else:
+            self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, dtype=dtype,
+                                  init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
+                                  norm_eps=m.norm_eps, rngs=rngs)
         self.ffn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
         self.is_moe = m.is_moe_layer(layer)
         if self.is_moe:
@@ -350,6 +462,8 @@ class Transformer(nnx.Module):
         m = cfg.model
         self.vocab_size, self.max_seq_len = vocab_size, m.max_seq_len
         self.position_encoding, self.rope_base, self.head_dim = m.position_encoding, m.rope_base, m.head_dim
+        self.rope_dim, self.yarn, self.attention = m.rotary_dim, Yarn.from_config(m), m.attention
+        self.cache_widths = tuple(_cache_widths(m).items())
         self.cache_tables = cfg.cache.tables
         self.attention_impl = m.attention_impl
         self.dtype = _DTYPES[m.dtype]
@@ -416,7 +530,7 @@ class Transformer(nnx.Module):
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None] + cache_index, (b, t))
         check_positions(positions_bt, self.max_seq_len)
         if cache is not None:
-            s = cache[0]["k"].shape[1]
+            s = next(iter(cache[0].values())).shape[1]
             if s > self.max_seq_len:
                 raise ValueError(f"cache length {s} exceeds model.max_seq_len={self.max_seq_len}")
 
@@ -442,8 +556,8 @@ class Transformer(nnx.Module):
         def make_rope():  # (cos, sin) [B, T, 1, Hd/2], or None with sinusoidal encodings
             if self.position_encoding != "rope":
                 return None
-            return rope_cos_sin(positions_bt, self.max_seq_len, self.head_dim, self.rope_base,
-                                cached=self.cache_tables)
+            return rope_cos_sin(positions_bt, self.max_seq_len, self.rope_dim, self.rope_base,
+                                cached=self.cache_tables, yarn=self.yarn)
 
         if self.cache_tables:  # once per forward pass, shared by every layer
             attn_mask, rope = make_mask(), make_rope()
@@ -584,8 +698,35 @@ def init_routing_state(cfg: ExperimentConfig) -> dict[str, jax.Array]:
     return {"bias": jnp.zeros((n, e), jnp.float32), "load_ema": jnp.full((n, e), 1.0 / e, jnp.float32)}
 
 
+def _cache_widths(m) -> dict[str, tuple[int, ...]]:
+    """Per layer, each cache entry's shape after [B, S]: GQA's per-head keys and values, or MLA's
+    compressed KV and shared RoPE key."""
+    if m.attention == "mla":
+        return {"kv": (m.kv_lora_rank,), "k_rope": (m.qk_rope_head_dim,)}
+    return {"k": (m.kv_heads, m.head_dim), "v": (m.kv_heads, m.head_dim)}
+
+
+def cache_bytes_per_token(model_cfg, dtype: Any = None) -> int:
+    """Bytes the generation cache holds per token and per layer (multiply by tokens and
+    ``num_layers`` for the whole cache).
+
+    GQA caches every key/value head: ``2 * G * Hd * bytes``. MLA caches the normalised compressed KV
+    and the shared RoPE key only (DeepSeek-V2, sec. 2.1.2 and Table 1, ``(d_c + d_h^R)`` elements):
+    ``(kv_lora_rank + qk_rope_head_dim) * bytes``. DeepSeek-V3 in bfloat16: (512 + 64) * 2 = 1,152
+    bytes, against 2 * 128 * 192 * 2 = 98,304 for its 128 heads cached per head.
+
+    Args:
+      model_cfg: a :class:`~moefast.config.ModelConfig`.
+      dtype: the cache's dtype; ``None``: ``model.dtype``.
+    """
+    itemsize = jnp.dtype(dtype or _DTYPES[model_cfg.dtype]).itemsize
+    return sum(math.prod(w) for w in _cache_widths(model_cfg).values()) * itemsize
+
+
 def init_cache(model: Transformer, batch: int, length: int, dtype: Any = None) -> KVCache:
-    """Zeroed KV cache: per layer ``{"k", "v"}`` of shape [B, S, G, Hd]."""
-    shape = (batch, length, model.num_kv_heads, model.head_dim)
+    """Zeroed generation cache, one dict per layer: ``{"k", "v"}`` of shape [B, S, G, Hd]
+    (``model.attention=gqa``), or ``{"kv": [B, S, kv_lora_rank], "k_rope": [B, S, qk_rope_head_dim]}``
+    (``mla``: :class:`MLAttention`). Bytes per token: :func:`cache_bytes_per_token`."""
     dtype = dtype or model.dtype
-    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(model.num_layers)]
+    return [{k: jnp.zeros((batch, length, *w), dtype) for k, w in model.cache_widths}
+            for _ in range(model.num_layers)]

@@ -53,6 +53,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "vocab": None,
     "embed": "fsdp",
     "heads": None,  # fused q/k/v (or attention output) features
+    "lora": None,  # MLA's compressed query / key-value features (q_lora_rank, kv_lora_rank + rope)
     "mlp": None,
     "expert": "expert",
     "router": None,  # the router's expert dimension: every device routes over all experts

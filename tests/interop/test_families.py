@@ -89,6 +89,15 @@ def test_a_model_no_family_represents_names_each_familys_objection():
     assert "Mixtral always renormalises" in str(e.value)
 
 
+@pytest.mark.parametrize("extra", [["model.attention=mla"], ["model.partial_rotary_factor=0.5"],
+                                   ["model.rope_type=yarn", "model.original_max_position_embeddings=32"]])
+def test_attention_variants_without_a_family_are_refused(extra):
+    """MLA, partial rotary and YaRN are not representable by the four families (their export comes
+    with the DeepSeek/GLM families): refused by name rather than written as a model that differs."""
+    with pytest.raises(hf.HFFormatError, match=f"{extra[0].split('=')[0]}=.*cannot be exported"):
+        hf.hf_family(load_config(None, [t for t in TINY if "kv_heads" not in t and "bias" not in t] + extra))
+
+
 def test_registry_specs_are_complete():
     for model_type, spec in families.REGISTRY.items():
         assert spec.model_type == model_type

@@ -32,6 +32,23 @@ def test_flash_equals_reference_forward_and_gradients(t):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("hv", [6, 24], ids=["values-narrower", "values-wider"])
+def test_flash_with_value_width_unlike_the_key_width(hv):
+    """MLA's shapes (values of ``v_head_dim`` features, queries/keys of ``qk_nope + qk_rope``): the
+    narrower side is padded with zero features inside the wrapper; an explicit scale is kept."""
+    q, k, _, seg = _inputs(20, h=2, g=2, hd=12)
+    v = jnp.asarray(np.random.default_rng(2).normal(size=(*k.shape[:3], hv)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(3).normal(size=(*q.shape[:3], hv)), jnp.float32)
+    fns = [lambda q, k, v, fn=fn: fn(q, k, v, seg, sm_scale=0.4) for fn in (flash_attention, attention_reference)]
+    outs = [jax.jit(fn)(q, k, v) for fn in fns]
+    assert outs[0].shape == (*q.shape[:3], hv)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    grads = [jax.jit(jax.grad(lambda *a, fn=fn: (fn(*a) * w).sum(), argnums=(0, 1, 2)))(q, k, v) for fn in fns]
+    for a, e in zip(*grads):
+        assert a.shape == e.shape
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
+
+
 def test_flash_bfloat16_and_shapes():
     q, k, v, seg = _inputs(40, dtype=jnp.bfloat16)
     out = flash_attention(q, k, v, seg)

@@ -15,17 +15,24 @@ from moefast.train.mfu import Peak, mfu, peak_flops
 BYTE_VOCAB = 259
 
 
-def test_flops_per_token_match_xla_cost_analysis(text_dir, tmp_path):
+MLA = ["model.attention=mla", "model.q_lora_rank=64", "model.kv_lora_rank=32", "model.qk_nope_head_dim=32",
+       "model.qk_rope_head_dim=16", "model.v_head_dim=32"]
+
+
+@pytest.mark.parametrize("extra", [[], MLA], ids=["gqa", "mla"])
+def test_flops_per_token_match_xla_cost_analysis(text_dir, tmp_path, extra):
     """XLA counts every FLOP of the compiled step (the matmuls plus elementwise work, softmaxes and
     AdamW); the model count must be just below it. The case makes XLA's work equal the model's:
     capacity factor 1.0 with tokens * top_k divisible by the experts (capacity = the exact mean load,
     so the experts compute exactly top_k assignments per token), and one attention block (T = 128),
     so the full score matrix that the PaLM term counts is computed. Forgetting the attention term
     or the LM head moves the ratio out of [1, 1.025]. The tiny config with an untied head, a dense
-    first layer and grouped-query attention (each a term of the count); one compile (CI time)."""
+    first layer and grouped-query attention (each a term of the count), or MLA with a low-rank query
+    and values narrower than the queries/keys; one compile each (CI time)."""
     cfg = load_config(None, ["data.seq_len=128", "data.batch_size=16", "moe.capacity_factor=1.0",
                              f"data.source={text_dir}", "cache.compile_dir=null", "model.vocab_size=512",
-                             "model.tie_embeddings=false", "model.num_dense_layers=1", "model.num_kv_heads=2"])
+                             "model.tie_embeddings=false", "model.num_dense_layers=1",
+                             *(extra or ["model.num_kv_heads=2"])])
     trainer = Trainer(cfg, tmp_path, log=None, progress=False, devices=jax.devices()[:1])
     cost = trainer.compiled_train_step().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -45,7 +52,8 @@ def test_param_counts_equal_the_built_model():
 @pytest.mark.parametrize("extra", [
     ["model.attention_bias=qkv", "model.qk_norm=per_head", "moe.shared_expert_d_ff=48", "model.dense_d_ff=96"],
     ["model.attention_bias=all", "model.qk_norm=full", "moe.shared_expert_d_ff=48", "moe.shared_expert_gate=false"],
-])
+    [*MLA, "model.num_kv_heads=4"], [*MLA, "model.num_kv_heads=4", "model.q_lora_rank=0"],
+], ids=["qkv-bias-per-head-norm", "all-bias-full-norm", "mla-q-lora", "mla-direct-q"])
 def test_param_counts_cover_the_hf_family_options(extra):
     cfg = load_config(None, ["model.vocab_size=300", "model.num_dense_layers=1", "model.num_layers=3",
                              "model.num_kv_heads=2", *extra])
