@@ -482,8 +482,9 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)
-            step, params, _ = trainer.restore_params()
-            hf.save_hf(cfg.replace(data=trainer.data_cfg), params, args.out_dir, layout=args.layout, dtype=args.dtype,
+            step, params, routing = trainer.restore_params()
+            hf.save_hf(cfg.replace(data=trainer.data_cfg), params, args.out_dir, routing_state=routing,
+                       layout=args.layout, dtype=args.dtype,
                        log=lambda s: print(f"step {step}: {s}"))  # logged by process 0, which writes
             if cfg.data.tokenizer == "byte" and trainer.is_main:
                 print("note: the run uses the byte tokenizer, which has no tokenizer.json: ids 0-255 are the UTF-8 "
@@ -608,6 +609,12 @@ def _import_hf(args) -> None:
     trainer = Trainer(cfg, run_dir, progress=False)  # checks the config against the devices and tokenizer
     main = trainer.is_main  # with several processes (a shared run dir), process 0 writes the files and prints
     params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"])
+    routing = hf.load_hf_routing(src, cfg, shardings=trainer.state_sharding["routing"])
+    if main and routing and bool(jax.numpy.any(routing["bias"] != 0)):
+        rate = cfg.moe.aux_free_bias_rate
+        print(f"note: the checkpoint's selection bias (e_score_correction_bias) is the run's routing state; "
+              f"moe.aux_free_bias_rate={rate}: " + ("it stays as imported while training" if rate == 0 else
+                                                    "training keeps balancing the experts with it"))
     for key, want in _changed_from_hf(src, cfg) if main else ():
         print(f"note: {key}={want!r} differs from {src / 'config.json'}: the imported model computes something "
               "else than the original")
@@ -627,7 +634,7 @@ def _import_hf(args) -> None:
                 multihost_utils.sync_global_devices("moefast import-hf: tokenizer copied")
             cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer="tokenizer"))
             trainer = Trainer(cfg, run_dir, progress=False)
-        where = trainer.initialize(params)
+        where = trainer.initialize(params, routing)
     except BaseException:
         for p in made if main else ():
             shutil.rmtree(p, ignore_errors=True)

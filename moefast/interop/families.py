@@ -13,8 +13,8 @@ To add a family:
    ``_moe_tables(...)``, ``_GLOBAL``) and change only the names or keys that differ.
 2. Only if one of its tensors is not a transpose, a concatenation or an expert stack of HF tensors,
    write a new :class:`Transform` subclass (``hf_shapes``, ``read``, ``write``, exact inverses);
-   only if its config.json places MoE layers another way (e.g. ``first_k_dense_replace``), a
-   layer-pattern class like :class:`MlpOnlyLayers` (``allows_dense``, ``moe_layers``, ``to_hf``).
+   only if its config.json places MoE layers another way, a layer-pattern class like
+   :class:`MlpOnlyLayers` or :class:`FirstKDense` (``moe_layers``, ``to_hf``, ``problem``).
 3. Add the family to ``tests/interop/test_hf.py``'s tiny transformers models: logits, chosen experts
    and the exact round trip are then checked like the others'.
 
@@ -37,7 +37,8 @@ import numpy as np
 
 from moefast.config import ExperimentConfig, ModelConfig
 
-__all__ = ["REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "MlpOnlyLayers", "SharedExpert", "Tensor", "Transform"]
+__all__ = ["REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "FirstKDense", "MlpOnlyLayers", "Router", "SharedExpert",
+           "Tensor", "Transform"]
 
 SubPath = tuple[str, ...]  # a parameter's sub-path in moefast's (unrolled) tree, e.g. ("attn", "qkv")
 
@@ -199,6 +200,12 @@ class AllMoE:
     def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
         return {}
 
+    def problem(self, m: ModelConfig, name: str) -> str | None:
+        """Why the family cannot place ``m``'s MoE layers (None: it can)."""
+        if not all(m.is_moe_layer(i) for i in range(m.num_layers)):
+            return f"dense layers ({name} is MoE in every layer)"
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class MlpOnlyLayers:
@@ -215,6 +222,34 @@ class MlpOnlyLayers:
     def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
         return {"decoder_sparse_step": 1, "mlp_only_layers": dense}
 
+    def problem(self, m: ModelConfig, name: str) -> str | None:
+        return None  # any set of dense layers can be listed
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstKDense:
+    """The first ``first_k_dense_replace`` layers are dense (of width ``intermediate_size``), every
+    later one MoE (DeepSeek-V2/V3, GLM-4.5; moefast ``model.num_dense_layers`` with ``moe_every``
+    1). ``default``: transformers' value when the key is absent or null."""
+
+    default: int = 0
+    key: str = "first_k_dense_replace"
+    allows_dense = True
+
+    def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
+        k = hf.get(self.key)
+        k = self.default if k is None else k
+        return [i >= k for i in range(num_layers)]
+
+    def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
+        return {self.key: len(dense)}
+
+    def problem(self, m: ModelConfig, name: str) -> str | None:
+        if any(not m.is_moe_layer(i) for i in range(m.num_dense_layers, m.num_layers)):
+            return (f"dense layers after the first MoE layer (model.moe_every={m.moe_every}; {name}'s dense layers "
+                    f"are the first {self.key} ones)")
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class BiasKey:
@@ -228,11 +263,58 @@ class BiasKey:
 
 @dataclasses.dataclass(frozen=True)
 class SharedExpert:
-    """A shared expert of width config.json's ``ff_key`` (moefast ``moe.shared_expert_d_ff``);
-    ``gated``: scaled by a sigmoid gate (moefast ``moe.shared_expert_gate``)."""
+    """A family's shared expert (moefast ``moe.shared_expert_d_ff``, ``moe.shared_expert_gate``).
+
+    Attributes:
+      ff_key: config.json key of its width (Qwen2-MoE's ``shared_expert_intermediate_size``) or,
+        with ``count_key``, of one shared expert's width.
+      gated: scaled by a sigmoid gate (moefast ``moe.shared_expert_gate``).
+      count_key: config.json key of the number of shared experts, which act as one expert of
+        ``count * ff_key`` width (DeepSeek/GLM ``n_shared_experts`` × ``moe_intermediate_size``:
+        their gate|up|down rows are concatenated in HF's one ``shared_experts`` MLP); None: one.
+    """
 
     ff_key: str
     gated: bool = True
+    count_key: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """How a family's router scores and chooses experts, and which config.json keys say so.
+
+    The default is the softmax top-k of Mixtral, Qwen and OLMoE, with no keys of its own.
+
+    Attributes:
+      score_func: the scores the family's HF code computes (moefast ``moe.score_func``); a
+        config.json ``scoring_func`` (DeepSeek's remote-code key) must name it.
+      topk_methods: the ``topk_method`` values the family accepts -> whether ``n_group`` /
+        ``topk_group`` limit the choice (moefast ``moe.num_groups`` / ``moe.topk_groups``):
+        ``noaux_tc`` and ``group_limited_greedy`` do, ``greedy`` does not; empty: the family has
+        no group keys.
+      default_method: ``topk_method`` when config.json has none (what the family's HF code does).
+      write_method: export writes ``scoring_func`` and ``topk_method`` (the families whose HF
+        config has them).
+      scaling_key: config.json key of moefast ``moe.routed_scaling_factor``; None: never scaled.
+      selection_bias: HF name (``{i}``: the layer) of each MoE layer's selection-bias buffer [E]
+        float32 (``e_score_correction_bias``, DeepSeek-V3 sec. 2.1.2), added to the scores for
+        choosing experts only; moefast keeps it in the routing state (``routing["bias"]`` row j
+        for the j-th MoE layer), never in the parameters. None: the family has none.
+    """
+
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    topk_methods: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    default_method: str | None = None
+    write_method: bool = False
+    scaling_key: str | None = None
+    selection_bias: str | None = None
+
+    def method(self, limited: bool) -> str | None:
+        """The ``topk_method`` that computes moefast's routing: one with group limits if
+        ``limited``, else the default."""
+        if limited and not self.topk_methods.get(self.default_method, False):
+            return next(m for m, groups in self.topk_methods.items() if groups)
+        return self.default_method
 
 
 # ----------------------------------------------------------------------------------------- family
@@ -245,16 +327,25 @@ class FamilySpec:
       architecture: the transformers class written to ``architectures``.
       name: the family's name in messages.
       hf_defaults: config.json key -> the value transformers assumes when it is absent or null
-        (must hold ``rope_theta``, ``rms_norm_eps`` and ``num_experts_per_tok``).
+        (must hold ``rope_theta``, ``rms_norm_eps``, ``num_experts_per_tok``, and the router's
+        ``scaling_key`` and the shared expert's ``count_key`` where the family has them).
       num_experts_keys: keys holding E, the first present wins (the first is written).
       expert_ff_key: key of F (moefast ``model.d_ff``).
       dense_ff_key: key of the dense layers' width (moefast ``model.dense_d_ff``); None: the family
         has no dense layers of their own width.
-      moe_layers: which layers are MoE (:class:`AllMoE` or :class:`MlpOnlyLayers`).
+      moe_layers: which layers are MoE (:class:`AllMoE`, :class:`MlpOnlyLayers` or
+        :class:`FirstKDense`).
       attention_bias: the key switching attention biases on; None: the family has none.
       qk_norm: moefast's ``model.qk_norm`` for the family (``"none"``, ``"per_head"``, ``"full"``).
-      norm_topk_prob_key: key of moefast ``moe.norm_topk_prob`` (absent: false); None: the family
-        always renormalises the top-k gates.
+      qk_norm_key: config.json key switching the q/k norms on (GLM-4.5's ``use_qk_norm``; absent:
+        off); None: the family always has ``qk_norm``.
+      partial_rotary: the family's HF code rotates only ``partial_rotary_factor`` of each head
+        (``rope_parameters.partial_rotary_factor``, or the top-level key; default from
+        ``hf_defaults``, else 1.0): moefast ``model.partial_rotary_factor``. False: a value other
+        than 1 is refused.
+      router: the family's routing and its keys (:class:`Router`).
+      norm_topk_prob_key: key of moefast ``moe.norm_topk_prob`` (absent: ``hf_defaults``' value,
+        else false); None: the family always renormalises the top-k gates.
       shared_expert: the family's shared expert; None: it has none.
       unsupported: keys that must be absent or null -> what they would switch on.
       export_constants: further keys written to config.json: a value, or a function of the
@@ -286,9 +377,12 @@ class FamilySpec:
     moe_tensors: Mapping[str, Mapping[SubPath, Tensor]]
     global_tensors: Mapping[SubPath, Tensor]
     dense_ff_key: str | None = None
-    moe_layers: AllMoE | MlpOnlyLayers = AllMoE()
+    moe_layers: AllMoE | MlpOnlyLayers | FirstKDense = AllMoE()
     attention_bias: BiasKey | None = None
     qk_norm: Literal["none", "per_head", "full"] = "none"
+    qk_norm_key: str | None = None
+    partial_rotary: bool = False
+    router: Router = Router()
     norm_topk_prob_key: str | None = "norm_topk_prob"
     shared_expert: SharedExpert | None = None
     unsupported: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -296,7 +390,9 @@ class FamilySpec:
     model_checks: tuple[tuple[Callable[[ExperimentConfig], bool], str], ...] = ()
 
     def __post_init__(self):
-        missing = {"rope_theta", "rms_norm_eps", "num_experts_per_tok"} - set(self.hf_defaults)
+        required = {"rope_theta", "rms_norm_eps", "num_experts_per_tok", self.router.scaling_key,
+                    self.shared_expert and self.shared_expert.count_key} - {None}
+        missing = required - set(self.hf_defaults)
         if missing:
             raise ValueError(f"FamilySpec {self.model_type}: hf_defaults lacks {sorted(missing)}")
         if "per_expert" not in self.moe_tensors:
@@ -330,10 +426,12 @@ _GLOBAL = MappingProxyType({
 
 
 def _moe_tables(moe: str = "mlp.", gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
-                shared: bool = False) -> Mapping[str, Mapping[SubPath, Tensor]]:
+                shared: str | None = None, shared_gate: str | None = None) -> Mapping[str, Mapping[SubPath, Tensor]]:
     """MoE-layer tables: per-expert tensors under ``model.layers.{i}.{moe}`` named ``experts.{e}.
     {gate,up,down}.weight``, or transformers 5's fused ``mlp.experts.gate_up_proj/down_proj``;
-    ``shared``: Qwen2-MoE's gated ``mlp.shared_expert``."""
+    ``shared``: the shared expert's MLP under ``model.layers.{i}.{shared}`` (Qwen2-MoE's
+    ``mlp.shared_expert.``, DeepSeek/GLM's ``mlp.shared_experts.``), ``shared_gate`` its gate's
+    weight name (Qwen2-MoE's ``mlp.shared_expert_gate.weight``; None: ungated)."""
     x = _L + moe + "experts.{e}."
     per_expert = {("ffn", "router"): _t(TRANSPOSED, _L + moe + "gate.weight"),
                   ("ffn", "w_in"): _t(PER_EXPERT, x + gate + ".weight", x + up + ".weight"),
@@ -342,10 +440,11 @@ def _moe_tables(moe: str = "mlp.", gate: str = "gate_proj", up: str = "up_proj",
              ("ffn", "w_in"): _t(FUSED_EXPERTS, _L + "mlp.experts.gate_up_proj"),
              ("ffn", "w_out"): _t(FUSED_EXPERTS, _L + "mlp.experts.down_proj")}
     if shared:
-        s = _L + "mlp.shared_expert."
+        s = _L + shared
         extra = {("ffn", "shared_w_in"): _t(CONCAT_T, s + "gate_proj.weight", s + "up_proj.weight"),
-                 ("ffn", "shared_w_out"): _t(TRANSPOSED, s + "down_proj.weight"),
-                 ("ffn", "shared_gate"): _t(TRANSPOSED, _L + "mlp.shared_expert_gate.weight")}
+                 ("ffn", "shared_w_out"): _t(TRANSPOSED, s + "down_proj.weight")}
+        if shared_gate:
+            extra[("ffn", "shared_gate")] = _t(TRANSPOSED, _L + shared_gate)
         per_expert, fused = {**per_expert, **extra}, {**fused, **extra}
     return MappingProxyType({"per_expert": MappingProxyType(per_expert), "fused": MappingProxyType(fused)})
 
@@ -376,7 +475,7 @@ REGISTRY: dict[str, FamilySpec] = {
         hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 4}),
         attention_bias=BiasKey("qkv_bias", "qkv", default=True),
         shared_expert=SharedExpert("shared_expert_intermediate_size", gated=True),
-        moe_tensors=_moe_tables(shared=True)),
+        moe_tensors=_moe_tables(shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate.weight")),
     "qwen3_moe": _qwen(
         "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE",
         hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8}),

@@ -33,6 +33,7 @@ RoPE (``rotate_half``) with ``inv_freq = base^(-2i/Hd)``, so q/k weights need no
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -53,7 +54,7 @@ from moefast.model.layout import layer_layout, to_layout
 from moefast.model.transformer import build_model
 
 __all__ = ["FAMILIES", "HFFormatError", "config_from_hf", "family_spec", "hf_config", "hf_family", "load_hf",
-           "load_hf_params", "save_hf"]
+           "load_hf_params", "load_hf_routing", "save_hf"]
 
 
 class _Architectures(Mapping[str, str]):
@@ -140,9 +141,10 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
             reject(f"{field}.rope_type", rope_type,
                    "moefast implements plain RoPE only (no linear/dynamic/YaRN/LongRoPE/Llama-3 scaling)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        reject("partial_rotary_factor", partial, "RoPE rotates every feature of a head in moefast")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    partial = spec.hf_defaults.get("partial_rotary_factor", 1.0) if partial is None else partial
+    if partial != 1 and not spec.partial_rotary:
+        reject("partial_rotary_factor", partial, f"{spec.name}'s attention rotates every feature of a head")
     theta = rope.get("rope_theta", hf.get("rope_theta")) or spec.hf_defaults["rope_theta"]
     for key, why in spec.unsupported.items():
         if hf.get(key) is not None:
@@ -171,22 +173,53 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     f = hf[spec.expert_ff_key]
     dense_ff = hf.get(spec.dense_ff_key) if spec.dense_ff_key else None
     b = spec.attention_bias
+    qk_norm = spec.qk_norm if spec.qk_norm_key is None or hf.get(spec.qk_norm_key) else "none"
     model = dict(d_model=d, num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, d_ff=f,
                  dense_d_ff=dense_ff if dense_ff != f else None, vocab_size=hf["vocab_size"],
                  max_seq_len=hf.get("max_position_embeddings", 4096), position_encoding="rope",
                  rope_base=float(theta), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                  num_dense_layers=nd, moe_every=every, norm_eps=float(get("rms_norm_eps")),
                  attention_bias=b.covers if b is not None and hf.get(b.key, b.default) else "none",
-                 qk_norm=spec.qk_norm, init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0)
+                 qk_norm=qk_norm, init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0)
+    if spec.partial_rotary:
+        model["partial_rotary_factor"] = float(partial)
     shared = spec.shared_expert
+    shared_ff = 0
+    if shared is not None:
+        shared_ff = hf.get(shared.ff_key) or 0
+        if shared.count_key is not None:
+            shared_ff *= get(shared.count_key) or 0
+    norm_key = spec.norm_topk_prob_key
     moe = dict(num_experts=e, top_k=get("num_experts_per_tok"),
-               norm_topk_prob=(True if spec.norm_topk_prob_key is None
-                               else bool(hf.get(spec.norm_topk_prob_key, False))),
-               shared_expert_d_ff=(hf.get(shared.ff_key) or 0) if shared is not None else 0,
-               shared_expert_gate=shared.gated if shared is not None else True)
+               norm_topk_prob=(True if norm_key is None
+                               else bool(get(norm_key) if norm_key in spec.hf_defaults else hf.get(norm_key, False))),
+               shared_expert_d_ff=shared_ff, shared_expert_gate=shared.gated if shared is not None else True,
+               **_router_sections(spec, hf, get, reject))
     if hf.get("router_aux_loss_coef") is not None:
         moe["aux_loss_coef"] = float(hf["router_aux_loss_coef"])
     return model, moe
+
+
+def _router_sections(spec: FamilySpec, hf: dict, get: Callable[[str], Any],
+                     reject: Callable[[str, Any, str], None]) -> dict[str, Any]:
+    """moefast's ``moe.score_func``, ``num_groups``, ``topk_groups`` and ``routed_scaling_factor`` from
+    config.json's ``scoring_func``, ``topk_method``, ``n_group``, ``topk_group`` and
+    ``routed_scaling_factor`` (the family's :class:`~moefast.interop.families.Router`); the family's
+    HF code decides what a key it lacks means."""
+    r = spec.router
+    score = hf.get("scoring_func") or r.score_func
+    if score != r.score_func:
+        reject("scoring_func", score, f"{spec.name}'s router computes {r.score_func} scores")
+    out: dict[str, Any] = {"score_func": r.score_func}
+    if r.topk_methods:
+        method = hf.get("topk_method") or r.default_method
+        if method not in r.topk_methods:
+            reject("topk_method", method, f"{spec.name} routes by {' or '.join(r.topk_methods)}")
+        groups = (hf.get("n_group") or 1) if r.topk_methods[method] else 1  # greedy ignores the groups
+        out.update(num_groups=groups, topk_groups=(hf.get("topk_group") or groups) if groups > 1 else 1)
+    if r.scaling_key is not None:
+        out["routed_scaling_factor"] = float(get(r.scaling_key))
+    return out
 
 
 def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
@@ -234,8 +267,9 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     """What keeps ``spec``'s family from representing ``cfg``'s model exactly (empty: nothing)."""
     m, e, name = cfg.model, cfg.moe, spec.name
     out = []
-    if m.qk_norm != spec.qk_norm:
-        out.append(f"model.qk_norm={m.qk_norm} ({name}'s q/k norms: {spec.qk_norm})")
+    qk_norms = (spec.qk_norm,) if spec.qk_norm_key is None else ("none", spec.qk_norm)
+    if m.qk_norm not in qk_norms:
+        out.append(f"model.qk_norm={m.qk_norm} ({name}'s q/k norms: {' or '.join(qk_norms)})")
     shared = spec.shared_expert
     if shared is None and e.shared_expert_d_ff:
         out.append(f"moe.shared_expert_d_ff={e.shared_expert_d_ff} ({name} has no shared expert)")
@@ -244,13 +278,30 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     elif shared is not None and e.shared_expert_gate != shared.gated:
         out.append(f"moe.shared_expert_gate={str(e.shared_expert_gate).lower()} ({name} "
                    f"{'gates' if shared.gated else 'does not gate'} its shared expert)")
-    if not spec.moe_layers.allows_dense and not all(m.is_moe_layer(i) for i in range(m.num_layers)):
-        out.append(f"dense layers ({name} is MoE in every layer)")
+    elif shared is not None and shared.count_key is not None and e.shared_expert_d_ff % m.d_ff:
+        out.append(f"moe.shared_expert_d_ff={e.shared_expert_d_ff} not a multiple of model.d_ff={m.d_ff} ({name}'s "
+                   f"shared experts are {shared.count_key} x {shared.ff_key} wide)")
+    layers = spec.moe_layers.problem(m, name)
+    if layers:
+        out.append(layers)
     bias = ("none",) if spec.attention_bias is None else ("none", spec.attention_bias.covers)
     if m.attention_bias not in bias:
         out.append(f"model.attention_bias={m.attention_bias} ({name} has {' or '.join(bias)})")
+    if m.partial_rotary_factor != 1 and not spec.partial_rotary:
+        out.append(f"model.partial_rotary_factor={m.partial_rotary_factor} ({name} rotates every feature of a head)")
     if spec.norm_topk_prob_key is None and not e.norm_topk_prob:
         out.append(f"moe.norm_topk_prob=false ({name} always renormalises)")
+    r = spec.router
+    if e.score_func != r.score_func:
+        out.append(f"moe.score_func={e.score_func} ({name} scores experts by {r.score_func})")
+    if e.num_groups > 1 and e.topk_groups < e.num_groups and not any(r.topk_methods.values()):
+        out.append(f"moe.num_groups={e.num_groups} with topk_groups={e.topk_groups} ({name} has no group-limited "
+                   "routing)")
+    if e.routed_scaling_factor != 1 and r.scaling_key is None:
+        out.append(f"moe.routed_scaling_factor={e.routed_scaling_factor} ({name} never scales its gates)")
+    if e.aux_free_bias_rate > 0 and r.selection_bias is None:
+        out.append(f"moe.aux_free_bias_rate={e.aux_free_bias_rate} ({name}'s router has no selection bias, which "
+                   "changes the chosen experts)")
     out += [message for fails, message in spec.model_checks if fails(cfg)]
     return out
 
@@ -258,7 +309,8 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
 def hf_family(cfg: ExperimentConfig) -> str:
     """The HF ``model_type`` that represents ``cfg``'s model exactly: the first family of
     :data:`~moefast.interop.families.REGISTRY` whose spec fits (q/k norms, shared expert, dense
-    layers, attention biases, gate renormalisation, the spec's own ``model_checks``).
+    layers, attention biases, partial rotary, gate renormalisation, scores, group limits, gate
+    scaling, a learned selection bias, the spec's own ``model_checks``).
 
     Raises:
       HFFormatError: no family represents the model; the message names each family's objections.
@@ -266,14 +318,11 @@ def hf_family(cfg: ExperimentConfig) -> str:
     m, e = cfg.model, cfg.moe
     if m.position_encoding != "rope":
         raise HFFormatError("model.position_encoding: HF MoE families use RoPE; 'sinusoidal' cannot be exported")
-    unsupported = [f"model.{k}={getattr(m, k)}" for k, plain in (("attention", "gqa"), ("rope_type", "default"),
-                                                                  ("partial_rotary_factor", 1.0)) if getattr(m, k) != plain]
+    unsupported = [f"model.{k}={getattr(m, k)}" for k, plain in (("attention", "gqa"), ("rope_type", "default"))
+                   if getattr(m, k) != plain]
     if unsupported:
         raise HFFormatError(f"{', '.join(unsupported)}: no Hugging Face family of moefast has it yet (DeepSeek-V2/V3 "
-                            "and GLM-4.5 export is to come); such a model cannot be exported")
-    if e.aux_free_bias_rate > 0:
-        raise HFFormatError("moe.aux_free_bias_rate > 0: the learned selection bias changes which experts are chosen "
-                            "and HF MoE routers have no bias; such a model cannot be exported exactly")
+                            "export is to come); such a model cannot be exported")
     problems = {}
     for model_type, spec in families.REGISTRY.items():
         problems[model_type] = _problems(spec, cfg)
@@ -308,8 +357,22 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
     out.update(spec.moe_layers.to_hf(dense, m.num_layers))
     if spec.attention_bias is not None:
         out[spec.attention_bias.key] = m.attention_bias == spec.attention_bias.covers
-    if spec.shared_expert is not None:
-        out[spec.shared_expert.ff_key] = e.shared_expert_d_ff
+    if spec.qk_norm_key is not None:
+        out[spec.qk_norm_key] = m.qk_norm != "none"
+    if spec.partial_rotary:
+        out["partial_rotary_factor"] = out["rope_parameters"]["partial_rotary_factor"] = m.partial_rotary_factor
+    shared = spec.shared_expert
+    if shared is not None and shared.count_key is not None:
+        out[shared.count_key] = e.shared_expert_d_ff // m.d_ff
+    elif shared is not None:
+        out[shared.ff_key] = e.shared_expert_d_ff
+    r = spec.router
+    if r.topk_methods:
+        out.update(n_group=e.num_groups, topk_group=e.topk_groups)
+        if r.write_method:
+            out.update(scoring_func=r.score_func, topk_method=r.method(e.num_groups > 1 and e.topk_groups < e.num_groups))
+    if r.scaling_key is not None:
+        out[r.scaling_key] = e.routed_scaling_factor
     out.update({k: v(cfg) if callable(v) else v for k, v in spec.export_constants.items()})
     return out
 
@@ -468,6 +531,7 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     expected: dict[str, tuple[int, ...]] = {}
     for p, leaf in leaves.items():
         expected.update(leaf.transform.hf_shapes(leaf.names, unrolled[p].shape, leaf.sizes))
+    expected.update({n: (cfg.moe.num_experts,) for n in _bias_names(spec, cfg)})  # read by load_hf_routing
     missing = [n for n in expected if n not in files.where]
     if missing:
         raise HFFormatError(f"{path}: {len(missing)} tensors that config.json implies are missing, e.g. "
@@ -522,6 +586,59 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     return _unflatten(target, out)
 
 
+def _bias_names(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
+    """HF names of the MoE layers' selection biases [E], in layer order (row j of the routing
+    state's ``bias`` is the j-th); empty when the family has none."""
+    name = spec.router.selection_bias
+    m = cfg.model
+    return [] if name is None else [name.format(i=i) for i in range(m.num_layers) if m.is_moe_layer(i)]
+
+
+def load_hf_routing(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = None) -> dict[str, jax.Array]:
+    """The routing state of an HF model directory: :func:`~moefast.model.init_routing_state` with,
+    for a family whose router has a selection bias (``e_score_correction_bias``, DeepSeek-V3 sec.
+    2.1.2: GLM-4.5, DeepSeek-V3), ``bias`` row j = the j-th MoE layer's tensor.
+
+    moefast keeps that bias in the train state's ``routing`` entry (float32, never seen by the
+    optimizer), not in the parameters: pass this to the model (``routing_state=``) or to
+    :meth:`moefast.train.Trainer.initialize`, or the experts are chosen without it.
+
+    Args:
+      path: HF model directory.
+      cfg: its experiment config (:func:`config_from_hf`).
+      shardings: pytree of ``jax.sharding.Sharding`` like the state (a trainer's
+        ``state_sharding["routing"]``); ``None``: the first device.
+
+    Returns:
+      ``{"bias": [L_moe, E], "load_ema": [L_moe, E]}`` float32 (``{}`` without MoE layers); the bias
+      is zero for a family without one.
+
+    Raises:
+      HFFormatError: an unsupported ``config.json``, or a bias tensor missing or of another shape.
+    """
+    from moefast.model import init_routing_state
+
+    path = Path(path)
+    spec = _family_of(path)
+    state = {k: np.array(v) for k, v in init_routing_state(cfg).items()}
+    names = _bias_names(spec, cfg) if state else []
+    if names:
+        files = _Files(path)
+        try:
+            for j, n in enumerate(names):
+                if n not in files.where:
+                    raise HFFormatError(f"{path}: the selection bias {n} of a {spec.name} MoE layer is missing")
+                _check_shape(files, n, (cfg.moe.num_experts,))
+                state["bias"][j] = files.get(n)
+        finally:
+            for h in files.handles.values():
+                h.__exit__(None, None, None)
+    if shardings is None:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: dev, state)
+    return jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i, x=x: x[i]), state, shardings)
+
+
 def _unflatten(like: Any, values: dict[tuple, Any]) -> Any:
     def build(node, prefix):
         if isinstance(node, dict):
@@ -547,6 +664,9 @@ def load_hf(path: str | Path, overrides: list[str] | None = None, *, base: Exper
         cfg, params = moefast.load_hf("path/to/hf-moe-model", ["model.dtype=bfloat16"])
         model = moefast.ModelDef(cfg, cfg.model.vocab_size).module(params)
         logits = model(tokens_bt, drop_tokens=False).logits  # [B, T, V] float32; no capacity: as HF computes
+
+    A family with a selection bias (GLM-4.5, DeepSeek-V3) keeps it in the routing state, not in
+    the parameters: add ``routing_state=load_hf_routing(path, cfg)`` to the model call.
     """
     cfg = config_from_hf(path, overrides, base=base)
     return cfg, load_hf_params(path, cfg, shardings=shardings)
@@ -561,6 +681,30 @@ def _host(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _bias_rows(spec: FamilySpec, cfg: ExperimentConfig, routing_state: dict | None) -> list[tuple[str, np.ndarray]]:
+    """``(HF name, float32 [E])`` of each MoE layer's selection bias for ``spec`` (empty for a
+    family without one).
+
+    Raises:
+      HFFormatError: no routing state for a family with a selection bias; a non-zero bias for a family
+        without one.
+    """
+    names = _bias_names(spec, cfg)
+    bias = None if not routing_state else _host(routing_state["bias"]).astype(np.float32)
+    if not names:
+        if bias is not None and np.any(bias):
+            raise HFFormatError(f"the routing state has a non-zero selection bias, which changes the chosen experts; "
+                                f"{spec.name}'s router has none, so this model cannot be exported exactly")
+        return []
+    if bias is None:
+        raise HFFormatError(f"{spec.name} has a selection bias per MoE layer (e_score_correction_bias): pass "
+                            "routing_state (the run's routing state; moefast.model.init_routing_state(cfg) for none)")
+    if bias.shape != (len(names), cfg.moe.num_experts):
+        raise HFFormatError(f"routing_state['bias'] has shape {list(bias.shape)}, expected "
+                            f"{[len(names), cfg.moe.num_experts]} (MoE layers, experts)")
+    return [(n, bias[j]) for j, n in enumerate(names)]
+
+
 def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None]:
     """BOS/EOS/PAD ids of the run's tokenizer for config.json (``None`` where it has none, or where
     an id is outside the model's vocabulary, e.g. the byte tokenizer's with a smaller model)."""
@@ -571,8 +715,8 @@ def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None
     return {k: (v if v is not None and v < vocab_size else None) for k, v in ids.items()}
 
 
-def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout: str = "per_expert",
-            dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
+def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing_state: dict | None = None,
+            layout: str = "per_expert", dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
             log: Callable[[str], None] | None = None) -> Path:
     """Writes moefast parameters as an HF model directory.
 
@@ -582,6 +726,10 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
     Args:
       cfg: the experiment the parameters belong to (its family: :func:`hf_family`).
       params: the parameters (either layer layout; jax arrays, sharded or not, or numpy).
+      routing_state: the run's routing state (``{"bias": [L_moe, E], ...}``, the train state's
+        ``routing``): its ``bias`` rows are written as the MoE layers' selection biases
+        (``e_score_correction_bias``, always float32) of a family that has them, where it is
+        required; for other families it must be zero or ``None``.
       out_dir: new directory (must not exist, or be empty).
       layout: ``"per_expert"`` (``experts.{e}.*`` tensors: what ``save_pretrained`` writes by
         default and older readers expect) or ``"fused"`` (``experts.gate_up_proj`` /
@@ -594,7 +742,8 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
       ``out_dir`` as a ``Path``.
 
     Raises:
-      HFFormatError: no HF family represents the model, or ``out_dir`` is not empty.
+      HFFormatError: no HF family represents the model, a non-zero selection bias for a family
+        without one, no ``routing_state`` for a family with one, or ``out_dir`` is not empty.
       ValueError: a bad ``layout`` or ``dtype``.
     """
     from safetensors.numpy import save_file
@@ -614,6 +763,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
     vocab = int(unrolled["embed"].shape[0])
     values = dict(_flat_paths(unrolled))
     leaves = _leaves(spec, cfg, layout, {p: np.shape(v) for p, v in values.items()})
+    bias_rows = _bias_rows(spec, cfg, routing_state)
 
     # With several processes every one gathers the tensors (collectives) and process 0 alone writes.
     is_main = jax.process_index() == 0
@@ -639,14 +789,15 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
                 shards.append(list(pending))
                 pending, size = {}, 0
 
-        for p, leaf in leaves.items():
-            for name, x in leaf.transform.write(_host(values[p]), leaf.names, leaf.sizes):
-                x = np.ascontiguousarray(x.astype(np_dtype))
-                if pending and size + x.nbytes > max_shard_bytes:
-                    flush()
-                pending[name] = x
-                size += x.nbytes
-                total += x.nbytes
+        tensors = ((name, x.astype(np_dtype)) for p, leaf in leaves.items()
+                   for name, x in leaf.transform.write(_host(values[p]), leaf.names, leaf.sizes))
+        for name, x in itertools.chain(tensors, bias_rows):
+            x = np.ascontiguousarray(x)
+            if pending and size + x.nbytes > max_shard_bytes:
+                flush()
+            pending[name] = x
+            size += x.nbytes
+            total += x.nbytes
         flush()
         if is_main:
             n = len(shards)
