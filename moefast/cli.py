@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     _distributed_options(g)
     i = sub.add_parser("import-hf", help="start a run from a Hugging Face checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                                         "OLMoE): its step-0 checkpoint holds the weights")
+                                         "OLMoE, GLM-4.5): its step-0 checkpoint holds the weights")
     i.add_argument("hf_dir", metavar="DIR", help="local Hugging Face model directory (config.json, *.safetensors, "
                                                  "tokenizer.json if any)")
     i.add_argument("--run-dir", required=True, help="new run directory; continue with moefast train --run-dir")
@@ -608,7 +608,8 @@ def _import_hf(args) -> None:
                   "not the tokenizer the model was trained with")
     trainer = Trainer(cfg, run_dir, progress=False)  # checks the config against the devices and tokenizer
     main = trainer.is_main  # with several processes (a shared run dir), process 0 writes the files and prints
-    params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"])
+    params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"],
+                               log=lambda s: print(f"note: {s}") if main else None)
     routing = hf.load_hf_routing(src, cfg, shardings=trainer.state_sharding["routing"])
     if main and routing and bool(jax.numpy.any(routing["bias"] != 0)):
         rate = cfg.moe.aux_free_bias_rate

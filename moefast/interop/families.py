@@ -344,6 +344,9 @@ class FamilySpec:
         ``hf_defaults``, else 1.0): moefast ``model.partial_rotary_factor``. False: a value other
         than 1 is refused.
       router: the family's routing and its keys (:class:`Router`).
+      mtp_key: config.json key of the number of multi-token-prediction layers the checkpoint keeps
+        after its ``num_hidden_layers`` (DeepSeek's ``num_nextn_predict_layers``); their tensors are
+        skipped with a note. None: the family has none.
       norm_topk_prob_key: key of moefast ``moe.norm_topk_prob`` (absent: ``hf_defaults``' value,
         else false); None: the family always renormalises the top-k gates.
       shared_expert: the family's shared expert; None: it has none.
@@ -383,6 +386,7 @@ class FamilySpec:
     qk_norm_key: str | None = None
     partial_rotary: bool = False
     router: Router = Router()
+    mtp_key: str | None = None
     norm_topk_prob_key: str | None = "norm_topk_prob"
     shared_expert: SharedExpert | None = None
     unsupported: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -490,6 +494,24 @@ REGISTRY: dict[str, FamilySpec] = {
         export_constants=MappingProxyType({"clip_qkv": None}),
         model_checks=((lambda cfg: cfg.model.num_heads * cfg.model.head_dim != cfg.model.d_model,
                        "model.head_dim * num_heads != d_model (OLMoE's q/k norms assume it)"),)),
+    # GLM-4.5/4.6/4.7 (zai-org/GLM-4.5 etc.): GQA with q/k/v biases and optional per-head q/k norms,
+    # half of each head rotated, DeepSeek-V3's sigmoid router (noaux_tc) with its selection bias,
+    # ungated shared experts, the first layers dense. Its MTP layers (num_nextn_predict_layers) are
+    # not part of transformers' model: skipped on import, none exported.
+    "glm4_moe": FamilySpec(
+        model_type="glm4_moe", architecture="Glm4MoeForCausalLM", name="GLM-4.5",
+        hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-5, "num_experts_per_tok": 8,
+                                      "norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                                      "partial_rotary_factor": 0.5}),
+        num_experts_keys=("n_routed_experts", "num_local_experts"), expert_ff_key="moe_intermediate_size",
+        dense_ff_key="intermediate_size", moe_layers=FirstKDense(default=1),
+        attention_bias=BiasKey("attention_bias", "qkv"), qk_norm="per_head", qk_norm_key="use_qk_norm",
+        partial_rotary=True, shared_expert=SharedExpert("moe_intermediate_size", gated=False, count_key="n_shared_experts"),
+        router=Router(score_func="sigmoid", topk_methods=MappingProxyType({"noaux_tc": True}), default_method="noaux_tc",
+                      scaling_key="routed_scaling_factor", selection_bias=_L + "mlp.gate.e_score_correction_bias"),
+        layer_tensors=_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=_moe_tables(shared="mlp.shared_experts."),
+        mtp_key="num_nextn_predict_layers", export_constants=MappingProxyType({"num_nextn_predict_layers": 0})),
 }
 """HF ``model_type`` -> :class:`FamilySpec`: the families moefast reads and writes, in the order
 :func:`moefast.interop.hf.hf_family` tries them."""

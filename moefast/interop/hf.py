@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
@@ -495,7 +496,8 @@ def _abstract_params(cfg: ExperimentConfig, vocab_size: int) -> dict:
     return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, vocab_size))))
 
 
-def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = None) -> dict:
+def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = None,
+                   log: Callable[[str], None] | None = None) -> dict:
     """Reads the weights of an HF model directory into moefast parameters (float32).
 
     Tensors are read one by one; each parameter is assembled with
@@ -509,6 +511,8 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
         ``model.scan_layers`` chooses the layout of the returned tree.
       shardings: pytree of ``jax.sharding.Sharding`` with the parameters' structure (e.g. a
         trainer's ``state_sharding["params"]``); ``None``: the first device.
+      log: printer of notes (the multi-token-prediction layers a checkpoint carries beyond
+        ``num_hidden_layers``, which are not read); ``None``: :func:`warnings.warn`.
 
     Returns:
       The parameters, a pure dict like ``nnx.to_pure_dict`` of the model's state, float32.
@@ -537,6 +541,13 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
         raise HFFormatError(f"{path}: {len(missing)} tensors that config.json implies are missing, e.g. "
                             f"{missing[:3]}")
     unexpected = [n for n in files.where if n not in expected and not n.endswith(_IGNORED_TENSORS)]
+    mtp = _mtp_tensors(spec, hf_config(path), unexpected)
+    if mtp:
+        unexpected = [n for n in unexpected if n not in mtp]
+        note = (f"{path}: {len(mtp)} tensors of the checkpoint's multi-token-prediction layers "
+                f"({spec.mtp_key}={hf_config(path)[spec.mtp_key]}, after the {m.num_layers} layers) are not read; the "
+                "imported model predicts the next token only, as transformers' does")
+        (log or warnings.warn)(note)
     if unexpected:
         raise HFFormatError(f"{path}: {len(unexpected)} tensors moefast has no place for, e.g. {unexpected[:3]} "
                             "(an architecture option moefast does not implement?)")
@@ -584,6 +595,22 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     for h in files.handles.values():
         h.__exit__(None, None, None)
     return _unflatten(target, out)
+
+
+def _mtp_tensors(spec: FamilySpec, hf: Mapping[str, Any], names: list[str]) -> set[str]:
+    """The ``names`` of the family's multi-token-prediction layers: layer indices from
+    ``num_hidden_layers`` on, when config.json's ``spec.mtp_key`` is positive (DeepSeek-V3 sec. 2.2;
+    GLM-4.5 keeps them as its layer 46 or 92)."""
+    if spec.mtp_key is None or not hf.get(spec.mtp_key):
+        return set()
+    prefix = next(iter(spec.layer_tensors.values())).names[0].split("{i}")[0]  # e.g. "model.layers."
+    first = hf["num_hidden_layers"]
+    out = set()
+    for n in names:
+        index = n[len(prefix):].split(".", 1)[0] if n.startswith(prefix) else ""
+        if index.isdigit() and first <= int(index) < first + hf[spec.mtp_key]:
+            out.add(n)
+    return out
 
 
 def _bias_names(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:

@@ -1,11 +1,13 @@
 """Hugging Face import/export against transformers itself (offline: tiny random models built here).
 
 For each family a tiny model is built with transformers (fp32, every norm weight and bias
-re-randomised so defaults hide nothing), saved with ``save_pretrained`` in both expert layouts, read
-with :func:`moefast.interop.hf.load_hf` and run by moefast: logits within 1e-4 of transformers' on
-128-token sequences with a padded row, and the same experts chosen for every real token in every
-MoE layer. Then ``save_hf`` -> ``AutoModelForCausalLM.from_pretrained`` gives transformers' logits
-again, and ``load_hf(save_hf(x)) == x`` exactly.
+re-randomised so defaults hide nothing, and a router selection bias spread so that it changes the
+chosen experts), saved with ``save_pretrained`` in both expert layouts, read with
+:func:`moefast.interop.hf.load_hf` (and the selection bias with :func:`~moefast.interop.hf.load_hf_routing`)
+and run by moefast: logits within 1e-4 of transformers' on 128-token sequences with a padded row,
+and the same experts chosen for every real token in every MoE layer (the indices transformers'
+routers return). Then ``save_hf`` -> ``AutoModelForCausalLM.from_pretrained`` gives transformers'
+weights, buffers, config keys and logits again, and ``load_hf(save_hf(x)) == x`` exactly.
 """
 
 import json
@@ -44,6 +46,19 @@ FAMILIES = {
     "olmoe": lambda: transformers.OlmoeConfig(
         **{**COMMON, "tie_word_embeddings": True}, num_hidden_layers=2, intermediate_size=32, num_experts=8,
         attention_bias=True, eos_token_id=None, pad_token_id=None),
+    # GLM-4.5: first layer dense of its own width, sigmoid routing over 4 groups keeping 2 with the
+    # selection bias, gates renormalised then scaled, 2 ungated shared experts, q/k/v biases,
+    # per-head q/k norms, half of each head rotated
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **COMMON, num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5),
+}
+# config.json keys that each family's export must give back as they were (beyond the shapes)
+CONFIG_KEYS = {
+    "glm4_moe": ("first_k_dense_replace", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                 "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                 "num_experts_per_tok", "attention_bias", "use_qk_norm", "rope_parameters"),
 }
 
 
@@ -56,7 +71,15 @@ def _hf_model(family: str):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight") and family in SELECTION_BIAS:  # sigmoid scores away from 0.5
+                p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # comparable to the scores' spread: it changes some choices
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
     return model
+
+
+SELECTION_BIAS = {"glm4_moe"}  # families whose routers have an e_score_correction_bias
 
 
 def _inputs():
@@ -67,11 +90,18 @@ def _inputs():
 
 
 def _hf_forward(model, tokens, mask):
-    """Logits [B, T, V] and, per MoE layer, the chosen experts [B*T, K] (sorted)."""
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    chosen = [np.sort(torch.topk(r.float(), k, dim=-1).indices.numpy(), axis=-1) for r in out.router_logits]
+    """Logits [B, T, V] and, per MoE layer, the chosen experts [B*T, K] (sorted): the indices each
+    router module returns last (every family's ``...TopkRouter.forward``)."""
+    chosen = []
+    hooks = [m.register_forward_hook(lambda m, args, out: chosen.append(np.sort(out[-1].numpy(), axis=-1)))
+             for m in model.modules() if type(m).__name__.lower().endswith("router")]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(chosen) == sum(1 for m in model.modules() if type(m).__name__.lower().endswith("router"))
     return out.logits.numpy(), chosen
 
 
@@ -81,22 +111,25 @@ def _module(cfg, params):
     return nnx.merge(graphdef, state)
 
 
-def _ours(cfg, params, tokens, mask, monkeypatch):
-    """moefast's logits and chosen experts (eagerly, recording every routing call)."""
-    calls = []
+def _ours(cfg, params, routing_state, tokens, mask, monkeypatch):
+    """moefast's logits, chosen experts and the experts chosen without the selection bias (each
+    layer's routing called again on the same logits with ``bias=None``), eagerly, recording every
+    routing call."""
+    calls, unbiased = [], []
     real_route = routing.route
 
     def recording(*a, **kw):
         r = real_route(*a, **kw)
         calls.append(np.sort(np.asarray(r.expert_index), axis=-1))
+        unbiased.append(np.sort(np.asarray(real_route(*a, **{**kw, "bias": None}).expert_index), axis=-1))
         return r
 
     monkeypatch.setattr(routing, "route", recording)
     with jax.default_matmul_precision("highest"):
         out = _module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32),
-                                   drop_tokens=False)
+                                   drop_tokens=False, routing_state=routing_state)
     monkeypatch.setattr(routing, "route", real_route)
-    return np.asarray(out.logits), calls
+    return np.asarray(out.logits), calls, unbiased
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -129,30 +162,41 @@ def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
     tokens, mask = _inputs()
     want, want_chosen = _hf_forward(model, tokens, mask)
     cfg, params = hf.load_hf(dirs["per_expert"])
-    got, got_chosen = _ours(cfg, params, tokens, mask, monkeypatch)
+    routing = hf.load_hf_routing(dirs["per_expert"], cfg)
+    got, got_chosen, unbiased = _ours(cfg, params, routing, tokens, mask, monkeypatch)
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
     assert len(got_chosen) == len(want_chosen) == sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
     for layer, (g, w) in enumerate(zip(got_chosen, want_chosen)):
         assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)]), f"MoE layer {layer}: other experts chosen"
-    # the fused on-disk layout gives the very same parameters
+    if family in SELECTION_BIAS:  # the imported bias decides choices: without it others are chosen
+        changed = [np.mean(np.any(u != w, axis=-1)[real.reshape(-1)]) for u, w in zip(unbiased, want_chosen)]
+        assert min(changed) > 0.05, f"the selection bias changes too few choices to be tested: {changed}"
+    else:
+        assert not np.any(np.asarray(routing["bias"]))
+    # the fused on-disk layout gives the very same parameters and routing state
     _, fused = hf.load_hf(dirs["fused"])
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, fused)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), routing,
+                 hf.load_hf_routing(dirs["fused"], cfg))
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 def test_export_reloads_in_transformers_and_round_trips_exactly(saved, layout, tmp_path):
     family, model, dirs = saved
     cfg, params = hf.load_hf(dirs["per_expert"])
-    out = hf.save_hf(cfg, params, tmp_path / "export", layout=layout)
+    routing = hf.load_hf_routing(dirs["per_expert"], cfg)
+    out = hf.save_hf(cfg, params, tmp_path / "export", routing_state=routing, layout=layout)
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                         output_loading_info=True)
     assert type(reloaded).__name__ == hf.FAMILIES[family]
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     want_sd, got_sd = model.state_dict(), reloaded.state_dict()
     assert sorted(got_sd) == sorted(want_sd)
-    for name, w in want_sd.items():  # every weight bit for bit
+    for name, w in want_sd.items():  # every weight and persistent buffer (selection biases) bit for bit
         assert torch.equal(got_sd[name], w), name
+    for key in CONFIG_KEYS.get(family, ()):
+        assert getattr(reloaded.config, key) == getattr(model.config, key), key
     tokens, mask = _inputs()
     want, _ = _hf_forward(model, tokens, mask)
     got, _ = _hf_forward(reloaded.eval(), tokens, mask)
@@ -161,6 +205,31 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, layout, t
     cfg2, params2 = hf.load_hf(out)
     assert cfg2.model == cfg.model and cfg2.moe == cfg.moe
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), routing,
+                 hf.load_hf_routing(out, cfg2))
+
+
+@pytest.mark.parametrize("saved", ["glm4_moe"], indirect=True)
+def test_multi_token_prediction_layers_are_skipped_with_a_note(saved, tmp_path):
+    """GLM-4.5 and DeepSeek-V3 checkpoints keep their MTP layers after ``num_hidden_layers``
+    (transformers skips them): moefast reads the same model and says so; without
+    ``num_nextn_predict_layers`` such tensors are an error."""
+    from safetensors.numpy import save_file
+
+    _, _, dirs = saved
+    src = shutil.copytree(dirs["per_expert"], tmp_path / "mtp")
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    save_file({f"model.layers.{n}.eh_proj.weight": np.ones((4, 8), np.float32),
+               f"model.layers.{n}.mlp.experts.0.up_proj.weight": np.ones((4, 8), np.float32)},
+              str(src / "mtp.safetensors"))
+    notes = []
+    cfg = hf.config_from_hf(src)
+    params = hf.load_hf_params(src, cfg, log=notes.append)
+    assert len(notes) == 1 and "2 tensors of the checkpoint's multi-token-prediction layers" in notes[0]
+    _, want = hf.load_hf(dirs["per_expert"])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, want)
+    with pytest.raises(hf.HFFormatError, match="no place for"):
+        hf.load_hf(_edit_config(src, tmp_path / "no-mtp", num_nextn_predict_layers=0))
 
 
 def test_scanned_layout_sharded_index_and_bf16(tmp_path):
@@ -222,6 +291,7 @@ def _edit_config(src, dst, **changes):
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
     ("mixtral", {"model_type": "deepseek_v3"}, "model_type"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
+    ("glm4_moe", {"scoring_func": "softmax"}, "scoring_func"),  # GLM-4.5's router is sigmoid only
 ])
 def test_unsupported_options_name_the_field(tmp_path, family, change, field):
     model = _hf_model(family)
