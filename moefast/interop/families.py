@@ -344,6 +344,16 @@ class FamilySpec:
         ``hf_defaults``, else 1.0): moefast ``model.partial_rotary_factor``. False: a value other
         than 1 is refused.
       router: the family's routing and its keys (:class:`Router`).
+      mla: the family's attention is multi-head latent attention (moefast ``model.attention=mla``;
+        ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+        ``v_head_dim`` from config.json under the same names).
+      yarn: config.json's ``rope_parameters`` may hold YaRN scaling (``rope_type: yarn``,
+        ``factor``, ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
+        ``mscale``, ``mscale_all_dim``: moefast ``model.rope_type=yarn`` etc.).
+      rope_interleave: parameters whose columns hold RoPE features stored as interleaved pairs when
+        config.json's ``rope_interleave`` is true (default from ``hf_defaults``): moefast sub-path ->
+        the column permutation ``moefast = hf[..., perm]`` for a model config (applied once at import,
+        inverted at export, which always writes ``rope_interleave: true``).
       mtp_key: config.json key of the number of multi-token-prediction layers the checkpoint keeps
         after its ``num_hidden_layers`` (DeepSeek's ``num_nextn_predict_layers``); their tensors are
         skipped with a note. None: the family has none.
@@ -386,6 +396,9 @@ class FamilySpec:
     qk_norm_key: str | None = None
     partial_rotary: bool = False
     router: Router = Router()
+    mla: bool = False
+    yarn: bool = False
+    rope_interleave: Mapping[SubPath, Callable[[ModelConfig], np.ndarray]] = dataclasses.field(default_factory=dict)
     mtp_key: str | None = None
     norm_topk_prob_key: str | None = "norm_topk_prob"
     shared_expert: SharedExpert | None = None
@@ -418,6 +431,43 @@ _ATTENTION = MappingProxyType({
     ("attn", "q_norm", "scale"): _t(IDENTITY, _A + "q_norm.weight"),
     ("attn", "k_norm", "scale"): _t(IDENTITY, _A + "k_norm.weight"),
 })
+_MLA = MappingProxyType({
+    ("attn_norm", "scale"): _ATTENTION[("attn_norm", "scale")],
+    ("ffn_norm", "scale"): _ATTENTION[("ffn_norm", "scale")],
+    **{("attn", x): _t(TRANSPOSED, _A + f"{x}.weight")
+       for x in ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")},
+    **{("attn", x, "scale"): _t(IDENTITY, _A + f"{x}.weight") for x in ("q_a_layernorm", "kv_a_layernorm")},
+})
+"""MLA attention (:class:`moefast.model.transformer.MLAttention`, whose parameters carry HF
+DeepSeek-V3's names): q_a_proj [D, Q], q_a_layernorm [Q], q_b_proj [Q, H·(N+R)] or q_proj
+[D, H·(N+R)], kv_a_proj_with_mqa [D, C+R], kv_a_layernorm [C], kv_b_proj [C, H·(N+Hv)], o_proj
+[H·Hv, D], each HF weight transposed."""
+
+
+def _rope_columns(heads: int, block: int, offset: int, rope: int) -> np.ndarray:
+    """Column permutation of a [..., heads·block] weight whose columns ``offset : offset + rope``
+    of each head's block are RoPE features stored as interleaved pairs: moefast's split-half order
+    (:func:`moefast.model.positional.rope_deinterleave_permutation`), the other columns in place."""
+    from moefast.model.positional import rope_deinterleave_permutation
+
+    perm = np.arange(heads * block)
+    for h in range(heads):
+        at = h * block + offset
+        perm[at:at + rope] = at + rope_deinterleave_permutation(rope)
+    return perm
+
+
+def _mla_query_rope(m: ModelConfig) -> np.ndarray:
+    return _rope_columns(m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_nope_head_dim, m.qk_rope_head_dim)
+
+
+def _mla_key_rope(m: ModelConfig) -> np.ndarray:
+    return _rope_columns(1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank, m.qk_rope_head_dim)
+
+
+_MLA_ROPE = MappingProxyType({("attn", "q_b_proj"): _mla_query_rope, ("attn", "q_proj"): _mla_query_rope,
+                              ("attn", "kv_a_proj_with_mqa"): _mla_key_rope})
+
 _DENSE_MLP = MappingProxyType({
     ("ffn", "w_in"): _t(CONCAT_T, _L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
     ("ffn", "w_out"): _t(TRANSPOSED, _L + "mlp.down_proj.weight"),
@@ -512,6 +562,29 @@ REGISTRY: dict[str, FamilySpec] = {
         layer_tensors=_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
         moe_tensors=_moe_tables(shared="mlp.shared_experts."),
         mtp_key="num_nextn_predict_layers", export_constants=MappingProxyType({"num_nextn_predict_layers": 0})),
+    # DeepSeek-V3/R1 (and Moonlight, whose config.json says deepseek_v3): MLA with interleaved RoPE
+    # columns and YaRN, the same router as GLM-4.5 (here with real group limits), ungated shared
+    # experts, the first layers dense; MTP layers skipped.
+    "deepseek_v3": FamilySpec(
+        model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM", name="DeepSeek-V3",
+        hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8,
+                                      "norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                                      "rope_interleave": True}),
+        num_experts_keys=("n_routed_experts", "num_local_experts"), expert_ff_key="moe_intermediate_size",
+        dense_ff_key="intermediate_size", moe_layers=FirstKDense(default=3), mla=True, yarn=True,
+        rope_interleave=_MLA_ROPE,
+        shared_expert=SharedExpert("moe_intermediate_size", gated=False, count_key="n_shared_experts"),
+        router=Router(score_func="sigmoid", topk_methods=MappingProxyType({"noaux_tc": True}), default_method="noaux_tc",
+                      scaling_key="routed_scaling_factor", selection_bias=_L + "mlp.gate.e_score_correction_bias"),
+        layer_tensors=_MLA, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=_moe_tables(shared="mlp.shared_experts."),
+        unsupported=MappingProxyType({"attention_bias": "biases on MLA's q_a/kv_a/o projections"}),
+        mtp_key="num_nextn_predict_layers", export_constants=MappingProxyType({"num_nextn_predict_layers": 0,
+                                                                               "attention_bias": False})),
 }
 """HF ``model_type`` -> :class:`FamilySpec`: the families moefast reads and writes, in the order
 :func:`moefast.interop.hf.hf_family` tries them."""
+
+# Kimi K2 (moonshotai/Kimi-K2-*) is DeepSeek-V3's architecture under its own model_type (remote code):
+# read through the V3 spec; a model is always exported as deepseek_v3, which transformers loads.
+REGISTRY["kimi_k2"] = dataclasses.replace(REGISTRY["deepseek_v3"], model_type="kimi_k2", name="Kimi K2")

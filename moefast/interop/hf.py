@@ -138,7 +138,7 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         if "full_attention" in rope or "sliding_attention" in rope:
             reject(field, rope, "RoPE parameters per layer type (sliding-window layers)")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in (None, "default"):
+        if rope_type not in (None, "default") and not (rope_type == "yarn" and spec.yarn):
             reject(f"{field}.rope_type", rope_type,
                    "moefast implements plain RoPE only (no linear/dynamic/YaRN/LongRoPE/Llama-3 scaling)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -148,7 +148,7 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         reject("partial_rotary_factor", partial, f"{spec.name}'s attention rotates every feature of a head")
     theta = rope.get("rope_theta", hf.get("rope_theta")) or spec.hf_defaults["rope_theta"]
     for key, why in spec.unsupported.items():
-        if hf.get(key) is not None:
+        if hf.get(key) not in (None, False):
             reject(key, hf[key], why)
     if hf.get("use_sliding_window"):
         reject("use_sliding_window", True, "sliding-window attention")
@@ -184,6 +184,19 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
                  qk_norm=qk_norm, init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0)
     if spec.partial_rotary:
         model["partial_rotary_factor"] = float(partial)
+    if spec.mla:
+        r = hf["qk_rope_head_dim"]
+        model.update(attention="mla", q_lora_rank=hf.get("q_lora_rank") or None, kv_lora_rank=hf["kv_lora_rank"],
+                     qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=r, v_head_dim=hf["v_head_dim"],
+                     num_kv_heads=None, head_dim=r)  # transformers sets head_dim to qk_rope_head_dim
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        if rope.get("truncate", True) is not True or rope.get("attention_factor") is not None:
+            reject("rope_parameters", rope, "YaRN with truncate=false or an explicit attention_factor")
+        model.update(rope_type="yarn", rope_factor=float(rope["factor"]),
+                     original_max_position_embeddings=rope.get("original_max_position_embeddings")
+                     or hf.get("original_max_position_embeddings"),
+                     beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                     mscale=rope.get("mscale") or None, mscale_all_dim=rope.get("mscale_all_dim") or None)
     shared = spec.shared_expert
     shared_ff = 0
     if shared is not None:
@@ -288,6 +301,10 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     bias = ("none",) if spec.attention_bias is None else ("none", spec.attention_bias.covers)
     if m.attention_bias not in bias:
         out.append(f"model.attention_bias={m.attention_bias} ({name} has {' or '.join(bias)})")
+    if (m.attention == "mla") != spec.mla:
+        out.append(f"model.attention={m.attention} ({name}'s attention is {'mla' if spec.mla else 'gqa'})")
+    if m.rope_type == "yarn" and not spec.yarn:
+        out.append(f"model.rope_type=yarn ({name} has no YaRN scaling here)")
     if m.partial_rotary_factor != 1 and not spec.partial_rotary:
         out.append(f"model.partial_rotary_factor={m.partial_rotary_factor} ({name} rotates every feature of a head)")
     if spec.norm_topk_prob_key is None and not e.norm_topk_prob:
@@ -319,11 +336,6 @@ def hf_family(cfg: ExperimentConfig) -> str:
     m, e = cfg.model, cfg.moe
     if m.position_encoding != "rope":
         raise HFFormatError("model.position_encoding: HF MoE families use RoPE; 'sinusoidal' cannot be exported")
-    unsupported = [f"model.{k}={getattr(m, k)}" for k, plain in (("attention", "gqa"), ("rope_type", "default"))
-                   if getattr(m, k) != plain]
-    if unsupported:
-        raise HFFormatError(f"{', '.join(unsupported)}: no Hugging Face family of moefast has it yet (DeepSeek-V2/V3 "
-                            "export is to come); such a model cannot be exported")
     problems = {}
     for model_type, spec in families.REGISTRY.items():
         problems[model_type] = _problems(spec, cfg)
@@ -362,6 +374,17 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
         out[spec.qk_norm_key] = m.qk_norm != "none"
     if spec.partial_rotary:
         out["partial_rotary_factor"] = out["rope_parameters"]["partial_rotary_factor"] = m.partial_rotary_factor
+    if m.rope_type == "yarn":
+        out["rope_parameters"].update(rope_type="yarn", factor=m.rope_factor,
+                                      original_max_position_embeddings=m.original_max_position_embeddings,
+                                      beta_fast=m.beta_fast, beta_slow=m.beta_slow, mscale=m.mscale,
+                                      mscale_all_dim=m.mscale_all_dim)
+    if spec.mla:
+        out.update(q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                   qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_rope_head_dim,
+                   num_key_value_heads=m.num_heads)
+    if spec.rope_interleave:
+        out["rope_interleave"] = True
     shared = spec.shared_expert
     if shared is not None and shared.count_key is not None:
         out[shared.count_key] = e.shared_expert_d_ff // m.d_ff
@@ -388,10 +411,21 @@ class _Leaf:
     transform: Transform
     names: tuple[str, ...]
     sizes: tuple[int, ...]
+    perm: np.ndarray | None = None  # moefast's columns = HF's[..., perm] (interleaved RoPE features)
 
     @property
     def expert_axis(self) -> bool:
         return self.transform.expert_axis
+
+    def read(self, get: Callable[..., np.ndarray]) -> np.ndarray:
+        """The whole (non-expert) parameter."""
+        x = self.transform.read(get, self.names, None)
+        return x if self.perm is None else x[..., self.perm]
+
+    def write(self, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        if self.perm is not None:
+            value = value[..., np.argsort(self.perm)]
+        return self.transform.write(value, self.names, self.sizes)
 
 
 def _table(spec: FamilySpec, cfg: ExperimentConfig, i: int, layout: str) -> Mapping[tuple, Any]:
@@ -401,9 +435,10 @@ def _table(spec: FamilySpec, cfg: ExperimentConfig, i: int, layout: str) -> Mapp
 
 
 def _leaves(spec: FamilySpec, cfg: ExperimentConfig, layout: str,
-            shapes: Mapping[tuple, tuple[int, ...]]) -> dict[tuple, _Leaf]:
+            shapes: Mapping[tuple, tuple[int, ...]], interleaved: bool = True) -> dict[tuple, _Leaf]:
     """Path in the unrolled parameter tree -> :class:`_Leaf`, for the parameters ``shapes`` (path
-    -> shape), in the order of the family's tables (global rows first and last around the layers).
+    -> shape), in the order of the family's tables (global rows first and last around the layers);
+    ``interleaved``: the files' RoPE columns are interleaved pairs (the family's ``rope_interleave``).
 
     Raises:
       HFFormatError: a parameter the family's tables have no row for.
@@ -419,8 +454,10 @@ def _leaves(spec: FamilySpec, cfg: ExperimentConfig, layout: str,
     unknown = sorted(set(shapes) - set(rows), key=str)
     if unknown:
         raise HFFormatError(f"parameters {unknown[:3]} have no Hugging Face name in {spec.model_type}")
+    perms = spec.rope_interleave if interleaved else {}
     return {p: _Leaf(row.transform, tuple(n.format(i=i, e="{e}") for n in row.names),
-                     row.sizes(cfg.model, shapes[p][-1]))
+                     row.sizes(cfg.model, shapes[p][-1]),
+                     perms[p[2:]](cfg.model) if i is not None and p[2:] in perms else None)
             for p, (row, i) in rows.items() if p in shapes}
 
 
@@ -531,7 +568,10 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
         raise HFFormatError("model.vocab_size is null; build the config with config_from_hf")
     target = _abstract_params(cfg, vocab)
     unrolled = dict(_flat_paths(to_layout(target, m, scanned=False)))
-    leaves = _leaves(spec, cfg, _disk_layout(spec, cfg, files.where), {p: a.shape for p, a in unrolled.items()})
+    hf = hf_config(path)
+    interleaved = bool(hf.get("rope_interleave", spec.hf_defaults.get("rope_interleave", False)))
+    leaves = _leaves(spec, cfg, _disk_layout(spec, cfg, files.where), {p: a.shape for p, a in unrolled.items()},
+                     interleaved)
     expected: dict[str, tuple[int, ...]] = {}
     for p, leaf in leaves.items():
         expected.update(leaf.transform.hf_shapes(leaf.names, unrolled[p].shape, leaf.sizes))
@@ -580,7 +620,7 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
                 lo, hi, _ = index[0].indices(cfg.moe.num_experts)
                 return leaf.transform.read(files.get, leaf.names, slice(lo, hi))[(slice(None),) + tuple(index[1:])]
             if id(leaf) not in cache:  # whole tensor, once per parameter (every device's shard cuts it)
-                cache[id(leaf)] = leaf.transform.read(files.get, leaf.names, None)
+                cache[id(leaf)] = leaf.read(files.get)
             return cache[id(leaf)][tuple(index)]
 
         def callback(index: tuple, leaves=sources_p, stacked=stacked, shape=aval.shape) -> np.ndarray:
@@ -817,7 +857,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
                 pending, size = {}, 0
 
         tensors = ((name, x.astype(np_dtype)) for p, leaf in leaves.items()
-                   for name, x in leaf.transform.write(_host(values[p]), leaf.names, leaf.sizes))
+                   for name, x in leaf.write(_host(values[p])))
         for name, x in itertools.chain(tensors, bias_rows):
             x = np.ascontiguousarray(x)
             if pending and size + x.nbytes > max_shard_bytes:

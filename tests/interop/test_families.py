@@ -93,11 +93,12 @@ def test_a_model_no_family_represents_names_each_familys_objection():
 @pytest.mark.parametrize("extra", [["model.attention=mla"], ["model.partial_rotary_factor=0.5"],
                                    ["model.rope_type=yarn", "model.original_max_position_embeddings=32"]])
 def test_attention_variants_without_a_family_are_refused(extra):
-    """MLA and YaRN are not representable by any family yet (their export comes with the DeepSeek
-    families), partial rotary only by GLM-4.5's: refused by name rather than written as a model that
-    differs."""
-    with pytest.raises(hf.HFFormatError, match=f"{extra[0].split('=')[0]}=.*(cannot be exported|rotates every)"):
+    """MLA and YaRN only DeepSeek-V3's family represents, partial rotary only GLM-4.5's: a softmax
+    model with them is refused with the field named rather than written as a model that differs."""
+    field = extra[0].split("=")[0]
+    with pytest.raises(hf.HFFormatError, match=f"no Hugging Face family.*{field}=") as e:
         hf.hf_family(load_config(None, [t for t in TINY if "kv_heads" not in t and "bias" not in t] + extra))
+    assert f"as mixtral it has {field}=" in str(e.value) or f"; {field}=" in str(e.value), str(e.value)
 
 
 def test_registry_specs_are_complete():

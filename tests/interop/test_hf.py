@@ -53,12 +53,25 @@ FAMILIES = {
         **COMMON, num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=96, moe_intermediate_size=32,
         n_routed_experts=8, n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         norm_topk_prob=True, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5),
+    # DeepSeek-V3: MLA (low-rank query, interleaved RoPE columns) with YaRN past its original
+    # context of 32 positions, 4 groups keeping 2, the first layer dense
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "head_dim")}, num_hidden_layers=3,
+        first_k_dense_replace=1, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 # config.json keys that each family's export must give back as they were (beyond the shapes)
 CONFIG_KEYS = {
     "glm4_moe": ("first_k_dense_replace", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
                  "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
                  "num_experts_per_tok", "attention_bias", "use_qk_norm", "rope_parameters"),
+    "deepseek_v3": ("first_k_dense_replace", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                    "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "rope_interleave", "rope_parameters"),
 }
 
 
@@ -79,7 +92,7 @@ def _hf_model(family: str):
     return model
 
 
-SELECTION_BIAS = {"glm4_moe"}  # families whose routers have an e_score_correction_bias
+SELECTION_BIAS = {"glm4_moe", "deepseek_v3"}  # families whose routers have an e_score_correction_bias
 
 
 def _inputs():
@@ -232,6 +245,22 @@ def test_multi_token_prediction_layers_are_skipped_with_a_note(saved, tmp_path):
         hf.load_hf(_edit_config(src, tmp_path / "no-mtp", num_nextn_predict_layers=0))
 
 
+@pytest.mark.parametrize("saved", ["deepseek_v3"], indirect=True)
+def test_kimi_k2_reads_as_deepseek_v3_and_exports_as_it(saved, tmp_path):
+    """Kimi K2's config.json is DeepSeek-V3's with model_type kimi_k2 (remote code): the same model
+    and routing state are read, and the export is a deepseek_v3 directory transformers loads."""
+    _, _, dirs = saved
+    kimi = _edit_config(dirs["per_expert"], tmp_path / "kimi", model_type="kimi_k2")
+    cfg, params = hf.load_hf(dirs["per_expert"])
+    cfg_k, params_k = hf.load_hf(kimi)
+    assert (cfg_k.model, cfg_k.moe) == (cfg.model, cfg.moe)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params_k)
+    routing = hf.load_hf_routing(kimi, cfg_k)
+    assert hf.hf_family(cfg_k) == "deepseek_v3"
+    out = hf.save_hf(cfg_k, params_k, tmp_path / "out", routing_state=routing)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+
+
 def test_scanned_layout_sharded_index_and_bf16(tmp_path):
     """Reading into the scanned layout equals the unrolled read stacked; a sharded export (index)
     reads back; bf16 tensors read back as the bf16-rounded parameters."""
@@ -289,7 +318,8 @@ def _edit_config(src, dst, **changes):
     ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen2_moe", {"mlp_only_layers": [2]}, "mlp_only_layers"),  # MoE, MoE, dense: no moe_every pattern
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
-    ("mixtral", {"model_type": "deepseek_v3"}, "model_type"),
+    ("mixtral", {"model_type": "deepseek_v2"}, "model_type"),
+    ("deepseek_v3", {"attention_bias": True}, "attention_bias"),  # moefast's MLA has no projection biases
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
     ("glm4_moe", {"scoring_func": "softmax"}, "scoring_func"),  # GLM-4.5's router is sigmoid only
 ])
