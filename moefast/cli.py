@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     _distributed_options(g)
     i = sub.add_parser("import-hf", help="start a run from a Hugging Face checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                                         "OLMoE, GLM-4.5, DeepSeek-V3): its step-0 checkpoint holds the weights")
+                                         "OLMoE, GLM-4.5, DeepSeek-V2/V3): its step-0 checkpoint holds the weights")
     i.add_argument("hf_dir", metavar="DIR", help="local Hugging Face model directory (config.json, *.safetensors, "
                                                  "tokenizer.json if any)")
     i.add_argument("--run-dir", required=True, help="new run directory; continue with moefast train --run-dir")

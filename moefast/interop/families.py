@@ -358,7 +358,8 @@ class FamilySpec:
         after its ``num_hidden_layers`` (DeepSeek's ``num_nextn_predict_layers``); their tensors are
         skipped with a note. None: the family has none.
       norm_topk_prob_key: key of moefast ``moe.norm_topk_prob`` (absent: ``hf_defaults``' value,
-        else false); None: the family always renormalises the top-k gates.
+        else false); None: the family's HF code always (``fixed_norm_topk_prob`` true) or never
+        (false: DeepSeek-V2, whose config's ``norm_topk_prob`` is not used) renormalises the top-k gates.
       shared_expert: the family's shared expert; None: it has none.
       unsupported: keys that must be absent or null -> what they would switch on.
       export_constants: further keys written to config.json: a value, or a function of the
@@ -401,6 +402,7 @@ class FamilySpec:
     rope_interleave: Mapping[SubPath, Callable[[ModelConfig], np.ndarray]] = dataclasses.field(default_factory=dict)
     mtp_key: str | None = None
     norm_topk_prob_key: str | None = "norm_topk_prob"
+    fixed_norm_topk_prob: bool = True
     shared_expert: SharedExpert | None = None
     unsupported: Mapping[str, str] = dataclasses.field(default_factory=dict)
     export_constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -581,6 +583,25 @@ REGISTRY: dict[str, FamilySpec] = {
         unsupported=MappingProxyType({"attention_bias": "biases on MLA's q_a/kv_a/o projections"}),
         mtp_key="num_nextn_predict_layers", export_constants=MappingProxyType({"num_nextn_predict_layers": 0,
                                                                                "attention_bias": False})),
+    # DeepSeek-V2 / V2-Lite: MLA (V2-Lite: a direct q_proj) with RoPE features always interleaved
+    # (transformers rotates them as complex pairs) and YaRN, softmax routing (greedy or
+    # group_limited_greedy by the best probability of each group), gates never renormalised and
+    # scaled, ungated shared experts, the first layers dense; no selection bias.
+    "deepseek_v2": FamilySpec(
+        model_type="deepseek_v2", architecture="DeepseekV2ForCausalLM", name="DeepSeek-V2",
+        hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 6,
+                                      "n_shared_experts": 2, "routed_scaling_factor": 1.0, "rope_interleave": True}),
+        num_experts_keys=("n_routed_experts", "num_experts"), expert_ff_key="moe_intermediate_size",
+        dense_ff_key="intermediate_size", moe_layers=FirstKDense(default=0), mla=True, yarn=True,
+        rope_interleave=_MLA_ROPE, norm_topk_prob_key=None, fixed_norm_topk_prob=False,
+        shared_expert=SharedExpert("moe_intermediate_size", gated=False, count_key="n_shared_experts"),
+        router=Router(score_func="softmax", topk_methods=MappingProxyType({"greedy": False, "group_limited_greedy": True}),
+                      default_method="greedy", write_method=True, scaling_key="routed_scaling_factor"),
+        layer_tensors=_MLA, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=_moe_tables(shared="mlp.shared_experts."),
+        unsupported=MappingProxyType({"attention_bias": "biases on MLA's q_a/kv_a/o projections",
+                                      "mlp_bias": "biases in the feed-forward layers"}),
+        export_constants=MappingProxyType({"attention_bias": False, "mlp_bias": False, "norm_topk_prob": False})),
 }
 """HF ``model_type`` -> :class:`FamilySpec`: the families moefast reads and writes, in the order
 :func:`moefast.interop.hf.hf_family` tries them."""

@@ -205,7 +205,7 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
             shared_ff *= get(shared.count_key) or 0
     norm_key = spec.norm_topk_prob_key
     moe = dict(num_experts=e, top_k=get("num_experts_per_tok"),
-               norm_topk_prob=(True if norm_key is None
+               norm_topk_prob=(spec.fixed_norm_topk_prob if norm_key is None
                                else bool(get(norm_key) if norm_key in spec.hf_defaults else hf.get(norm_key, False))),
                shared_expert_d_ff=shared_ff, shared_expert_gate=shared.gated if shared is not None else True,
                **_router_sections(spec, hf, get, reject))
@@ -307,8 +307,9 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
         out.append(f"model.rope_type=yarn ({name} has no YaRN scaling here)")
     if m.partial_rotary_factor != 1 and not spec.partial_rotary:
         out.append(f"model.partial_rotary_factor={m.partial_rotary_factor} ({name} rotates every feature of a head)")
-    if spec.norm_topk_prob_key is None and not e.norm_topk_prob:
-        out.append(f"moe.norm_topk_prob=false ({name} always renormalises)")
+    if spec.norm_topk_prob_key is None and e.norm_topk_prob != spec.fixed_norm_topk_prob:
+        out.append(f"moe.norm_topk_prob={str(e.norm_topk_prob).lower()} ({name} "
+                   f"{'always' if spec.fixed_norm_topk_prob else 'never'} renormalises)")
     r = spec.router
     if e.score_func != r.score_func:
         out.append(f"moe.score_func={e.score_func} ({name} scores experts by {r.score_func})")

@@ -62,6 +62,17 @@ FAMILIES = {
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # DeepSeek-V2-Lite: MLA with a direct query projection, softmax routing over 4 groups keeping 2
+    # by their best probability (top-3, so the limit changes choices: with K <= kept groups it
+    # never does), raw gates scaled, 2 shared experts, YaRN, no dense layer
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **{k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "head_dim", "num_experts_per_tok")},
+        num_experts_per_tok=3, num_hidden_layers=2,
+        first_k_dense_replace=0, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        n_shared_experts=2, n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=16.0,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
 }
 # config.json keys that each family's export must give back as they were (beyond the shapes)
 CONFIG_KEYS = {
@@ -72,6 +83,10 @@ CONFIG_KEYS = {
                     "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "rope_interleave", "rope_parameters"),
+    "deepseek_v2": ("first_k_dense_replace", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                    "n_shared_experts", "n_group", "topk_group", "topk_method", "routed_scaling_factor",
+                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "rope_parameters"),
 }
 
 
@@ -318,7 +333,7 @@ def _edit_config(src, dst, **changes):
     ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen2_moe", {"mlp_only_layers": [2]}, "mlp_only_layers"),  # MoE, MoE, dense: no moe_every pattern
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
-    ("mixtral", {"model_type": "deepseek_v2"}, "model_type"),
+    ("mixtral", {"model_type": "jamba"}, "model_type"),
     ("deepseek_v3", {"attention_bias": True}, "attention_bias"),  # moefast's MLA has no projection biases
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
     ("glm4_moe", {"scoring_func": "softmax"}, "scoring_func"),  # GLM-4.5's router is sigmoid only
