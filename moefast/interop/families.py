@@ -37,7 +37,8 @@ import numpy as np
 
 from moefast.config import ExperimentConfig, ModelConfig
 
-__all__ = ["REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "FirstKDense", "MlpOnlyLayers", "Router", "SharedExpert",
+__all__ = ["REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "FirstKDense", "MlpLayerTypes", "MlpOnlyLayers", "Router",
+           "SharedExpert",
            "Tensor", "Transform"]
 
 SubPath = tuple[str, ...]  # a parameter's sub-path in moefast's (unrolled) tree, e.g. ("attn", "qkv")
@@ -317,6 +318,25 @@ class Router:
         return self.default_method
 
 
+@dataclasses.dataclass(frozen=True)
+class MlpLayerTypes:
+    """``mlp_layer_types`` lists ``"dense"`` or ``"sparse"`` per layer (GLM-4.7-Flash); absent: the
+    first layer dense, the others MoE, as transformers assumes."""
+
+    key: str = "mlp_layer_types"
+    allows_dense = True
+
+    def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
+        types = hf.get(self.key) or ["dense"] + ["sparse"] * (num_layers - 1)
+        return [t == "sparse" for t in types]
+
+    def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
+        return {self.key: ["dense" if i in dense else "sparse" for i in range(num_layers)]}
+
+    def problem(self, m: ModelConfig, name: str) -> str | None:
+        return None  # any set of dense layers can be listed
+
+
 # ----------------------------------------------------------------------------------------- family
 @dataclasses.dataclass(frozen=True)
 class FamilySpec:
@@ -334,7 +354,7 @@ class FamilySpec:
       dense_ff_key: key of the dense layers' width (moefast ``model.dense_d_ff``); None: the family
         has no dense layers of their own width.
       moe_layers: which layers are MoE (:class:`AllMoE`, :class:`MlpOnlyLayers` or
-        :class:`FirstKDense`).
+        :class:`FirstKDense` or :class:`MlpLayerTypes`).
       attention_bias: the key switching attention biases on; None: the family has none.
       qk_norm: moefast's ``model.qk_norm`` for the family (``"none"``, ``"per_head"``, ``"full"``).
       qk_norm_key: config.json key switching the q/k norms on (GLM-4.5's ``use_qk_norm``; absent:
@@ -391,7 +411,7 @@ class FamilySpec:
     moe_tensors: Mapping[str, Mapping[SubPath, Tensor]]
     global_tensors: Mapping[SubPath, Tensor]
     dense_ff_key: str | None = None
-    moe_layers: AllMoE | MlpOnlyLayers | FirstKDense = AllMoE()
+    moe_layers: AllMoE | MlpOnlyLayers | FirstKDense | MlpLayerTypes = AllMoE()
     attention_bias: BiasKey | None = None
     qk_norm: Literal["none", "per_head", "full"] = "none"
     qk_norm_key: str | None = None
@@ -571,7 +591,7 @@ REGISTRY: dict[str, FamilySpec] = {
         model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM", name="DeepSeek-V3",
         hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8,
                                       "norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-                                      "rope_interleave": True}),
+                                      "rope_interleave": True, "n_group": 8, "topk_group": 4}),
         num_experts_keys=("n_routed_experts", "num_local_experts"), expert_ff_key="moe_intermediate_size",
         dense_ff_key="intermediate_size", moe_layers=FirstKDense(default=3), mla=True, yarn=True,
         rope_interleave=_MLA_ROPE,
@@ -605,6 +625,16 @@ REGISTRY: dict[str, FamilySpec] = {
 }
 """HF ``model_type`` -> :class:`FamilySpec`: the families moefast reads and writes, in the order
 :func:`moefast.interop.hf.hf_family` tries them."""
+
+# GLM-4.7-Flash: DeepSeek-V3's layers (MLA, interleaved RoPE, the sigmoid router with its selection
+# bias, ungated shared experts) with GLM's defaults, dense layers listed in mlp_layer_types. Read
+# here; exported as deepseek_v3 (first in the registry), the same model for transformers.
+REGISTRY["glm4_moe_lite"] = dataclasses.replace(
+    REGISTRY["deepseek_v3"], model_type="glm4_moe_lite", architecture="Glm4MoeLiteForCausalLM", name="GLM-4.7-Flash",
+    hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4,
+                                  "norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
+                                  "rope_interleave": True, "n_group": 1, "topk_group": 1}),
+    moe_layers=MlpLayerTypes(), export_constants=MappingProxyType({"attention_bias": False}))
 
 # Kimi K2 (moonshotai/Kimi-K2-*) is DeepSeek-V3's architecture under its own model_type (remote code):
 # read through the V3 spec; a model is always exported as deepseek_v3, which transformers loads.

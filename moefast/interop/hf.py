@@ -229,8 +229,9 @@ def _router_sections(spec: FamilySpec, hf: dict, get: Callable[[str], Any],
         method = hf.get("topk_method") or r.default_method
         if method not in r.topk_methods:
             reject("topk_method", method, f"{spec.name} routes by {' or '.join(r.topk_methods)}")
-        groups = (hf.get("n_group") or 1) if r.topk_methods[method] else 1  # greedy ignores the groups
-        out.update(num_groups=groups, topk_groups=(hf.get("topk_group") or groups) if groups > 1 else 1)
+        groups = (hf.get("n_group") or spec.hf_defaults.get("n_group") or 1) if r.topk_methods[method] else 1
+        kept = hf.get("topk_group") or spec.hf_defaults.get("topk_group") or groups  # greedy ignores the groups
+        out.update(num_groups=groups, topk_groups=kept if groups > 1 else 1)
     if r.scaling_key is not None:
         out["routed_scaling_factor"] = float(get(r.scaling_key))
     return out

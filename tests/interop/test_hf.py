@@ -73,6 +73,12 @@ FAMILIES = {
         q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # GLM-4.7-Flash: MLA (interleaved RoPE) under GLM's router, dense layers listed per layer
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
+        **{k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "head_dim")}, num_hidden_layers=3,
+        mlp_layer_types=["dense", "sparse", "sparse"], intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True),
 }
 # config.json keys that each family's export must give back as they were (beyond the shapes)
 CONFIG_KEYS = {
@@ -83,6 +89,10 @@ CONFIG_KEYS = {
                     "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "rope_interleave", "rope_parameters"),
+    "glm4_moe_lite": ("intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                      "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                      "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                      "rope_interleave", "rope_parameters"),
     "deepseek_v2": ("first_k_dense_replace", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
                     "n_shared_experts", "n_group", "topk_group", "topk_method", "routed_scaling_factor",
                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -107,7 +117,9 @@ def _hf_model(family: str):
     return model
 
 
-SELECTION_BIAS = {"glm4_moe", "deepseek_v3"}  # families whose routers have an e_score_correction_bias
+SELECTION_BIAS = {"glm4_moe", "deepseek_v3", "glm4_moe_lite"}
+# a family whose models an earlier registered family represents exactly is exported as that one
+EXPORTED_AS = {"glm4_moe_lite": "deepseek_v3"}  # families whose routers have an e_score_correction_bias
 
 
 def _inputs():
@@ -217,7 +229,7 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, layout, t
     out = hf.save_hf(cfg, params, tmp_path / "export", routing_state=routing, layout=layout)
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                         output_loading_info=True)
-    assert type(reloaded).__name__ == hf.FAMILIES[family]
+    assert type(reloaded).__name__ == hf.FAMILIES[EXPORTED_AS.get(family, family)]
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     want_sd, got_sd = model.state_dict(), reloaded.state_dict()
     assert sorted(got_sd) == sorted(want_sd)
