@@ -611,7 +611,8 @@ def _import_hf(args) -> None:
     params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"],
                                log=lambda s: print(f"note: {s}") if main else None)
     routing = hf.load_hf_routing(src, cfg, shardings=trainer.state_sharding["routing"])
-    if main and routing and bool(jax.numpy.any(routing["bias"] != 0)):
+    # the routing state is replicated: this process's copy, no collective (other processes skip this)
+    if main and routing and routing["bias"].addressable_data(0).any():
         rate = cfg.moe.aux_free_bias_rate
         print(f"note: the checkpoint's selection bias (e_score_correction_bias) is the run's routing state; "
               f"moe.aux_free_bias_rate={rate}: " + ("it stays as imported while training" if rate == 0 else

@@ -226,7 +226,7 @@ def test_first_k_dense_refuses_dense_layers_between_moe_layers(v3_family):
         hf.hf_family(cfg.replace(moe=dataclasses.replace(cfg.moe, shared_expert_d_ff=30)))
 
 
-def test_import_hf_puts_the_selection_bias_in_the_routing_state_and_export_writes_it(v3_family, tmp_path):
+def test_import_hf_puts_the_selection_bias_in_the_routing_state_and_export_writes_it(v3_family, tmp_path, capsys):
     """``moefast import-hf`` -> the step-0 checkpoint's routing state holds the imported bias (not
     the parameters); ``moefast export-hf`` writes it back bit for bit."""
     from moefast import cli
@@ -235,6 +235,9 @@ def test_import_hf_puts_the_selection_bias_in_the_routing_state_and_export_write
     cfg, params, routing = v3_family
     src = hf.save_hf(cfg, params, tmp_path / "src", routing_state=routing)
     assert cli.main(["import-hf", str(src), "--run-dir", str(tmp_path / "run")]) == 0
+    said = capsys.readouterr().out
+    assert "selection bias (e_score_correction_bias) is the run's routing state" in said
+    assert "moe.aux_free_bias_rate=0.0: it stays as imported" in said  # configs/tiny.yaml's rate
     trainer = Trainer(load_run_config(tmp_path / "run"), tmp_path / "run", progress=False)
     step, params2, routing2 = trainer.restore_params()
     assert step == 0 and routing2["bias"].dtype == jnp.float32
