@@ -9,8 +9,12 @@ shape checks, writing) and never names a family.
 To add a family:
 
 1. Write one ``FamilySpec(...)`` below and add it to :data:`REGISTRY` under its ``model_type``.
-   Start from the closest existing entry: reuse the tensor tables (``_ATTENTION``, ``_DENSE_MLP``,
-   ``_moe_tables(...)``, ``_GLOBAL``) and change only the names or keys that differ.
+   Start from the closest existing entry: reuse the tensor tables (``_ATTENTION`` or ``_MLA``,
+   ``_DENSE_MLP``, ``_moe_tables(...)``, ``_GLOBAL``) and change only the names or keys that differ.
+   Routing keys (``scoring_func``, ``topk_method``, ``n_group``, ``routed_scaling_factor``, the
+   selection bias) are one :class:`Router`; shared experts one :class:`SharedExpert`; a family that
+   is another's architecture under its own ``model_type`` is a ``dataclasses.replace`` of it
+   (Kimi K2, GLM-4.7-Flash).
 2. Only if one of its tensors is not a transpose, a concatenation or an expert stack of HF tensors,
    write a new :class:`Transform` subclass (``hf_shapes``, ``read``, ``write``, exact inverses);
    only if its config.json places MoE layers another way, a layer-pattern class like
@@ -22,7 +26,8 @@ When several families represent a model, :func:`moefast.interop.hf.hf_family` pi
 :data:`REGISTRY` order.
 
 Dimension letters: D d_model, H query heads, G key/value heads, Hd head_dim, F d_ff (of the routed
-experts), E experts. moefast's linear weights are [in, out]; HF's are [out, in].
+experts), E experts; MLA: Q q_lora_rank, C kv_lora_rank, N qk_nope_head_dim, R qk_rope_head_dim,
+Hv v_head_dim. moefast's linear weights are [in, out]; HF's are [out, in].
 """
 
 from __future__ import annotations

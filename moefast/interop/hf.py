@@ -11,23 +11,31 @@ and writes any of them and names none.
 
 * :func:`config_from_hf` reads ``config.json`` into an :class:`~moefast.config.ExperimentConfig`
   (``model`` and ``moe`` sections from the checkpoint, everything else from a base config and
-  overrides). Options moefast does not implement (sliding windows, RoPE scaling such as YaRN,
-  partial rotary, a family's own ``unsupported`` keys, unknown ``model_type``) raise
-  :class:`HFFormatError` naming the field.
+  overrides). Options moefast does not implement (sliding windows, RoPE scaling other than the
+  YaRN of families with ``yarn``, partial rotary outside families with ``partial_rotary``, a
+  ``scoring_func`` / ``topk_method`` the family's router does not compute, a family's own
+  ``unsupported`` keys, unknown ``model_type``) raise :class:`HFFormatError` naming the field.
 * :func:`load_hf_params` streams the weights tensor by tensor into moefast's parameters (either
   layer layout, ``model.scan_layers``), each straight into its target sharding: a device's shard
   of an expert tensor reads only that device's experts from disk, so no host holds the whole model.
   Both on-disk expert layouts are read: one tensor per expert (what ``save_pretrained`` writes by
   default) and fused ``experts.gate_up_proj`` [E, 2F, D] / ``experts.down_proj`` [E, D, F]
   (transformers 5's in-memory layout, ``save_pretrained(save_original_format=False)``).
+  Multi-token-prediction layers after ``num_hidden_layers`` are skipped with a note.
+* :func:`load_hf_routing` reads a router's selection bias (``e_score_correction_bias`` [E] per MoE
+  layer) into moefast's routing state ``{"bias": [L_moe, E], "load_ema": [L_moe, E]}`` float32,
+  where moefast keeps it (out of the parameters and the optimizer).
 * :func:`save_hf` writes the reverse: safetensors (sharded above ``max_shard_bytes``, with the
-  index), a ``config.json`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, and
-  the tokenizer files of a run that has them.
+  index; the routing state's bias as each MoE layer's ``e_score_correction_bias``), a
+  ``config.json`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, and the
+  tokenizer files of a run that has them.
 
 Conventions (checked against transformers 5.24 by ``tests/interop/test_hf.py``): HF linear weights
 are [out, in] (moefast's are [in, out]); moefast fuses q|k|v into one [D, (H + 2G)·Hd] matrix and
 each SwiGLU's gate|up into [D, 2F] (gate first, as HF's ``gate_up_proj``); both use split-half
-RoPE (``rotate_half``) with ``inv_freq = base^(-2i/Hd)``, so q/k weights need no permutation.
+RoPE (``rotate_half``) with ``inv_freq = base^(-2i/Hd)``, so q/k weights need no permutation,
+except the RoPE columns of checkpoints stored interleaved (DeepSeek's ``rope_interleave``), permuted
+once per parameter by the family's ``rope_interleave`` table at import and back at export.
 """
 
 from __future__ import annotations
