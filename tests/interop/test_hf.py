@@ -288,6 +288,19 @@ def test_kimi_k2_reads_as_deepseek_v3_and_exports_as_it(saved, tmp_path):
     assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
 
 
+@pytest.mark.parametrize("saved", ["deepseek_v3"], indirect=True)
+def test_mla_reads_into_the_scanned_layout(saved):
+    """Dense MLA prefix and MoE MLA group stacks (with the interleave permutation) equal the unrolled
+    read stacked."""
+    from moefast.model.layout import to_layout
+
+    _, _, dirs = saved
+    cfg, params = hf.load_hf(dirs["per_expert"])
+    _, scanned = hf.load_hf(dirs["per_expert"], ["model.scan_layers=true"])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 to_layout(params, cfg.model, scanned=True), scanned)
+
+
 def test_scanned_layout_sharded_index_and_bf16(tmp_path):
     """Reading into the scanned layout equals the unrolled read stacked; a sharded export (index)
     reads back; bf16 tensors read back as the bf16-rounded parameters."""
