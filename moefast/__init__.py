@@ -40,6 +40,7 @@ _API = {
     "RoutingResult": "moefast.routing",
     "plot_run": "moefast.plot",
     "load_hf": "moefast.interop",
+    "load_hf_routing": "moefast.interop",
     "save_hf": "moefast.interop",
 }
 

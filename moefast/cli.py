@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     _distributed_options(g)
     i = sub.add_parser("import-hf", help="start a run from a Hugging Face checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                                         "OLMoE): its step-0 checkpoint holds the weights")
+                                         "OLMoE, GLM-4.5, DeepSeek-V2/V3): its step-0 checkpoint holds the weights")
     i.add_argument("hf_dir", metavar="DIR", help="local Hugging Face model directory (config.json, *.safetensors, "
                                                  "tokenizer.json if any)")
     i.add_argument("--run-dir", required=True, help="new run directory; continue with moefast train --run-dir")
@@ -482,8 +482,9 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)
-            step, params, _ = trainer.restore_params()
-            hf.save_hf(cfg.replace(data=trainer.data_cfg), params, args.out_dir, layout=args.layout, dtype=args.dtype,
+            step, params, routing = trainer.restore_params()
+            hf.save_hf(cfg.replace(data=trainer.data_cfg), params, args.out_dir, routing_state=routing,
+                       layout=args.layout, dtype=args.dtype,
                        log=lambda s: print(f"step {step}: {s}"))  # logged by process 0, which writes
             if cfg.data.tokenizer == "byte" and trainer.is_main:
                 print("note: the run uses the byte tokenizer, which has no tokenizer.json: ids 0-255 are the UTF-8 "
@@ -634,7 +635,15 @@ def _import_hf(args) -> None:
                   "not the tokenizer the model was trained with")
     trainer = Trainer(cfg, run_dir, progress=False)  # checks the config against the devices and tokenizer
     main = trainer.is_main  # with several processes (a shared run dir), process 0 writes the files and prints
-    params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"])
+    params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"],
+                               log=lambda s: print(f"note: {s}") if main else None)
+    routing = hf.load_hf_routing(src, cfg, shardings=trainer.state_sharding["routing"])
+    # the routing state is replicated: this process's copy, no collective (other processes skip this)
+    if main and routing and routing["bias"].addressable_data(0).any():
+        rate = cfg.moe.aux_free_bias_rate
+        print(f"note: the checkpoint's selection bias (e_score_correction_bias) is the run's routing state; "
+              f"moe.aux_free_bias_rate={rate}: " + ("it stays as imported while training" if rate == 0 else
+                                                    "training keeps balancing the experts with it"))
     for key, want in _changed_from_hf(src, cfg) if main else ():
         print(f"note: {key}={want!r} differs from {src / 'config.json'}: the imported model computes something "
               "else than the original")
@@ -654,7 +663,7 @@ def _import_hf(args) -> None:
                 multihost_utils.sync_global_devices("moefast import-hf: tokenizer copied")
             cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer="tokenizer"))
             trainer = Trainer(cfg, run_dir, progress=False)
-        where = trainer.initialize(params)
+        where = trainer.initialize(params, routing)
     except BaseException:
         for p in made if main else ():
             shutil.rmtree(p, ignore_errors=True)

@@ -5,6 +5,7 @@ generic engine; one :class:`~moefast.interop.families.FamilySpec` per family in
 Depends on :mod:`moefast.config` and :mod:`moefast.model` only (never on training code).
 """
 
-from moefast.interop.hf import FAMILIES, HFFormatError, config_from_hf, load_hf, load_hf_params, save_hf
+from moefast.interop.hf import (FAMILIES, HFFormatError, config_from_hf, load_hf, load_hf_params, load_hf_routing,
+                                save_hf)
 
-__all__ = ["FAMILIES", "HFFormatError", "config_from_hf", "load_hf", "load_hf_params", "save_hf"]
+__all__ = ["FAMILIES", "HFFormatError", "config_from_hf", "load_hf", "load_hf_params", "load_hf_routing", "save_hf"]

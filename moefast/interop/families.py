@@ -9,12 +9,16 @@ shape checks, writing) and never names a family.
 To add a family:
 
 1. Write one ``FamilySpec(...)`` below and add it to :data:`REGISTRY` under its ``model_type``.
-   Start from the closest existing entry: reuse the tensor tables (``_ATTENTION``, ``_DENSE_MLP``,
-   ``_moe_tables(...)``, ``_GLOBAL``) and change only the names or keys that differ.
+   Start from the closest existing entry: reuse the tensor tables (``_ATTENTION`` or ``_MLA``,
+   ``_DENSE_MLP``, ``_moe_tables(...)``, ``_GLOBAL``) and change only the names or keys that differ.
+   Routing keys (``scoring_func``, ``topk_method``, ``n_group``, ``routed_scaling_factor``, the
+   selection bias) are one :class:`Router`; shared experts one :class:`SharedExpert`; a family that
+   is another's architecture under its own ``model_type`` is a ``dataclasses.replace`` of it
+   (Kimi K2, GLM-4.7-Flash).
 2. Only if one of its tensors is not a transpose, a concatenation or an expert stack of HF tensors,
    write a new :class:`Transform` subclass (``hf_shapes``, ``read``, ``write``, exact inverses);
-   only if its config.json places MoE layers another way (e.g. ``first_k_dense_replace``), a
-   layer-pattern class like :class:`MlpOnlyLayers` (``allows_dense``, ``moe_layers``, ``to_hf``).
+   only if its config.json places MoE layers another way, a layer-pattern class like
+   :class:`MlpOnlyLayers` or :class:`FirstKDense` (``moe_layers``, ``to_hf``, ``problem``).
 3. Add the family to ``tests/interop/test_hf.py``'s tiny transformers models: logits, chosen experts
    and the exact round trip are then checked like the others'.
 
@@ -22,7 +26,8 @@ When several families represent a model, :func:`moefast.interop.hf.hf_family` pi
 :data:`REGISTRY` order.
 
 Dimension letters: D d_model, H query heads, G key/value heads, Hd head_dim, F d_ff (of the routed
-experts), E experts. moefast's linear weights are [in, out]; HF's are [out, in].
+experts), E experts; MLA: Q q_lora_rank, C kv_lora_rank, N qk_nope_head_dim, R qk_rope_head_dim,
+Hv v_head_dim. moefast's linear weights are [in, out]; HF's are [out, in].
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ import numpy as np
 
 from moefast.config import ExperimentConfig, ModelConfig
 
-__all__ = ["REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "MlpOnlyLayers", "SharedExpert", "Tensor", "Transform"]
+__all__ = ["REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "FirstKDense", "MlpLayerTypes", "MlpOnlyLayers", "Router",
+           "SharedExpert",
+           "Tensor", "Transform"]
 
 SubPath = tuple[str, ...]  # a parameter's sub-path in moefast's (unrolled) tree, e.g. ("attn", "qkv")
 
@@ -199,6 +206,12 @@ class AllMoE:
     def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
         return {}
 
+    def problem(self, m: ModelConfig, name: str) -> str | None:
+        """Why the family cannot place ``m``'s MoE layers (None: it can)."""
+        if not all(m.is_moe_layer(i) for i in range(m.num_layers)):
+            return f"dense layers ({name} is MoE in every layer)"
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class MlpOnlyLayers:
@@ -215,6 +228,34 @@ class MlpOnlyLayers:
     def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
         return {"decoder_sparse_step": 1, "mlp_only_layers": dense}
 
+    def problem(self, m: ModelConfig, name: str) -> str | None:
+        return None  # any set of dense layers can be listed
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstKDense:
+    """The first ``first_k_dense_replace`` layers are dense (of width ``intermediate_size``), every
+    later one MoE (DeepSeek-V2/V3, GLM-4.5; moefast ``model.num_dense_layers`` with ``moe_every``
+    1). ``default``: transformers' value when the key is absent or null."""
+
+    default: int = 0
+    key: str = "first_k_dense_replace"
+    allows_dense = True
+
+    def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
+        k = hf.get(self.key)
+        k = self.default if k is None else k
+        return [i >= k for i in range(num_layers)]
+
+    def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
+        return {self.key: len(dense)}
+
+    def problem(self, m: ModelConfig, name: str) -> str | None:
+        if any(not m.is_moe_layer(i) for i in range(m.num_dense_layers, m.num_layers)):
+            return (f"dense layers after the first MoE layer (model.moe_every={m.moe_every}; {name}'s dense layers "
+                    f"are the first {self.key} ones)")
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class BiasKey:
@@ -228,11 +269,77 @@ class BiasKey:
 
 @dataclasses.dataclass(frozen=True)
 class SharedExpert:
-    """A shared expert of width config.json's ``ff_key`` (moefast ``moe.shared_expert_d_ff``);
-    ``gated``: scaled by a sigmoid gate (moefast ``moe.shared_expert_gate``)."""
+    """A family's shared expert (moefast ``moe.shared_expert_d_ff``, ``moe.shared_expert_gate``).
+
+    Attributes:
+      ff_key: config.json key of its width (Qwen2-MoE's ``shared_expert_intermediate_size``) or,
+        with ``count_key``, of one shared expert's width.
+      gated: scaled by a sigmoid gate (moefast ``moe.shared_expert_gate``).
+      count_key: config.json key of the number of shared experts, which act as one expert of
+        ``count * ff_key`` width (DeepSeek/GLM ``n_shared_experts`` × ``moe_intermediate_size``:
+        their gate|up|down rows are concatenated in HF's one ``shared_experts`` MLP); None: one.
+    """
 
     ff_key: str
     gated: bool = True
+    count_key: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """How a family's router scores and chooses experts, and which config.json keys say so.
+
+    The default is the softmax top-k of Mixtral, Qwen and OLMoE, with no keys of its own.
+
+    Attributes:
+      score_func: the scores the family's HF code computes (moefast ``moe.score_func``); a
+        config.json ``scoring_func`` (DeepSeek's remote-code key) must name it.
+      topk_methods: the ``topk_method`` values the family accepts -> whether ``n_group`` /
+        ``topk_group`` limit the choice (moefast ``moe.num_groups`` / ``moe.topk_groups``):
+        ``noaux_tc`` and ``group_limited_greedy`` do, ``greedy`` does not; empty: the family has
+        no group keys.
+      default_method: ``topk_method`` when config.json has none (what the family's HF code does).
+      write_method: export writes ``scoring_func`` and ``topk_method`` (the families whose HF
+        config has them).
+      scaling_key: config.json key of moefast ``moe.routed_scaling_factor``; None: never scaled.
+      selection_bias: HF name (``{i}``: the layer) of each MoE layer's selection-bias buffer [E]
+        float32 (``e_score_correction_bias``, DeepSeek-V3 sec. 2.1.2), added to the scores for
+        choosing experts only; moefast keeps it in the routing state (``routing["bias"]`` row j
+        for the j-th MoE layer), never in the parameters. None: the family has none.
+    """
+
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    topk_methods: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    default_method: str | None = None
+    write_method: bool = False
+    scaling_key: str | None = None
+    selection_bias: str | None = None
+
+    def method(self, limited: bool) -> str | None:
+        """The ``topk_method`` that computes moefast's routing: one with group limits if
+        ``limited``, else the default."""
+        if limited and not self.topk_methods.get(self.default_method, False):
+            return next(m for m, groups in self.topk_methods.items() if groups)
+        return self.default_method
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpLayerTypes:
+    """``mlp_layer_types`` lists ``"dense"`` or ``"sparse"`` per layer (GLM-4.7-Flash); absent: the
+    first layer dense, the others MoE, as transformers assumes."""
+
+    key: str = "mlp_layer_types"
+    allows_dense = True
+
+    def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
+        types = hf.get(self.key) or ["dense"] + ["sparse"] * (num_layers - 1)
+        return [t == "sparse" for t in types]
+
+    def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
+        return {self.key: ["dense" if i in dense else "sparse" for i in range(num_layers)]}
+
+    def problem(self, m: ModelConfig, name: str) -> str | None:
+        return None  # any set of dense layers can be listed
 
 
 # ----------------------------------------------------------------------------------------- family
@@ -245,16 +352,39 @@ class FamilySpec:
       architecture: the transformers class written to ``architectures``.
       name: the family's name in messages.
       hf_defaults: config.json key -> the value transformers assumes when it is absent or null
-        (must hold ``rope_theta``, ``rms_norm_eps`` and ``num_experts_per_tok``).
+        (must hold ``rope_theta``, ``rms_norm_eps``, ``num_experts_per_tok``, and the router's
+        ``scaling_key`` and the shared expert's ``count_key`` where the family has them).
       num_experts_keys: keys holding E, the first present wins (the first is written).
       expert_ff_key: key of F (moefast ``model.d_ff``).
       dense_ff_key: key of the dense layers' width (moefast ``model.dense_d_ff``); None: the family
         has no dense layers of their own width.
-      moe_layers: which layers are MoE (:class:`AllMoE` or :class:`MlpOnlyLayers`).
+      moe_layers: which layers are MoE (:class:`AllMoE`, :class:`MlpOnlyLayers` or
+        :class:`FirstKDense` or :class:`MlpLayerTypes`).
       attention_bias: the key switching attention biases on; None: the family has none.
       qk_norm: moefast's ``model.qk_norm`` for the family (``"none"``, ``"per_head"``, ``"full"``).
-      norm_topk_prob_key: key of moefast ``moe.norm_topk_prob`` (absent: false); None: the family
-        always renormalises the top-k gates.
+      qk_norm_key: config.json key switching the q/k norms on (GLM-4.5's ``use_qk_norm``; absent:
+        off); None: the family always has ``qk_norm``.
+      partial_rotary: the family's HF code rotates only ``partial_rotary_factor`` of each head
+        (``rope_parameters.partial_rotary_factor``, or the top-level key; default from
+        ``hf_defaults``, else 1.0): moefast ``model.partial_rotary_factor``. False: a value other
+        than 1 is refused.
+      router: the family's routing and its keys (:class:`Router`).
+      mla: the family's attention is multi-head latent attention (moefast ``model.attention=mla``;
+        ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+        ``v_head_dim`` from config.json under the same names).
+      yarn: config.json's ``rope_parameters`` may hold YaRN scaling (``rope_type: yarn``,
+        ``factor``, ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
+        ``mscale``, ``mscale_all_dim``: moefast ``model.rope_type=yarn`` etc.).
+      rope_interleave: parameters whose columns hold RoPE features stored as interleaved pairs when
+        config.json's ``rope_interleave`` is true (default from ``hf_defaults``): moefast sub-path ->
+        the column permutation ``moefast = hf[..., perm]`` for a model config (applied once at import,
+        inverted at export, which always writes ``rope_interleave: true``).
+      mtp_key: config.json key of the number of multi-token-prediction layers the checkpoint keeps
+        after its ``num_hidden_layers`` (DeepSeek's ``num_nextn_predict_layers``); their tensors are
+        skipped with a note. None: the family has none.
+      norm_topk_prob_key: key of moefast ``moe.norm_topk_prob`` (absent: ``hf_defaults``' value,
+        else false); None: the family's HF code always (``fixed_norm_topk_prob`` true) or never
+        (false: DeepSeek-V2, whose config's ``norm_topk_prob`` is not used) renormalises the top-k gates.
       shared_expert: the family's shared expert; None: it has none.
       unsupported: keys that must be absent or null -> what they would switch on.
       export_constants: further keys written to config.json: a value, or a function of the
@@ -286,17 +416,27 @@ class FamilySpec:
     moe_tensors: Mapping[str, Mapping[SubPath, Tensor]]
     global_tensors: Mapping[SubPath, Tensor]
     dense_ff_key: str | None = None
-    moe_layers: AllMoE | MlpOnlyLayers = AllMoE()
+    moe_layers: AllMoE | MlpOnlyLayers | FirstKDense | MlpLayerTypes = AllMoE()
     attention_bias: BiasKey | None = None
     qk_norm: Literal["none", "per_head", "full"] = "none"
+    qk_norm_key: str | None = None
+    partial_rotary: bool = False
+    router: Router = Router()
+    mla: bool = False
+    yarn: bool = False
+    rope_interleave: Mapping[SubPath, Callable[[ModelConfig], np.ndarray]] = dataclasses.field(default_factory=dict)
+    mtp_key: str | None = None
     norm_topk_prob_key: str | None = "norm_topk_prob"
+    fixed_norm_topk_prob: bool = True
     shared_expert: SharedExpert | None = None
     unsupported: Mapping[str, str] = dataclasses.field(default_factory=dict)
     export_constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     model_checks: tuple[tuple[Callable[[ExperimentConfig], bool], str], ...] = ()
 
     def __post_init__(self):
-        missing = {"rope_theta", "rms_norm_eps", "num_experts_per_tok"} - set(self.hf_defaults)
+        required = {"rope_theta", "rms_norm_eps", "num_experts_per_tok", self.router.scaling_key,
+                    self.shared_expert and self.shared_expert.count_key} - {None}
+        missing = required - set(self.hf_defaults)
         if missing:
             raise ValueError(f"FamilySpec {self.model_type}: hf_defaults lacks {sorted(missing)}")
         if "per_expert" not in self.moe_tensors:
@@ -318,6 +458,43 @@ _ATTENTION = MappingProxyType({
     ("attn", "q_norm", "scale"): _t(IDENTITY, _A + "q_norm.weight"),
     ("attn", "k_norm", "scale"): _t(IDENTITY, _A + "k_norm.weight"),
 })
+_MLA = MappingProxyType({
+    ("attn_norm", "scale"): _ATTENTION[("attn_norm", "scale")],
+    ("ffn_norm", "scale"): _ATTENTION[("ffn_norm", "scale")],
+    **{("attn", x): _t(TRANSPOSED, _A + f"{x}.weight")
+       for x in ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")},
+    **{("attn", x, "scale"): _t(IDENTITY, _A + f"{x}.weight") for x in ("q_a_layernorm", "kv_a_layernorm")},
+})
+"""MLA attention (:class:`moefast.model.transformer.MLAttention`, whose parameters carry HF
+DeepSeek-V3's names): q_a_proj [D, Q], q_a_layernorm [Q], q_b_proj [Q, H·(N+R)] or q_proj
+[D, H·(N+R)], kv_a_proj_with_mqa [D, C+R], kv_a_layernorm [C], kv_b_proj [C, H·(N+Hv)], o_proj
+[H·Hv, D], each HF weight transposed."""
+
+
+def _rope_columns(heads: int, block: int, offset: int, rope: int) -> np.ndarray:
+    """Column permutation of a [..., heads·block] weight whose columns ``offset : offset + rope``
+    of each head's block are RoPE features stored as interleaved pairs: moefast's split-half order
+    (:func:`moefast.model.positional.rope_deinterleave_permutation`), the other columns in place."""
+    from moefast.model.positional import rope_deinterleave_permutation
+
+    perm = np.arange(heads * block)
+    for h in range(heads):
+        at = h * block + offset
+        perm[at:at + rope] = at + rope_deinterleave_permutation(rope)
+    return perm
+
+
+def _mla_query_rope(m: ModelConfig) -> np.ndarray:
+    return _rope_columns(m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_nope_head_dim, m.qk_rope_head_dim)
+
+
+def _mla_key_rope(m: ModelConfig) -> np.ndarray:
+    return _rope_columns(1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank, m.qk_rope_head_dim)
+
+
+_MLA_ROPE = MappingProxyType({("attn", "q_b_proj"): _mla_query_rope, ("attn", "q_proj"): _mla_query_rope,
+                              ("attn", "kv_a_proj_with_mqa"): _mla_key_rope})
+
 _DENSE_MLP = MappingProxyType({
     ("ffn", "w_in"): _t(CONCAT_T, _L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
     ("ffn", "w_out"): _t(TRANSPOSED, _L + "mlp.down_proj.weight"),
@@ -330,10 +507,12 @@ _GLOBAL = MappingProxyType({
 
 
 def _moe_tables(moe: str = "mlp.", gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
-                shared: bool = False) -> Mapping[str, Mapping[SubPath, Tensor]]:
+                shared: str | None = None, shared_gate: str | None = None) -> Mapping[str, Mapping[SubPath, Tensor]]:
     """MoE-layer tables: per-expert tensors under ``model.layers.{i}.{moe}`` named ``experts.{e}.
     {gate,up,down}.weight``, or transformers 5's fused ``mlp.experts.gate_up_proj/down_proj``;
-    ``shared``: Qwen2-MoE's gated ``mlp.shared_expert``."""
+    ``shared``: the shared expert's MLP under ``model.layers.{i}.{shared}`` (Qwen2-MoE's
+    ``mlp.shared_expert.``, DeepSeek/GLM's ``mlp.shared_experts.``), ``shared_gate`` its gate's
+    weight name (Qwen2-MoE's ``mlp.shared_expert_gate.weight``; None: ungated)."""
     x = _L + moe + "experts.{e}."
     per_expert = {("ffn", "router"): _t(TRANSPOSED, _L + moe + "gate.weight"),
                   ("ffn", "w_in"): _t(PER_EXPERT, x + gate + ".weight", x + up + ".weight"),
@@ -342,10 +521,11 @@ def _moe_tables(moe: str = "mlp.", gate: str = "gate_proj", up: str = "up_proj",
              ("ffn", "w_in"): _t(FUSED_EXPERTS, _L + "mlp.experts.gate_up_proj"),
              ("ffn", "w_out"): _t(FUSED_EXPERTS, _L + "mlp.experts.down_proj")}
     if shared:
-        s = _L + "mlp.shared_expert."
+        s = _L + shared
         extra = {("ffn", "shared_w_in"): _t(CONCAT_T, s + "gate_proj.weight", s + "up_proj.weight"),
-                 ("ffn", "shared_w_out"): _t(TRANSPOSED, s + "down_proj.weight"),
-                 ("ffn", "shared_gate"): _t(TRANSPOSED, _L + "mlp.shared_expert_gate.weight")}
+                 ("ffn", "shared_w_out"): _t(TRANSPOSED, s + "down_proj.weight")}
+        if shared_gate:
+            extra[("ffn", "shared_gate")] = _t(TRANSPOSED, _L + shared_gate)
         per_expert, fused = {**per_expert, **extra}, {**fused, **extra}
     return MappingProxyType({"per_expert": MappingProxyType(per_expert), "fused": MappingProxyType(fused)})
 
@@ -376,7 +556,7 @@ REGISTRY: dict[str, FamilySpec] = {
         hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 4}),
         attention_bias=BiasKey("qkv_bias", "qkv", default=True),
         shared_expert=SharedExpert("shared_expert_intermediate_size", gated=True),
-        moe_tensors=_moe_tables(shared=True)),
+        moe_tensors=_moe_tables(shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate.weight")),
     "qwen3_moe": _qwen(
         "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE",
         hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8}),
@@ -391,6 +571,76 @@ REGISTRY: dict[str, FamilySpec] = {
         export_constants=MappingProxyType({"clip_qkv": None}),
         model_checks=((lambda cfg: cfg.model.num_heads * cfg.model.head_dim != cfg.model.d_model,
                        "model.head_dim * num_heads != d_model (OLMoE's q/k norms assume it)"),)),
+    # GLM-4.5/4.6/4.7 (zai-org/GLM-4.5 etc.): GQA with q/k/v biases and optional per-head q/k norms,
+    # half of each head rotated, DeepSeek-V3's sigmoid router (noaux_tc) with its selection bias,
+    # ungated shared experts, the first layers dense. Its MTP layers (num_nextn_predict_layers) are
+    # not part of transformers' model: skipped on import, none exported.
+    "glm4_moe": FamilySpec(
+        model_type="glm4_moe", architecture="Glm4MoeForCausalLM", name="GLM-4.5",
+        hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-5, "num_experts_per_tok": 8,
+                                      "norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                                      "partial_rotary_factor": 0.5}),
+        num_experts_keys=("n_routed_experts", "num_local_experts"), expert_ff_key="moe_intermediate_size",
+        dense_ff_key="intermediate_size", moe_layers=FirstKDense(default=1),
+        attention_bias=BiasKey("attention_bias", "qkv"), qk_norm="per_head", qk_norm_key="use_qk_norm",
+        partial_rotary=True, shared_expert=SharedExpert("moe_intermediate_size", gated=False, count_key="n_shared_experts"),
+        router=Router(score_func="sigmoid", topk_methods=MappingProxyType({"noaux_tc": True}), default_method="noaux_tc",
+                      scaling_key="routed_scaling_factor", selection_bias=_L + "mlp.gate.e_score_correction_bias"),
+        layer_tensors=_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=_moe_tables(shared="mlp.shared_experts."),
+        mtp_key="num_nextn_predict_layers", export_constants=MappingProxyType({"num_nextn_predict_layers": 0})),
+    # DeepSeek-V3/R1 (and Moonlight, whose config.json says deepseek_v3): MLA with interleaved RoPE
+    # columns and YaRN, the same router as GLM-4.5 (here with real group limits), ungated shared
+    # experts, the first layers dense; MTP layers skipped.
+    "deepseek_v3": FamilySpec(
+        model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM", name="DeepSeek-V3",
+        hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8,
+                                      "norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                                      "rope_interleave": True, "n_group": 8, "topk_group": 4}),
+        num_experts_keys=("n_routed_experts", "num_local_experts"), expert_ff_key="moe_intermediate_size",
+        dense_ff_key="intermediate_size", moe_layers=FirstKDense(default=3), mla=True, yarn=True,
+        rope_interleave=_MLA_ROPE,
+        shared_expert=SharedExpert("moe_intermediate_size", gated=False, count_key="n_shared_experts"),
+        router=Router(score_func="sigmoid", topk_methods=MappingProxyType({"noaux_tc": True}), default_method="noaux_tc",
+                      scaling_key="routed_scaling_factor", selection_bias=_L + "mlp.gate.e_score_correction_bias"),
+        layer_tensors=_MLA, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=_moe_tables(shared="mlp.shared_experts."),
+        unsupported=MappingProxyType({"attention_bias": "biases on MLA's q_a/kv_a/o projections"}),
+        mtp_key="num_nextn_predict_layers", export_constants=MappingProxyType({"num_nextn_predict_layers": 0,
+                                                                               "attention_bias": False})),
+    # DeepSeek-V2 / V2-Lite: MLA (V2-Lite: a direct q_proj) with RoPE features always interleaved
+    # (transformers rotates them as complex pairs) and YaRN, softmax routing (greedy or
+    # group_limited_greedy by the best probability of each group), gates never renormalised and
+    # scaled, ungated shared experts, the first layers dense; no selection bias.
+    "deepseek_v2": FamilySpec(
+        model_type="deepseek_v2", architecture="DeepseekV2ForCausalLM", name="DeepSeek-V2",
+        hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 6,
+                                      "n_shared_experts": 2, "routed_scaling_factor": 1.0, "rope_interleave": True}),
+        num_experts_keys=("n_routed_experts", "num_experts"), expert_ff_key="moe_intermediate_size",
+        dense_ff_key="intermediate_size", moe_layers=FirstKDense(default=0), mla=True, yarn=True,
+        rope_interleave=_MLA_ROPE, norm_topk_prob_key=None, fixed_norm_topk_prob=False,
+        shared_expert=SharedExpert("moe_intermediate_size", gated=False, count_key="n_shared_experts"),
+        router=Router(score_func="softmax", topk_methods=MappingProxyType({"greedy": False, "group_limited_greedy": True}),
+                      default_method="greedy", write_method=True, scaling_key="routed_scaling_factor"),
+        layer_tensors=_MLA, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=_moe_tables(shared="mlp.shared_experts."),
+        unsupported=MappingProxyType({"attention_bias": "biases on MLA's q_a/kv_a/o projections",
+                                      "mlp_bias": "biases in the feed-forward layers"}),
+        export_constants=MappingProxyType({"attention_bias": False, "mlp_bias": False, "norm_topk_prob": False})),
 }
 """HF ``model_type`` -> :class:`FamilySpec`: the families moefast reads and writes, in the order
 :func:`moefast.interop.hf.hf_family` tries them."""
+
+# GLM-4.7-Flash: DeepSeek-V3's layers (MLA, interleaved RoPE, the sigmoid router with its selection
+# bias, ungated shared experts) with GLM's defaults, dense layers listed in mlp_layer_types. Read
+# here; exported as deepseek_v3 (first in the registry), the same model for transformers.
+REGISTRY["glm4_moe_lite"] = dataclasses.replace(
+    REGISTRY["deepseek_v3"], model_type="glm4_moe_lite", architecture="Glm4MoeLiteForCausalLM", name="GLM-4.7-Flash",
+    hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4,
+                                  "norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
+                                  "rope_interleave": True, "n_group": 1, "topk_group": 1}),
+    moe_layers=MlpLayerTypes(), export_constants=MappingProxyType({"attention_bias": False}))
+
+# Kimi K2 (moonshotai/Kimi-K2-*) is DeepSeek-V3's architecture under its own model_type (remote code):
+# read through the V3 spec; a model is always exported as deepseek_v3, which transformers loads.
+REGISTRY["kimi_k2"] = dataclasses.replace(REGISTRY["deepseek_v3"], model_type="kimi_k2", name="Kimi K2")

@@ -11,32 +11,42 @@ and writes any of them and names none.
 
 * :func:`config_from_hf` reads ``config.json`` into an :class:`~moefast.config.ExperimentConfig`
   (``model`` and ``moe`` sections from the checkpoint, everything else from a base config and
-  overrides). Options moefast does not implement (sliding windows, RoPE scaling such as YaRN,
-  partial rotary, a family's own ``unsupported`` keys, unknown ``model_type``) raise
-  :class:`HFFormatError` naming the field.
+  overrides). Options moefast does not implement (sliding windows, RoPE scaling other than the
+  YaRN of families with ``yarn``, partial rotary outside families with ``partial_rotary``, a
+  ``scoring_func`` / ``topk_method`` the family's router does not compute, a family's own
+  ``unsupported`` keys, unknown ``model_type``) raise :class:`HFFormatError` naming the field.
 * :func:`load_hf_params` streams the weights tensor by tensor into moefast's parameters (either
   layer layout, ``model.scan_layers``), each straight into its target sharding: a device's shard
   of an expert tensor reads only that device's experts from disk, so no host holds the whole model.
   Both on-disk expert layouts are read: one tensor per expert (what ``save_pretrained`` writes by
   default) and fused ``experts.gate_up_proj`` [E, 2F, D] / ``experts.down_proj`` [E, D, F]
   (transformers 5's in-memory layout, ``save_pretrained(save_original_format=False)``).
+  Multi-token-prediction layers after ``num_hidden_layers`` are skipped with a note.
+* :func:`load_hf_routing` reads a router's selection bias (``e_score_correction_bias`` [E] per MoE
+  layer) into moefast's routing state ``{"bias": [L_moe, E], "load_ema": [L_moe, E]}`` float32,
+  where moefast keeps it (out of the parameters and the optimizer).
 * :func:`save_hf` writes the reverse: safetensors (sharded above ``max_shard_bytes``, with the
-  index), a ``config.json`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, and
-  the tokenizer files of a run that has them.
+  index; the routing state's bias as each MoE layer's ``e_score_correction_bias``), a
+  ``config.json`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, and the
+  tokenizer files of a run that has them.
 
 Conventions (checked against transformers 5.24 by ``tests/interop/test_hf.py``): HF linear weights
 are [out, in] (moefast's are [in, out]); moefast fuses q|k|v into one [D, (H + 2G)·Hd] matrix and
 each SwiGLU's gate|up into [D, 2F] (gate first, as HF's ``gate_up_proj``); both use split-half
-RoPE (``rotate_half``) with ``inv_freq = base^(-2i/Hd)``, so q/k weights need no permutation.
+RoPE (``rotate_half``) with ``inv_freq = base^(-2i/Hd)``, so q/k weights need no permutation,
+except the RoPE columns of checkpoints stored interleaved (DeepSeek's ``rope_interleave``), permuted
+once per parameter by the family's ``rope_interleave`` table at import and back at export.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
@@ -53,7 +63,7 @@ from moefast.model.layout import layer_layout, to_layout
 from moefast.model.transformer import build_model
 
 __all__ = ["FAMILIES", "HFFormatError", "config_from_hf", "family_spec", "hf_config", "hf_family", "load_hf",
-           "load_hf_params", "save_hf"]
+           "load_hf_params", "load_hf_routing", "save_hf"]
 
 
 class _Architectures(Mapping[str, str]):
@@ -136,16 +146,17 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         if "full_attention" in rope or "sliding_attention" in rope:
             reject(field, rope, "RoPE parameters per layer type (sliding-window layers)")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in (None, "default"):
+        if rope_type not in (None, "default") and not (rope_type == "yarn" and spec.yarn):
             reject(f"{field}.rope_type", rope_type,
                    "moefast implements plain RoPE only (no linear/dynamic/YaRN/LongRoPE/Llama-3 scaling)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        reject("partial_rotary_factor", partial, "RoPE rotates every feature of a head in moefast")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    partial = spec.hf_defaults.get("partial_rotary_factor", 1.0) if partial is None else partial
+    if partial != 1 and not spec.partial_rotary:
+        reject("partial_rotary_factor", partial, f"{spec.name}'s attention rotates every feature of a head")
     theta = rope.get("rope_theta", hf.get("rope_theta")) or spec.hf_defaults["rope_theta"]
     for key, why in spec.unsupported.items():
-        if hf.get(key) is not None:
+        if hf.get(key) not in (None, False):
             reject(key, hf[key], why)
     if hf.get("use_sliding_window"):
         reject("use_sliding_window", True, "sliding-window attention")
@@ -171,22 +182,67 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     f = hf[spec.expert_ff_key]
     dense_ff = hf.get(spec.dense_ff_key) if spec.dense_ff_key else None
     b = spec.attention_bias
+    qk_norm = spec.qk_norm if spec.qk_norm_key is None or hf.get(spec.qk_norm_key) else "none"
     model = dict(d_model=d, num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, d_ff=f,
                  dense_d_ff=dense_ff if dense_ff != f else None, vocab_size=hf["vocab_size"],
                  max_seq_len=hf.get("max_position_embeddings", 4096), position_encoding="rope",
                  rope_base=float(theta), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                  num_dense_layers=nd, moe_every=every, norm_eps=float(get("rms_norm_eps")),
                  attention_bias=b.covers if b is not None and hf.get(b.key, b.default) else "none",
-                 qk_norm=spec.qk_norm, init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0)
+                 qk_norm=qk_norm, init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0)
+    if spec.partial_rotary:
+        model["partial_rotary_factor"] = float(partial)
+    if spec.mla:
+        r = hf["qk_rope_head_dim"]
+        model.update(attention="mla", q_lora_rank=hf.get("q_lora_rank") or None, kv_lora_rank=hf["kv_lora_rank"],
+                     qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=r, v_head_dim=hf["v_head_dim"],
+                     num_kv_heads=None, head_dim=r)  # transformers sets head_dim to qk_rope_head_dim
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        if rope.get("truncate", True) is not True or rope.get("attention_factor") is not None:
+            reject("rope_parameters", rope, "YaRN with truncate=false or an explicit attention_factor")
+        model.update(rope_type="yarn", rope_factor=float(rope["factor"]),
+                     original_max_position_embeddings=rope.get("original_max_position_embeddings")
+                     or hf.get("original_max_position_embeddings"),
+                     beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                     mscale=rope.get("mscale") or None, mscale_all_dim=rope.get("mscale_all_dim") or None)
     shared = spec.shared_expert
+    shared_ff = 0
+    if shared is not None:
+        shared_ff = hf.get(shared.ff_key) or 0
+        if shared.count_key is not None:
+            shared_ff *= get(shared.count_key) or 0
+    norm_key = spec.norm_topk_prob_key
     moe = dict(num_experts=e, top_k=get("num_experts_per_tok"),
-               norm_topk_prob=(True if spec.norm_topk_prob_key is None
-                               else bool(hf.get(spec.norm_topk_prob_key, False))),
-               shared_expert_d_ff=(hf.get(shared.ff_key) or 0) if shared is not None else 0,
-               shared_expert_gate=shared.gated if shared is not None else True)
+               norm_topk_prob=(spec.fixed_norm_topk_prob if norm_key is None
+                               else bool(get(norm_key) if norm_key in spec.hf_defaults else hf.get(norm_key, False))),
+               shared_expert_d_ff=shared_ff, shared_expert_gate=shared.gated if shared is not None else True,
+               **_router_sections(spec, hf, get, reject))
     if hf.get("router_aux_loss_coef") is not None:
         moe["aux_loss_coef"] = float(hf["router_aux_loss_coef"])
     return model, moe
+
+
+def _router_sections(spec: FamilySpec, hf: dict, get: Callable[[str], Any],
+                     reject: Callable[[str, Any, str], None]) -> dict[str, Any]:
+    """moefast's ``moe.score_func``, ``num_groups``, ``topk_groups`` and ``routed_scaling_factor`` from
+    config.json's ``scoring_func``, ``topk_method``, ``n_group``, ``topk_group`` and
+    ``routed_scaling_factor`` (the family's :class:`~moefast.interop.families.Router`); the family's
+    HF code decides what a key it lacks means."""
+    r = spec.router
+    score = hf.get("scoring_func") or r.score_func
+    if score != r.score_func:
+        reject("scoring_func", score, f"{spec.name}'s router computes {r.score_func} scores")
+    out: dict[str, Any] = {"score_func": r.score_func}
+    if r.topk_methods:
+        method = hf.get("topk_method") or r.default_method
+        if method not in r.topk_methods:
+            reject("topk_method", method, f"{spec.name} routes by {' or '.join(r.topk_methods)}")
+        groups = (hf.get("n_group") or spec.hf_defaults.get("n_group") or 1) if r.topk_methods[method] else 1
+        kept = hf.get("topk_group") or spec.hf_defaults.get("topk_group") or groups  # greedy ignores the groups
+        out.update(num_groups=groups, topk_groups=kept if groups > 1 else 1)
+    if r.scaling_key is not None:
+        out["routed_scaling_factor"] = float(get(r.scaling_key))
+    return out
 
 
 def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
@@ -234,8 +290,9 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     """What keeps ``spec``'s family from representing ``cfg``'s model exactly (empty: nothing)."""
     m, e, name = cfg.model, cfg.moe, spec.name
     out = []
-    if m.qk_norm != spec.qk_norm:
-        out.append(f"model.qk_norm={m.qk_norm} ({name}'s q/k norms: {spec.qk_norm})")
+    qk_norms = (spec.qk_norm,) if spec.qk_norm_key is None else ("none", spec.qk_norm)
+    if m.qk_norm not in qk_norms:
+        out.append(f"model.qk_norm={m.qk_norm} ({name}'s q/k norms: {' or '.join(qk_norms)})")
     shared = spec.shared_expert
     if shared is None and e.shared_expert_d_ff:
         out.append(f"moe.shared_expert_d_ff={e.shared_expert_d_ff} ({name} has no shared expert)")
@@ -244,13 +301,35 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     elif shared is not None and e.shared_expert_gate != shared.gated:
         out.append(f"moe.shared_expert_gate={str(e.shared_expert_gate).lower()} ({name} "
                    f"{'gates' if shared.gated else 'does not gate'} its shared expert)")
-    if not spec.moe_layers.allows_dense and not all(m.is_moe_layer(i) for i in range(m.num_layers)):
-        out.append(f"dense layers ({name} is MoE in every layer)")
+    elif shared is not None and shared.count_key is not None and e.shared_expert_d_ff % m.d_ff:
+        out.append(f"moe.shared_expert_d_ff={e.shared_expert_d_ff} not a multiple of model.d_ff={m.d_ff} ({name}'s "
+                   f"shared experts are {shared.count_key} x {shared.ff_key} wide)")
+    layers = spec.moe_layers.problem(m, name)
+    if layers:
+        out.append(layers)
     bias = ("none",) if spec.attention_bias is None else ("none", spec.attention_bias.covers)
     if m.attention_bias not in bias:
         out.append(f"model.attention_bias={m.attention_bias} ({name} has {' or '.join(bias)})")
-    if spec.norm_topk_prob_key is None and not e.norm_topk_prob:
-        out.append(f"moe.norm_topk_prob=false ({name} always renormalises)")
+    if (m.attention == "mla") != spec.mla:
+        out.append(f"model.attention={m.attention} ({name}'s attention is {'mla' if spec.mla else 'gqa'})")
+    if m.rope_type == "yarn" and not spec.yarn:
+        out.append(f"model.rope_type=yarn ({name} has no YaRN scaling here)")
+    if m.partial_rotary_factor != 1 and not spec.partial_rotary:
+        out.append(f"model.partial_rotary_factor={m.partial_rotary_factor} ({name} rotates every feature of a head)")
+    if spec.norm_topk_prob_key is None and e.norm_topk_prob != spec.fixed_norm_topk_prob:
+        out.append(f"moe.norm_topk_prob={str(e.norm_topk_prob).lower()} ({name} "
+                   f"{'always' if spec.fixed_norm_topk_prob else 'never'} renormalises)")
+    r = spec.router
+    if e.score_func != r.score_func:
+        out.append(f"moe.score_func={e.score_func} ({name} scores experts by {r.score_func})")
+    if e.num_groups > 1 and e.topk_groups < e.num_groups and not any(r.topk_methods.values()):
+        out.append(f"moe.num_groups={e.num_groups} with topk_groups={e.topk_groups} ({name} has no group-limited "
+                   "routing)")
+    if e.routed_scaling_factor != 1 and r.scaling_key is None:
+        out.append(f"moe.routed_scaling_factor={e.routed_scaling_factor} ({name} never scales its gates)")
+    if e.aux_free_bias_rate > 0 and r.selection_bias is None:
+        out.append(f"moe.aux_free_bias_rate={e.aux_free_bias_rate} ({name}'s router has no selection bias, which "
+                   "changes the chosen experts)")
     out += [message for fails, message in spec.model_checks if fails(cfg)]
     return out
 
@@ -258,7 +337,8 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
 def hf_family(cfg: ExperimentConfig) -> str:
     """The HF ``model_type`` that represents ``cfg``'s model exactly: the first family of
     :data:`~moefast.interop.families.REGISTRY` whose spec fits (q/k norms, shared expert, dense
-    layers, attention biases, gate renormalisation, the spec's own ``model_checks``).
+    layers, attention biases, partial rotary, gate renormalisation, scores, group limits, gate
+    scaling, a learned selection bias, the spec's own ``model_checks``).
 
     Raises:
       HFFormatError: no family represents the model; the message names each family's objections.
@@ -266,14 +346,6 @@ def hf_family(cfg: ExperimentConfig) -> str:
     m, e = cfg.model, cfg.moe
     if m.position_encoding != "rope":
         raise HFFormatError("model.position_encoding: HF MoE families use RoPE; 'sinusoidal' cannot be exported")
-    unsupported = [f"model.{k}={getattr(m, k)}" for k, plain in (("attention", "gqa"), ("rope_type", "default"),
-                                                                  ("partial_rotary_factor", 1.0)) if getattr(m, k) != plain]
-    if unsupported:
-        raise HFFormatError(f"{', '.join(unsupported)}: no Hugging Face family of moefast has it yet (DeepSeek-V2/V3 "
-                            "and GLM-4.5 export is to come); such a model cannot be exported")
-    if e.aux_free_bias_rate > 0:
-        raise HFFormatError("moe.aux_free_bias_rate > 0: the learned selection bias changes which experts are chosen "
-                            "and HF MoE routers have no bias; such a model cannot be exported exactly")
     if m.mtp_depth:
         raise HFFormatError(f"model.mtp_depth={m.mtp_depth}: the supported families have no multi-token prediction "
                             "layers; export a model with model.mtp_depth=0")
@@ -311,8 +383,33 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
     out.update(spec.moe_layers.to_hf(dense, m.num_layers))
     if spec.attention_bias is not None:
         out[spec.attention_bias.key] = m.attention_bias == spec.attention_bias.covers
-    if spec.shared_expert is not None:
-        out[spec.shared_expert.ff_key] = e.shared_expert_d_ff
+    if spec.qk_norm_key is not None:
+        out[spec.qk_norm_key] = m.qk_norm != "none"
+    if spec.partial_rotary:
+        out["partial_rotary_factor"] = out["rope_parameters"]["partial_rotary_factor"] = m.partial_rotary_factor
+    if m.rope_type == "yarn":
+        out["rope_parameters"].update(rope_type="yarn", factor=m.rope_factor,
+                                      original_max_position_embeddings=m.original_max_position_embeddings,
+                                      beta_fast=m.beta_fast, beta_slow=m.beta_slow, mscale=m.mscale,
+                                      mscale_all_dim=m.mscale_all_dim)
+    if spec.mla:
+        out.update(q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                   qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_rope_head_dim,
+                   num_key_value_heads=m.num_heads)
+    if spec.rope_interleave:
+        out["rope_interleave"] = True
+    shared = spec.shared_expert
+    if shared is not None and shared.count_key is not None:
+        out[shared.count_key] = e.shared_expert_d_ff // m.d_ff
+    elif shared is not None:
+        out[shared.ff_key] = e.shared_expert_d_ff
+    r = spec.router
+    if r.topk_methods:
+        out.update(n_group=e.num_groups, topk_group=e.topk_groups)
+        if r.write_method:
+            out.update(scoring_func=r.score_func, topk_method=r.method(e.num_groups > 1 and e.topk_groups < e.num_groups))
+    if r.scaling_key is not None:
+        out[r.scaling_key] = e.routed_scaling_factor
     out.update({k: v(cfg) if callable(v) else v for k, v in spec.export_constants.items()})
     return out
 
@@ -327,10 +424,21 @@ class _Leaf:
     transform: Transform
     names: tuple[str, ...]
     sizes: tuple[int, ...]
+    perm: np.ndarray | None = None  # moefast's columns = HF's[..., perm] (interleaved RoPE features)
 
     @property
     def expert_axis(self) -> bool:
         return self.transform.expert_axis
+
+    def read(self, get: Callable[..., np.ndarray]) -> np.ndarray:
+        """The whole (non-expert) parameter."""
+        x = self.transform.read(get, self.names, None)
+        return x if self.perm is None else x[..., self.perm]
+
+    def write(self, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        if self.perm is not None:
+            value = value[..., np.argsort(self.perm)]
+        return self.transform.write(value, self.names, self.sizes)
 
 
 def _table(spec: FamilySpec, cfg: ExperimentConfig, i: int, layout: str) -> Mapping[tuple, Any]:
@@ -340,9 +448,10 @@ def _table(spec: FamilySpec, cfg: ExperimentConfig, i: int, layout: str) -> Mapp
 
 
 def _leaves(spec: FamilySpec, cfg: ExperimentConfig, layout: str,
-            shapes: Mapping[tuple, tuple[int, ...]]) -> dict[tuple, _Leaf]:
+            shapes: Mapping[tuple, tuple[int, ...]], interleaved: bool = True) -> dict[tuple, _Leaf]:
     """Path in the unrolled parameter tree -> :class:`_Leaf`, for the parameters ``shapes`` (path
-    -> shape), in the order of the family's tables (global rows first and last around the layers).
+    -> shape), in the order of the family's tables (global rows first and last around the layers);
+    ``interleaved``: the files' RoPE columns are interleaved pairs (the family's ``rope_interleave``).
 
     Raises:
       HFFormatError: a parameter the family's tables have no row for.
@@ -358,8 +467,10 @@ def _leaves(spec: FamilySpec, cfg: ExperimentConfig, layout: str,
     unknown = sorted(set(shapes) - set(rows), key=str)
     if unknown:
         raise HFFormatError(f"parameters {unknown[:3]} have no Hugging Face name in {spec.model_type}")
+    perms = spec.rope_interleave if interleaved else {}
     return {p: _Leaf(row.transform, tuple(n.format(i=i, e="{e}") for n in row.names),
-                     row.sizes(cfg.model, shapes[p][-1]))
+                     row.sizes(cfg.model, shapes[p][-1]),
+                     perms[p[2:]](cfg.model) if i is not None and p[2:] in perms else None)
             for p, (row, i) in rows.items() if p in shapes}
 
 
@@ -435,7 +546,8 @@ def _abstract_params(cfg: ExperimentConfig, vocab_size: int) -> dict:
     return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, vocab_size))))
 
 
-def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = None) -> dict:
+def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = None,
+                   log: Callable[[str], None] | None = None) -> dict:
     """Reads the weights of an HF model directory into moefast parameters (float32).
 
     Tensors are read one by one; each parameter is assembled with
@@ -449,6 +561,8 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
         ``model.scan_layers`` chooses the layout of the returned tree.
       shardings: pytree of ``jax.sharding.Sharding`` with the parameters' structure (e.g. a
         trainer's ``state_sharding["params"]``); ``None``: the first device.
+      log: printer of notes (the multi-token-prediction layers a checkpoint carries beyond
+        ``num_hidden_layers``, which are not read); ``None``: :func:`warnings.warn`.
 
     Returns:
       The parameters, a pure dict like ``nnx.to_pure_dict`` of the model's state, float32.
@@ -470,15 +584,26 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
                             "import with model.mtp_depth=0")
     target = _abstract_params(cfg, vocab)
     unrolled = dict(_flat_paths(to_layout(target, m, scanned=False)))
-    leaves = _leaves(spec, cfg, _disk_layout(spec, cfg, files.where), {p: a.shape for p, a in unrolled.items()})
+    hf = hf_config(path)
+    interleaved = bool(hf.get("rope_interleave", spec.hf_defaults.get("rope_interleave", False)))
+    leaves = _leaves(spec, cfg, _disk_layout(spec, cfg, files.where), {p: a.shape for p, a in unrolled.items()},
+                     interleaved)
     expected: dict[str, tuple[int, ...]] = {}
     for p, leaf in leaves.items():
         expected.update(leaf.transform.hf_shapes(leaf.names, unrolled[p].shape, leaf.sizes))
+    expected.update({n: (cfg.moe.num_experts,) for n in _bias_names(spec, cfg)})  # read by load_hf_routing
     missing = [n for n in expected if n not in files.where]
     if missing:
         raise HFFormatError(f"{path}: {len(missing)} tensors that config.json implies are missing, e.g. "
                             f"{missing[:3]}")
     unexpected = [n for n in files.where if n not in expected and not n.endswith(_IGNORED_TENSORS)]
+    mtp = _mtp_tensors(spec, hf_config(path), unexpected)
+    if mtp:
+        unexpected = [n for n in unexpected if n not in mtp]
+        note = (f"{path}: {len(mtp)} tensors of the checkpoint's multi-token-prediction layers "
+                f"({spec.mtp_key}={hf_config(path)[spec.mtp_key]}, after the {m.num_layers} layers) are not read; the "
+                "imported model predicts the next token only, as transformers' does")
+        (log or warnings.warn)(note)
     if unexpected:
         raise HFFormatError(f"{path}: {len(unexpected)} tensors moefast has no place for, e.g. {unexpected[:3]} "
                             "(an architecture option moefast does not implement?)")
@@ -511,7 +636,7 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
                 lo, hi, _ = index[0].indices(cfg.moe.num_experts)
                 return leaf.transform.read(files.get, leaf.names, slice(lo, hi))[(slice(None),) + tuple(index[1:])]
             if id(leaf) not in cache:  # whole tensor, once per parameter (every device's shard cuts it)
-                cache[id(leaf)] = leaf.transform.read(files.get, leaf.names, None)
+                cache[id(leaf)] = leaf.read(files.get)
             return cache[id(leaf)][tuple(index)]
 
         def callback(index: tuple, leaves=sources_p, stacked=stacked, shape=aval.shape) -> np.ndarray:
@@ -526,6 +651,75 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     for h in files.handles.values():
         h.__exit__(None, None, None)
     return _unflatten(target, out)
+
+
+def _mtp_tensors(spec: FamilySpec, hf: Mapping[str, Any], names: list[str]) -> set[str]:
+    """The ``names`` of the family's multi-token-prediction layers: layer indices from
+    ``num_hidden_layers`` on, when config.json's ``spec.mtp_key`` is positive (DeepSeek-V3 sec. 2.2;
+    GLM-4.5 keeps them as its layer 46 or 92)."""
+    if spec.mtp_key is None or not hf.get(spec.mtp_key):
+        return set()
+    prefix = next(iter(spec.layer_tensors.values())).names[0].split("{i}")[0]  # e.g. "model.layers."
+    first = hf["num_hidden_layers"]
+    out = set()
+    for n in names:
+        index = n[len(prefix):].split(".", 1)[0] if n.startswith(prefix) else ""
+        if index.isdigit() and first <= int(index) < first + hf[spec.mtp_key]:
+            out.add(n)
+    return out
+
+
+def _bias_names(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
+    """HF names of the MoE layers' selection biases [E], in layer order (row j of the routing
+    state's ``bias`` is the j-th); empty when the family has none."""
+    name = spec.router.selection_bias
+    m = cfg.model
+    return [] if name is None else [name.format(i=i) for i in range(m.num_layers) if m.is_moe_layer(i)]
+
+
+def load_hf_routing(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = None) -> dict[str, jax.Array]:
+    """The routing state of an HF model directory: :func:`~moefast.model.init_routing_state` with,
+    for a family whose router has a selection bias (``e_score_correction_bias``, DeepSeek-V3 sec.
+    2.1.2: GLM-4.5, DeepSeek-V3), ``bias`` row j = the j-th MoE layer's tensor.
+
+    moefast keeps that bias in the train state's ``routing`` entry (float32, never seen by the
+    optimizer), not in the parameters: pass this to the model (``routing_state=``) or to
+    :meth:`moefast.train.Trainer.initialize`, or the experts are chosen without it.
+
+    Args:
+      path: HF model directory.
+      cfg: its experiment config (:func:`config_from_hf`).
+      shardings: pytree of ``jax.sharding.Sharding`` like the state (a trainer's
+        ``state_sharding["routing"]``); ``None``: the first device.
+
+    Returns:
+      ``{"bias": [L_moe, E], "load_ema": [L_moe, E]}`` float32 (``{}`` without MoE layers); the bias
+      is zero for a family without one.
+
+    Raises:
+      HFFormatError: an unsupported ``config.json``, or a bias tensor missing or of another shape.
+    """
+    from moefast.model import init_routing_state
+
+    path = Path(path)
+    spec = _family_of(path)
+    state = {k: np.array(v) for k, v in init_routing_state(cfg).items()}
+    names = _bias_names(spec, cfg) if state else []
+    if names:
+        files = _Files(path)
+        try:
+            for j, n in enumerate(names):
+                if n not in files.where:
+                    raise HFFormatError(f"{path}: the selection bias {n} of a {spec.name} MoE layer is missing")
+                _check_shape(files, n, (cfg.moe.num_experts,))
+                state["bias"][j] = files.get(n)
+        finally:
+            for h in files.handles.values():
+                h.__exit__(None, None, None)
+    if shardings is None:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: dev, state)
+    return jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i, x=x: x[i]), state, shardings)
 
 
 def _unflatten(like: Any, values: dict[tuple, Any]) -> Any:
@@ -553,6 +747,9 @@ def load_hf(path: str | Path, overrides: list[str] | None = None, *, base: Exper
         cfg, params = moefast.load_hf("path/to/hf-moe-model", ["model.dtype=bfloat16"])
         model = moefast.ModelDef(cfg, cfg.model.vocab_size).module(params)
         logits = model(tokens_bt, drop_tokens=False).logits  # [B, T, V] float32; no capacity: as HF computes
+
+    A family with a selection bias (GLM-4.5, DeepSeek-V3) keeps it in the routing state, not in
+    the parameters: add ``routing_state=load_hf_routing(path, cfg)`` to the model call.
     """
     cfg = config_from_hf(path, overrides, base=base)
     return cfg, load_hf_params(path, cfg, shardings=shardings)
@@ -567,6 +764,30 @@ def _host(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _bias_rows(spec: FamilySpec, cfg: ExperimentConfig, routing_state: dict | None) -> list[tuple[str, np.ndarray]]:
+    """``(HF name, float32 [E])`` of each MoE layer's selection bias for ``spec`` (empty for a
+    family without one).
+
+    Raises:
+      HFFormatError: no routing state for a family with a selection bias; a non-zero bias for a family
+        without one.
+    """
+    names = _bias_names(spec, cfg)
+    bias = None if not routing_state else _host(routing_state["bias"]).astype(np.float32)
+    if not names:
+        if bias is not None and np.any(bias):
+            raise HFFormatError(f"the routing state has a non-zero selection bias, which changes the chosen experts; "
+                                f"{spec.name}'s router has none, so this model cannot be exported exactly")
+        return []
+    if bias is None:
+        raise HFFormatError(f"{spec.name} has a selection bias per MoE layer (e_score_correction_bias): pass "
+                            "routing_state (the run's routing state; moefast.model.init_routing_state(cfg) for none)")
+    if bias.shape != (len(names), cfg.moe.num_experts):
+        raise HFFormatError(f"routing_state['bias'] has shape {list(bias.shape)}, expected "
+                            f"{[len(names), cfg.moe.num_experts]} (MoE layers, experts)")
+    return [(n, bias[j]) for j, n in enumerate(names)]
+
+
 def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None]:
     """BOS/EOS/PAD ids of the run's tokenizer for config.json (``None`` where it has none, or where
     an id is outside the model's vocabulary, e.g. the byte tokenizer's with a smaller model)."""
@@ -577,8 +798,8 @@ def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None
     return {k: (v if v is not None and v < vocab_size else None) for k, v in ids.items()}
 
 
-def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout: str = "per_expert",
-            dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
+def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing_state: dict | None = None,
+            layout: str = "per_expert", dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
             log: Callable[[str], None] | None = None) -> Path:
     """Writes moefast parameters as an HF model directory.
 
@@ -588,6 +809,10 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
     Args:
       cfg: the experiment the parameters belong to (its family: :func:`hf_family`).
       params: the parameters (either layer layout; jax arrays, sharded or not, or numpy).
+      routing_state: the run's routing state (``{"bias": [L_moe, E], ...}``, the train state's
+        ``routing``): its ``bias`` rows are written as the MoE layers' selection biases
+        (``e_score_correction_bias``, always float32) of a family that has them, where it is
+        required; for other families it must be zero or ``None``.
       out_dir: new directory (must not exist, or be empty).
       layout: ``"per_expert"`` (``experts.{e}.*`` tensors: what ``save_pretrained`` writes by
         default and older readers expect) or ``"fused"`` (``experts.gate_up_proj`` /
@@ -600,7 +825,8 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
       ``out_dir`` as a ``Path``.
 
     Raises:
-      HFFormatError: no HF family represents the model, or ``out_dir`` is not empty.
+      HFFormatError: no HF family represents the model, a non-zero selection bias for a family
+        without one, no ``routing_state`` for a family with one, or ``out_dir`` is not empty.
       ValueError: a bad ``layout`` or ``dtype``.
     """
     from safetensors.numpy import save_file
@@ -620,6 +846,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
     vocab = int(unrolled["embed"].shape[0])
     values = dict(_flat_paths(unrolled))
     leaves = _leaves(spec, cfg, layout, {p: np.shape(v) for p, v in values.items()})
+    bias_rows = _bias_rows(spec, cfg, routing_state)
 
     # With several processes every one gathers the tensors (collectives) and process 0 alone writes.
     is_main = jax.process_index() == 0
@@ -645,14 +872,15 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, layout:
                 shards.append(list(pending))
                 pending, size = {}, 0
 
-        for p, leaf in leaves.items():
-            for name, x in leaf.transform.write(_host(values[p]), leaf.names, leaf.sizes):
-                x = np.ascontiguousarray(x.astype(np_dtype))
-                if pending and size + x.nbytes > max_shard_bytes:
-                    flush()
-                pending[name] = x
-                size += x.nbytes
-                total += x.nbytes
+        tensors = ((name, x.astype(np_dtype)) for p, leaf in leaves.items()
+                   for name, x in leaf.write(_host(values[p])))
+        for name, x in itertools.chain(tensors, bias_rows):
+            x = np.ascontiguousarray(x)
+            if pending and size + x.nbytes > max_shard_bytes:
+                flush()
+            pending[name] = x
+            size += x.nbytes
+            total += x.nbytes
         flush()
         if is_main:
             n = len(shards)

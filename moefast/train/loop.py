@@ -563,16 +563,19 @@ class Trainer:
         the directory, the step and the last complete checkpoint."""
         return run_dir_lib.write_error(e, self.run_dir, ckpt.directory, done)
 
-    def initialize(self, params: dict) -> Path:
+    def initialize(self, params: dict, routing: dict | None = None) -> Path:
         """Starts a new run from given parameters: writes its step-0 checkpoint (``params`` with a
-        fresh optimizer state, routing state and step 0; no data position, so training reads the
-        data from its start) and ``config.yaml``. ``moefast train --run-dir`` then continues it
-        (``moefast import-hf`` uses this for imported weights).
+        fresh optimizer state, ``routing`` or a fresh routing state, and step 0; no data position,
+        so training reads the data from its start) and ``config.yaml``. ``moefast train --run-dir``
+        then continues it (``moefast import-hf`` uses this for imported weights).
 
         Args:
           params: parameters with the structure of :attr:`model_def` (e.g. from
             :func:`moefast.interop.hf.load_hf_params`), float32, ideally already in
             ``state_sharding["params"]``.
+          routing: routing state like :func:`~moefast.model.init_routing_state`'s (``{"bias",
+            "load_ema"}`` float32 [L_moe, E], e.g. an imported selection bias from
+            :func:`moefast.interop.hf.load_hf_routing`); ``None``: a fresh one (zero bias).
 
         Returns:
           The checkpoint's directory.
@@ -581,12 +584,16 @@ class Trainer:
           CheckpointError: the run dir already holds a checkpoint (nothing is overwritten), or it
             cannot be written.
           ConfigError: the run dir cannot be created.
-          ValueError: ``params`` do not have the model's structure and shapes.
+          ValueError: ``params`` (or ``routing``) do not have the model's structure and shapes.
         """
-        want = jax.tree.map(lambda a: (a.shape, a.dtype), self.model_def.abstract_params)
-        got = jax.tree.map(lambda a: (a.shape, a.dtype), params)
-        if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
+        def same(a, b) -> bool:
+            a, b = (jax.tree.map(lambda x: (x.shape, x.dtype), t) for t in (a, b))
+            return jax.tree.structure(a) == jax.tree.structure(b) and jax.tree.leaves(a) == jax.tree.leaves(b)
+
+        if not same(self.model_def.abstract_params, params):
             raise ValueError("params do not have the structure, shapes and dtypes of this config's model")
+        if routing is not None and not same(jax.eval_shape(lambda: init_routing_state(self.cfg)), routing):
+            raise ValueError("routing does not have the structure, shapes and dtypes of this config's routing state")
         run_dir_lib.check_writable(self.run_dir)
         ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.cfg.checkpoint.keep, async_save=False,
                             log=self._ckpt_log)
@@ -602,6 +609,8 @@ class Trainer:
                                               "routing": init_routing_state(self.cfg),
                                               "step": jnp.zeros((), jnp.int32)},
                                    out_shardings={k: sharding[k] for k in ("opt_state", "routing", "step")})(params)
+                    if routing is not None:
+                        rest["routing"] = jax.device_put(routing, sharding["routing"])
                 ckpt.save(0, {"params": params, **rest}, None, self.cfg, identity=self.identity(corpus=False))
                 ckpt.wait()
             finally:

@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -73,8 +74,8 @@ def test_a_new_family_is_one_registry_entry(tmp_path, monkeypatch):
 
 
 def test_unknown_model_type_is_one_error_naming_the_supported_families(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm4_moe", "hidden_size": 32}))
-    with pytest.raises(hf.HFFormatError, match="model_type 'glm4_moe' is not supported") as e:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba", "hidden_size": 32}))
+    with pytest.raises(hf.HFFormatError, match="model_type 'jamba' is not supported") as e:
         hf.config_from_hf(tmp_path)
     assert all(t in str(e.value) for t in families.REGISTRY), str(e.value)
     with pytest.raises(hf.HFFormatError, match="not supported"):
@@ -92,10 +93,12 @@ def test_a_model_no_family_represents_names_each_familys_objection():
 @pytest.mark.parametrize("extra", [["model.attention=mla"], ["model.partial_rotary_factor=0.5"],
                                    ["model.rope_type=yarn", "model.original_max_position_embeddings=32"]])
 def test_attention_variants_without_a_family_are_refused(extra):
-    """MLA, partial rotary and YaRN are not representable by the four families (their export comes
-    with the DeepSeek/GLM families): refused by name rather than written as a model that differs."""
-    with pytest.raises(hf.HFFormatError, match=f"{extra[0].split('=')[0]}=.*cannot be exported"):
+    """MLA and YaRN only DeepSeek-V3's family represents, partial rotary only GLM-4.5's: a softmax
+    model with them is refused with the field named rather than written as a model that differs."""
+    field = extra[0].split("=")[0]
+    with pytest.raises(hf.HFFormatError, match=f"no Hugging Face family.*{field}=") as e:
         hf.hf_family(load_config(None, [t for t in TINY if "kv_heads" not in t and "bias" not in t] + extra))
+    assert f"as mixtral it has {field}=" in str(e.value) or f"; {field}=" in str(e.value), str(e.value)
 
 
 def test_registry_specs_are_complete():
@@ -104,3 +107,142 @@ def test_registry_specs_are_complete():
         assert {("ffn", "router"), ("ffn", "w_in"), ("ffn", "w_out")} <= set(spec.moe_tensors["per_expert"])
     with pytest.raises(ValueError, match="hf_defaults lacks"):
         dataclasses.replace(families.REGISTRY["mixtral"], hf_defaults={"rope_theta": 1e4})
+
+
+# ------------------------------------------- DeepSeek-style keys: dense first layers, router, selection bias
+V3_TINY = ["model.d_model=32", "model.num_layers=3", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+           "model.d_ff=24", "model.dense_d_ff=40", "model.num_dense_layers=1", "model.max_seq_len=256",
+           "model.vocab_size=260", "moe.num_experts=8", "moe.top_k=2", "moe.norm_topk_prob=true", "moe.score_func=sigmoid",
+           "moe.num_groups=4", "moe.topk_groups=2", "moe.routed_scaling_factor=2.5", "moe.shared_expert_d_ff=48",
+           "moe.shared_expert_gate=false"]
+
+
+def _v3_like_spec() -> families.FamilySpec:
+    """A made-up family with every DeepSeek-style key: the first layers dense, sigmoid routing with
+    group limits, gate scaling and a selection bias, ungated shared experts counted in expert widths,
+    ``scoring_func`` / ``topk_method`` written."""
+    qwen = families.REGISTRY["qwen2_moe"]
+    return dataclasses.replace(
+        qwen, model_type="toy_v3", architecture="ToyV3ForCausalLM", name="Toy-V3", attention_bias=None,
+        hf_defaults={**qwen.hf_defaults, "routed_scaling_factor": 1.0, "n_shared_experts": 1},
+        moe_layers=families.FirstKDense(default=1),
+        shared_expert=families.SharedExpert("moe_intermediate_size", gated=False, count_key="n_shared_experts"),
+        router=families.Router("sigmoid", {"noaux_tc": True, "greedy": False}, "noaux_tc", write_method=True,
+                               scaling_key="routed_scaling_factor",
+                               selection_bias="model.layers.{i}.mlp.gate.e_score_correction_bias"),
+        moe_tensors=families._moe_tables(shared="mlp.shared_experts."), export_constants={})
+
+
+@pytest.fixture
+def v3_family(monkeypatch):
+    """Only the toy V3-like family is registered (no other family can take its models)."""
+    monkeypatch.setattr(families, "REGISTRY", {"toy_v3": _v3_like_spec()})
+    cfg = load_config(None, V3_TINY)
+    params = _random_params(cfg)
+    from moefast.model import init_routing_state
+
+    routing = {k: np.array(v) for k, v in init_routing_state(cfg).items()}
+    routing["bias"] = np.random.default_rng(1).standard_normal(routing["bias"].shape).astype(np.float32)
+    return cfg, params, routing
+
+
+def _edited(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    written = json.loads((dst / "config.json").read_text())
+    written.update(changes)
+    (dst / "config.json").write_text(json.dumps(written))
+    return dst
+
+
+def test_dense_first_layers_router_keys_and_selection_bias_round_trip(v3_family, tmp_path):
+    cfg, params, routing = v3_family
+    out = hf.save_hf(cfg, params, tmp_path / "v3", routing_state=routing, dtype="bfloat16")
+    written = json.loads((out / "config.json").read_text())
+    assert {k: written[k] for k in ("first_k_dense_replace", "intermediate_size", "moe_intermediate_size",
+                                    "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+                                    "scoring_func", "topk_method", "norm_topk_prob")} == {
+        "first_k_dense_replace": 1, "intermediate_size": 40, "moe_intermediate_size": 24, "n_shared_experts": 2,
+        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "norm_topk_prob": True}
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+        names = set(f.keys())
+        bias = [f.get_tensor(f"model.layers.{i}.mlp.gate.e_score_correction_bias") for i in (1, 2)]
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.1.mlp.shared_experts.up_proj.weight" in names
+    assert not any(n.startswith("model.layers.0.mlp.gate.") for n in names)  # the dense layer has no router
+    assert all(b.dtype == np.float32 for b in bias)  # the bias stays float32 in a bf16 export
+    np.testing.assert_array_equal(np.stack(bias), routing["bias"])
+
+    cfg2, params2 = hf.load_hf(out)
+    assert _fields(cfg2) == _fields(cfg)
+    assert cfg2.moe == cfg.moe and cfg2.model.num_dense_layers == 1 and cfg2.model.dense_d_ff == 40
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.astype(jnp.bfloat16).astype(np.float32), np.asarray(b)),
+                 params, params2)
+    routing2 = hf.load_hf_routing(out, cfg2)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), routing, routing2)
+
+    # topk_method greedy ignores the groups; another score function or method is refused by name
+    greedy = hf.config_from_hf(_edited(out, tmp_path / "greedy", topk_method="greedy"))
+    assert (greedy.moe.num_groups, greedy.moe.topk_groups) == (1, 1)
+    for key, value in (("scoring_func", "softmax"), ("topk_method", "group_limited_greedy")):
+        with pytest.raises(hf.HFFormatError, match=f"{key}='{value}'"):
+            hf.config_from_hf(_edited(out, tmp_path / value, **{key: value}))
+    with pytest.raises(hf.HFFormatError, match="pass routing_state"):
+        hf.save_hf(cfg, params, tmp_path / "no-bias")
+    no_limit = dataclasses.replace(cfg.moe, topk_groups=4)  # every group kept: topk_method noaux_tc all the same
+    hf.save_hf(cfg.replace(moe=no_limit), params, tmp_path / "all-groups", routing_state=routing)
+    assert json.loads((tmp_path / "all-groups" / "config.json").read_text())["topk_group"] == 4
+
+
+def test_families_without_the_routing_keys_refuse_them(tmp_path):
+    plain = [t for t in TINY if t != "model.attention_bias=all"]
+    cfg = load_config(None, plain)  # Mixtral: softmax top-k, no selection bias
+    params = _random_params(cfg)
+    from moefast.model import init_routing_state
+
+    routing = {k: np.array(v) for k, v in init_routing_state(cfg).items()}
+    hf.save_hf(cfg, params, tmp_path / "zero", routing_state=routing)  # a zero bias is no bias
+    routing["bias"][0, 1] = 0.5
+    with pytest.raises(hf.HFFormatError, match="non-zero selection bias"):
+        hf.save_hf(cfg, params, tmp_path / "bias", routing_state=routing)
+    for extra, said in ((["moe.aux_free_bias_rate=0.001"], "has no selection bias"),
+                        (["moe.routed_scaling_factor=2.0"], "never scales"),
+                        (["moe.num_groups=2", "moe.topk_groups=1"], "no group-limited routing"),
+                        (["moe.score_func=sigmoid"], "scores experts by softmax"),
+                        (["model.num_layers=3", "model.num_dense_layers=1", "model.moe_every=2"], "dense layers")):
+        with pytest.raises(hf.HFFormatError, match=said):
+            hf.hf_family(load_config(None, plain + extra))
+
+
+def test_first_k_dense_refuses_dense_layers_between_moe_layers(v3_family):
+    cfg, _, _ = v3_family
+    spaced = cfg.replace(model=dataclasses.replace(cfg.model, moe_every=2))  # dense, MoE, dense
+    with pytest.raises(hf.HFFormatError, match="dense layers after the first MoE layer"):
+        hf.hf_family(spaced)
+    with pytest.raises(hf.HFFormatError, match="not a multiple of model.d_ff"):
+        hf.hf_family(cfg.replace(moe=dataclasses.replace(cfg.moe, shared_expert_d_ff=30)))
+
+
+def test_import_hf_puts_the_selection_bias_in_the_routing_state_and_export_writes_it(v3_family, tmp_path, capsys):
+    """``moefast import-hf`` -> the step-0 checkpoint's routing state holds the imported bias (not
+    the parameters); ``moefast export-hf`` writes it back bit for bit."""
+    from moefast import cli
+    from moefast.train import Trainer, load_run_config
+
+    cfg, params, routing = v3_family
+    src = hf.save_hf(cfg, params, tmp_path / "src", routing_state=routing)
+    assert cli.main(["import-hf", str(src), "--run-dir", str(tmp_path / "run")]) == 0
+    said = capsys.readouterr().out
+    assert "selection bias (e_score_correction_bias) is the run's routing state" in said
+    assert "moe.aux_free_bias_rate=0.0: it stays as imported" in said  # configs/tiny.yaml's rate
+    trainer = Trainer(load_run_config(tmp_path / "run"), tmp_path / "run", progress=False)
+    step, params2, routing2 = trainer.restore_params()
+    assert step == 0 and routing2["bias"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(routing2["bias"]), routing["bias"])
+    assert not any("bias" in str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params2)[0])
+    assert cli.main(["export-hf", "--run-dir", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    routing3 = hf.load_hf_routing(tmp_path / "out", hf.config_from_hf(tmp_path / "out"))
+    np.testing.assert_array_equal(np.asarray(routing3["bias"]), routing["bias"])

@@ -1,11 +1,13 @@
 """Hugging Face import/export against transformers itself (offline: tiny random models built here).
 
 For each family a tiny model is built with transformers (fp32, every norm weight and bias
-re-randomised so defaults hide nothing), saved with ``save_pretrained`` in both expert layouts, read
-with :func:`moefast.interop.hf.load_hf` and run by moefast: logits within 1e-4 of transformers' on
-128-token sequences with a padded row, and the same experts chosen for every real token in every
-MoE layer. Then ``save_hf`` -> ``AutoModelForCausalLM.from_pretrained`` gives transformers' logits
-again, and ``load_hf(save_hf(x)) == x`` exactly.
+re-randomised so defaults hide nothing, and a router selection bias spread so that it changes the
+chosen experts), saved with ``save_pretrained`` in both expert layouts, read with
+:func:`moefast.interop.hf.load_hf` (and the selection bias with :func:`~moefast.interop.hf.load_hf_routing`)
+and run by moefast: logits within 1e-4 of transformers' on 128-token sequences with a padded row,
+and the same experts chosen for every real token in every MoE layer (the indices transformers'
+routers return). Then ``save_hf`` -> ``AutoModelForCausalLM.from_pretrained`` gives transformers'
+weights, buffers, config keys and logits again, and ``load_hf(save_hf(x)) == x`` exactly.
 """
 
 import json
@@ -44,6 +46,57 @@ FAMILIES = {
     "olmoe": lambda: transformers.OlmoeConfig(
         **{**COMMON, "tie_word_embeddings": True}, num_hidden_layers=2, intermediate_size=32, num_experts=8,
         attention_bias=True, eos_token_id=None, pad_token_id=None),
+    # GLM-4.5: first layer dense of its own width, sigmoid routing over 4 groups keeping 2 with the
+    # selection bias, gates renormalised then scaled, 2 ungated shared experts, q/k/v biases,
+    # per-head q/k norms, half of each head rotated
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **COMMON, num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5),
+    # DeepSeek-V3: MLA (low-rank query, interleaved RoPE columns) with YaRN past its original
+    # context of 32 positions, 4 groups keeping 2, the first layer dense
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "head_dim")}, num_hidden_layers=3,
+        first_k_dense_replace=1, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # DeepSeek-V2-Lite: MLA with a direct query projection, softmax routing over 4 groups keeping 2
+    # by their best probability (top-3, so the limit changes choices: with K <= kept groups it
+    # never does), raw gates scaled, 2 shared experts, YaRN, no dense layer
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **{k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "head_dim", "num_experts_per_tok")},
+        num_experts_per_tok=3, num_hidden_layers=2,
+        first_k_dense_replace=0, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        n_shared_experts=2, n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=16.0,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # GLM-4.7-Flash: MLA (interleaved RoPE) under GLM's router, dense layers listed per layer
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
+        **{k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "head_dim")}, num_hidden_layers=3,
+        mlp_layer_types=["dense", "sparse", "sparse"], intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True),
+}
+# config.json keys that each family's export must give back as they were (beyond the shapes)
+CONFIG_KEYS = {
+    "glm4_moe": ("first_k_dense_replace", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                 "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                 "num_experts_per_tok", "attention_bias", "use_qk_norm", "rope_parameters"),
+    "deepseek_v3": ("first_k_dense_replace", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                    "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "rope_interleave", "rope_parameters"),
+    "glm4_moe_lite": ("intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                      "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                      "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                      "rope_interleave", "rope_parameters"),
+    "deepseek_v2": ("first_k_dense_replace", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                    "n_shared_experts", "n_group", "topk_group", "topk_method", "routed_scaling_factor",
+                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "rope_parameters"),
 }
 
 
@@ -56,7 +109,17 @@ def _hf_model(family: str):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight") and family in SELECTION_BIAS:  # sigmoid scores away from 0.5
+                p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # comparable to the scores' spread: it changes some choices
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
     return model
+
+
+SELECTION_BIAS = {"glm4_moe", "deepseek_v3", "glm4_moe_lite"}
+# a family whose models an earlier registered family represents exactly is exported as that one
+EXPORTED_AS = {"glm4_moe_lite": "deepseek_v3"}  # families whose routers have an e_score_correction_bias
 
 
 def _inputs():
@@ -67,11 +130,18 @@ def _inputs():
 
 
 def _hf_forward(model, tokens, mask):
-    """Logits [B, T, V] and, per MoE layer, the chosen experts [B*T, K] (sorted)."""
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    chosen = [np.sort(torch.topk(r.float(), k, dim=-1).indices.numpy(), axis=-1) for r in out.router_logits]
+    """Logits [B, T, V] and, per MoE layer, the chosen experts [B*T, K] (sorted): the indices each
+    router module returns last (every family's ``...TopkRouter.forward``)."""
+    chosen = []
+    hooks = [m.register_forward_hook(lambda m, args, out: chosen.append(np.sort(out[-1].numpy(), axis=-1)))
+             for m in model.modules() if type(m).__name__.lower().endswith("router")]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(chosen) == sum(1 for m in model.modules() if type(m).__name__.lower().endswith("router"))
     return out.logits.numpy(), chosen
 
 
@@ -81,22 +151,25 @@ def _module(cfg, params):
     return nnx.merge(graphdef, state)
 
 
-def _ours(cfg, params, tokens, mask, monkeypatch):
-    """moefast's logits and chosen experts (eagerly, recording every routing call)."""
-    calls = []
+def _ours(cfg, params, routing_state, tokens, mask, monkeypatch):
+    """moefast's logits, chosen experts and the experts chosen without the selection bias (each
+    layer's routing called again on the same logits with ``bias=None``), eagerly, recording every
+    routing call."""
+    calls, unbiased = [], []
     real_route = routing.route
 
     def recording(*a, **kw):
         r = real_route(*a, **kw)
         calls.append(np.sort(np.asarray(r.expert_index), axis=-1))
+        unbiased.append(np.sort(np.asarray(real_route(*a, **{**kw, "bias": None}).expert_index), axis=-1))
         return r
 
     monkeypatch.setattr(routing, "route", recording)
     with jax.default_matmul_precision("highest"):
         out = _module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32),
-                                   drop_tokens=False)
+                                   drop_tokens=False, routing_state=routing_state)
     monkeypatch.setattr(routing, "route", real_route)
-    return np.asarray(out.logits), calls
+    return np.asarray(out.logits), calls, unbiased
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -129,30 +202,41 @@ def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
     tokens, mask = _inputs()
     want, want_chosen = _hf_forward(model, tokens, mask)
     cfg, params = hf.load_hf(dirs["per_expert"])
-    got, got_chosen = _ours(cfg, params, tokens, mask, monkeypatch)
+    routing = hf.load_hf_routing(dirs["per_expert"], cfg)
+    got, got_chosen, unbiased = _ours(cfg, params, routing, tokens, mask, monkeypatch)
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
     assert len(got_chosen) == len(want_chosen) == sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
     for layer, (g, w) in enumerate(zip(got_chosen, want_chosen)):
         assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)]), f"MoE layer {layer}: other experts chosen"
-    # the fused on-disk layout gives the very same parameters
+    if family in SELECTION_BIAS:  # the imported bias decides choices: without it others are chosen
+        changed = [np.mean(np.any(u != w, axis=-1)[real.reshape(-1)]) for u, w in zip(unbiased, want_chosen)]
+        assert min(changed) > 0.05, f"the selection bias changes too few choices to be tested: {changed}"
+    else:
+        assert not np.any(np.asarray(routing["bias"]))
+    # the fused on-disk layout gives the very same parameters and routing state
     _, fused = hf.load_hf(dirs["fused"])
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, fused)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), routing,
+                 hf.load_hf_routing(dirs["fused"], cfg))
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 def test_export_reloads_in_transformers_and_round_trips_exactly(saved, layout, tmp_path):
     family, model, dirs = saved
     cfg, params = hf.load_hf(dirs["per_expert"])
-    out = hf.save_hf(cfg, params, tmp_path / "export", layout=layout)
+    routing = hf.load_hf_routing(dirs["per_expert"], cfg)
+    out = hf.save_hf(cfg, params, tmp_path / "export", routing_state=routing, layout=layout)
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                         output_loading_info=True)
-    assert type(reloaded).__name__ == hf.FAMILIES[family]
+    assert type(reloaded).__name__ == hf.FAMILIES[EXPORTED_AS.get(family, family)]
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     want_sd, got_sd = model.state_dict(), reloaded.state_dict()
     assert sorted(got_sd) == sorted(want_sd)
-    for name, w in want_sd.items():  # every weight bit for bit
+    for name, w in want_sd.items():  # every weight and persistent buffer (selection biases) bit for bit
         assert torch.equal(got_sd[name], w), name
+    for key in CONFIG_KEYS.get(family, ()):
+        assert getattr(reloaded.config, key) == getattr(model.config, key), key
     tokens, mask = _inputs()
     want, _ = _hf_forward(model, tokens, mask)
     got, _ = _hf_forward(reloaded.eval(), tokens, mask)
@@ -161,6 +245,60 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, layout, t
     cfg2, params2 = hf.load_hf(out)
     assert cfg2.model == cfg.model and cfg2.moe == cfg.moe
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), routing,
+                 hf.load_hf_routing(out, cfg2))
+
+
+@pytest.mark.parametrize("saved", ["glm4_moe"], indirect=True)
+def test_multi_token_prediction_layers_are_skipped_with_a_note(saved, tmp_path):
+    """GLM-4.5 and DeepSeek-V3 checkpoints keep their MTP layers after ``num_hidden_layers``
+    (transformers skips them): moefast reads the same model and says so; without
+    ``num_nextn_predict_layers`` such tensors are an error."""
+    from safetensors.numpy import save_file
+
+    _, _, dirs = saved
+    src = shutil.copytree(dirs["per_expert"], tmp_path / "mtp")
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    save_file({f"model.layers.{n}.eh_proj.weight": np.ones((4, 8), np.float32),
+               f"model.layers.{n}.mlp.experts.0.up_proj.weight": np.ones((4, 8), np.float32)},
+              str(src / "mtp.safetensors"))
+    notes = []
+    cfg = hf.config_from_hf(src)
+    params = hf.load_hf_params(src, cfg, log=notes.append)
+    assert len(notes) == 1 and "2 tensors of the checkpoint's multi-token-prediction layers" in notes[0]
+    _, want = hf.load_hf(dirs["per_expert"])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, want)
+    with pytest.raises(hf.HFFormatError, match="no place for"):
+        hf.load_hf(_edit_config(src, tmp_path / "no-mtp", num_nextn_predict_layers=0))
+
+
+@pytest.mark.parametrize("saved", ["deepseek_v3"], indirect=True)
+def test_kimi_k2_reads_as_deepseek_v3_and_exports_as_it(saved, tmp_path):
+    """Kimi K2's config.json is DeepSeek-V3's with model_type kimi_k2 (remote code): the same model
+    and routing state are read, and the export is a deepseek_v3 directory transformers loads."""
+    _, _, dirs = saved
+    kimi = _edit_config(dirs["per_expert"], tmp_path / "kimi", model_type="kimi_k2")
+    cfg, params = hf.load_hf(dirs["per_expert"])
+    cfg_k, params_k = hf.load_hf(kimi)
+    assert (cfg_k.model, cfg_k.moe) == (cfg.model, cfg.moe)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params_k)
+    routing = hf.load_hf_routing(kimi, cfg_k)
+    assert hf.hf_family(cfg_k) == "deepseek_v3"
+    out = hf.save_hf(cfg_k, params_k, tmp_path / "out", routing_state=routing)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+
+
+@pytest.mark.parametrize("saved", ["deepseek_v3"], indirect=True)
+def test_mla_reads_into_the_scanned_layout(saved):
+    """Dense MLA prefix and MoE MLA group stacks (with the interleave permutation) equal the unrolled
+    read stacked."""
+    from moefast.model.layout import to_layout
+
+    _, _, dirs = saved
+    cfg, params = hf.load_hf(dirs["per_expert"])
+    _, scanned = hf.load_hf(dirs["per_expert"], ["model.scan_layers=true"])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 to_layout(params, cfg.model, scanned=True), scanned)
 
 
 def test_scanned_layout_sharded_index_and_bf16(tmp_path):
@@ -220,8 +358,10 @@ def _edit_config(src, dst, **changes):
     ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen2_moe", {"mlp_only_layers": [2]}, "mlp_only_layers"),  # MoE, MoE, dense: no moe_every pattern
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
-    ("mixtral", {"model_type": "deepseek_v3"}, "model_type"),
+    ("mixtral", {"model_type": "jamba"}, "model_type"),
+    ("deepseek_v3", {"attention_bias": True}, "attention_bias"),  # moefast's MLA has no projection biases
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
+    ("glm4_moe", {"scoring_func": "softmax"}, "scoring_func"),  # GLM-4.5's router is sigmoid only
 ])
 def test_unsupported_options_name_the_field(tmp_path, family, change, field):
     model = _hf_model(family)
