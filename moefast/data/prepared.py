@@ -244,17 +244,20 @@ def tokenizer_identity(tokenizer: Tokenizer) -> str:
 
 def corpus_identity(manifest: dict) -> str:
     """``"sha256:<hex>"`` of what a prepared corpus is: its tokenizer's identity, format, dtype,
-    split (rule, shards and their document and token counts) and source files (paths, sizes,
-    mtimes). A run records it with its checkpoints: a data position refers to one corpus, so a
-    resume on a corpus prepared again from changed files is refused. Preparing the same files
-    again with the same arguments gives the same identity (the time taken and the spelling of the
-    command are left out).
+    split (rule, shards with their document and token counts and the digest of their contents:
+    tokens, offsets and SFT masks). A run records it with its checkpoints: a data position refers
+    to one corpus, so a resume on a corpus prepared again into other shards is refused. Preparing
+    the same texts again gives the same identity, whatever the files' paths, mtimes or the spelling
+    of the command. (A manifest written before shards carried digests is identified by its source
+    files' paths, sizes and mtimes instead.)
     """
     src = manifest.get("sources") or {}
     what = {"tokenizer": (manifest.get("tokenizer") or {}).get("identity"),
             "split_rule": (manifest.get("split") or {}).get("rule"),
-            **{k: manifest.get(k) for k in ("format_version", "data_format", "dtype", "val_fraction", "splits", "sft")},
-            "sources": {k: src.get(k) for k in ("documents", "bytes", "files")}}
+            **{k: manifest.get(k) for k in ("format_version", "data_format", "dtype", "val_fraction", "splits", "sft")}}
+    shards = [e for split in (manifest.get("splits") or {}).values() for e in (split or {}).get("shards", [])]
+    if not shards or not all("content" in e for e in shards):
+        what["sources"] = {k: src.get(k) for k in ("documents", "bytes", "files")}
     return "sha256:" + hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -599,6 +602,11 @@ class _ShardWriter:
         entry = {"tokens": f"{SHARD_DIR}/{name}.tokens.npy", "offsets": f"{SHARD_DIR}/{name}.offsets.npy",
                  "documents": len(lengths), "num_tokens": int(self._tokens)}
         tokens_path = self.directory / f"{name}.tokens.npy"
+        digest = hashlib.blake2b(digest_size=16)  # of what the shard holds (corpus_identity), as it is written
+        for chunk in self._chunks:
+            digest.update(np.ascontiguousarray(chunk).tobytes())
+        digest.update(offsets.tobytes())
+        entry["content"] = "blake2b:" + digest.hexdigest()
         if self._tokens:  # chunk by chunk into the file: no second copy of the shard in memory
             tokens = np.lib.format.open_memmap(tokens_path, mode="w+", dtype=self.dtype, shape=(self._tokens,))
             for chunk, lo, hi in zip(self._chunks, offsets[:-1], offsets[1:]):

@@ -84,10 +84,13 @@ class _MaskedShardWriter(P._ShardWriter):
         entry = self.shards[-1]
         name = Path(entry["tokens"]).name.removesuffix(".tokens.npy")
         path = self.directory / f"{name}.mask.npy"
+        mask = np.concatenate(masks) if masks else np.zeros((0,), np.uint8)
         with P._writing(self.directory):
-            np.save(path, np.concatenate(masks) if masks else np.zeros((0,), np.uint8), allow_pickle=False)
+            np.save(path, mask, allow_pickle=False)
+        digest = hashlib.blake2b(entry["content"].encode(), digest_size=16)  # the tokens' digest, then the mask
+        digest.update(mask.tobytes())
         entry.update({"mask": f"{P.SHARD_DIR}/{name}.mask.npy", "mask_bytes": path.stat().st_size,
-                      "weighted_tokens": weighted})
+                      "weighted_tokens": weighted, "content": "blake2b:" + digest.hexdigest()})
         self.weighted_tokens += weighted
 
     def summary(self) -> dict:

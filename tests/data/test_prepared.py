@@ -685,7 +685,8 @@ def test_a_chats_jsonl_prepared_as_text_points_to_format_sft(tmp_path, capsys):
 
 def test_corpus_identity_is_kept_by_the_same_files_and_changed_by_other_ones(corpus_dir, tmp_path):
     """What a run records of its prepared corpus (a resume refuses another: tests/train/test_run_identity.py):
-    the same files prepared again (--force) keep it; a changed file gives another."""
+    the same texts prepared again (--force), also copied elsewhere with other mtimes, keep it; a
+    changed file gives another."""
     import shutil
 
     from moefast.data.prepared import corpus_identity
@@ -697,6 +698,12 @@ def test_corpus_identity_is_kept_by_the_same_files_and_changed_by_other_ones(cor
     assert load_corpus(_cfg(str(out))).prepared_identity == first
     assert load_corpus(_cfg(str(src))).prepared_identity is None  # not prepared: nothing to record
     assert corpus_identity(prepare(str(src), out, val_fraction=0.2, force=True, progress=False)) == first
+    # the same texts from another place, with other mtimes: the shards are the same, so is the corpus
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(src, moved)
+    for f in moved.iterdir():
+        os.utime(f, (1e9, 1e9))
+    assert corpus_identity(prepare(str(moved), out, val_fraction=0.2, force=True, progress=False)) == first
     (src / "doc003.txt").write_text("another text altogether")
     assert corpus_identity(prepare(str(src), out, val_fraction=0.2, force=True, progress=False)) != first
     assert load_corpus(_cfg(str(out))).prepared_identity != first
