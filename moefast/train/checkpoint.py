@@ -563,9 +563,17 @@ class Checkpointer:
                 free = {k for k in cfg.to_dict()[sec] if k not in PARAMETER_KEYS.get(sec, ())}
             now = {k: v for k, v in cfg.to_dict()[sec].items() if k not in free}
             was = {k: v for k, v in (saved.get(sec) or {}).items() if k not in free}
-            if sec == "data":  # older runs stored paths as typed: the same path, made absolute, is the same
+            if sec == "data":
+                # Older runs stored paths as typed: the same path made absolute (from the directory the
+                # run was started in, unknown here: any absolute path ending in it) is the same.
                 was.update({k: now[k] for k in ("source", "tokenizer") if isinstance(was.get(k), str)
-                            and k in now and not os.path.isabs(was[k]) and os.path.abspath(was[k]) == now[k]})
+                            and isinstance(now.get(k), str) and not os.path.isabs(was[k])
+                            and _ends_with(now[k], was[k])})
+                recorded = (meta.get("identity") or {}).get("tokenizer") if isinstance(meta, dict) else None
+                if recorded and tokenizer is not None and "tokenizer" in now:
+                    # the tokenizer is checked by what it is (_check_tokenizer), not where its files are:
+                    # a copy of the same files elsewhere is the same tokenizer
+                    was["tokenizer"] = now["tokenizer"]
             if was != now:
                 diff = sorted(k for k in now if was.get(k) != now[k])
                 raise CheckpointError(
@@ -711,3 +719,12 @@ class Checkpointer:
             self._wait_pending()
         finally:
             self.manager.close()
+
+
+def _ends_with(path: str, rel: str) -> bool:
+    """``path`` (absolute) is ``rel`` (relative) made absolute from some directory: its last
+    components are ``rel``'s (``..``/``.`` in ``rel`` resolved as far as they go)."""
+    parts = [p for p in os.path.normpath(rel).split(os.sep) if p not in ("", ".")]
+    if not parts or ".." in parts:
+        return os.path.abspath(rel) == path
+    return os.path.normpath(path).split(os.sep)[-len(parts):] == parts

@@ -67,6 +67,10 @@ def test_a_checkpoint_of_an_older_run_with_relative_paths_still_restores(small_c
     assert ckpt.restore(abstract, small_config(f"data.source={tmp_path / 'corpus'}")).step == 1
     with pytest.raises(CheckpointError, match=r"different 'data' config \(keys \['source'\]\)"):
         ckpt.restore(abstract, small_config(f"data.source={tmp_path / 'other'}"))
+    # what the error for such a run advises (the absolute path in config.yaml) also works from another
+    # directory, where the typed path cannot be made absolute
+    monkeypatch.chdir("/")
+    assert ckpt.restore(abstract, small_config(f"data.source={tmp_path / 'corpus'}")).step == 1
     ckpt.close()
 
 
@@ -89,6 +93,9 @@ def test_a_checkpoint_of_another_tokenizer_is_refused_before_its_arrays_are_read
     with pytest.raises(CheckpointError, match=r"another tokenizer .*same 10 ids, but its files hash to sha256:bbb"):
         ckpt.restore(_embed(10), cfg, tokenizer={**trained, "identity": "sha256:" + "b" * 64})
     assert ckpt.restore(_embed(10), cfg, tokenizer=trained).step == 1
+    # what the error advises: data.tokenizer pointed at a copy of the tokenizer it was trained with
+    copy = small_config("data.tokenizer=/elsewhere/tok-copy")
+    assert ckpt.restore(_embed(10), copy, tokenizer={**trained, "name": "/elsewhere/tok-copy"}).step == 1
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["1"]  # nothing moved aside
     ckpt.close()
     old = Checkpointer(tmp_path / "old", async_save=False)  # written before checkpoints recorded a tokenizer
