@@ -795,7 +795,9 @@ def build_model(cfg: ExperimentConfig, vocab_size: int, *, seed: int | None = No
     """
     vocab = cfg.model.vocab_size or vocab_size
     if vocab < vocab_size:
-        raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's {vocab_size} ids")
+        raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's {vocab_size} ids: the model cannot "
+                         "embed its tokens; use the tokenizer the model was made for (data.tokenizer; in a run dir, its "
+                         "files may have changed since), or a model.vocab_size of at least that")
     return Transformer(cfg, vocab, rngs=nnx.Rngs(cfg.train.seed if seed is None else seed))
 
 

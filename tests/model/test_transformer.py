@@ -156,3 +156,11 @@ def test_block_causal_attention_bf16_and_errors():
         causal_attention(q[:, :5], k, v, mask[:, :, :5], causal=True)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         causal_attention(q, k[:, :, :1].repeat(3, 2)[:, :, :3], v[:, :, :1].repeat(3, 2)[:, :, :3], mask, causal=True)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizers_is_one_clear_error():
+    """A newcomer's finding: an imported run whose tokenizer files were replaced by a larger one said
+    only that the sizes differ, not what to do."""
+    with pytest.raises(ValueError, match=r"model.vocab_size=259 is smaller than the tokenizer's 300 ids: .*its "
+                                         r"files may have changed since"):
+        build_model(load_config(None, SMALL + ["model.vocab_size=259"]), 300)
