@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -109,6 +110,27 @@ class _Run:
     eval_at: int | None = None  # the step eval_metrics belong to
     tokens_per_s: float | None = None
     faults_per_step: float | None = None
+
+
+def tokenizer_record(tokenizer, name: str) -> dict[str, Any]:
+    """What a run's checkpoints record of its tokenizer: ``name`` (``data.tokenizer``), its
+    ``vocab_size`` and an ``identity`` (:func:`moefast.data.prepared.tokenizer_identity` of its files,
+    with a ``chat_template.jinja`` beside them folded in: it decides what an SFT run trains on);
+    ``None`` for a kind of tokenizer whose files are not known (its size is still checked)."""
+    from moefast.data import DataError
+    from moefast.data.prepared import tokenizer_identity
+    from moefast.data.sft import CHAT_TEMPLATE_FILE
+
+    try:
+        identity = tokenizer_identity(tokenizer)
+    except DataError:
+        identity = None
+    template = Path(getattr(tokenizer, "path", "") or "").parent / CHAT_TEMPLATE_FILE
+    if identity and identity != "byte" and template.is_file():
+        h = hashlib.sha256(f"{identity}\0{CHAT_TEMPLATE_FILE}\0".encode())
+        h.update(template.read_bytes())
+        identity = "sha256:" + h.hexdigest()
+    return {"name": name, "vocab_size": tokenizer.vocab_size, "identity": identity}
 
 
 class Trainer:
@@ -212,14 +234,7 @@ class Trainer:
 
     @functools.cached_property
     def _tokenizer_record(self) -> dict[str, Any]:
-        from moefast.data import DataError
-        from moefast.data.prepared import tokenizer_identity
-
-        try:
-            identity = tokenizer_identity(self.tokenizer)
-        except DataError:  # a kind of tokenizer whose files are not known: its size is still checked
-            identity = None
-        return {"name": self.cfg.data.tokenizer, "vocab_size": self.tokenizer.vocab_size, "identity": identity}
+        return tokenizer_record(self.tokenizer, self.cfg.data.tokenizer)
 
     def identity(self, *, corpus: bool = True) -> dict[str, Any]:
         """What the run's checkpoints record of its data: the tokenizer (name, size and hash: a

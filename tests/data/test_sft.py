@@ -4,6 +4,7 @@ with ``{% generation %}`` markers, as the stock ones), a marked template, a byte
 against the characters of every assistant turn, and every bad input."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -484,3 +485,17 @@ def test_nested_generation_markers_are_refused(tmp_path):
                                                                         "eos_token": "<|im_end|>"})
     with pytest.raises(DataError, match=r"c\.jsonl:1: the chat template nests \{% generation %\} blocks"):
         tokenize_conversation(tok, ChatTemplate.from_tokenizer(tok), GOOD["messages"], "c.jsonl:1")
+
+
+def test_a_runs_tokenizer_record_follows_its_chat_template_file(qwen):
+    """A newcomer's finding: an SFT run resumed silently after chat_template.jinja beside its
+    tokenizer changed (what it trains on changed); the checkpoint's tokenizer record now covers it."""
+    from moefast.train.loop import tokenizer_record
+
+    before = tokenizer_record(qwen, "qwen")
+    assert before["vocab_size"] == qwen.vocab_size and before["identity"].startswith("sha256:")
+    jinja = Path(qwen.path).parent / "chat_template.jinja"
+    jinja.write_text(QWEN_TEMPLATE)
+    with_file = tokenizer_record(qwen, "qwen")["identity"]
+    jinja.write_text(QWEN_TEMPLATE.replace("<|im_start|>", "<|im_start|> "))
+    assert len({before["identity"], with_file, tokenizer_record(qwen, "qwen")["identity"]}) == 3
