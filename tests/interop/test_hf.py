@@ -251,9 +251,9 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, layout, t
 
 @pytest.mark.parametrize("saved", ["glm4_moe"], indirect=True)
 def test_multi_token_prediction_layers_are_skipped_with_a_note(saved, tmp_path):
-    """GLM-4.5 and DeepSeek-V3 checkpoints keep their MTP layers after ``num_hidden_layers``
-    (transformers skips them): moefast reads the same model and says so; without
-    ``num_nextn_predict_layers`` such tensors are an error."""
+    """Tensors of MTP layers after ``num_hidden_layers`` that do not make a whole layer
+    (transformers skips them) give model.mtp_depth=0: moefast reads the same model and says so;
+    without ``num_nextn_predict_layers`` such tensors are an error."""
     from safetensors.numpy import save_file
 
     _, _, dirs = saved
@@ -270,6 +270,104 @@ def test_multi_token_prediction_layers_are_skipped_with_a_note(saved, tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, want)
     with pytest.raises(hf.HFFormatError, match="no place for"):
         hf.load_hf(_edit_config(src, tmp_path / "no-mtp", num_nextn_predict_layers=0))
+
+
+def _with_mtp_layer(src, dst):
+    """A copy of HF directory ``src`` with one multi-token-prediction layer ``L`` (L =
+    num_hidden_layers) in its own file, as DeepSeek-V3 and GLM-4.5 checkpoints keep it: the decoder
+    layer is layer L - 1's tensors times 2 (exact in float32, so moefast's MTP block must equal twice
+    its last block, interleave permutation included, and reading layer L - 1 by mistake shows),
+    random enorm, hnorm, eh_proj and shared_head.norm, and exact copies of the embedding and head.
+    Returns ``(dst, {name: tensor} of the MTP layer)``."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    shutil.copytree(src, dst)
+    hf_cfg = json.loads((dst / "config.json").read_text())
+    n, d = hf_cfg["num_hidden_layers"], hf_cfg["hidden_size"]
+    hf_cfg["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(hf_cfg))
+    rng = np.random.default_rng(3)
+    with safe_open(str(dst / "model.safetensors"), framework="numpy") as f:
+        last = f"model.layers.{n - 1}."
+        mtp = {f"model.layers.{n}." + k[len(last):]: 2 * f.get_tensor(k) for k in f.keys() if k.startswith(last)}
+        mtp[f"model.layers.{n}.embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
+        mtp[f"model.layers.{n}.shared_head.head.weight"] = f.get_tensor("lm_head.weight")
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.{n}.{name}.weight"] = (1 + 0.2 * rng.standard_normal(d)).astype(np.float32)
+    mtp[f"model.layers.{n}.eh_proj.weight"] = (0.1 * rng.standard_normal((d, 2 * d))).astype(np.float32)
+    save_file(mtp, str(dst / "mtp.safetensors"))
+    return dst, mtp
+
+
+@pytest.mark.parametrize("saved", ["deepseek_v3", "glm4_moe"], indirect=True)
+def test_multi_token_prediction_layers_are_read_exactly_and_round_trip(saved, tmp_path):
+    """A checkpoint with num_nextn_predict_layers=1 and that layer's tensors imports with
+    model.mtp_depth=1: the MTP module's parameters and routing row are the layer's tensors bit for
+    bit; the export writes the very same tensors (copies of the embedding and head included) and
+    num_nextn_predict_layers; the MTP loss is finite; model.mtp_depth=0 drops the layer with a
+    note; a copy of the embedding that differs is refused."""
+    from safetensors import safe_open
+
+    from moefast.model.layout import to_layout
+
+    family, _, dirs = saved
+    src, mtp = _with_mtp_layer(dirs["per_expert"], tmp_path / "src")
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    cfg, params = hf.load_hf(src)
+    assert cfg.model.mtp_depth == 1
+    assert hf.config_from_hf(dirs["per_expert"]).model.mtp_depth == 0  # the key, but no layer on disk
+    routing = hf.load_hf_routing(src, cfg)
+    got = params["mtp"][0]
+    for ours, name in ((("enorm", "scale"), "enorm"), (("hnorm", "scale"), "hnorm"),
+                       (("head_norm", "scale"), "shared_head.norm")):
+        np.testing.assert_array_equal(np.asarray(got[ours[0]][ours[1]]), mtp[f"model.layers.{n}.{name}.weight"])
+    np.testing.assert_array_equal(np.asarray(got["eh_proj"]), mtp[f"model.layers.{n}.eh_proj.weight"].T)
+    last = to_layout(params, cfg.model, scanned=False)["blocks"][n - 1]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), 2 * np.asarray(b)), got["block"], last)
+    bias = np.asarray(routing["bias"])
+    assert bias.shape[0] == sum(cfg.model.is_moe_layer(i) for i in range(n)) + 1
+    np.testing.assert_array_equal(bias[-1], 2 * bias[-2])
+    _, scanned = hf.load_hf(src, ["model.scan_layers=true"])  # MTP modules stay unrolled in both layouts
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params["mtp"],
+                 scanned["mtp"])
+
+    out = hf.save_hf(cfg, params, tmp_path / "out", routing_state=routing)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    def tensors(d):
+        res = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), framework="numpy") as h:
+                res.update({k: h.get_tensor(k) for k in h.keys()})
+        return res
+    want, written = tensors(src), tensors(out)
+    assert sorted(written) == sorted(want)
+    for name, x in want.items():
+        np.testing.assert_array_equal(written[name], x, err_msg=name)
+
+    tokens, mask = _inputs()
+    with jax.default_matmul_precision("highest"):
+        y = _module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32), drop_tokens=False,
+                                 routing_state=routing)
+    import optax
+
+    ce = optax.softmax_cross_entropy_with_integer_labels(y.mtp_logits[0][:, :-2], jnp.asarray(tokens)[:, 2:])
+    assert len(y.mtp_logits) == 1 and np.isfinite(float(jnp.mean(ce))) and float(jnp.mean(ce)) > 0
+
+    notes = []
+    cfg0 = hf.config_from_hf(src, ["model.mtp_depth=0"])
+    params0 = hf.load_hf_params(src, cfg0, log=notes.append)
+    assert len(notes) == 1 and f"{len(mtp)} tensors of the checkpoint's multi-token-prediction" in notes[0]
+    assert "mtp" not in params0
+    with pytest.raises(hf.HFFormatError, match="holds 1 multi-token-prediction layers"):
+        hf.load_hf(src, ["model.mtp_depth=2"])
+    from safetensors.numpy import save_file
+
+    mtp[f"model.layers.{n}.embed_tokens.weight"] = mtp[f"model.layers.{n}.embed_tokens.weight"] + 1
+    save_file(mtp, str(src / "mtp.safetensors"))
+    with pytest.raises(hf.HFFormatError, match="embed_tokens.weight differs from model.embed_tokens.weight"):
+        hf.load_hf(src)
 
 
 @pytest.mark.parametrize("saved", ["deepseek_v3"], indirect=True)
