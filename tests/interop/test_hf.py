@@ -286,7 +286,8 @@ def test_multi_token_prediction_layers_are_read_exactly_and_round_trip(saved, tm
     """A checkpoint with num_nextn_predict_layers=1 and that layer's tensors imports with
     model.mtp_depth=1: the MTP module's parameters and routing row are the layer's tensors bit for
     bit; the export writes the very same tensors (copies of the embedding and head included) and
-    num_nextn_predict_layers; the MTP loss is finite (DeepSeek-V3); model.mtp_depth=0 reads the
+    num_nextn_predict_layers; the MTP logits equal those of transformers' MtpModel (1e-4) and the
+    MTP loss is finite (DeepSeek-V3); model.mtp_depth=0 reads the
     same main model and says what it skips; an incomplete layer gives depth 0; a copy of the
     embedding that differs is refused; without num_nextn_predict_layers the layer is an error."""
     from safetensors import safe_open
@@ -337,6 +338,20 @@ def test_multi_token_prediction_layers_are_read_exactly_and_round_trip(saved, tm
 
         ce = optax.softmax_cross_entropy_with_integer_labels(y.mtp_logits[0][:, :-2], jnp.asarray(tokens)[:, 2:])
         assert len(y.mtp_logits) == 1 and np.isfinite(float(jnp.mean(ce))) and float(jnp.mean(ce)) > 0
+        # transformers' MtpModel (its speculative-decoding drafter) reads the export's MTP layer and
+        # predicts t_{i+2} from h_i and Emb(t_{i+1}) as moefast's module does. It finds the layer by
+        # the main model's ignore pattern, which names DeepSeek-V3's layer 61: point it at layer n.
+        from transformers.modeling_layers import MtpModel
+
+        main = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\..*"]
+        drafter = MtpModel.from_pretrained(main).float().eval()
+        real = PAD_FROM - 1  # rows whose t_{i+1} is real in both sequences (transformers' mask is causal only)
+        with torch.no_grad():
+            h = main.model(input_ids=torch.tensor(tokens[:, :real])).last_hidden_state
+            ids, pos = torch.tensor(tokens[:, 1:real + 1]), torch.arange(real)[None].expand(B, real)
+            want_mtp = drafter._project_to_logits(drafter.forward_layer(0, h, pos, None, input_ids=ids)).numpy()
+        np.testing.assert_allclose(np.asarray(y.mtp_logits[0])[:, :real], want_mtp, atol=1e-4, rtol=0)
 
     notes = []
     cfg0 = hf.config_from_hf(src, ["model.mtp_depth=0"])
