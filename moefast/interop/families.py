@@ -380,8 +380,16 @@ class FamilySpec:
         the column permutation ``moefast = hf[..., perm]`` for a model config (applied once at import,
         inverted at export, which always writes ``rope_interleave: true``).
       mtp_key: config.json key of the number of multi-token-prediction layers the checkpoint keeps
-        after its ``num_hidden_layers`` (DeepSeek's ``num_nextn_predict_layers``); their tensors are
-        skipped with a note. None: the family has none.
+        after its ``num_hidden_layers`` (DeepSeek's ``num_nextn_predict_layers``): MTP module k
+        (moefast ``params["mtp"][k - 1]``, :class:`moefast.model.MTPModule`) is layer
+        ``num_hidden_layers + k - 1``, a decoder layer (``layer_tensors`` and the MoE table, or the
+        dense one in a model without MoE layers) plus ``mtp_tensors``. None: the family has none.
+      mtp_tensors: the MTP layer's own tensors besides its decoder layer (``{i}``: the layer):
+        moefast sub-path of ``params["mtp"][k - 1]`` -> :class:`Tensor`.
+      mtp_copies: HF names (``{i}``: the layer) of the MTP layer's copies of main-model tensors ->
+        the main tensors they copy, the first one written wins (DeepSeek-V3's ``embed_tokens`` and
+        ``shared_head.head``, which moefast shares with the main model): checked equal on import,
+        written as copies on export.
       norm_topk_prob_key: key of moefast ``moe.norm_topk_prob`` (absent: ``hf_defaults``' value,
         else false); None: the family's HF code always (``fixed_norm_topk_prob`` true) or never
         (false: DeepSeek-V2, whose config's ``norm_topk_prob`` is not used) renormalises the top-k gates.
@@ -426,6 +434,8 @@ class FamilySpec:
     yarn: bool = False
     rope_interleave: Mapping[SubPath, Callable[[ModelConfig], np.ndarray]] = dataclasses.field(default_factory=dict)
     mtp_key: str | None = None
+    mtp_tensors: Mapping[SubPath, Tensor] = dataclasses.field(default_factory=dict)
+    mtp_copies: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     norm_topk_prob_key: str | None = "norm_topk_prob"
     fixed_norm_topk_prob: bool = True
     shared_expert: SharedExpert | None = None
@@ -491,6 +501,18 @@ def _mla_query_rope(m: ModelConfig) -> np.ndarray:
 def _mla_key_rope(m: ModelConfig) -> np.ndarray:
     return _rope_columns(1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank, m.qk_rope_head_dim)
 
+
+_MTP = MappingProxyType({
+    ("enorm", "scale"): _t(IDENTITY, _L + "enorm.weight"),
+    ("hnorm", "scale"): _t(IDENTITY, _L + "hnorm.weight"),
+    ("eh_proj",): _t(TRANSPOSED, _L + "eh_proj.weight"),
+    ("head_norm", "scale"): _t(IDENTITY, _L + "shared_head.norm.weight"),
+})
+"""A multi-token-prediction layer's own tensors (DeepSeek-V3 and GLM-4.5 checkpoints, vLLM's and
+transformers' ``MtpLayer`` names): enorm [D], hnorm [D], eh_proj [2D, D] (HF [D, 2D]: embedding
+columns first), shared_head.norm [D] (moefast ``head_norm``)."""
+_MTP_COPIES = MappingProxyType({_L + "embed_tokens.weight": ("model.embed_tokens.weight",),
+                                _L + "shared_head.head.weight": ("lm_head.weight", "model.embed_tokens.weight")})
 
 _MLA_ROPE = MappingProxyType({("attn", "q_b_proj"): _mla_query_rope, ("attn", "q_proj"): _mla_query_rope,
                               ("attn", "kv_a_proj_with_mqa"): _mla_key_rope})
@@ -573,8 +595,8 @@ REGISTRY: dict[str, FamilySpec] = {
                        "model.head_dim * num_heads != d_model (OLMoE's q/k norms assume it)"),)),
     # GLM-4.5/4.6/4.7 (zai-org/GLM-4.5 etc.): GQA with q/k/v biases and optional per-head q/k norms,
     # half of each head rotated, DeepSeek-V3's sigmoid router (noaux_tc) with its selection bias,
-    # ungated shared experts, the first layers dense. Its MTP layers (num_nextn_predict_layers) are
-    # not part of transformers' model: skipped on import, none exported.
+    # ungated shared experts, the first layers dense. Its MTP layers (num_nextn_predict_layers, named
+    # as DeepSeek-V3's) are read into model.mtp_depth modules and written back.
     "glm4_moe": FamilySpec(
         model_type="glm4_moe", architecture="Glm4MoeForCausalLM", name="GLM-4.5",
         hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-5, "num_experts_per_tok": 8,
@@ -588,10 +610,10 @@ REGISTRY: dict[str, FamilySpec] = {
                       scaling_key="routed_scaling_factor", selection_bias=_L + "mlp.gate.e_score_correction_bias"),
         layer_tensors=_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
         moe_tensors=_moe_tables(shared="mlp.shared_experts."),
-        mtp_key="num_nextn_predict_layers", export_constants=MappingProxyType({"num_nextn_predict_layers": 0})),
+        mtp_key="num_nextn_predict_layers", mtp_tensors=_MTP, mtp_copies=_MTP_COPIES),
     # DeepSeek-V3/R1 (and Moonlight, whose config.json says deepseek_v3): MLA with interleaved RoPE
     # columns and YaRN, the same router as GLM-4.5 (here with real group limits), ungated shared
-    # experts, the first layers dense; MTP layers skipped.
+    # experts, the first layers dense; MTP layers (after num_hidden_layers) read and written.
     "deepseek_v3": FamilySpec(
         model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM", name="DeepSeek-V3",
         hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8,
@@ -606,8 +628,8 @@ REGISTRY: dict[str, FamilySpec] = {
         layer_tensors=_MLA, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
         moe_tensors=_moe_tables(shared="mlp.shared_experts."),
         unsupported=MappingProxyType({"attention_bias": "biases on MLA's q_a/kv_a/o projections"}),
-        mtp_key="num_nextn_predict_layers", export_constants=MappingProxyType({"num_nextn_predict_layers": 0,
-                                                                               "attention_bias": False})),
+        mtp_key="num_nextn_predict_layers", mtp_tensors=_MTP, mtp_copies=_MTP_COPIES,
+        export_constants=MappingProxyType({"attention_bias": False})),
     # DeepSeek-V2 / V2-Lite: MLA (V2-Lite: a direct q_proj) with RoPE features always interleaved
     # (transformers rotates them as complex pairs) and YaRN, softmax routing (greedy or
     # group_limited_greedy by the best probability of each group), gates never renormalised and

@@ -21,12 +21,17 @@ and writes any of them and names none.
   Both on-disk expert layouts are read: one tensor per expert (what ``save_pretrained`` writes by
   default) and fused ``experts.gate_up_proj`` [E, 2F, D] / ``experts.down_proj`` [E, D, F]
   (transformers 5's in-memory layout, ``save_pretrained(save_original_format=False)``).
-  Multi-token-prediction layers after ``num_hidden_layers`` are skipped with a note.
+  Multi-token-prediction layers after ``num_hidden_layers`` (DeepSeek-V3, GLM-4.5:
+  ``num_nextn_predict_layers``) are read into the model's ``model.mtp_depth`` MTP modules (by
+  default as many as the files hold, see :func:`config_from_hf`; their copies of the embedding and
+  output head must equal the main ones, which moefast shares); layers beyond ``model.mtp_depth``
+  are skipped with a note. transformers' forward pass never runs them.
 * :func:`load_hf_routing` reads a router's selection bias (``e_score_correction_bias`` [E] per MoE
   layer) into moefast's routing state ``{"bias": [L_moe, E], "load_ema": [L_moe, E]}`` float32,
   where moefast keeps it (out of the parameters and the optimizer).
 * :func:`save_hf` writes the reverse: safetensors (sharded above ``max_shard_bytes``, with the
-  index; the routing state's bias as each MoE layer's ``e_score_correction_bias``), a
+  index; the routing state's bias as each MoE layer's ``e_score_correction_bias``; the MTP
+  modules as layers ``num_hidden_layers + k - 1`` with ``num_nextn_predict_layers``), a
   ``config.json`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, and the
   tokenizer files of a run that has them.
 
@@ -255,6 +260,11 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
     ``data.tokenizer`` is the directory when it holds a ``tokenizer.json``. ``overrides``
     (``section.key=value``) apply last, except to the keys that decide parameter shapes.
 
+    ``model.mtp_depth`` is the number of multi-token-prediction layers the checkpoint holds: its
+    ``num_nextn_predict_layers`` (the family's ``mtp_key``) where the files hold those layers'
+    tensors, else 0 (transformers' ``save_pretrained`` writes the key but never the layers).
+    Override it to load fewer (``model.mtp_depth=0``: none, the next-token model only).
+
     Args:
       path: HF model directory.
       overrides: e.g. ``["train.steps=100", "data.source=my.jsonl", "moe.capacity_factor=0"]``.
@@ -269,10 +279,11 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
       ConfigError: a bad override.
     """
     path = Path(path)
-    hf_model, hf_moe = _hf_sections(hf_config(path))
+    hf = hf_config(path)
+    hf_model, hf_moe = _hf_sections(hf)
     raw = (base or load_config(None)).to_dict()
     raw["name"] = path.resolve().name
-    raw["model"] = hf_model
+    raw["model"] = {**hf_model, "mtp_depth": _mtp_layers_on_disk(path, family_spec(hf["model_type"]), hf)}
     raw["moe"] = {**raw["moe"], **hf_moe}
     if (path / "tokenizer.json").is_file():
         raw["data"] = {**raw["data"], "tokenizer": str(path.resolve())}
@@ -330,6 +341,8 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     if e.aux_free_bias_rate > 0 and r.selection_bias is None:
         out.append(f"moe.aux_free_bias_rate={e.aux_free_bias_rate} ({name}'s router has no selection bias, which "
                    "changes the chosen experts)")
+    if m.mtp_depth and spec.mtp_key is None:
+        out.append(f"model.mtp_depth={m.mtp_depth} ({name} has no multi-token prediction layers)")
     out += [message for fails, message in spec.model_checks if fails(cfg)]
     return out
 
@@ -338,7 +351,7 @@ def hf_family(cfg: ExperimentConfig) -> str:
     """The HF ``model_type`` that represents ``cfg``'s model exactly: the first family of
     :data:`~moefast.interop.families.REGISTRY` whose spec fits (q/k norms, shared expert, dense
     layers, attention biases, partial rotary, gate renormalisation, scores, group limits, gate
-    scaling, a learned selection bias, the spec's own ``model_checks``).
+    scaling, a learned selection bias, multi-token prediction, the spec's own ``model_checks``).
 
     Raises:
       HFFormatError: no family represents the model; the message names each family's objections.
@@ -346,9 +359,6 @@ def hf_family(cfg: ExperimentConfig) -> str:
     m, e = cfg.model, cfg.moe
     if m.position_encoding != "rope":
         raise HFFormatError("model.position_encoding: HF MoE families use RoPE; 'sinusoidal' cannot be exported")
-    if m.mtp_depth:
-        raise HFFormatError(f"model.mtp_depth={m.mtp_depth}: the supported families have no multi-token prediction "
-                            "layers; export a model with model.mtp_depth=0")
     problems = {}
     for model_type, spec in families.REGISTRY.items():
         problems[model_type] = _problems(spec, cfg)
@@ -410,6 +420,8 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
             out.update(scoring_func=r.score_func, topk_method=r.method(e.num_groups > 1 and e.topk_groups < e.num_groups))
     if r.scaling_key is not None:
         out[r.scaling_key] = e.routed_scaling_factor
+    if spec.mtp_key is not None:
+        out[spec.mtp_key] = m.mtp_depth
     out.update({k: v(cfg) if callable(v) else v for k, v in spec.export_constants.items()})
     return out
 
@@ -458,20 +470,27 @@ def _leaves(spec: FamilySpec, cfg: ExperimentConfig, layout: str,
     """
     if layout not in spec.moe_tensors:
         raise HFFormatError(f"{spec.model_type} has no {layout!r} expert layout; it has {sorted(spec.moe_tensors)}")
-    rows: dict[tuple, tuple[Any, int | None]] = {}
+    m = cfg.model
+    rows: dict[tuple, tuple[Any, int | None, tuple]] = {}  # path -> (row, HF layer, sub-path in its block)
     top = list(spec.global_tensors.items())
-    rows.update({p: (row, None) for p, row in top[:1]})
-    for i in range(cfg.model.num_layers):
-        rows.update({("blocks", i) + sub: (row, i) for sub, row in _table(spec, cfg, i, layout).items()})
-    rows.update({p: (row, None) for p, row in top[1:]})
+    rows.update({p: (row, None, ()) for p, row in top[:1]})
+    for i in range(m.num_layers):
+        rows.update({("blocks", i) + sub: (row, i, sub) for sub, row in _table(spec, cfg, i, layout).items()})
+    rows.update({p: (row, None, ()) for p, row in top[1:]})
+    if m.mtp_depth and spec.mtp_key is not None:  # MTP module k: HF layer L + k - 1 (MTPModule)
+        has_moe = any(m.is_moe_layer(i) for i in range(m.num_layers))
+        block = {**spec.layer_tensors, **(spec.moe_tensors[layout] if has_moe else spec.dense_tensors)}
+        for k in range(m.mtp_depth):
+            i = m.num_layers + k
+            rows.update({("mtp", k) + sub: (row, i, ()) for sub, row in spec.mtp_tensors.items()})
+            rows.update({("mtp", k, "block") + sub: (row, i, sub) for sub, row in block.items()})
     unknown = sorted(set(shapes) - set(rows), key=str)
     if unknown:
         raise HFFormatError(f"parameters {unknown[:3]} have no Hugging Face name in {spec.model_type}")
     perms = spec.rope_interleave if interleaved else {}
     return {p: _Leaf(row.transform, tuple(n.format(i=i, e="{e}") for n in row.names),
-                     row.sizes(cfg.model, shapes[p][-1]),
-                     perms[p[2:]](cfg.model) if i is not None and p[2:] in perms else None)
-            for p, (row, i) in rows.items() if p in shapes}
+                     row.sizes(m, shapes[p][-1]), perms[sub](m) if sub in perms else None)
+            for p, (row, i, sub) in rows.items() if p in shapes}
 
 
 def _disk_layout(spec: FamilySpec, cfg: ExperimentConfig, present: Mapping[str, Any]) -> str:
@@ -562,15 +581,17 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
       shardings: pytree of ``jax.sharding.Sharding`` with the parameters' structure (e.g. a
         trainer's ``state_sharding["params"]``); ``None``: the first device.
       log: printer of notes (the multi-token-prediction layers a checkpoint carries beyond
-        ``num_hidden_layers``, which are not read); ``None``: :func:`warnings.warn`.
+        ``num_hidden_layers`` + ``model.mtp_depth``, which are not read); ``None``:
+        :func:`warnings.warn`.
 
     Returns:
       The parameters, a pure dict like ``nnx.to_pure_dict`` of the model's state, float32.
 
     Raises:
       HFFormatError: an unsupported ``config.json`` (see :func:`config_from_hf`), missing or
-        unexpected tensors, or a tensor whose shape does not match the config (names the tensor
-        and both shapes).
+        unexpected tensors, a tensor whose shape does not match the config (names the tensor
+        and both shapes), ``model.mtp_depth`` above the MTP layers the files hold, or an MTP
+        layer's copy of the embedding or output head that differs from the main one.
     """
     path = Path(path)
     spec = _family_of(path)
@@ -579,12 +600,14 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     vocab = m.vocab_size
     if vocab is None:
         raise HFFormatError("model.vocab_size is null; build the config with config_from_hf")
-    if m.mtp_depth:
-        raise HFFormatError(f"model.mtp_depth={m.mtp_depth}: multi-token prediction layers are not imported yet; "
-                            "import with model.mtp_depth=0")
+    hf = hf_config(path)
+    on_disk = _mtp_layers_on_disk(path, spec, hf)
+    if m.mtp_depth > on_disk:
+        raise HFFormatError(f"model.mtp_depth={m.mtp_depth}, but {path} holds {on_disk} multi-token-prediction layers "
+                            f"({spec.mtp_key}={hf.get(spec.mtp_key) if spec.mtp_key else None} in config.json); "
+                            f"import with model.mtp_depth<={on_disk}")
     target = _abstract_params(cfg, vocab)
     unrolled = dict(_flat_paths(to_layout(target, m, scanned=False)))
-    hf = hf_config(path)
     interleaved = bool(hf.get("rope_interleave", spec.hf_defaults.get("rope_interleave", False)))
     leaves = _leaves(spec, cfg, _disk_layout(spec, cfg, files.where), {p: a.shape for p, a in unrolled.items()},
                      interleaved)
@@ -592,23 +615,37 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     for p, leaf in leaves.items():
         expected.update(leaf.transform.hf_shapes(leaf.names, unrolled[p].shape, leaf.sizes))
     expected.update({n: (cfg.moe.num_experts,) for n in _bias_names(spec, cfg)})  # read by load_hf_routing
+    copies = {n: next((c for c in main if c in files.where), main[0]) for n, main in _mtp_copies(spec, cfg)
+              if n in files.where}
     missing = [n for n in expected if n not in files.where]
     if missing:
         raise HFFormatError(f"{path}: {len(missing)} tensors that config.json implies are missing, e.g. "
                             f"{missing[:3]}")
-    unexpected = [n for n in files.where if n not in expected and not n.endswith(_IGNORED_TENSORS)]
-    mtp = _mtp_tensors(spec, hf_config(path), unexpected)
+    unexpected = [n for n in files.where if n not in expected and n not in copies
+                  and not n.endswith(_IGNORED_TENSORS)]
+    mtp = _mtp_tensors(spec, hf, unexpected, skip_from=m.num_layers + m.mtp_depth)
     if mtp:
         unexpected = [n for n in unexpected if n not in mtp]
         note = (f"{path}: {len(mtp)} tensors of the checkpoint's multi-token-prediction layers "
-                f"({spec.mtp_key}={hf_config(path)[spec.mtp_key]}, after the {m.num_layers} layers) are not read; the "
-                "imported model predicts the next token only, as transformers' does")
+                f"({spec.mtp_key}={hf[spec.mtp_key]}, after the {m.num_layers} layers) are not read (model.mtp_depth="
+                f"{m.mtp_depth} reads the first {m.mtp_depth} whole layers)" +
+                ("; the imported model predicts the next token only, as transformers' does" if not m.mtp_depth else ""))
         (log or warnings.warn)(note)
     if unexpected:
         raise HFFormatError(f"{path}: {len(unexpected)} tensors moefast has no place for, e.g. {unexpected[:3]} "
                             "(an architecture option moefast does not implement?)")
     for n, want in expected.items():
         _check_shape(files, n, want)
+    for n, main in copies.items():  # moefast shares these with the main model: they must be exact copies
+        if main not in files.where or files.shape(n) != files.shape(main):
+            raise HFFormatError(f"{path}: {n} should copy {main}, which is missing or of another shape")
+        rows = files.shape(n)[0]
+        for lo in range(0, rows, 4096):  # a block of rows at a time: no second whole embedding on the host
+            block = slice(lo, min(lo + 4096, rows))
+            if not np.array_equal(files.get(n, block), files.get(main, block)):
+                raise HFFormatError(f"{path}: {n} differs from {main}; moefast's multi-token-prediction modules "
+                                    "share the main model's embedding and output head (DeepSeek-V3 sec. 2.2), so "
+                                    "this checkpoint cannot be read exactly; import with model.mtp_depth=0")
 
     layout = layer_layout(m)
     if shardings is None:
@@ -653,10 +690,11 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     return _unflatten(target, out)
 
 
-def _mtp_tensors(spec: FamilySpec, hf: Mapping[str, Any], names: list[str]) -> set[str]:
-    """The ``names`` of the family's multi-token-prediction layers: layer indices from
-    ``num_hidden_layers`` on, when config.json's ``spec.mtp_key`` is positive (DeepSeek-V3 sec. 2.2;
-    GLM-4.5 keeps them as its layer 46 or 92)."""
+def _mtp_tensors(spec: FamilySpec, hf: Mapping[str, Any], names: list[str], skip_from: int) -> set[str]:
+    """The ``names`` of the family's multi-token-prediction layers that are not read: layer indices
+    from ``skip_from`` (``num_hidden_layers`` + ``model.mtp_depth``) on, among the config.json's
+    ``spec.mtp_key`` layers after ``num_hidden_layers`` (DeepSeek-V3 sec. 2.2; GLM-4.5 keeps them
+    as its layer 46 or 92)."""
     if spec.mtp_key is None or not hf.get(spec.mtp_key):
         return set()
     prefix = next(iter(spec.layer_tensors.values())).names[0].split("{i}")[0]  # e.g. "model.layers."
@@ -664,17 +702,50 @@ def _mtp_tensors(spec: FamilySpec, hf: Mapping[str, Any], names: list[str]) -> s
     out = set()
     for n in names:
         index = n[len(prefix):].split(".", 1)[0] if n.startswith(prefix) else ""
-        if index.isdigit() and first <= int(index) < first + hf[spec.mtp_key]:
+        if index.isdigit() and max(first, skip_from) <= int(index) < first + hf[spec.mtp_key]:
             out.add(n)
     return out
 
 
+def _mtp_copies(spec: FamilySpec, cfg: ExperimentConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """``(HF name, the main tensors it may copy)`` of the copies each of ``model.mtp_depth`` MTP
+    layers keeps of the shared embedding and output head (the family's ``mtp_copies``)."""
+    m = cfg.model
+    return [(n.format(i=m.num_layers + k), main) for k in range(m.mtp_depth) for n, main in spec.mtp_copies.items()]
+
+
+def _mtp_layers_on_disk(path: Path, spec: FamilySpec, hf: Mapping[str, Any]) -> int:
+    """How many of the ``hf[spec.mtp_key]`` multi-token-prediction layers the safetensors files of
+    ``path`` hold (each with all of the family's ``mtp_tensors``), counted from the first; 0 for a
+    family without them or a directory without readable weights (reading reports that)."""
+    n = int(hf.get(spec.mtp_key) or 0) if spec.mtp_key is not None else 0
+    if not n or not spec.mtp_tensors:
+        return 0
+    try:
+        files = _Files(path)
+    except HFFormatError:
+        return 0
+    try:
+        for k in range(n):
+            names = [t.format(i=hf["num_hidden_layers"] + k) for row in spec.mtp_tensors.values() for t in row.names]
+            if not all(t in files.where for t in names):
+                return k
+        return n
+    finally:
+        for h in files.handles.values():
+            h.__exit__(None, None, None)
+
+
 def _bias_names(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
-    """HF names of the MoE layers' selection biases [E], in layer order (row j of the routing
-    state's ``bias`` is the j-th); empty when the family has none."""
+    """HF names of the MoE layers' selection biases [E], in layer order, then the MTP layers' (row
+    j of the routing state's ``bias`` is the j-th, as :func:`~moefast.model.init_routing_state`
+    orders them); empty when the family has none."""
     name = spec.router.selection_bias
     m = cfg.model
-    return [] if name is None else [name.format(i=i) for i in range(m.num_layers) if m.is_moe_layer(i)]
+    layers = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
+    if layers and spec.mtp_key is not None:  # the MoE blocks of the MTP layers: the rows after the main model's
+        layers += list(range(m.num_layers, m.num_layers + m.mtp_depth))
+    return [] if name is None else [name.format(i=i) for i in layers]
 
 
 def load_hf_routing(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = None) -> dict[str, jax.Array]:
@@ -788,6 +859,17 @@ def _bias_rows(spec: FamilySpec, cfg: ExperimentConfig, routing_state: dict | No
     return [(n, bias[j]) for j, n in enumerate(names)]
 
 
+def _copy_rows(spec: FamilySpec, cfg: ExperimentConfig, leaves: Mapping[tuple, _Leaf], values: Mapping[tuple, Any],
+               np_dtype: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """``(HF name, tensor)`` of the MTP layers' copies of the shared embedding and output head
+    (the family's ``mtp_copies``), equal to the main tensors as written."""
+    source = {name: p for p, leaf in leaves.items() for name in leaf.names}
+    for name, main in _mtp_copies(spec, cfg):
+        src = next((c for c in main if c in source), None)
+        if src is not None:
+            yield name, dict(leaves[source[src]].write(_host(values[source[src]])))[src].astype(np_dtype)
+
+
 def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None]:
     """BOS/EOS/PAD ids of the run's tokenizer for config.json (``None`` where it has none, or where
     an id is outside the model's vocabulary, e.g. the byte tokenizer's with a smaller model)."""
@@ -874,7 +956,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
 
         tensors = ((name, x.astype(np_dtype)) for p, leaf in leaves.items()
                    for name, x in leaf.write(_host(values[p])))
-        for name, x in itertools.chain(tensors, bias_rows):
+        for name, x in itertools.chain(tensors, _copy_rows(spec, cfg, leaves, values, np_dtype), bias_rows):
             x = np.ascontiguousarray(x)
             if pending and size + x.nbytes > max_shard_bytes:
                 flush()

@@ -100,9 +100,13 @@ CONFIG_KEYS = {
 }
 
 
-def _hf_model(family: str):
+def _hf_model(family: str, **changes):
+    """The family's tiny transformers model (``changes``: config attributes set first), fp32."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).float().eval()
+    config = FAMILIES[family]()
+    for k, v in changes.items():
+        setattr(config, k, v)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # norms start at 1 and biases at 0: randomise them so a wrong mapping shows
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -249,27 +253,125 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, layout, t
                  hf.load_hf_routing(out, cfg2))
 
 
-@pytest.mark.parametrize("saved", ["glm4_moe"], indirect=True)
-def test_multi_token_prediction_layers_are_skipped_with_a_note(saved, tmp_path):
-    """GLM-4.5 and DeepSeek-V3 checkpoints keep their MTP layers after ``num_hidden_layers``
-    (transformers skips them): moefast reads the same model and says so; without
-    ``num_nextn_predict_layers`` such tensors are an error."""
+def _with_mtp_layer(src, dst):
+    """A copy of HF directory ``src`` with one multi-token-prediction layer ``L`` (L =
+    num_hidden_layers) in its own file, as DeepSeek-V3 and GLM-4.5 checkpoints keep it: the decoder
+    layer is layer L - 1's tensors times 2 (exact in float32, so moefast's MTP block must equal twice
+    its last block, interleave permutation included, and reading layer L - 1 by mistake shows),
+    random enorm, hnorm, eh_proj and shared_head.norm, and exact copies of the embedding and head.
+    Returns ``(dst, {name: tensor} of the MTP layer)``."""
+    from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    _, _, dirs = saved
-    src = shutil.copytree(dirs["per_expert"], tmp_path / "mtp")
+    shutil.copytree(src, dst)
+    hf_cfg = json.loads((dst / "config.json").read_text())
+    n, d = hf_cfg["num_hidden_layers"], hf_cfg["hidden_size"]
+    hf_cfg["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(hf_cfg))
+    rng = np.random.default_rng(3)
+    with safe_open(str(dst / "model.safetensors"), framework="numpy") as f:
+        last = f"model.layers.{n - 1}."
+        mtp = {f"model.layers.{n}." + k[len(last):]: 2 * f.get_tensor(k) for k in f.keys() if k.startswith(last)}
+        mtp[f"model.layers.{n}.embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
+        mtp[f"model.layers.{n}.shared_head.head.weight"] = f.get_tensor("lm_head.weight")
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.{n}.{name}.weight"] = (1 + 0.2 * rng.standard_normal(d)).astype(np.float32)
+    mtp[f"model.layers.{n}.eh_proj.weight"] = (0.1 * rng.standard_normal((d, 2 * d))).astype(np.float32)
+    save_file(mtp, str(dst / "mtp.safetensors"))
+    return dst, mtp
+
+
+@pytest.mark.parametrize("saved", ["deepseek_v3", "glm4_moe"], indirect=True)
+def test_multi_token_prediction_layers_are_read_exactly_and_round_trip(saved, tmp_path):
+    """A checkpoint with num_nextn_predict_layers=1 and that layer's tensors imports with
+    model.mtp_depth=1: the MTP module's parameters and routing row are the layer's tensors bit for
+    bit; the export writes the very same tensors (copies of the embedding and head included) and
+    num_nextn_predict_layers; the MTP logits equal those of transformers' MtpModel (1e-4) and the
+    MTP loss is finite (DeepSeek-V3); model.mtp_depth=0 reads the
+    same main model and says what it skips; an incomplete layer gives depth 0; a copy of the
+    embedding that differs is refused; without num_nextn_predict_layers the layer is an error."""
+    from safetensors import safe_open
+
+    from moefast.model.layout import to_layout
+
+    family, _, dirs = saved
+    src, mtp = _with_mtp_layer(dirs["per_expert"], tmp_path / "src")
     n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
-    save_file({f"model.layers.{n}.eh_proj.weight": np.ones((4, 8), np.float32),
-               f"model.layers.{n}.mlp.experts.0.up_proj.weight": np.ones((4, 8), np.float32)},
-              str(src / "mtp.safetensors"))
+    cfg, params = hf.load_hf(src)
+    assert cfg.model.mtp_depth == 1
+    assert hf.config_from_hf(dirs["per_expert"]).model.mtp_depth == 0  # the key, but no layer on disk
+    routing = hf.load_hf_routing(src, cfg)
+    got = params["mtp"][0]
+    for ours, name in ((("enorm", "scale"), "enorm"), (("hnorm", "scale"), "hnorm"),
+                       (("head_norm", "scale"), "shared_head.norm")):
+        np.testing.assert_array_equal(np.asarray(got[ours[0]][ours[1]]), mtp[f"model.layers.{n}.{name}.weight"])
+    np.testing.assert_array_equal(np.asarray(got["eh_proj"]), mtp[f"model.layers.{n}.eh_proj.weight"].T)
+    last = to_layout(params, cfg.model, scanned=False)["blocks"][n - 1]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), 2 * np.asarray(b)), got["block"], last)
+    bias = np.asarray(routing["bias"])
+    assert bias.shape[0] == sum(cfg.model.is_moe_layer(i) for i in range(n)) + 1
+    np.testing.assert_array_equal(bias[-1], 2 * bias[-2])
+
+    out = hf.save_hf(cfg, params, tmp_path / "out", routing_state=routing)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    def tensors(d):
+        res = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), framework="numpy") as h:
+                res.update({k: h.get_tensor(k) for k in h.keys()})
+        return res
+    want, written = tensors(src), tensors(out)
+    assert sorted(written) == sorted(want)
+    for name, x in want.items():
+        np.testing.assert_array_equal(written[name], x, err_msg=name)
+
+    if family == "deepseek_v3":  # the model runs with its MTP module (also read into the scanned layout)
+        _, scanned = hf.load_hf(src, ["model.scan_layers=true"])  # MTP modules stay unrolled in both layouts
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params["mtp"],
+                     scanned["mtp"])
+        tokens, mask = _inputs()
+        with jax.default_matmul_precision("highest"):  # as the parity test: its eager ops' compilations are reused
+            y = _module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32),
+                                     drop_tokens=False, routing_state=routing)
+        import optax
+
+        ce = optax.softmax_cross_entropy_with_integer_labels(y.mtp_logits[0][:, :-2], jnp.asarray(tokens)[:, 2:])
+        assert len(y.mtp_logits) == 1 and np.isfinite(float(jnp.mean(ce))) and float(jnp.mean(ce)) > 0
+        # transformers' MtpModel (its speculative-decoding drafter) reads the export's MTP layer and
+        # predicts t_{i+2} from h_i and Emb(t_{i+1}) as moefast's module does. It finds the layer by
+        # the main model's ignore pattern, which names DeepSeek-V3's layer 61: point it at layer n.
+        from transformers.modeling_layers import MtpModel
+
+        main = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\..*"]
+        drafter = MtpModel.from_pretrained(main).float().eval()
+        real = PAD_FROM - 1  # rows whose t_{i+1} is real in both sequences (transformers' mask is causal only)
+        with torch.no_grad():
+            h = main.model(input_ids=torch.tensor(tokens[:, :real])).last_hidden_state
+            ids, pos = torch.tensor(tokens[:, 1:real + 1]), torch.arange(real)[None].expand(B, real)
+            want_mtp = drafter._project_to_logits(drafter.forward_layer(0, h, pos, None, input_ids=ids)).numpy()
+        np.testing.assert_allclose(np.asarray(y.mtp_logits[0])[:, :real], want_mtp, atol=1e-4, rtol=0)
+
     notes = []
-    cfg = hf.config_from_hf(src)
-    params = hf.load_hf_params(src, cfg, log=notes.append)
-    assert len(notes) == 1 and "2 tensors of the checkpoint's multi-token-prediction layers" in notes[0]
-    _, want = hf.load_hf(dirs["per_expert"])
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, want)
+    cfg0 = hf.config_from_hf(src, ["model.mtp_depth=0"])
+    params0 = hf.load_hf_params(src, cfg0, log=notes.append)
+    assert len(notes) == 1 and f"{len(mtp)} tensors of the checkpoint's multi-token-prediction" in notes[0]
+    assert "mtp" not in params0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 {k: v for k, v in params.items() if k != "mtp"}, params0)
     with pytest.raises(hf.HFFormatError, match="no place for"):
         hf.load_hf(_edit_config(src, tmp_path / "no-mtp", num_nextn_predict_layers=0))
+    with pytest.raises(hf.HFFormatError, match="holds 1 multi-token-prediction layers"):
+        hf.load_hf(src, ["model.mtp_depth=2"])
+    from safetensors.numpy import save_file
+
+    mtp[f"model.layers.{n}.embed_tokens.weight"] = mtp[f"model.layers.{n}.embed_tokens.weight"] + 1
+    save_file(mtp, str(src / "mtp.safetensors"))
+    with pytest.raises(hf.HFFormatError, match="embed_tokens.weight differs from model.embed_tokens.weight"):
+        hf.load_hf(src)
+    save_file({k: v for k, v in mtp.items() if not k.endswith("enorm.weight")}, str(src / "mtp.safetensors"))
+    assert hf.config_from_hf(src).model.mtp_depth == 0  # an incomplete layer is not a module (and is skipped)
 
 
 @pytest.mark.parametrize("saved", ["deepseek_v3"], indirect=True)
@@ -404,15 +506,18 @@ def _moefast(*args, timeout=300):
 
 
 def test_import_fine_tune_export_from_the_cli(tmp_path, text_dir):
-    """moefast import-hf -> train 5 steps -> generate -> export-hf -> transformers loads the
-    fine-tuned model (with its tokenizer) and computes moefast's logits."""
+    """DeepSeek-V3 (MLA with interleaved RoPE and YaRN, grouped sigmoid routing with a non-zero
+    selection bias, a dense first layer): moefast import-hf -> train 5 steps -> generate -> export-hf
+    -> transformers loads the fine-tuned model (with its tokenizer) and computes the logits of
+    moefast's final checkpoint (its parameters and routing state). The other families share every
+    step of this chain but the tensor tables, which the tests above check."""
     from tokenizers import ByteLevelBPETokenizer
 
+    from moefast.train import Trainer, load_run_config
+
     src = tmp_path / "src"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(
-        **{**COMMON, "vocab_size": 320}, num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32,
-        num_experts=8, mlp_only_layers=[0], norm_topk_prob=True)).float()
+    model = _hf_model("deepseek_v3", vocab_size=320, num_hidden_layers=2)
+    assert all(b.abs().min() > 0 for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     model.save_pretrained(src)
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator([p.read_text() for p in sorted(text_dir.glob("*.py"))[:4]], vocab_size=300,
@@ -424,8 +529,8 @@ def test_import_fine_tune_export_from_the_cli(tmp_path, text_dir):
     (src / "chat_template.jinja").write_text(template)  # where recent transformers keep a model's template
     first, run, out = tmp_path / "first", tmp_path / "run", tmp_path / "out"
     said = _moefast("import-hf", str(src / "config.json"), "--run-dir", str(first), "data.source=/no/such/dir",
-                    "data.seq_len=64", "data.batch_size=4", "train.eval_batches=1", "train.warmup_steps=1")
-    assert "imported qwen3_moe" in said and (first / "checkpoints" / "0").is_dir()
+                    "data.seq_len=64", "data.batch_size=8", "train.eval_batches=1", "train.warmup_steps=1")
+    assert "imported deepseek_v3" in said and (first / "checkpoints" / "0").is_dir()
     assert (first / "tokenizer" / "tokenizer.json").is_file()  # the run keeps its own copy
     assert (first / "tokenizer" / "chat_template.jinja").read_text() == template  # SFT needs it
     shutil.move(first, run)  # found relative to the run dir: the run can move
@@ -435,18 +540,21 @@ def test_import_fine_tune_export_from_the_cli(tmp_path, text_dir):
     assert "resuming from step 0" in said and "steps 5 (5 this run)" in said
     assert "not a resume of the original schedule" not in said  # nothing was trained before
     assert _moefast("generate", "--run-dir", str(run), "--prompt", "def ", "--max-new-tokens", "5").startswith("def ")
-    assert "step 5: wrote qwen3_moe" in _moefast("export-hf", "--run-dir", str(run), str(out))
+    assert "step 5: wrote deepseek_v3" in _moefast("export-hf", "--run-dir", str(run), str(out))
 
     assert (out / "chat_template.jinja").read_text() == template
-    cfg, tuned = hf.load_hf(out)
+    cfg = load_run_config(run)
+    step, tuned, routing_state = Trainer(cfg, run, progress=False).restore_params()
     _, original = hf.load_hf(src)
-    assert not np.array_equal(np.asarray(tuned["embed"]), np.asarray(original["embed"]))  # it trained
+    assert step == 5 and not np.array_equal(np.asarray(tuned["embed"]), np.asarray(original["embed"]))  # it trained
+    np.testing.assert_array_equal(np.asarray(routing_state["bias"]), np.asarray(hf.load_hf_routing(src, cfg)["bias"]))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tokens = np.random.default_rng(1).integers(0, 300, (1, T))
     with torch.no_grad():
         want = reloaded(input_ids=torch.tensor(tokens)).logits.numpy()
     with jax.default_matmul_precision("highest"):
-        got = np.asarray(_module(cfg, tuned)(jnp.asarray(tokens), drop_tokens=False).logits)
+        got = np.asarray(_module(cfg, tuned)(jnp.asarray(tokens), drop_tokens=False,
+                                             routing_state=routing_state).logits)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     from moefast.data import HFTokenizer
 
