@@ -167,7 +167,7 @@ class ModelConfig:
         ``original_max_position_embeddings`` (floor/ceil of the bounds, HF's default
         ``truncate``), and cos/sin are multiplied by the attention factor
         ``m(rope_factor, mscale) / m(rope_factor, mscale_all_dim)`` when both are set, else
-        ``m(rope_factor, 1)``, with ``m(s, a) = 0.1 * a * ln(s) + 1`` for s > 1, else 1 (eq. 22).
+        ``m(rope_factor, 1)``, with ``m(s, a) = 0.1 * a * ln(s) + 1`` for s > 1, else 1 (YaRN sec. 3.4).
         With ``"mla"`` the softmax scale is also multiplied by ``m(rope_factor, mscale_all_dim) ** 2``
         when ``mscale_all_dim`` is set (DeepSeek-V2/V3's checkpoints).
       rope_factor: YaRN: context extension factor s (HF ``rope_parameters.factor``), >= 1.
@@ -944,8 +944,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Loads a YAML config and applies ``section.key=value`` overrides.
 
     Args:
-      path: YAML file; ``None`` loads ``configs/tiny.yaml``. A bare file name that does not exist
-        here but is a shipped config (``h200_1b.yaml``) loads the shipped one. The config's
+      path: YAML file; ``None`` loads ``configs/tiny.yaml``. A bare file name, or ``configs/NAME``,
+        that does not exist here but is a shipped config (``h200_1b.yaml``) loads the shipped one
+        (so ``configs/tiny.yaml`` works outside the checkout, e.g. from its notebooks/). The config's
         ``name`` defaults to the file's stem.
       overrides: e.g. ``["train.steps=200", "moe.top_k=1"]``.
 
@@ -959,8 +960,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"overrides: expected a list of 'section.key=value' strings{hint}, got "
                           f"{type(overrides).__name__} {overrides!r}"[:300])
     path = Path(path) if path is not None else DEFAULT_CONFIG
-    if not path.is_file() and path.parent == Path(".") and (CONFIG_DIR / path.name).is_file():
-        path = CONFIG_DIR / path.name  # a shipped config by name, from any directory
+    if not path.is_file() and path.parent in (Path("."), Path("configs")) and (CONFIG_DIR / path.name).is_file():
+        path = CONFIG_DIR / path.name  # a shipped config by name (or as the checkout names it), from any directory
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; shipped configs: "
                           f"{sorted(p.name for p in CONFIG_DIR.glob('*.yaml'))}")

@@ -156,8 +156,11 @@ def test_prefetch_auto_means_one_on_accelerators_and_none_on_cpu():
 def test_shipped_configs_load_by_name_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_config("h200_1b.yaml").name == "h200_1b"
+    assert load_config("configs/tiny_deepseek_v3.yaml").model.attention == "mla"  # as the checkout names it
     with pytest.raises(ConfigError, match="config file nope.yaml not found"):
         load_config("nope.yaml")
+    with pytest.raises(ConfigError, match="config file other/tiny.yaml not found"):
+        load_config("other/tiny.yaml")  # only configs/ stands for the shipped directory
 
 
 def test_overrides_must_be_a_list_of_strings():

@@ -57,7 +57,12 @@ def test_quickstart(tmp_path):
 def test_routing(tmp_path):
     workdir, text, images, _ = _execute("routing.ipynb", tmp_path)
     assert "capacity: 6 slots per expert" in text
-    assert len(images) == 2  # policies side by side; load and drops of the three runs
+    assert len(images) == 3  # policies side by side; DeepSeek-V3's groups; load and drops of the three runs
+    assert "most groups one token draws from: 2 of 4" in text  # configs/tiny_deepseek_v3.yaml's group limit
+    assert "times routed_scaling_factor: True" in text
+    before, after = (int(n) for n in text.split("tokens choosing expert 7: without the bias ")[1].split("\n")[0]
+                     .split(" | with it "))
+    assert after > before  # the selection bias moved a choice
     losses = [float(line.split("cross-entropy ")[1].split(",")[0]) for line in text.splitlines()
               if line.startswith("step ") and "cross-entropy" in line]
     assert len(losses) == 3 and losses[-1] < losses[0]  # the user-defined model with a moefast layer learns

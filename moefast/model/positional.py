@@ -139,8 +139,8 @@ def _rope_inv_freq(head_dim: int, base: float, dtype=np.float64) -> np.ndarray:
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's attention-temperature factor ``0.1 * mscale * ln(scale) + 1`` for ``scale > 1``, else 1
-    (Peng et al. 2023, "YaRN", sec. 3.4, eq. 22 with DeepSeek's coefficient ``mscale``); a
-    dimensionless multiplier."""
+    (Peng et al. 2023, "YaRN", sec. 3.4: ``sqrt(1/t) = 0.1 ln(s) + 1``, here with DeepSeek's
+    coefficient ``mscale``); a dimensionless multiplier."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 

@@ -110,10 +110,8 @@ SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.h
          "moe.capacity_factor=4.0"]  # capacity = tokens per device: nothing drops
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 1, 4), (2, 2, 2), (1, 8, 1)], ids=lambda s: "x".join(map(str, s)))
-def test_model_loss_and_gradients_equal_single_device(shape, devices):
-    data, fsdp, expert = shape
-    cfg = load_config(None, SMALL + [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.expert={expert}"])
+def check_loss_and_gradients_on_mesh(cfg, routing=None, d_model=32):
+    """Loss and gradients of one batch on ``cfg``'s mesh equal the single-device ones."""
     md = ModelDef(cfg, 259)
     params = md.init_params(0)
     rng = np.random.default_rng(0)
@@ -121,23 +119,47 @@ def test_model_loss_and_gradients_equal_single_device(shape, devices):
              "segment_ids": np.ones((8, 16), np.int32), "positions": np.tile(np.arange(16), (8, 1)),
              "loss_weight": np.ones((8, 16), np.float32)}
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    fn = jax.value_and_grad(lambda p, b: loss_fn(md, p, b, None)[0])
-    ref_loss, ref_grads = jax.jit(fn)(params, batch)
+    fn = jax.value_and_grad(lambda p, b, r: loss_fn(md, p, b, None, r)[0])
+    ref_loss, ref_grads = jax.jit(fn)(params, batch, routing)
 
     from moefast.parallel import param_specs, shardings
     mesh = make_mesh(cfg)
     specs = param_specs(md.abstract_model_state, mesh)
     sharded = jax.device_put(params, shardings(mesh, specs))
+    expert, fsdp = cfg.mesh.expert, cfg.mesh.fsdp
     if expert > 1:  # experts really are split
-        w_in = sharded["blocks"][0]["ffn"]["w_in"]
+        w_in = sharded["blocks"][cfg.model.num_layers - 1]["ffn"]["w_in"]  # an MoE layer
         assert w_in.addressable_shards[0].data.shape[0] == 8 // expert
     if fsdp > 1:
-        assert sharded["embed"].addressable_shards[0].data.shape[1] == 32 // fsdp
+        assert sharded["embed"].addressable_shards[0].data.shape[1] == d_model // fsdp
     batch_sh = jax.device_put(batch, NamedSharding(mesh, P(("data", "fsdp", "expert"))))
-    loss, grads = run_on_mesh(mesh, fn, sharded, batch_sh)
+    loss, grads = run_on_mesh(mesh, fn, sharded, batch_sh, routing)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 1, 4), (2, 2, 2), (1, 8, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_model_loss_and_gradients_equal_single_device(shape, devices):
+    data, fsdp, expert = shape
+    check_loss_and_gradients_on_mesh(
+        load_config(None, SMALL + [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.expert={expert}"]))
+
+
+def test_deepseek_v3_loss_and_gradients_equal_single_device(devices):
+    """configs/tiny_deepseek_v3.yaml, shrunk, on data 2 x fsdp 2 x expert 2: MLA (fsdp-split
+    low-rank projections), sigmoid routing in 2 of 4 groups with a non-zero selection bias, the
+    ungated shared expert, the dense first layer and the MTP module match one device."""
+    cfg = load_config("configs/tiny_deepseek_v3.yaml", [
+        "model.d_model=32", "model.num_layers=3", "model.q_lora_rank=16", "model.kv_lora_rank=16",
+        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.d_ff=32",
+        "model.dense_d_ff=48", "moe.shared_expert_d_ff=32", "model.max_seq_len=32", "data.seq_len=16",
+        "data.batch_size=8", "moe.capacity_factor=4.0", "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"])
+    from moefast.model import init_routing_state
+    routing = init_routing_state(cfg)
+    bias = np.random.default_rng(1).normal(0, 0.3, routing["bias"].shape).astype(np.float32)
+    routing = {**routing, "bias": jnp.asarray(bias)}  # spread: it moves choices
+    check_loss_and_gradients_on_mesh(cfg, routing)
 
 
 def test_warmup_noise_under_expert_parallelism_differs_per_shard(devices):
