@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -103,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="expert tensors: one per expert (default; what save_pretrained writes) or fused "
                         "gate_up_proj/down_proj")
     x.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="saved tensors' dtype")
+    x.add_argument("--family", default=None, metavar="MODEL_TYPE",
+                   help="HF model_type to write, where several represent the model (a GLM-4.7-Flash fine-tune is "
+                        "also a deepseek_v3 model); default: the family the run was imported from, else the first "
+                        "that fits")
     x.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     _distributed_options(x)
     pl = sub.add_parser("plot", help="PNG plots of a run's metrics: loss and bits per byte, tokens/s and MFU, "
@@ -482,9 +487,10 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = _inference_config(load_run_config(args.run_dir))
             trainer = Trainer(cfg, args.run_dir, progress=False)
+            family = args.family or _imported_family(args.run_dir, cfg)
             step, params, routing = trainer.restore_params()
             hf.save_hf(cfg.replace(data=trainer.data_cfg), params, args.out_dir, routing_state=routing,
-                       layout=args.layout, dtype=args.dtype,
+                       layout=args.layout, dtype=args.dtype, family=family,
                        log=lambda s: print(f"step {step}: {s}"))  # logged by process 0, which writes
             if cfg.data.tokenizer == "byte" and trainer.is_main:
                 print("note: the run uses the byte tokenizer, which has no tokenizer.json: ids 0-255 are the UTF-8 "
@@ -664,6 +670,9 @@ def _import_hf(args) -> None:
             cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer="tokenizer"))
             trainer = Trainer(cfg, run_dir, progress=False)
         where = trainer.initialize(params, routing)
+        if main:  # export-hf writes the same family back by default
+            (run_dir / IMPORTED_FROM).write_text(json.dumps(
+                {"model_type": hf.hf_config(src)["model_type"], "path": str(src.resolve())}, indent=1) + "\n")
     except BaseException:
         for p in made if main else ():
             shutil.rmtree(p, ignore_errors=True)
@@ -672,6 +681,25 @@ def _import_hf(args) -> None:
     if main:
         print(f"imported {hf.hf_config(src)['model_type']} ({n / 1e6:,.2f}M parameters) from {src} into {where}; "
               f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
+
+
+IMPORTED_FROM = "imported_from.json"
+"""File in a run dir written by ``moefast import-hf``: the HF ``model_type`` and the directory read."""
+
+
+def _imported_family(run_dir, cfg) -> str | None:
+    """The HF family ``run_dir`` was imported from when it still represents ``cfg``'s model, else
+    None (the first family that fits)."""
+    from pathlib import Path
+
+    from moefast.interop import hf
+
+    try:
+        family = json.loads((Path(run_dir) / IMPORTED_FROM).read_text())["model_type"]
+        hf.hf_family(cfg, family)
+    except (OSError, ValueError, KeyError, TypeError, hf.HFFormatError):
+        return None
+    return family
 
 
 def _changed_from_hf(src, cfg) -> list[tuple[str, object]]:

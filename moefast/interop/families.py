@@ -379,6 +379,8 @@ class FamilySpec:
         config.json's ``rope_interleave`` is true (default from ``hf_defaults``): moefast sub-path ->
         the column permutation ``moefast = hf[..., perm]`` for a model config (applied once at import,
         inverted at export, which always writes ``rope_interleave: true``).
+      export_as: the family a model read through this one is written as, for a ``model_type`` that
+        transformers does not know (Kimi K2's ``kimi_k2``: ``"deepseek_v3"``); None: itself.
       mtp_key: config.json key of the number of multi-token-prediction layers the checkpoint keeps
         after its ``num_hidden_layers`` (DeepSeek's ``num_nextn_predict_layers``): MTP module k
         (moefast ``params["mtp"][k - 1]``, :class:`moefast.model.MTPModule`) is layer
@@ -433,6 +435,7 @@ class FamilySpec:
     mla: bool = False
     yarn: bool = False
     rope_interleave: Mapping[SubPath, Callable[[ModelConfig], np.ndarray]] = dataclasses.field(default_factory=dict)
+    export_as: str | None = None
     mtp_key: str | None = None
     mtp_tensors: Mapping[SubPath, Tensor] = dataclasses.field(default_factory=dict)
     mtp_copies: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
@@ -654,8 +657,9 @@ REGISTRY: dict[str, FamilySpec] = {
 :func:`moefast.interop.hf.hf_family` tries them."""
 
 # GLM-4.7-Flash: DeepSeek-V3's layers (MLA, interleaved RoPE, the sigmoid router with its selection
-# bias, ungated shared experts) with GLM's defaults, dense layers listed in mlp_layer_types. Read
-# here; exported as deepseek_v3 (first in the registry), the same model for transformers.
+# bias, ungated shared experts) with GLM's defaults, dense layers listed in mlp_layer_types. A run
+# imported from it is exported as it (moefast export-hf: the family the run was imported from);
+# otherwise deepseek_v3, first in the registry, represents the same model.
 REGISTRY["glm4_moe_lite"] = dataclasses.replace(
     REGISTRY["deepseek_v3"], model_type="glm4_moe_lite", architecture="Glm4MoeLiteForCausalLM", name="GLM-4.7-Flash",
     hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4,
@@ -665,4 +669,5 @@ REGISTRY["glm4_moe_lite"] = dataclasses.replace(
 
 # Kimi K2 (moonshotai/Kimi-K2-*) is DeepSeek-V3's architecture under its own model_type (remote code):
 # read through the V3 spec; a model is always exported as deepseek_v3, which transformers loads.
-REGISTRY["kimi_k2"] = dataclasses.replace(REGISTRY["deepseek_v3"], model_type="kimi_k2", name="Kimi K2")
+REGISTRY["kimi_k2"] = dataclasses.replace(REGISTRY["deepseek_v3"], model_type="kimi_k2", name="Kimi K2",
+                                          export_as="deepseek_v3")

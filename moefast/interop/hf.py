@@ -347,20 +347,33 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     return out
 
 
-def hf_family(cfg: ExperimentConfig) -> str:
-    """The HF ``model_type`` that represents ``cfg``'s model exactly: the first family of
-    :data:`~moefast.interop.families.REGISTRY` whose spec fits (q/k norms, shared expert, dense
-    layers, attention biases, partial rotary, gate renormalisation, scores, group limits, gate
-    scaling, a learned selection bias, multi-token prediction, the spec's own ``model_checks``).
+def hf_family(cfg: ExperimentConfig, family: str | None = None) -> str:
+    """The HF ``model_type`` that represents ``cfg``'s model exactly: ``family`` when given, else
+    the first family of :data:`~moefast.interop.families.REGISTRY` whose spec fits (q/k norms,
+    shared expert, dense layers, attention biases, partial rotary, gate renormalisation, scores,
+    group limits, gate scaling, a learned selection bias, multi-token prediction, the spec's own
+    ``model_checks``). A family that transformers does not know (``FamilySpec.export_as``, e.g.
+    ``kimi_k2``) stands for the one it is written as (``deepseek_v3``).
 
     Raises:
-      HFFormatError: no family represents the model; the message names each family's objections.
+      HFFormatError: no family represents the model, or ``family`` is unknown or does not; the
+        message names the objections.
     """
     m, e = cfg.model, cfg.moe
     if m.position_encoding != "rope":
         raise HFFormatError("model.position_encoding: HF MoE families use RoPE; 'sinusoidal' cannot be exported")
+    if family is not None:
+        if family not in families.REGISTRY:
+            raise HFFormatError(f"family {family!r} is not one moefast writes; known: {', '.join(families.REGISTRY)}")
+        family = families.REGISTRY[family].export_as or family
+        problems = _problems(families.REGISTRY[family], cfg)
+        if problems:
+            raise HFFormatError(f"{family} cannot represent this model: it has " + "; ".join(problems))
+        return family
     problems = {}
     for model_type, spec in families.REGISTRY.items():
+        if spec.export_as:
+            continue
         problems[model_type] = _problems(spec, cfg)
         if not problems[model_type]:
             return model_type
@@ -882,14 +895,14 @@ def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None
 
 def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing_state: dict | None = None,
             layout: str = "per_expert", dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
-            log: Callable[[str], None] | None = None) -> Path:
+            family: str | None = None, log: Callable[[str], None] | None = None) -> Path:
     """Writes moefast parameters as an HF model directory.
 
     The directory is assembled next to ``out_dir`` and renamed into place when complete, so an
     interrupted export never leaves a half-written model under ``out_dir``.
 
     Args:
-      cfg: the experiment the parameters belong to (its family: :func:`hf_family`).
+      cfg: the experiment the parameters belong to.
       params: the parameters (either layer layout; jax arrays, sharded or not, or numpy).
       routing_state: the run's routing state (``{"bias": [L_moe, E], ...}``, the train state's
         ``routing``): its ``bias`` rows are written as the MoE layers' selection biases
@@ -901,14 +914,17 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
         ``experts.down_proj``).
       dtype: ``"float32"`` or ``"bfloat16"`` for the saved tensors.
       max_shard_bytes: bytes per safetensors file; more makes shards and an index.
+      family: HF ``model_type`` to write (e.g. ``"glm4_moe_lite"`` for a GLM-4.7-Flash fine-tune,
+        which ``deepseek_v3`` represents too); ``None``: the first that fits (:func:`hf_family`).
       log: printer for a one-line summary.
 
     Returns:
       ``out_dir`` as a ``Path``.
 
     Raises:
-      HFFormatError: no HF family represents the model, a non-zero selection bias for a family
-        without one, no ``routing_state`` for a family with one, or ``out_dir`` is not empty.
+      HFFormatError: no HF family (or not ``family``) represents the model, a non-zero selection
+        bias for a family without one, no ``routing_state`` for a family with one, or ``out_dir`` is
+        not empty.
       ValueError: a bad ``layout`` or ``dtype``.
     """
     from safetensors.numpy import save_file
@@ -918,7 +934,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16'")
-    spec = families.REGISTRY[hf_family(cfg)]
+    spec = families.REGISTRY[hf_family(cfg, family)]
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise HFFormatError(f"{out_dir} exists and is not an empty directory; choose a new one (nothing is "

@@ -243,6 +243,7 @@ def test_import_hf_puts_the_selection_bias_in_the_routing_state_and_export_write
     assert step == 0 and routing2["bias"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(routing2["bias"]), routing["bias"])
     assert not any("bias" in str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params2)[0])
+    assert json.loads((tmp_path / "run" / cli.IMPORTED_FROM).read_text())["model_type"] == "toy_v3"
     assert cli.main(["export-hf", "--run-dir", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     routing3 = hf.load_hf_routing(tmp_path / "out", hf.config_from_hf(tmp_path / "out"))
     np.testing.assert_array_equal(np.asarray(routing3["bias"]), routing["bias"])

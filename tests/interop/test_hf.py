@@ -123,7 +123,7 @@ def _hf_model(family: str, **changes):
 
 SELECTION_BIAS = {"glm4_moe", "deepseek_v3", "glm4_moe_lite"}
 # a family whose models an earlier registered family represents exactly is exported as that one
-EXPORTED_AS = {"glm4_moe_lite": "deepseek_v3"}  # families whose routers have an e_score_correction_bias
+EXPORTED_AS = {"glm4_moe_lite": "deepseek_v3"}  # represented by an earlier family too: its default export
 
 
 def _inputs():
@@ -230,10 +230,11 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, layout, t
     family, model, dirs = saved
     cfg, params = hf.load_hf(dirs["per_expert"])
     routing = hf.load_hf_routing(dirs["per_expert"], cfg)
-    out = hf.save_hf(cfg, params, tmp_path / "export", routing_state=routing, layout=layout)
+    assert hf.hf_family(cfg) == EXPORTED_AS.get(family, family)  # the default: the first that fits
+    out = hf.save_hf(cfg, params, tmp_path / "export", routing_state=routing, layout=layout, family=family)
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                         output_loading_info=True)
-    assert type(reloaded).__name__ == hf.FAMILIES[EXPORTED_AS.get(family, family)]
+    assert type(reloaded).__name__ == hf.FAMILIES[family]
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     want_sd, got_sd = model.state_dict(), reloaded.state_dict()
     assert sorted(got_sd) == sorted(want_sd)
@@ -385,9 +386,31 @@ def test_kimi_k2_reads_as_deepseek_v3_and_exports_as_it(saved, tmp_path):
     assert (cfg_k.model, cfg_k.moe) == (cfg.model, cfg.moe)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params_k)
     routing = hf.load_hf_routing(kimi, cfg_k)
-    assert hf.hf_family(cfg_k) == "deepseek_v3"
-    out = hf.save_hf(cfg_k, params_k, tmp_path / "out", routing_state=routing)
+    assert hf.hf_family(cfg_k) == hf.hf_family(cfg_k, "kimi_k2") == "deepseek_v3"  # transformers has no kimi_k2
+    out = hf.save_hf(cfg_k, params_k, tmp_path / "out", routing_state=routing, family="kimi_k2")
     assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    with pytest.raises(hf.HFFormatError, match=r"qwen3_moe cannot represent this model: it has .*model.attention=mla"):
+        hf.save_hf(cfg_k, params_k, tmp_path / "q", routing_state=routing, family="qwen3_moe")
+    with pytest.raises(hf.HFFormatError, match="family 'llama' is not one moefast writes; known: mixtral"):
+        hf.hf_family(cfg_k, "llama")
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("saved", ["glm4_moe_lite"], indirect=True)
+def test_export_hf_writes_the_family_the_run_was_imported_from(saved, tmp_path):
+    """A GLM-4.7-Flash import is written back as glm4_moe_lite by ``moefast export-hf`` (read from
+    the run's imported_from.json), though deepseek_v3 represents the same model; a record that no
+    longer fits, or none, falls back to the first family that fits."""
+    from moefast import cli
+
+    _, _, dirs = saved
+    cfg, _ = hf.load_hf(dirs["per_expert"])
+    run = tmp_path / "run"
+    run.mkdir()
+    assert cli._imported_family(run, cfg) is None  # trained from scratch: hf_family's choice
+    for model_type, want in (("glm4_moe_lite", "glm4_moe_lite"), ("qwen3_moe", None), ("kimi_k2", "kimi_k2")):
+        (run / cli.IMPORTED_FROM).write_text(json.dumps({"model_type": model_type, "path": "x"}))
+        assert cli._imported_family(run, cfg) == want, model_type
 
 
 @pytest.mark.parametrize("saved", ["deepseek_v3"], indirect=True)
