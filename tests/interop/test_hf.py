@@ -593,3 +593,127 @@ def test_a_failed_import_leaves_nothing(tmp_path):
     bad = _edit_config(tmp_path / "src", tmp_path / "bad", intermediate_size=48)
     assert cli.main(["import-hf", str(bad), "--run-dir", str(tmp_path / "run")]) == 2
     assert not (tmp_path / "run").exists()
+
+
+FP8_BLOCK = (20, 24)  # [BO, BI]: not square (a transposed scale grid shows), most dims here ragged in it
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": list(FP8_BLOCK)}
+
+
+def _fp8_quantized(name, w):
+    """Whether DeepSeek-V3's FP8 checkpoints store 2-D ``name`` quantized: every Linear weight but
+    the router's (``mlp.gate``), the embedding and the output head."""
+    return (w.ndim == 2 and name.endswith(".weight") and not name.endswith("mlp.gate.weight")
+            and name not in ("model.embed_tokens.weight", "lm_head.weight"))
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(tmp_path_factory):
+    """(FP8 directory, directory of its dequantized float32 weights): a tiny DeepSeek-V3 saved by
+    transformers, its Linear weights then block-quantized as DeepSeek-V3's checkpoints are (per
+    [BO, BI] block: scale_inv = absmax / 448, w_fp8 = w / scale_inv in float8_e4m3fn), and the
+    reference computed here with torch: w_fp8.float() * scale_inv repeated over each block, cropped."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path_factory.mktemp("fp8-src")
+    _hf_model("deepseek_v3").save_pretrained(src)
+    fp8, ref = tmp_path_factory.mktemp("fp8"), tmp_path_factory.mktemp("fp8-dequantized")
+    for d in (fp8, ref):
+        shutil.copytree(src, d, dirs_exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    bo, bi = FP8_BLOCK
+    quantized, dequantized = {}, {}
+    for name, w in tensors.items():
+        if not _fp8_quantized(name, w):
+            quantized[name] = dequantized[name] = w
+            continue
+        o, i = w.shape
+        po, pi = -(-o // bo) * bo, -(-i // bi) * bi
+        padded = torch.nn.functional.pad(w, (0, pi - i, 0, po - o))
+        scale = padded.abs().reshape(po // bo, bo, pi // bi, bi).amax(dim=(1, 3)) / 448.0
+        full = scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:o, :i]
+        w8 = (w / full).to(torch.float8_e4m3fn)
+        quantized[name], quantized[name + "_scale_inv"] = w8, scale
+        dequantized[name] = w8.float() * full
+    save_file(quantized, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8_CONFIG}))
+    assert sum(w.dtype == torch.float8_e4m3fn for w in quantized.values()) >= 20
+    return fp8, ref, dequantized
+
+
+def test_fp8_block_quantized_checkpoint_reads_as_its_dequantized_weights(fp8_dirs, tmp_path):
+    """Parameters and routing state read from the FP8 directory equal, bit for bit, those read from
+    the dequantized float32 one; a row slice starting and ending mid-block equals the rows of the
+    reference; the export is plain float32 without quantization_config and transformers loads
+    the same weights from it as from the dequantized directory."""
+    fp8, ref, dequantized = fp8_dirs
+    with pytest.warns(UserWarning, match=r"FP8 block-quantized weights \(block 20×24\) dequantized to float32"):
+        cfg, params = hf.load_hf(fp8)
+    cfg_ref, params_ref = hf.load_hf(ref)
+    assert (cfg.model, cfg.moe) == (cfg_ref.model, cfg_ref.moe)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params_ref)
+    routing = hf.load_hf_routing(fp8, cfg)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), routing,
+                 hf.load_hf_routing(ref, cfg_ref))
+
+    files = hf._Files(fp8)
+    try:
+        assert not any(n.endswith("_scale_inv") for n in files.where)  # consumed, never "unexpected"
+        name = "model.layers.0.mlp.gate_proj.weight"  # dense [96, 64]: 5 row blocks of 20, the last ragged
+        assert name in files.fp8
+        want = dequantized[name].numpy()
+        for rows in (slice(5, 37), slice(0, 20), slice(39, 41), slice(90, 96), None):
+            got = files.get(name, rows)
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, want if rows is None else want[rows], err_msg=str(rows))
+    finally:
+        files.close()
+
+    out = hf.save_hf(cfg, params, tmp_path / "export", routing_state=routing)
+    exported = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in exported and exported["model_type"] == "deepseek_v3"
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                        output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    want_sd = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).state_dict()
+    got_sd = reloaded.state_dict()
+    assert sorted(got_sd) == sorted(want_sd)
+    for name, w in want_sd.items():
+        assert torch.equal(got_sd[name], w), name
+
+
+@pytest.mark.parametrize("quant,field", [
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "quant_method='compressed-tensors'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method='gptq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method='bitsandbytes'"),
+    ({**FP8_CONFIG, "weight_block_size": None}, "weight_block_size=None"),  # per-tensor FP8
+    ({**FP8_CONFIG, "fmt": "e5m2"}, "fmt='e5m2'"),
+])
+def test_other_quantizations_are_one_clear_error(fp8_dirs, tmp_path, quant, field):
+    fp8, _, _ = fp8_dirs
+    bad = _edit_config(fp8, tmp_path / "bad", quantization_config=quant)
+    with pytest.raises(hf.HFFormatError, match=rf"quantization_config\.{field}.*dequantize the checkpoint first"):
+        hf.load_hf(bad)
+
+
+def test_fp8_weights_without_their_scales_are_clear_errors(fp8_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    fp8, _, _ = fp8_dirs
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    assert tensors[name].dtype == torch.float8_e4m3fn
+    for case, change in (("missing", lambda t: t.pop(name + "_scale_inv")),
+                         ("shape", lambda t: t.update({name + "_scale_inv": t[name + "_scale_inv"].T.contiguous()}))):
+        bad = _edit_config(fp8, tmp_path / case)
+        t = dict(tensors)
+        change(t)
+        save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(hf.HFFormatError, match=(rf"FP8 tensor {name} has no {name}_scale_inv" if case == "missing"
+                                                     else rf"{name}_scale_inv has shape \[1, 6\].*needs \[6, 1\]")):
+            hf.load_hf(bad)
+    no_config = _edit_config(fp8, tmp_path / "no-config", quantization_config=None)
+    with pytest.raises(hf.HFFormatError, match="is F8_E4M3, but config.json has no quantization_config"):
+        hf.load_hf(no_config)
