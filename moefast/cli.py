@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-devices", type=int, default=None, help=dev_help)
     _distributed_options(g)
     i = sub.add_parser("import-hf", help="start a run from a Hugging Face checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                                         "OLMoE, GLM-4.5, DeepSeek-V2/V3): its step-0 checkpoint holds the weights")
+                                         "OLMoE, GLM-4.5, DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash): its step-0 "
+                                         "checkpoint holds the weights")
     i.add_argument("hf_dir", metavar="DIR", help="local Hugging Face model directory (config.json, *.safetensors, "
                                                  "tokenizer.json if any)")
     i.add_argument("--run-dir", required=True, help="new run directory; continue with moefast train --run-dir")
@@ -636,7 +637,15 @@ def _import_hf(args) -> None:
             raise hf.HFFormatError(f"{src} has no tokenizer.json and its vocabulary ({cfg.model.vocab_size} ids) is "
                                    f"smaller than the byte tokenizer's {byte_ids}: put the model's tokenizer.json in "
                                    f"{src} or pass data.tokenizer=PATH")
-        if jax.process_index() == 0:
+        tok = ByteTokenizer()
+        written = hf.hf_config(src)
+        ours = all(written.get(k) == v for k, v in (("pad_token_id", tok.pad_id), ("bos_token_id", tok.bos_id),
+                                                     ("eos_token_id", tok.eos_id)))
+        if jax.process_index() == 0 and ours:  # moefast's export of a byte-tokenizer run: its special ids
+            print(f"note: {src} has no tokenizer.json and its config.json gives the byte tokenizer's PAD/BOS/EOS ids "
+                  f"({tok.pad_id}/{tok.bos_id}/{tok.eos_id}, as moefast export-hf writes them): the run uses the byte "
+                  "tokenizer")
+        elif jax.process_index() == 0:
             print(f"note: {src} has no tokenizer.json; the run uses the byte tokenizer (ids 0-{byte_ids - 1}), which is "
                   "not the tokenizer the model was trained with")
     trainer = Trainer(cfg, run_dir, progress=False)  # checks the config against the devices and tokenizer

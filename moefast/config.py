@@ -170,7 +170,7 @@ class ModelConfig:
         ``m(rope_factor, 1)``, with ``m(s, a) = 0.1 * a * ln(s) + 1`` for s > 1, else 1 (YaRN sec. 3.4).
         With ``"mla"`` the softmax scale is also multiplied by ``m(rope_factor, mscale_all_dim) ** 2``
         when ``mscale_all_dim`` is set (DeepSeek-V2/V3's checkpoints).
-      rope_factor: YaRN: context extension factor s (HF ``rope_parameters.factor``), >= 1.
+      rope_factor: YaRN: context extension factor s (HF ``rope_parameters.factor``), > 1.
       original_max_position_embeddings: YaRN: the pretraining context length, in tokens (HF's name).
       beta_fast, beta_slow: YaRN: ramp bounds, in rotations over the original context (alpha and beta
         of the paper, sec. 3.2; HF's names, defaults 32 and 1).
@@ -275,8 +275,9 @@ class ModelConfig:
         if self.rope_type != "yarn":
             return
         _require(self.position_encoding == "rope", "model.rope_type", "yarn scales RoPE: needs model.position_encoding=rope")
-        _require(self.rope_factor >= 1.0 and math.isfinite(self.rope_factor), "model.rope_factor",
-                 f"must be a finite number >= 1 with model.rope_type=yarn, got {self.rope_factor}")
+        _require(self.rope_factor > 1.0 and math.isfinite(self.rope_factor), "model.rope_factor",
+                 f"must be a finite number > 1 with model.rope_type=yarn (the context-extension factor; 1 scales "
+                 f"nothing: use model.rope_type=default), got {self.rope_factor}")
         _require(self.original_max_position_embeddings is not None and self.original_max_position_embeddings >= 1,
                  "model.original_max_position_embeddings",
                  f"model.rope_type=yarn needs the pretraining context length (>= 1), got "

@@ -84,12 +84,14 @@ def test_routing_options():
     (["model.attention=mqa"], "model.attention"),
     (["model.partial_rotary_factor=0.03"], "model.partial_rotary_factor"),  # 64 * 0.03 = 1 feature
     (["model.partial_rotary_factor=1.5"], "model.partial_rotary_factor"),
-    (["model.rope_type=yarn"], "model.original_max_position_embeddings"),
+    (["model.rope_type=yarn", "model.rope_factor=4"], "model.original_max_position_embeddings"),
     (["model.rope_type=yarn", "model.original_max_position_embeddings=256", "model.rope_factor=0.5"],
      "model.rope_factor"),
+    (["model.rope_type=yarn", "model.original_max_position_embeddings=256"], "model.rope_factor"),  # 1: a no-op
     (["model.rope_type=yarn", "model.original_max_position_embeddings=256", "model.position_encoding=sinusoidal"],
      "model.rope_type"),
-    (["model.rope_type=yarn", "model.original_max_position_embeddings=256", "model.beta_slow=0"], "model.beta_fast"),
+    (["model.rope_type=yarn", "model.original_max_position_embeddings=256", "model.rope_factor=4", "model.beta_slow=0"],
+     "model.beta_fast"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_impossible_attention_and_rope_choices_name_the_field(overrides, key):
     with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')}: "):

@@ -199,6 +199,7 @@ class AllMoE:
     """Every layer is MoE (Mixtral, OLMoE); nothing to write in config.json."""
 
     allows_dense = False
+    keys: tuple[str, ...] = ()
 
     def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
         return [True] * num_layers
@@ -219,6 +220,7 @@ class MlpOnlyLayers:
     decoder_sparse_step == 0`` (Qwen-MoE)."""
 
     allows_dense = True
+    keys: tuple[str, ...] = ("mlp_only_layers", "decoder_sparse_step")
 
     def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
         only = set(hf.get("mlp_only_layers") or [])
@@ -241,6 +243,10 @@ class FirstKDense:
     default: int = 0
     key: str = "first_k_dense_replace"
     allows_dense = True
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
 
     def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
         k = hf.get(self.key)
@@ -331,8 +337,17 @@ class MlpLayerTypes:
     key: str = "mlp_layer_types"
     allows_dense = True
 
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
     def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
+        """Raises ValueError: the list's length is not ``num_layers`` or an entry is neither
+        ``"dense"`` nor ``"sparse"``."""
         types = hf.get(self.key) or ["dense"] + ["sparse"] * (num_layers - 1)
+        if len(types) != num_layers or any(t not in ("dense", "sparse") for t in types):
+            raise ValueError(f"{len(types)} entries of 'dense'/'sparse' for num_hidden_layers={num_layers}: "
+                             "one per layer, each 'dense' or 'sparse'")
         return [t == "sparse" for t in types]
 
     def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
@@ -627,7 +642,9 @@ REGISTRY: dict[str, FamilySpec] = {
         rope_interleave=_MLA_ROPE,
         shared_expert=SharedExpert("moe_intermediate_size", gated=False, count_key="n_shared_experts"),
         router=Router(score_func="sigmoid", topk_methods=MappingProxyType({"noaux_tc": True}), default_method="noaux_tc",
-                      scaling_key="routed_scaling_factor", selection_bias=_L + "mlp.gate.e_score_correction_bias"),
+                      # the hub's config.json says so, and vLLM/SGLang create the selection bias only for noaux_tc
+                      write_method=True, scaling_key="routed_scaling_factor",
+                      selection_bias=_L + "mlp.gate.e_score_correction_bias"),
         layer_tensors=_MLA, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
         moe_tensors=_moe_tables(shared="mlp.shared_experts."),
         unsupported=MappingProxyType({"attention_bias": "biases on MLA's q_a/kv_a/o projections"}),

@@ -159,6 +159,7 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in (None, "default") and not (rope_type == "yarn" and spec.yarn):
             reject(f"{field}.rope_type", rope_type,
+                   f"moefast implements plain RoPE and YaRN for {spec.name}" if spec.yarn else
                    "moefast implements plain RoPE only (no linear/dynamic/YaRN/LongRoPE/Llama-3 scaling)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
@@ -180,14 +181,20 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     e = next((hf[k] for k in spec.num_experts_keys if hf.get(k) is not None), None)
     if not e:
         reject(spec.num_experts_keys[0], e, "a model without experts; moefast needs at least one MoE layer")
-    moe_at = spec.moe_layers.moe_layers(hf, n_layers)
+    layer_keys = spec.moe_layers.keys
+    layer_values = tuple(hf.get(k) for k in layer_keys)
+    layer_field, layer_value = "/".join(layer_keys), layer_values[0] if len(layer_values) == 1 else layer_values
+    try:
+        moe_at = spec.moe_layers.moe_layers(hf, n_layers)
+    except ValueError as err:
+        reject(layer_field, layer_value, str(err))
     if not any(moe_at):
-        reject("mlp_only_layers", hf.get("mlp_only_layers"), "every layer is dense")
+        reject(layer_field, layer_value, "every layer is dense")
     ids = [i for i, m in enumerate(moe_at) if m]
     nd = ids[0]
     every = ids[1] - ids[0] if len(ids) > 1 else n_layers - nd  # one MoE layer: the rest are dense
     if moe_at != [i >= nd and (i - nd) % every == 0 for i in range(n_layers)]:
-        reject("mlp_only_layers/decoder_sparse_step", (hf.get("mlp_only_layers"), hf.get("decoder_sparse_step")),
+        reject(layer_field, layer_value,
                f"MoE layers {ids}: moefast's layers are num_dense_layers leading dense ones, then every "
                "moe_every-th one MoE")
     f = hf[spec.expert_ff_key]
@@ -211,11 +218,23 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     if rope.get("rope_type", rope.get("type")) == "yarn":
         if rope.get("truncate", True) is not True or rope.get("attention_factor") is not None:
             reject("rope_parameters", rope, "YaRN with truncate=false or an explicit attention_factor")
-        model.update(rope_type="yarn", rope_factor=float(rope["factor"]),
-                     original_max_position_embeddings=rope.get("original_max_position_embeddings")
-                     or hf.get("original_max_position_embeddings"),
-                     beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
-                     mscale=rope.get("mscale") or None, mscale_all_dim=rope.get("mscale_all_dim") or None)
+        # as transformers: a top-level original_max_position_embeddings wins, else the rope dict's, else
+        # max_position_embeddings; a null factor is max_position_embeddings / that
+        original = (hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                    or hf.get("max_position_embeddings"))
+        if "factor" not in rope:
+            reject("rope_parameters.factor", None, "YaRN needs its context-extension factor")
+        factor = rope["factor"]
+        if factor is None and original and hf.get("max_position_embeddings"):
+            factor = hf["max_position_embeddings"] / original
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1:
+            reject("rope_parameters.factor", factor, "YaRN's context-extension factor is a number >= 1")
+        if not isinstance(original, int) or original < 1:
+            reject("original_max_position_embeddings", original, "YaRN needs the pretraining context length")
+        if factor > 1:  # factor 1: YaRN's frequencies and attention factor are RoPE's (read as plain RoPE)
+            model.update(rope_type="yarn", rope_factor=float(factor), original_max_position_embeddings=original,
+                         beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                         mscale=rope.get("mscale") or None, mscale_all_dim=rope.get("mscale_all_dim") or None)
     shared = spec.shared_expert
     shared_ff = 0
     if shared is not None:
@@ -297,9 +316,26 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
     for sec, keys in PARAMETER_KEYS.items():
         for k in keys:
             if k in extra.get(sec, {}):
-                raise HFFormatError(f"{sec}.{k} is fixed by {path / 'config.json'} (the weights' shapes depend on "
-                                    "it); drop the override")
-    return ExperimentConfig.from_dict(_merge(raw, extra), where=f"{path / 'config.json'} + overrides")
+                raise HFFormatError(f"{sec}.{k} is fixed by {path / 'config.json'} (the weights' shapes or "
+                                    "their meaning depend on it); drop the override")
+    try:
+        return ExperimentConfig.from_dict(_merge(raw, extra), where=f"{path / 'config.json'} + overrides")
+    except ConfigError as err:  # a value from config.json: name its key there too
+        key = str(err).split(":", 1)[0]
+        sec, _, field = key.partition(".")
+        hf_key = _HF_KEYS.get(key) or (field if sec == "model" and field in hf else None)
+        if hf_key is None or field in extra.get(sec, {}):
+            raise
+        raise HFFormatError(f"{path / 'config.json'}: {hf_key}={hf.get(hf_key)!r} gives {err}") from None
+
+
+_HF_KEYS = {"model.d_model": "hidden_size", "model.num_layers": "num_hidden_layers",
+            "model.num_heads": "num_attention_heads", "model.num_kv_heads": "num_key_value_heads",
+            "moe.top_k": "num_experts_per_tok", "moe.num_groups": "n_group", "moe.topk_groups": "topk_group",
+            "moe.routed_scaling_factor": "routed_scaling_factor", "model.vocab_size": "vocab_size",
+            "model.max_seq_len": "max_position_embeddings", "model.norm_eps": "rms_norm_eps"}
+"""moefast config keys whose value :func:`config_from_hf` takes from a config.json key of another name
+(for error messages; a ``model.*`` key of the same name is found as it is)."""
 
 
 
@@ -384,8 +420,8 @@ def hf_family(cfg: ExperimentConfig, family: str | None = None) -> str:
         if not problems[model_type]:
             return model_type
     closest = sorted(problems.items(), key=lambda kv: len(kv[1]))  # stable: registry order among equals
-    raise HFFormatError("no Hugging Face family represents this model: "
-                        + " | ".join(f"as {t} it has " + "; ".join(p) for t, p in closest))
+    raise HFFormatError("no Hugging Face family represents this model (closest first):"
+                        + "".join(f"\n  as {t} it has " + "; ".join(p) for t, p in closest))
 
 
 def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dtype: str,

@@ -71,10 +71,19 @@ class ModelDef:
 
     Args:
       cfg: experiment config.
-      vocab_size: the tokenizer's vocabulary size.
+      vocab_size: the tokenizer's vocabulary size (``cfg.model.vocab_size`` where it is set, e.g.
+        by :func:`moefast.load_hf`; a run's config leaves it ``None``: a ``Trainer``'s
+        ``model_def`` or ``trainer.tokenizer.vocab_size``).
+
+    Raises:
+      TypeError: ``vocab_size`` is not an int.
     """
 
     def __init__(self, cfg: ExperimentConfig, vocab_size: int):
+        if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool):
+            raise TypeError(f"vocab_size: expected the tokenizer's vocabulary size (an int), got {vocab_size!r}; "
+                            "a run's config has model.vocab_size=None (the tokenizer decides it): use a Trainer's "
+                            "model_def, or ModelDef(cfg, trainer.tokenizer.vocab_size)")
         self.cfg = cfg
         self.vocab_size = vocab_size
         abstract = nnx.eval_shape(lambda: build_model(cfg, vocab_size))

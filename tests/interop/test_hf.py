@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers", reason="transformers (a test 
 
 from moefast import routing  # noqa: E402
 from moefast.interop import hf  # noqa: E402
+from moefast.config import ConfigError, load_config  # noqa: E402
 from moefast.model import build_model  # noqa: E402
 
 V, B, T = 128, 2, 128
@@ -494,6 +495,44 @@ def test_unsupported_options_name_the_field(tmp_path, family, change, field):
     bad = _edit_config(tmp_path / "src", tmp_path / "bad", **change)
     with pytest.raises(hf.HFFormatError, match=field):
         hf.load_hf(bad)
+
+
+def _config_only(family, tmp_path, name, **changes):
+    """A directory holding only the family's tiny config.json, edited (enough for config_from_hf)."""
+    d = tmp_path / name
+    FAMILIES[family]().save_pretrained(d)
+    written = json.loads((d / "config.json").read_text())
+    written.update(changes)
+    (d / "config.json").write_text(json.dumps(written))
+    return d
+
+
+def test_yarn_layer_and_routing_keys_read_as_transformers_reads_them(tmp_path):
+    """YaRN's factor and original context default as in transformers 5 (a null factor is
+    max_position_embeddings / the original context; a missing original context is
+    max_position_embeddings; factor 1 is plain RoPE); the errors name config.json's keys."""
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32}
+    m = hf.config_from_hf(_config_only("deepseek_v3", tmp_path, "null", max_position_embeddings=256,
+                                       rope_parameters={**yarn, "factor": None})).model
+    assert (m.rope_type, m.rope_factor, m.original_max_position_embeddings) == ("yarn", 8.0, 32)
+    no_original = {k: v for k, v in yarn.items() if k != "original_max_position_embeddings"}
+    m = hf.config_from_hf(_config_only("deepseek_v3", tmp_path, "orig", max_position_embeddings=512,
+                                       rope_parameters=no_original)).model
+    assert (m.rope_factor, m.original_max_position_embeddings) == (4.0, 512)
+    m = hf.config_from_hf(_config_only("deepseek_v3", tmp_path, "one", rope_parameters={**yarn, "factor": 1.0})).model
+    assert m.rope_type == "default"
+    bad = [("nofactor", "deepseek_v3", {"rope_parameters": {k: v for k, v in yarn.items() if k != "factor"}},
+            "rope_parameters.factor=None .* YaRN needs its context-extension factor"),
+           ("linear", "deepseek_v3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+            "plain RoPE and YaRN for DeepSeek-V3"),
+           ("groups", "deepseek_v3", {"n_group": 3}, "n_group=3 gives moe.num_groups"),
+           ("types", "glm4_moe_lite", {"mlp_layer_types": ["dense", "sparse"]},
+            r"mlp_layer_types=\['dense', 'sparse'\] .* 2 entries of 'dense'/'sparse' for num_hidden_layers=3")]
+    for name, family, change, match in bad:
+        with pytest.raises(hf.HFFormatError, match=match):
+            hf.config_from_hf(_config_only(family, tmp_path, name, **change))
+    with pytest.raises(ConfigError, match="model.rope_factor: must be a finite number > 1 with model.rope_type=yarn"):
+        load_config(None, ["model.rope_type=yarn", "model.original_max_position_embeddings=64"])
 
 
 def test_mismatched_files_and_overrides_are_clear_errors(tmp_path):
