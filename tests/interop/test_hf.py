@@ -389,7 +389,10 @@ def test_kimi_k2_reads_as_deepseek_v3_and_exports_as_it(saved, tmp_path):
     routing = hf.load_hf_routing(kimi, cfg_k)
     assert hf.hf_family(cfg_k) == hf.hf_family(cfg_k, "kimi_k2") == "deepseek_v3"  # transformers has no kimi_k2
     out = hf.save_hf(cfg_k, params_k, tmp_path / "out", routing_state=routing, family="kimi_k2")
-    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "deepseek_v3"
+    # as the hub's DeepSeek-V3 config.json: vLLM and SGLang create the selection bias only for noaux_tc
+    assert (written["topk_method"], written["scoring_func"]) == ("noaux_tc", "sigmoid")
     with pytest.raises(hf.HFFormatError, match=r"qwen3_moe cannot represent this model: it has .*model.attention=mla"):
         hf.save_hf(cfg_k, params_k, tmp_path / "q", routing_state=routing, family="qwen3_moe")
     with pytest.raises(hf.HFFormatError, match="family 'llama' is not one moefast writes; known: mixtral"):
