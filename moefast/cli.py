@@ -238,7 +238,117 @@ PEERS_MOVED = ("moefast bench peers moved out of the installed package: run pyth
                "checkout of the repository (same options; needs pip install -c constraints.txt -e '.[peers]')")
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (timeout, Slurm, docker stop) as a Ctrl-C."""
+
+
+class _ImportSignals:
+    """SIGINT / SIGTERM during ``moefast import-hf``: either the import is aborted (what it made is
+    removed, exit 130, 143 for SIGTERM) or, once committed, nothing changes (exit 0).
+
+    The handlers record the first signal and raise ``KeyboardInterrupt`` (:class:`_Terminated` for
+    SIGTERM) while :attr:`raising`. Python drops an exception raised in a gc callback or a
+    ``__del__`` (JAX's ``_xla_gc_callback`` runs often), so the flag is checked again at the commit
+    point (:meth:`check`): a signal taken there, or swallowed before, still aborts; the report of
+    such a swallowed ``KeyboardInterrupt`` is dropped while installed. While :attr:`raising` is
+    False (the step-0 write; after :meth:`settle`: the commit, or the cleanup of an abort) a signal
+    is only recorded. Installed from the main thread only; :meth:`uninstall` puts back the previous
+    handlers and ``sys.unraisablehook``.
+    """
+
+    def __init__(self):
+        self.signal: str | None = None  # the first signal taken: "SIGINT" or "SIGTERM"
+        self.raising = True
+        self.left = ""  # what an abort leaves, said after "interrupted: "
+        self._previous: dict = {}
+        self._hook = None
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+
+        self.signal = self.signal or signal.Signals(signum).name
+        if self.raising:
+            self.check()
+
+    def _unraisable(self, unraisable) -> None:
+        if not (self.signal and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+            self._hook(unraisable)  # a swallowed Ctrl-C is taken at the commit point: no report
+
+    def settle(self) -> None:
+        """From here a signal is only recorded: the import has committed, or is cleaning up."""
+        self.raising = False
+
+    def check(self) -> None:
+        """Raises the interrupt of a signal taken so far (perhaps swallowed where it was raised)."""
+        if self.signal:
+            raise _Terminated if self.signal == "SIGTERM" else KeyboardInterrupt
+
+    def ignore_until_exit(self) -> None:
+        """SIG_IGN for both signals (where installed): a process that has settled only exits. Python
+        puts back the default handlers while it shuts down (JAX's teardown takes a while), and a
+        signal then would kill it with 130 (143) after the import said it succeeded; SIG_IGN stays."""
+        import signal
+
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+        self._previous.clear()
+        if self._hook is not None:
+            sys.unraisablehook, self._hook = self._hook, None
+
+    def uninstall(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(sig, handler)
+        self._previous.clear()
+        if self._hook is not None:
+            sys.unraisablehook, self._hook = self._hook, None
+
+
+def _interrupted(e: KeyboardInterrupt, left: str, own_process: bool) -> int:
+    """One line for an interrupt, and its exit status (130, 143 for SIGTERM). A process that exists
+    for this command leaves at once (no wait for orbax's threads or jax.distributed's shutdown
+    barrier, see :func:`main`); a caller in-process gets the status."""
+    term = isinstance(e, _Terminated)
+    print(f"interrupted{' (SIGTERM)' if term else ''}{': ' + left if left else ''}", file=sys.stderr)
+    code = 143 if term else 130
+    if own_process:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``moefast`` command; ``argv`` None: ``sys.argv`` (this process exists to run it).
+
+    Ctrl-C while a command starts (importing JAX, reading the config) is one line ``interrupted``
+    and exit 130, not a traceback; each command says what an interrupt leaves once it runs."""
+    signals = _ImportSignals()
+    try:
+        return _main(argv, signals)
+    except KeyboardInterrupt as e:
+        signals.settle()
+        return _interrupted(e, signals.left, own_process=argv is None)
+    finally:
+        if argv is None and not signals.raising:  # import-hf has committed (or failed) in its own process
+            signals.ignore_until_exit()
+        else:
+            signals.uninstall()
+
+
+def _main(argv: list[str] | None, signals: _ImportSignals) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     if given[:2] == ["bench", "peers"]:  # a development benchmark, not part of the command any more
         print(f"error: {PEERS_MOVED}", file=sys.stderr)
@@ -265,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "prepare":  # tokenizes on the host: no JAX
         return _prepare(args)
+    if args.command == "import-hf":  # from here until it has committed, a Ctrl-C or SIGTERM aborts it
+        signals.left = f"nothing was imported into {args.run_dir}"
+        signals.install()
     if args.cpu_devices is not None and args.cpu_devices < 1:
         print(f"error: --cpu-devices must be >= 1, got {args.cpu_devices}", file=sys.stderr)
         return 2
@@ -482,7 +595,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return routing.run_cli(quick=args.quick, json_out=args.json, repeats=args.repeats)
         elif args.command == "import-hf":
-            _import_hf(args)
+            try:
+                _import_hf(args, signals)
+            except KeyboardInterrupt as e:  # _import_hf has removed what it made
+                signals.settle()
+                return _interrupted(e, signals.left, own_process=argv is None)
         elif args.command == "export-hf":
             from moefast.interop import hf
 
@@ -534,10 +651,7 @@ def _prepare(args) -> int:
     from moefast.data.prepared_sft import prepare_sft
     from moefast.data.prepared import prepare
 
-    class _Terminated(KeyboardInterrupt):
-        """SIGTERM (timeout, Slurm, docker stop) as a Ctrl-C: prepare removes what it wrote."""
-
-    def on_sigterm(signum, frame):
+    def on_sigterm(signum, frame):  # as a Ctrl-C: prepare removes what it wrote
         raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
@@ -606,9 +720,11 @@ def _in_prepare_terms(message: str) -> str:
     return re.sub("|".join(re.escape(k) for k in _PREPARE_TERMS), lambda m: _PREPARE_TERMS[m.group(0)], message)
 
 
-def _import_hf(args) -> None:
+def _import_hf(args, signals: _ImportSignals) -> None:
     """``moefast import-hf``: config from config.json, the tokenizer files copied into the run dir,
-    the weights streamed into the run's shardings, step 0 written."""
+    the weights streamed into the run's shardings, step 0 written. It commits once step 0 and
+    ``imported_from.json`` are written: a signal taken before (``signals``) aborts it, removing what
+    it made; one after changes nothing."""
     import shutil
     from pathlib import Path
 
@@ -678,11 +794,19 @@ def _import_hf(args) -> None:
                 multihost_utils.sync_global_devices("moefast import-hf: tokenizer copied")
             cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer="tokenizer"))
             trainer = Trainer(cfg, run_dir, progress=False)
+        # A signal during the step-0 write is taken once it is complete: orbax's threads would go
+        # on writing into the directory being removed (a large model makes Ctrl-C wait for it)
+        signals.raising = False
         where = trainer.initialize(params, routing)
+        signals.raising = True
+        signals.check()
         if main:  # export-hf writes the same family back by default
             (run_dir / IMPORTED_FROM).write_text(json.dumps(
                 {"model_type": hf.hf_config(src)["model_type"], "path": str(src.resolve())}, indent=1) + "\n")
+        signals.settle()  # the commit point: a signal from here on is only recorded ...
+        signals.check()  # ... and one taken before it (even if swallowed in a gc callback) aborts
     except BaseException:
+        signals.settle()  # a second Ctrl-C does not stop the cleanup
         for p in made if main else ():
             shutil.rmtree(p, ignore_errors=True)
         raise

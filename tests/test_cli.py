@@ -192,3 +192,21 @@ def test_run_dir_under_a_file_is_one_clear_error(tmp_path, text_dir):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip() == (f"error: --run-dir {run} cannot be created: {tmp_path / 'file.txt'} is a file, "
                                 "not a directory; choose a run dir under a directory")
+
+
+@pytest.mark.parametrize("command", ["train", "import-hf"])
+def test_interrupt_while_a_command_starts_is_one_line(command, tmp_path):
+    """Ctrl-C before the command runs (here as it sets up JAX's CPU devices, in reality mostly while
+    JAX is imported): one line, exit 130, nothing written, no traceback."""
+    run = tmp_path / "run"
+    args = [command, *([] if command == "train" else [str(tmp_path)]), "--run-dir", str(run)]
+    code = ("import os, signal, sys\n"
+            "import moefast.parallel.cpu_devices as c\n"
+            "c.set_cpu_devices = lambda *a: os.kill(os.getpid(), signal.SIGINT)\n"
+            "from moefast.cli import main\n"
+            f"sys.argv = ['moefast', *{args!r}]\n"
+            "sys.exit(main())\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    said = "interrupted" + (f": nothing was imported into {run}" if command == "import-hf" else "")
+    assert p.returncode == 130 and p.stderr == said + "\n", p.stderr
+    assert not run.exists()

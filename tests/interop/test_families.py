@@ -250,3 +250,114 @@ def test_import_hf_puts_the_selection_bias_in_the_routing_state_and_export_write
     assert cli.main(["export-hf", "--run-dir", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     routing3 = hf.load_hf_routing(tmp_path / "out", hf.config_from_hf(tmp_path / "out"))
     np.testing.assert_array_equal(np.asarray(routing3["bias"]), routing["bias"])
+
+
+def _signals_fail_the_test():
+    """SIGINT / SIGTERM handlers that fail the test (not the test process) if one reaches them:
+    ``moefast import-hf`` takes both itself and puts these back."""
+    import signal
+
+    def unhandled(signum, frame):
+        raise AssertionError(f"{signal.Signals(signum).name} reached the test's handler")
+
+    return {sig: signal.signal(sig, unhandled) for sig in (signal.SIGINT, signal.SIGTERM)}, unhandled
+
+
+@pytest.mark.parametrize("sig,how", [("SIGINT", "swallowed"), ("SIGTERM", "raised"), ("SIGINT", "during the write")])
+def test_a_signal_before_import_hf_commits_aborts_it_even_if_swallowed(v3_family, tmp_path, monkeypatch, capsys,
+                                                                      sig, how):
+    """Ctrl-C (or SIGTERM) before the import commits: nothing is left, one line, 130 (143).
+    ``swallowed``: after step 0 is written, the signal arrives in a gc callback, where Python drops
+    the ``KeyboardInterrupt`` (as in JAX's ``_xla_gc_callback``): the import must still stop.
+    ``during the write``: taken once step 0 is written (orbax's threads would write on into the
+    directory being removed), then it is removed."""
+    import gc
+    import os
+    import signal
+
+    from moefast import cli
+    from moefast.train import Trainer
+
+    cfg, params, routing = v3_family
+    src = hf.save_hf(cfg, params, tmp_path / "src", routing_state=routing)
+    run, real_initialize, real_hf_config, written, fired = tmp_path / "run", Trainer.initialize, hf.hf_config, [], []
+
+    def send():
+        fired.append(sig)
+        os.kill(os.getpid(), signal.Signals[sig])
+
+    def initialize(self, *args, **kwargs):
+        if how == "during the write" and not fired:
+            send()
+        written.append(real_initialize(self, *args, **kwargs))
+        return written[-1]
+
+    def hf_config(path):  # read for imported_from.json once step 0 is written
+        if how != "during the write" and (run / "checkpoints" / "0").is_dir() and not fired:
+            if how == "raised":
+                send()
+            else:
+                def in_gc(phase, info):
+                    if phase == "start":
+                        send()
+
+                gc.callbacks.append(in_gc)
+                try:
+                    gc.collect()
+                finally:
+                    gc.callbacks.remove(in_gc)
+        return real_hf_config(path)
+
+    monkeypatch.setattr(Trainer, "initialize", initialize)
+    monkeypatch.setattr(hf, "hf_config", hf_config)
+    previous, unhandled = _signals_fail_the_test()
+    try:
+        code = cli.main(["import-hf", str(src), "--run-dir", str(run)])
+        assert all(signal.getsignal(s) is unhandled for s in previous)  # import-hf put them back
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    out, err = capsys.readouterr()
+    assert fired and written and code == (143 if sig == "SIGTERM" else 130), (code, out, err)
+    assert err == f"interrupted{' (SIGTERM)' if sig == 'SIGTERM' else ''}: nothing was imported into {run}\n", err
+    assert "imported toy_v3" not in out and not run.exists()
+    assert cli.main(["import-hf", str(src), "--run-dir", str(run)]) == 0  # a retry starts afresh
+
+
+def test_a_signal_after_import_hf_commits_changes_nothing(v3_family, tmp_path, monkeypatch, capsys):
+    """Ctrl-C once the import has committed (step 0 and imported_from.json written), before and after
+    the line saying so: exit 0 as printed, the run complete."""
+    import builtins
+    import os
+    import signal
+
+    from moefast import cli
+    from moefast.train import Trainer, load_run_config
+
+    cfg, params, routing = v3_family
+    src = hf.save_hf(cfg, params, tmp_path / "src", routing_state=routing)
+    run, said = tmp_path / "run", []
+
+    def interrupted_print(*args, **kwargs):
+        done = bool(args) and str(args[0]).startswith("imported toy_v3")
+        if done:
+            os.kill(os.getpid(), signal.SIGINT)
+        builtins.print(*args, **kwargs)
+        if done:
+            said.append(args[0])
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(cli, "print", interrupted_print, raising=False)
+    previous, unhandled = _signals_fail_the_test()
+    try:
+        code = cli.main(["import-hf", str(src), "--run-dir", str(run)])
+        assert all(signal.getsignal(s) is unhandled for s in previous)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    out, err = capsys.readouterr()
+    assert said and code == 0 and "interrupted" not in err, (code, out, err)
+    assert (run / cli.IMPORTED_FROM).is_file() and (run / "config.yaml").is_file()
+    step, params2, _ = Trainer(load_run_config(run), run, progress=False).restore_params()
+    assert step == 0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), params, params2)
