@@ -499,7 +499,9 @@ def _main(argv: list[str] | None, signals: _ImportSignals) -> int:
             step, params, routing_state = trainer.restore_params()
             m = trainer.evaluate(params, routing_state)
             if trainer.is_main:
-                print(f"step {step} | eval loss {m['eval_loss']:.4f} | eval bits/byte {m['eval_bits_per_byte']:.4f}")
+                from moefast.train.evaluation import format_eval
+
+                print(f"step {step} | {format_eval(m)}")
         elif args.command == "bench":
             out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
             if out_dir is not None and not os.path.isdir(out_dir):

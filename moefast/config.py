@@ -308,6 +308,14 @@ class ModelConfig:
             return False
         return (layer - self.num_dense_layers) % self.moe_every == 0
 
+    def moe_layer_names(self) -> list[str]:
+        """What each row of the per-layer MoE statistics (``tokens_per_expert``, ``dropped_fraction``,
+        ...) and of the routing state belongs to: ``"MoE layer i"`` for the main model's L_moe MoE
+        layers (i = 0 .. L_moe - 1, the row index), then ``"MTP module k"`` (k = 1 .. D) for the
+        ``mtp_depth`` multi-token prediction blocks, MoE layers whenever the main model has one."""
+        n = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        return [f"MoE layer {i}" for i in range(n)] + [f"MTP module {k}" for k in range(1, self.mtp_depth + 1) if n]
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:

@@ -3,16 +3,19 @@
 One figure per question, each a PNG (matplotlib, no display needed):
 
 * ``loss.png`` — is it learning? Training loss (nats per token, every log record) and validation
-  loss against step (a log scale when they span more than 30×, e.g. a diverged run; non-finite
-  values break the line, and steps skipped as non-finite are crosses), validation bits per byte
-  below; a top axis in tokens seen.
+  loss against step, with multi-token prediction (``model.mtp_depth`` > 0) also the MTP loss
+  (``mtp_loss`` and ``eval_mtp_loss``: the mean over the modules) as curves of their own (a log
+  scale when they span more than 30×, e.g. a diverged run; non-finite values break the line, and
+  steps skipped as non-finite are crosses), validation bits per byte below; a top axis in tokens
+  seen.
 * ``throughput.png`` — how fast? tokens/s per log interval against step, with MFU (percent of the
   device peak, where the run knew it) as the right-hand scale.
 * ``expert_load.png`` — are the experts used evenly? One heatmap per MoE layer (titled with its
-  block index where the run's config.yaml says): each expert's share of the layer's assignments
-  (before capacity) per log record, relative to a uniform split (1 = 1/E), so any E reads alike.
+  block index where the run's config.yaml says; the multi-token prediction blocks' rows, after the
+  main model's, as ``MTP module k``): each expert's share of the layer's assignments (before
+  capacity) per log record, relative to a uniform split (1 = 1/E), so any E reads alike.
 * ``routing.png`` — is routing healthy? Fraction of assignments dropped by capacity and the router
-  entropy (nats; ``log(num_experts)`` is uniform) per MoE layer against step.
+  entropy (nats; ``log(num_experts)`` is uniform) per MoE layer (and MTP module) against step.
 
 Expert-load alerts (``kind: alert`` records) are marked on every step axis (red dashes; on the
 heatmaps, a red tick above the layer that raised one). A run resumed after a crash may log a
@@ -22,6 +25,7 @@ replayed step twice; the last record of a step wins (it is the one the run conti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -71,9 +75,11 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
     return {k: sorted(v.values(), key=lambda r: r["step"]) for k, v in by_kind.items()}  # stable: order kept
 
 
-def _run_shape(run_dir: Path) -> tuple[int | None, list[int] | None]:
+def _run_shape(run_dir: Path) -> tuple[int | None, list[int] | None, list[str] | None]:
     """From ``config.yaml``, if readable: tokens per step (``data.batch_size * data.seq_len``, what
-    tokens/s counts) and the block index of each MoE layer."""
+    tokens/s counts), the block index of each MoE layer of the main model and the name of each row
+    of the per-layer statistics (``ModelConfig.moe_layer_names``: MTP modules after the main
+    model's MoE layers)."""
     import yaml
 
     from moefast.config import ExperimentConfig
@@ -81,9 +87,9 @@ def _run_shape(run_dir: Path) -> tuple[int | None, list[int] | None]:
     try:
         cfg = ExperimentConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     except Exception:  # a missing or hand-edited config: plot without it
-        return None, None
+        return None, None, None
     blocks = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)]
-    return cfg.data.batch_size * cfg.data.seq_len, blocks
+    return cfg.data.batch_size * cfg.data.seq_len, blocks, cfg.model.moe_layer_names()
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -147,13 +153,31 @@ class _Run:
     alert_steps: list[int]
     skipped: list[int]  # non-finite steps
     tokens_per_step: int | None
-    moe_blocks: list[int] | None  # block index of each MoE layer
+    moe_blocks: list[int] | None  # block index of each MoE layer of the main model
+    layer_names: list[str] | None  # name of each per-layer row (config.yaml's; MTP modules last)
     last_step: int
     title: str
 
+    @functools.cached_property
+    def mtp_depth(self) -> int:
+        """D as the training records say (their ``mtp_loss_depth_1..D``); 0 without MTP."""
+        return max((int(k.rsplit("_", 1)[1]) for r in self.train for k in r
+                    if k.startswith("mtp_loss_depth_") and k.rsplit("_", 1)[1].isdigit()), default=0)
+
+    def layer_name(self, row: int, rows: int) -> str:
+        """The name of per-layer row ``row`` of ``rows``: the config's, else ``MoE layer i`` with the
+        last D rows ``MTP module k`` when the records have ``mtp_loss_depth_1..D`` (without
+        config.yaml)."""
+        if self.layer_names and len(self.layer_names) == rows:
+            return self.layer_names[row]
+        depth = self.mtp_depth
+        if 0 < depth < rows and row >= rows - depth:
+            return f"MTP module {row - (rows - depth) + 1}"
+        return f"MoE layer {row}"
+
 
 def _loss_figure(run: _Run):
-    """``loss.png``: training and validation loss, validation bits per byte."""
+    """``loss.png``: training and validation loss (and MTP loss), validation bits per byte."""
     from matplotlib.figure import Figure
 
     train, evals, alert_steps, title = run.train, run.evals, run.alert_steps, run.title
@@ -168,6 +192,13 @@ def _loss_figure(run: _Run):
     finite += [x for x in v if math.isfinite(x) and x > 0]
     if s.size:
         ax.plot(s, v, "o-", label="validation loss", color="tab:orange")
+    # multi-token prediction (model.mtp_depth > 0): the mean over the modules, before train.mtp_loss_coef
+    for records, key, style, label in ((train, "mtp_loss", ".--", "training MTP loss"),
+                                       (evals, "eval_mtp_loss", "o--", "validation MTP loss")):
+        s, v = _series(records, key)
+        finite += [x for x in v if math.isfinite(x) and x > 0]
+        if s.size:
+            ax.plot(s, v, style, label=label, color="tab:purple" if key == "mtp_loss" else "tab:brown")
     log_scale = bool(finite) and max(finite) / min(finite) > 30  # e.g. a diverged run: keep the rest readable
     if log_scale:
         ax.set_yscale("log")
@@ -248,8 +279,10 @@ def _expert_load_figure(run: _Run):
             ax = axes[layer]
             image = ax.pcolormesh(edges, np.arange(experts + 1) - 0.5, share[:, layer, :].T, cmap="viridis",
                                   vmin=0.0, vmax=vmax, shading="flat")
-            block = f" (block {run.moe_blocks[layer]})" if run.moe_blocks and len(run.moe_blocks) == layers else ""
-            ax.set_title(f"MoE layer {layer}{block}")
+            name = run.layer_name(layer, layers)
+            known = run.moe_blocks and run.layer_names and len(run.layer_names) == layers  # config.yaml fits
+            block = f" (block {run.moe_blocks[layer]})" if known and layer < len(run.moe_blocks) else ""
+            ax.set_title(f"{name}{block}")
             ax.set_xlabel("step")
             ax.set_ylabel("expert")
             marks = [st for st in alert_steps if (st, layer) in alert_layers]
@@ -280,7 +313,7 @@ def _routing_figure(run: _Run):
         s, v = _per_layer(train, key)
         if s.size:
             for layer, color in zip(range(v.shape[1]), _layer_colors(v.shape[1])):
-                a.plot(s, v[:, layer], ".-", color=color, label=f"MoE layer {layer}")
+                a.plot(s, v[:, layer], ".-", color=color, label=run.layer_name(layer, v.shape[1]))
         else:
             _no_data(a, key)
         a.set_ylabel(ylabel)
@@ -321,11 +354,12 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
     if not train and not evals:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has no training or evaluation records yet (the first comes "
                          "after train.log_every steps)")
-    tokens_per_step, moe_blocks = _run_shape(run_dir)
+    tokens_per_step, moe_blocks, layer_names = _run_shape(run_dir)
     run = _Run(train=train, evals=evals, alerts=rec.get("alert", []),
                alert_steps=sorted({a["step"] for a in rec.get("alert", [])}),
                skipped=sorted({r["step"] for r in rec.get("nonfinite", [])}), tokens_per_step=tokens_per_step,
-               moe_blocks=moe_blocks, last_step=max(r["step"] for r in train + evals), title=run_dir.resolve().name)
+               moe_blocks=moe_blocks, layer_names=layer_names, last_step=max(r["step"] for r in train + evals),
+               title=run_dir.resolve().name)
     return {"loss": _loss_figure(run), "throughput": _throughput_figure(run), "expert_load": _expert_load_figure(run),
             "routing": _routing_figure(run)}
 

@@ -94,6 +94,54 @@ def test_a_diverged_run_stays_readable(tmp_path):
     assert list(marks.get_xdata()) == [15]
 
 
+@pytest.mark.parametrize("with_config", [False, True], ids=["records-only", "config-yaml"])
+def test_multi_token_prediction_curves_and_layers(tmp_path, with_config):
+    """With model.mtp_depth=1 the MTP loss (train and eval) is its own curve on loss.png, and the
+    MTP block's row (after the two main MoE layers) is named as such in the per-layer figures."""
+    tpe = [[5, 3, 0, 0], [2, 2, 2, 2], [8, 0, 0, 0]]  # [L_moe + D, E]: the last row is the MTP block's
+    recs = [{"kind": "train", "step": s, "loss": 3.0 - s / 10, "mtp_loss": 3.5 - s / 10,
+             "mtp_loss_depth_1": 3.5 - s / 10, "tokens_per_expert": tpe, "dropped_fraction": [0.1, 0.0, 0.3],
+             "router_entropy": [1.0, 1.3, 0.2]}
+            for s in (2, 4, 6)]
+    recs += [{"kind": "eval", "step": 6, "eval_loss": 2.5, "eval_mtp_loss": 2.9, "eval_bits_per_byte": 3.0},
+             {"kind": "alert", "step": 6, "layer": 2, "layer_name": "MTP module 1", "reason": "idle"}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    if with_config:
+        import yaml
+
+        from moefast.config import load_config
+
+        from conftest import SMALL_MODEL
+
+        cfg = load_config(None, SMALL_MODEL + ["model.mtp_depth=1"])
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    figs = plot.run_figures(tmp_path)
+    lines = {ln.get_label(): ln for ln in figs["loss"].axes[0].get_lines()}
+    np.testing.assert_array_equal(lines["training MTP loss"].get_xdata(), [2, 4, 6])
+    np.testing.assert_allclose(lines["training MTP loss"].get_ydata(), [3.3, 3.1, 2.9])
+    val = lines["validation MTP loss"]
+    assert list(val.get_xdata()) == [6] and list(val.get_ydata()) == [2.9]
+    legend = [t.get_text() for t in figs["loss"].axes[0].get_legend().get_texts()]
+    assert {"training loss", "validation loss", "training MTP loss", "validation MTP loss"} <= set(legend)
+    heat = [ax.get_title() for ax in figs["expert_load"].axes if ax.get_title()]
+    blocks = [" (block 0)", " (block 1)"] if with_config else ["", ""]
+    assert heat == [f"MoE layer 0{blocks[0]}", f"MoE layer 1{blocks[1]}", "MTP module 1"]
+    marked = [ax.get_title() for ax in figs["expert_load"].axes if any(ln.get_marker() == "v" for ln in ax.get_lines())]
+    assert marked == ["MTP module 1"]  # the alert of row 2 on the MTP block's heatmap
+    for ax in figs["routing"].axes:
+        labels = [ln.get_label() for ln in ax.get_lines() if ln.get_marker() == "."]
+        assert labels == ["MoE layer 0", "MoE layer 1", "MTP module 1"]
+    plain = [r for r in recs if r["kind"] != "alert"]
+    for r in plain:
+        for k in ("mtp_loss", "mtp_loss_depth_1", "eval_mtp_loss"):
+            r.pop(k, None)
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in plain) + "\n")
+    (tmp_path / "config.yaml").unlink(missing_ok=True)
+    figs = plot.run_figures(tmp_path)  # without MTP: no MTP curve, every row a main MoE layer
+    assert not [ln for ln in figs["loss"].axes[0].get_lines() if "MTP" in ln.get_label()]
+    assert [ax.get_title() for ax in figs["expert_load"].axes if ax.get_title()] == [f"MoE layer {i}" for i in range(3)]
+
+
 def test_not_a_run_dir_and_bad_outputs(tmp_path, capsys, run_dir):
     from moefast import cli
 

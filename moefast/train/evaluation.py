@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from moefast.train.step import LN2, ModelDef, eval_step
 
-__all__ = ["Evaluator"]
+__all__ = ["Evaluator", "format_eval"]
 
 
 class Evaluator:
@@ -59,3 +59,12 @@ class Evaluator:
         if "mtp_ce_sum" in totals:
             out["eval_mtp_loss"] = float(np.mean(totals["mtp_ce_sum"] / np.maximum(totals["mtp_weight_sum"], 1.0)))
         return out
+
+
+def format_eval(metrics: dict[str, float]) -> str:
+    """The console form of :class:`Evaluator`'s metrics: ``eval loss 2.4567 | eval bits/byte
+    3.5432``, with ``eval mtp 2.890 | `` (``eval_mtp_loss``) before the bits per byte when the model
+    has multi-token prediction modules."""
+    mtp = metrics.get("eval_mtp_loss")
+    return (f"eval loss {metrics['eval_loss']:.4f} | " + (f"eval mtp {mtp:.3f} | " if mtp is not None else "")
+            + f"eval bits/byte {metrics['eval_bits_per_byte']:.4f}")

@@ -39,7 +39,7 @@ from moefast.parallel.distributed import assert_same_config
 from moefast.train import run_dir as run_dir_lib
 from moefast.train.checkpoint import Checkpointer, CheckpointError, quiet_orbax_aftermath
 from moefast.train.compile_cache import configure_compilation_cache
-from moefast.train.evaluation import Evaluator
+from moefast.train.evaluation import Evaluator, format_eval
 from moefast.model import init_routing_state
 from moefast.model.flops import model_flops_per_token
 from moefast.train import mfu as mfu_lib
@@ -417,8 +417,7 @@ class Trainer:
         with run.book.paused():  # evaluation is not in tokens/s or faults per step
             run.eval_metrics, run.eval_at = self.evaluate(run.state["params"], run.state["routing"]), done
             run.writer.write("eval", done, run.eval_metrics)
-            run.say(f"step {done:>6} | eval loss {run.eval_metrics['eval_loss']:.4f} | "
-                    f"eval bits/byte {run.eval_metrics['eval_bits_per_byte']:.4f}")
+            run.say(f"step {done:>6} | {format_eval(run.eval_metrics)}")
 
     def _save(self, run: _Run, done: int) -> None:
         # Every record of the steps up to this one is written (and durable) before the

@@ -33,10 +33,13 @@ class ExpertLoadMonitor:
     Args:
       max_load_ratio: threshold of the max/mean load ratio (``monitor.max_load_ratio``).
       patience: consecutive intervals before an alert (``monitor.patience``).
+      layer_names: what each row is, as alerts name it (``ModelConfig.moe_layer_names()``: the
+        multi-token prediction blocks' rows are ``"MTP module k"``); ``"MoE layer i"`` when not given.
     """
 
-    def __init__(self, max_load_ratio: float, patience: int):
+    def __init__(self, max_load_ratio: float, patience: int, layer_names: list[str] | None = None):
         self.max_load_ratio, self.patience = max_load_ratio, patience
+        self.layer_names = list(layer_names) if layer_names is not None else None
         self._over: np.ndarray | None = None  # [L] intervals in a row over the ratio
         self._idle: np.ndarray | None = None  # [L, E] intervals in a row without tokens
 
@@ -54,8 +57,8 @@ class ExpertLoadMonitor:
 
     def update(self, tokens_per_expert: np.ndarray) -> list[dict]:
         """Feeds one interval's [L_moe, E] assignments; returns the alerts it raises, each a dict
-        with ``layer``, ``reason`` (a sentence), ``max_load_ratio``, ``idle_experts`` and
-        ``intervals``."""
+        with ``layer`` (the row), ``layer_name`` (e.g. ``"MoE layer 3"``, ``"MTP module 1"``),
+        ``reason`` (a sentence), ``max_load_ratio``, ``idle_experts`` and ``intervals``."""
         tpe = np.asarray(tokens_per_expert)
         ratio = load_stats(tpe)["max_load_ratio"]
         if self._over is None:
@@ -75,6 +78,9 @@ class ExpertLoadMonitor:
                 reasons.append(f"expert(s) {idle} got no tokens for {int(self._idle[layer][idle[0]])} log intervals "
                                "in a row")
             if reasons:
-                alerts.append({"layer": layer, "reason": "; ".join(reasons), "max_load_ratio": float(ratio[layer]),
-                               "idle_experts": idle, "intervals": max(n, int(self._idle[layer].max()))})
+                name = self.layer_names[layer] if self.layer_names and layer < len(self.layer_names) \
+                    else f"MoE layer {layer}"
+                alerts.append({"layer": layer, "layer_name": name, "reason": "; ".join(reasons),
+                               "max_load_ratio": float(ratio[layer]), "idle_experts": idle,
+                               "intervals": max(n, int(self._idle[layer].max()))})
         return alerts

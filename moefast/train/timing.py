@@ -43,7 +43,8 @@ class StepBook:
         self.t_start = t_start
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         self.flops_per_token, self.peak = flops_per_token, peak
-        self.monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience)
+        self.monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience,
+                                         cfg.model.moe_layer_names())
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []
         self.first_step_s: float | None = None
         self.final_loss: float | None = None
@@ -133,13 +134,14 @@ class StepBook:
         self.writer.write("train", step, rec)
         drop = float(np.mean(m["dropped_fraction"])) if "dropped_fraction" in m else 0.0
         load = f" | max/mean load {float(np.max(rec['max_load_ratio'])):.2f}" if "max_load_ratio" in rec else ""
-        self.say(f"step {step:>6} | loss {rec['loss']:.4f} | aux {rec['aux_loss']:.4f} | "
+        mtp = f" | mtp {rec['mtp_loss']:.3f}" if "mtp_loss" in rec else ""  # model.mtp_depth > 0
+        self.say(f"step {step:>6} | loss {rec['loss']:.4f}{mtp} | aux {rec['aux_loss']:.4f} | "
                  f"z {rec['z_loss']:.3f} | dropped {drop:.3f}{load} | lr {rec['learning_rate']:.2e} | "
                  + (f"{rate:,.0f} tokens/s" if rate is not None else self.untimed or "compiled")
                  + (f" | MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else ""))
         for alert in alerts:
             self.writer.write("alert", step, alert)
-            self.say(f"warning: step {step}: MoE layer {alert['layer']}: {alert['reason']}")
+            self.say(f"warning: step {step}: {alert['layer_name']}: {alert['reason']}")
         self.window_t, self.window_steps, self.window_faults = now, 0, self._faults()
 
     def start_untimed(self, label: str) -> None:

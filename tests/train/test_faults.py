@@ -180,6 +180,19 @@ def test_load_stats_and_monitor_alert_logic():
     idle.update(np.array([[8, 8, 0, 1]]))
     (alert,) = idle.update(np.array([[8, 8, 0, 1]]))
     assert alert["idle_experts"] == [2] and "expert(s) [2] got no tokens for 2" in alert["reason"]
+    assert alert["layer_name"] == "MoE layer 0"
+
+
+def test_alerts_name_the_mtp_block(small_config):
+    """The multi-token prediction block's row comes after the main model's MoE layers: its alert
+    names it (there is no "MoE layer 2" in a model of two MoE layers)."""
+    names = small_config("model.mtp_depth=2").model.moe_layer_names()
+    assert names == ["MoE layer 0", "MoE layer 1", "MTP module 1", "MTP module 2"]
+    assert small_config().model.moe_layer_names() == ["MoE layer 0", "MoE layer 1"]
+    assert small_config("model.mtp_depth=1", "model.num_dense_layers=2").model.moe_layer_names() == []  # dense MTP
+    mon = ExpertLoadMonitor(max_load_ratio=10, patience=1, layer_names=names)
+    alerts = mon.update(np.array([[4, 4, 4, 4], [4, 4, 4, 4], [8, 8, 0, 0], [4, 4, 4, 4]]))
+    assert [(a["layer"], a["layer_name"]) for a in alerts] == [(2, "MTP module 1")]
 
 
 def test_monitoring_records_in_metrics_and_collapsed_router_alert(small_config, tmp_path, monkeypatch):

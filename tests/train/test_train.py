@@ -77,7 +77,8 @@ def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
     common = [*PLAIN, *extra]
     corpus = load_corpus(small_config(*common).data)
     full, split = tmp_path / "full", tmp_path / "split"
-    Trainer(small_config(*common, *prefetch[0]), full, log=None, progress=False, corpus=corpus).run()
+    lines = []
+    Trainer(small_config(*common, *prefetch[0]), full, log=lines.append, progress=False, corpus=corpus).run()
     first = Trainer(small_config(*common, *prefetch[1], "train.stop_at=5"), split, log=None, progress=False,
                     corpus=corpus)
     assert first.run().steps == 5
@@ -95,7 +96,15 @@ def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
         assert all(a == b and np.isfinite(a) and a > 0 for a, b in mtp)
         assert all(r["total_loss"] > r["loss"] for r in read_records(full, "train"))
         assert [np.isfinite(r["eval_mtp_loss"]) for r in read_records(full, "eval")] == [True]
+        step_lines = [ln for ln in lines if ln.startswith("step") and "| aux " in ln]  # the console shows it
+        assert [ln.split(" | ")[1:3] for ln in step_lines] == [
+            [f"loss {r['loss']:.4f}", f"mtp {r['mtp_loss']:.3f}"] for r in read_records(full, "train")]
+        (ev,) = read_records(full, "eval")
+        assert [ln for ln in lines if f"| eval loss {ev['eval_loss']:.4f} | eval mtp {ev['eval_mtp_loss']:.3f} | "
+                "eval bits/byte" in ln]
         assert a_moe_rows(second) == 2 + 1  # the MTP block's routing row after the two main MoE layers
+    else:
+        assert not [ln for ln in lines if "| mtp " in ln or "eval mtp" in ln]
 
     cfg = small_config(*common)
     abstract = second.abstract_state()
