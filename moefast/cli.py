@@ -330,6 +330,21 @@ def _interrupted(e: KeyboardInterrupt, left: str, own_process: bool) -> int:
     return code
 
 
+def _interrupt_behind(e: BaseException, signals: _ImportSignals) -> KeyboardInterrupt | None:
+    """The interrupt an exception stands for: a ``KeyboardInterrupt`` in its chain (``__cause__`` /
+    ``__context__``; an extension module's import turns one into ``ImportError``), or the signal
+    ``signals`` recorded; None: a real error."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    if signals.signal:
+        return _Terminated() if signals.signal == "SIGTERM" else KeyboardInterrupt()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``moefast`` command; ``argv`` None: ``sys.argv`` (this process exists to run it).
 
@@ -341,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         signals.settle()
         return _interrupted(e, signals.left, own_process=argv is None)
+    except Exception as e:  # noqa: BLE001 - numpy/jaxlib turn a Ctrl-C during their import into ImportError
+        interrupt = _interrupt_behind(e, signals)
+        if interrupt is None:
+            raise
+        signals.settle()
+        return _interrupted(interrupt, signals.left, own_process=argv is None)
     finally:
         if argv is None and not signals.raising:  # import-hf has committed (or failed) in its own process
             signals.ignore_until_exit()

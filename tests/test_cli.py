@@ -210,3 +210,25 @@ def test_interrupt_while_a_command_starts_is_one_line(command, tmp_path):
     said = "interrupted" + (f": nothing was imported into {run}" if command == "import-hf" else "")
     assert p.returncode == 130 and p.stderr == said + "\n", p.stderr
     assert not run.exists()
+
+
+@pytest.mark.parametrize("command", ["train", "import-hf"])
+def test_interrupt_turned_into_an_import_error_is_one_line(command, tmp_path, monkeypatch, capsys):
+    """numpy and jaxlib turn a Ctrl-C that lands while they are imported into ImportError (a
+    newcomer's import-hf at ~1 s): still one line and exit 130, not a traceback with exit 1."""
+    import moefast.parallel.cpu_devices as c
+    from moefast import cli
+
+    def import_interrupted(*a, **k):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise ImportError("numpy._core.multiarray failed to import") from e
+
+    monkeypatch.setattr(c, "set_cpu_devices", import_interrupted)
+    run = tmp_path / "run"
+    args = [command, *([] if command == "train" else [str(tmp_path)]), "--run-dir", str(run)]
+    assert cli.main(args) == 130
+    said = "interrupted" + (f": nothing was imported into {run}" if command == "import-hf" else "")
+    assert capsys.readouterr().err == said + "\n"
+    assert not run.exists()

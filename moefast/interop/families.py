@@ -345,9 +345,11 @@ class MlpLayerTypes:
         """Raises ValueError: the list's length is not ``num_layers`` or an entry is neither
         ``"dense"`` nor ``"sparse"``."""
         types = hf.get(self.key) or ["dense"] + ["sparse"] * (num_layers - 1)
-        if len(types) != num_layers or any(t not in ("dense", "sparse") for t in types):
-            raise ValueError(f"{len(types)} entries of 'dense'/'sparse' for num_hidden_layers={num_layers}: "
-                             "one per layer, each 'dense' or 'sparse'")
+        other = sorted({repr(t) for t in types if t not in ("dense", "sparse")})
+        if len(types) != num_layers or other:
+            raise ValueError(f"{len(types)} entries for num_hidden_layers={num_layers}"
+                             + (f", with {', '.join(other)}" if other else "")
+                             + ": one per layer, each 'dense' or 'sparse'")
         return [t == "sparse" for t in types]
 
     def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:

@@ -223,7 +223,7 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         original = (hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
                     or hf.get("max_position_embeddings"))
         if "factor" not in rope:
-            reject("rope_parameters.factor", None, "YaRN needs its context-extension factor")
+            reject("rope_parameters", rope, "YaRN needs its context-extension factor; the 'factor' key is missing")
         factor = rope["factor"]
         if factor is None and original and hf.get("max_position_embeddings"):
             factor = hf["max_position_embeddings"] / original

@@ -525,12 +525,14 @@ def test_yarn_layer_and_routing_keys_read_as_transformers_reads_them(tmp_path):
     m = hf.config_from_hf(_config_only("deepseek_v3", tmp_path, "one", rope_parameters={**yarn, "factor": 1.0})).model
     assert m.rope_type == "default"
     bad = [("nofactor", "deepseek_v3", {"rope_parameters": {k: v for k, v in yarn.items() if k != "factor"}},
-            "rope_parameters.factor=None .* YaRN needs its context-extension factor"),
+            "rope_parameters=.* YaRN needs its context-extension factor; the 'factor' key is missing"),
            ("linear", "deepseek_v3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
             "plain RoPE and YaRN for DeepSeek-V3"),
            ("groups", "deepseek_v3", {"n_group": 3}, "n_group=3 gives moe.num_groups"),
            ("types", "glm4_moe_lite", {"mlp_layer_types": ["dense", "sparse"]},
-            r"mlp_layer_types=\['dense', 'sparse'\] .* 2 entries of 'dense'/'sparse' for num_hidden_layers=3")]
+            r"mlp_layer_types=\['dense', 'sparse'\] .* 2 entries for num_hidden_layers=3: one per layer"),
+           ("moe", "glm4_moe_lite", {"mlp_layer_types": ["dense", "moe", "sparse"]},
+            r"3 entries for num_hidden_layers=3, with 'moe': one per layer, each 'dense' or 'sparse'")]
     for name, family, change, match in bad:
         with pytest.raises(hf.HFFormatError, match=match):
             hf.config_from_hf(_config_only(family, tmp_path, name, **change))
