@@ -139,7 +139,8 @@ def check_loss_and_gradients_on_mesh(cfg, routing=None, d_model=32):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 1, 4), (2, 2, 2), (1, 8, 1)], ids=lambda s: "x".join(map(str, s)))
+# data 2 x fsdp 2 x expert 2: test_deepseek_v3_loss_and_gradients_equal_single_device
+@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 1, 4), (1, 8, 1)], ids=lambda s: "x".join(map(str, s)))
 def test_model_loss_and_gradients_equal_single_device(shape, devices):
     data, fsdp, expert = shape
     check_loss_and_gradients_on_mesh(
