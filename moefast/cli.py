@@ -318,8 +318,11 @@ class _ImportSignals:
 
 def _interrupted(e: KeyboardInterrupt, left: str, own_process: bool) -> int:
     """One line for an interrupt, and its exit status (130, 143 for SIGTERM). A process that exists
-    for this command leaves at once (no wait for orbax's threads or jax.distributed's shutdown
-    barrier, see :func:`main`); a caller in-process gets the status."""
+    for this command leaves at once and quietly: a normal exit would wait for orbax's threads (a
+    checkpoint being written: an interrupted write is never listed as a step, the next run removes
+    it) and, with several processes, in jax.distributed's shutdown barrier for peers that are still
+    training (they are stopped by the coordination service's heartbeat timeout). A caller
+    in-process gets the status."""
     term = isinstance(e, _Terminated)
     print(f"interrupted{' (SIGTERM)' if term else ''}{': ' + left if left else ''}", file=sys.stderr)
     code = 143 if term else 130
@@ -618,11 +621,7 @@ def _main(argv: list[str] | None, signals: _ImportSignals) -> int:
 
             return routing.run_cli(quick=args.quick, json_out=args.json, repeats=args.repeats)
         elif args.command == "import-hf":
-            try:
-                _import_hf(args, signals)
-            except KeyboardInterrupt as e:  # _import_hf has removed what it made
-                signals.settle()
-                return _interrupted(e, signals.left, own_process=argv is None)
+            _import_hf(args, signals)  # an interrupt: it removes what it made, main says so
         elif args.command == "export-hf":
             from moefast.interop import hf
 
@@ -653,15 +652,6 @@ def _main(argv: list[str] | None, signals: _ImportSignals) -> int:
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        # Leave at once and quietly: a normal exit would wait for orbax's threads (a checkpoint being
-        # written: an interrupted write is never listed as a step, the next run removes it) and, with
-        # several processes, in jax.distributed's shutdown barrier for peers that are still training
-        # (they are stopped by the coordination service's heartbeat timeout).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
     return 0
 
 
@@ -698,8 +688,7 @@ def _prepare(args) -> int:
             left = f"removed what it wrote; the dataset already in {out} is kept"
         else:
             left = f"removed what it wrote in {out}"
-        print(f"interrupted{' (SIGTERM)' if isinstance(e, _Terminated) else ''}: {left}", file=sys.stderr)
-        return 143 if isinstance(e, _Terminated) else 130
+        return _interrupted(e, left, own_process=False)
     finally:
         signal.signal(signal.SIGTERM, previous)
     src, train, val = m["sources"], m["splits"]["train"], m["splits"]["val"]
@@ -763,6 +752,7 @@ def _import_hf(args, signals: _ImportSignals) -> None:
     if src.name == "config.json" and src.is_file():
         src = src.parent  # the directory was meant
     cfg = hf.config_from_hf(src, args.overrides)
+    hf_cfg = hf.hf_config(src)
     tok_files = []
     if (src / "tokenizer.json").is_file() and cfg.data.tokenizer == str(src.resolve()):
         tok_files = [src / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -777,8 +767,7 @@ def _import_hf(args, signals: _ImportSignals) -> None:
                                    f"smaller than the byte tokenizer's {byte_ids}: put the model's tokenizer.json in "
                                    f"{src} or pass data.tokenizer=PATH")
         tok = ByteTokenizer()
-        written = hf.hf_config(src)
-        ours = all(written.get(k) == v for k, v in (("pad_token_id", tok.pad_id), ("bos_token_id", tok.bos_id),
+        ours = all(hf_cfg.get(k) == v for k, v in (("pad_token_id", tok.pad_id), ("bos_token_id", tok.bos_id),
                                                      ("eos_token_id", tok.eos_id)))
         if jax.process_index() == 0 and ours:  # moefast's export of a byte-tokenizer run: its special ids
             print(f"note: {src} has no tokenizer.json and its config.json gives the byte tokenizer's PAD/BOS/EOS ids "
@@ -825,7 +814,7 @@ def _import_hf(args, signals: _ImportSignals) -> None:
         signals.check()
         if main:  # export-hf writes the same family back by default
             (run_dir / IMPORTED_FROM).write_text(json.dumps(
-                {"model_type": hf.hf_config(src)["model_type"], "path": str(src.resolve())}, indent=1) + "\n")
+                {"model_type": hf_cfg["model_type"], "path": str(src.resolve())}, indent=1) + "\n")
         signals.settle()  # the commit point: a signal from here on is only recorded ...
         signals.check()  # ... and one taken before it (even if swallowed in a gc callback) aborts
     except BaseException:
@@ -835,7 +824,7 @@ def _import_hf(args, signals: _ImportSignals) -> None:
         raise
     n = sum(x.size for x in jax.tree.leaves(params))
     if main:
-        print(f"imported {hf.hf_config(src)['model_type']} ({n / 1e6:,.2f}M parameters) from {src} into {where}; "
+        print(f"imported {hf_cfg['model_type']} ({n / 1e6:,.2f}M parameters) from {src} into {where}; "
               f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
 
 

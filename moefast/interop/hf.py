@@ -784,7 +784,7 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     if vocab is None:
         raise HFFormatError("model.vocab_size is null; build the config with config_from_hf")
     hf = hf_config(path)
-    on_disk = _mtp_layers_on_disk(path, spec, hf)
+    on_disk = _mtp_layers_held(files.where, spec, hf)
     if m.mtp_depth > on_disk:
         raise HFFormatError(f"model.mtp_depth={m.mtp_depth}, but {path} holds {on_disk} multi-token-prediction layers "
                             f"({spec.mtp_key}={hf.get(spec.mtp_key) if spec.mtp_key else None} in config.json); "
@@ -900,23 +900,29 @@ def _mtp_copies(spec: FamilySpec, cfg: ExperimentConfig) -> list[tuple[str, tupl
     return [(n.format(i=m.num_layers + k), main) for k in range(m.mtp_depth) for n, main in spec.mtp_copies.items()]
 
 
-def _mtp_layers_on_disk(path: Path, spec: FamilySpec, hf: Mapping[str, Any]) -> int:
-    """How many of the ``hf[spec.mtp_key]`` multi-token-prediction layers the safetensors files of
-    ``path`` hold (each with all of the family's ``mtp_tensors``), counted from the first; 0 for a
-    family without them or a directory without readable weights (reading reports that)."""
+def _mtp_layers_held(names: Mapping[str, Any], spec: FamilySpec, hf: Mapping[str, Any]) -> int:
+    """How many of the ``hf[spec.mtp_key]`` multi-token-prediction layers the tensor ``names`` hold
+    (each with all of the family's ``mtp_tensors``), counted from the first; 0 for a family
+    without them."""
     n = int(hf.get(spec.mtp_key) or 0) if spec.mtp_key is not None else 0
-    if not n or not spec.mtp_tensors:
-        return 0
+    for k in range(n if spec.mtp_tensors else 0):
+        layer = [t.format(i=hf["num_hidden_layers"] + k) for row in spec.mtp_tensors.values() for t in row.names]
+        if not all(t in names for t in layer):
+            return k
+    return n if spec.mtp_tensors else 0
+
+
+def _mtp_layers_on_disk(path: Path, spec: FamilySpec, hf: Mapping[str, Any]) -> int:
+    """:func:`_mtp_layers_held` by the safetensors files of ``path``; 0 without readable weights
+    (reading reports that)."""
+    if spec.mtp_key is None or not hf.get(spec.mtp_key) or not spec.mtp_tensors:
+        return 0  # no files opened
     try:
         files = _Files(path)
     except HFFormatError:
         return 0
     try:
-        for k in range(n):
-            names = [t.format(i=hf["num_hidden_layers"] + k) for row in spec.mtp_tensors.values() for t in row.names]
-            if not all(t in files.where for t in names):
-                return k
-        return n
+        return _mtp_layers_held(files.where, spec, hf)
     finally:
         files.close()
 

@@ -280,7 +280,8 @@ def test_a_signal_before_import_hf_commits_aborts_it_even_if_swallowed(v3_family
 
     cfg, params, routing = v3_family
     src = hf.save_hf(cfg, params, tmp_path / "src", routing_state=routing)
-    run, real_initialize, real_hf_config, written, fired = tmp_path / "run", Trainer.initialize, hf.hf_config, [], []
+    run, real_initialize, real_settle, written, fired = (tmp_path / "run", Trainer.initialize,
+                                                         cli._ImportSignals.settle, [], [])
 
     def send():
         fired.append(sig)
@@ -292,7 +293,7 @@ def test_a_signal_before_import_hf_commits_aborts_it_even_if_swallowed(v3_family
         written.append(real_initialize(self, *args, **kwargs))
         return written[-1]
 
-    def hf_config(path):  # read for imported_from.json once step 0 is written
+    def settle(self):  # once step 0 and imported_from.json are written: the signal comes just before the commit
         if how != "during the write" and (run / "checkpoints" / "0").is_dir() and not fired:
             if how == "raised":
                 send()
@@ -306,10 +307,10 @@ def test_a_signal_before_import_hf_commits_aborts_it_even_if_swallowed(v3_family
                     gc.collect()
                 finally:
                     gc.callbacks.remove(in_gc)
-        return real_hf_config(path)
+        real_settle(self)
 
     monkeypatch.setattr(Trainer, "initialize", initialize)
-    monkeypatch.setattr(hf, "hf_config", hf_config)
+    monkeypatch.setattr(cli._ImportSignals, "settle", settle)
     previous, unhandled = _signals_fail_the_test()
     try:
         code = cli.main(["import-hf", str(src), "--run-dir", str(run)])
