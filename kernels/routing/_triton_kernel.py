@@ -60,10 +60,7 @@ def routing_kernel(logits_ptr, mask_ptr, bias_ptr, num_tokens, num_experts, inde
             pick = tl.min(tl.where((g_avail == g_best[:, None]) & (kept == 0), gid, NUM_GROUPS), axis=1)
             kept = kept | (gid == pick[:, None])
         kept = kept & (col2 < num_experts)
-        if SIGMOID:
-            score = tl.where(kept, score, 0.0)
-        else:
-            score = tl.where(kept, score, float("-inf"))
+        score = tl.where(kept, score, float("-inf"))  # dropped groups' experts are never chosen
     taken = col2 >= num_experts  # padded experts are never chosen
     index_acc = tl.zeros((TB, KP), tl.int32)
     prob_acc = tl.zeros((TB, KP), tl.float32)

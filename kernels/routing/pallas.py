@@ -13,7 +13,7 @@ Per token block the kernel computes, in float32 whatever the logits' dtype:
   group's score (top-2 sum or max, per token: one masked max per group, a static loop over the G
   groups), the ``topk_groups`` best groups by ``topk_groups`` rounds of the max-then-lowest-index
   selection below (on the group score broadcast to the group's experts), and the other groups'
-  experts replaced by 0.0 (sigmoid) or -inf (softmax), as :func:`.reference.group_limit` does;
+  experts replaced by -inf (never chosen), as :func:`.reference.group_limit` does;
 * the top-k experts of the choice scores by K rounds (a ``fori_loop``) of "max over the experts
   not yet taken, then the lowest expert index that reaches it" (argmax written as
   ``min(where(x == max, iota, Ep))``, which lowers on GPU), so ties go to the lower expert index
@@ -106,7 +106,7 @@ def _group_limit(sel, col, real, scoring: Scoring, num_experts: int):
         best = jnp.max(avail, axis=1, keepdims=True)
         pick = jnp.min(jnp.where((avail == best) & jnp.logical_not(kept), gid, scoring.num_groups), axis=1)
         kept = kept | (gid == pick[:, None])
-    return jnp.where(kept & real, sel, 0.0 if scoring.score_func == "sigmoid" else -jnp.inf)
+    return jnp.where(kept & real, sel, -jnp.inf)  # dropped groups' experts are never chosen
 
 
 def _routing_kernel(logits_ref, mask_ref, bias_ref, index_ref, gates_ref, rank_ref, counts_ref,

@@ -26,8 +26,8 @@ Conventions (identical in every implementation):
   * ``routed_scaling_factor`` (``Scoring.scale``) multiplies the gates once, after any
     renormalisation (Hugging Face DeepSeek-V2/V3, GLM-4.5); 1.0 by default (no multiply at all).
 
-Sigmoid scores and group limits (Hugging Face transformers ``DeepseekV3TopkRouter``,
-``Glm4MoeMoE.route_tokens_to_experts`` and ``DeepseekV2MoEGate``, "noaux_tc" and
+Sigmoid scores and group limits (Hugging Face transformers 5.24 ``DeepseekV3TopkRouter``,
+``Glm4MoeTopkRouter`` and ``DeepseekV2TopkRouter``, "noaux_tc" and
 "group_limited_greedy"; DeepSeek-V3 technical report, Liu et al. 2024, sec. 2.1.2, eqs. 15-16):
 
   * ``score_func="sigmoid"``: the scores are ``s = sigmoid(logits)`` (float32). Experts are chosen
@@ -40,11 +40,15 @@ Sigmoid scores and group limits (Hugging Face transformers ``DeepseekV3TopkRoute
     noaux_tc), for ``"softmax"`` its largest probability (V2 group_limited_greedy; computed here,
     exactly, as the largest ``logits + bias`` of the group: the softmax is monotonic within a
     token). The ``topk_groups`` (HF ``topk_group``) best groups are kept (ties: the lower group
-    index), and the choice scores of every expert of the other groups are replaced by 0.0 before
-    the top-k, as transformers' ``masked_fill(~score_mask, 0.0)`` does: with sigmoid scores, an
-    expert of a dropped group (score 0.0) still beats kept experts whose ``s + bias`` is negative.
-    With softmax scores 0.0 is a probability, the choice score ``-inf`` in logit units (never
-    chosen while a kept expert has a finite logit).
+    index), and the choice scores of every expert of the other groups are replaced by ``-inf``
+    before the top-k, so an expert of a dropped group is never chosen, whatever the sign of the
+    biased scores. DeepSeek-V3's own gate and transformers' ``DeepseekV3TopkRouter`` /
+    ``Glm4MoeTopkRouter`` (``masked_fill(~score_mask, float("-inf"))``) do the same; a 0.0 fill would let
+    a dropped expert outrank every kept expert whose ``s + bias`` is negative, which the
+    aux-loss-free bias reaches for overloaded experts. DeepSeek-V2's ``group_limited_greedy``
+    fills 0.0 into softmax *probabilities*, never above a kept expert's, so ``-inf`` in logit
+    units chooses the same experts. (A kept expert's choice score is finite for finite logits and
+    bias; one of ``-inf`` would tie with the dropped experts, the lower index first.)
   * G = 1 is exactly no group limit (GLM-4.5, Kimi K2 configs); so is ``topk_groups == G``.
   * Exactness: softmax choices are made on ``logits + bias`` (one exact add), identical on every
     backend. Sigmoid choices go through ``exp``: the reference and the Pallas interpreter run the
@@ -178,7 +182,7 @@ def sigmoid(x):
 
 def group_limit(score, scoring: Scoring):
     """Choice scores [T, E] with the experts outside each token's ``topk_groups`` best groups
-    replaced (module docstring): 0.0 for sigmoid scores, -inf for softmax (logit units)."""
+    replaced by ``-inf`` (module docstring: never chosen, for sigmoid and softmax scores alike)."""
     if not scoring.grouped:
         return score
     t, e = score.shape
@@ -192,7 +196,7 @@ def group_limit(score, scoring: Scoring):
     _, keep_g = jax.lax.top_k(group_score, scoring.topk_groups)  # stable: lower group first among equals
     kept = jnp.any(jax.nn.one_hot(keep_g, g, dtype=bool), axis=1)  # [T, G]
     kept_te = jnp.repeat(kept, e // g, axis=1)
-    return jnp.where(kept_te, score, 0.0 if scoring.score_func == "sigmoid" else -jnp.inf)
+    return jnp.where(kept_te, score, -jnp.inf)
 
 
 def choice_scores(logits, bias=None, scoring: Scoring = Scoring()):

@@ -10,6 +10,7 @@ routers return). Then ``save_hf`` -> ``AutoModelForCausalLM.from_pretrained`` gi
 weights, buffers, config keys and logits again, and ``load_hf(save_hf(x)) == x`` exactly.
 """
 
+import copy
 import json
 import shutil
 
@@ -202,18 +203,26 @@ def test_saved_layouts_are_the_two_on_disk_layouts(saved):
     assert any(k.endswith("experts.gate_up_proj") for k in keys(dirs["fused"]))
 
 
-def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
-    family, model, dirs = saved
+def _assert_same_as_transformers(model, directory, monkeypatch):
+    """Reads ``directory`` (``model`` saved) and checks moefast's logits (1e-4) and chosen experts
+    against ``model``'s on :func:`_inputs`; returns what the callers check further."""
     tokens, mask = _inputs()
     want, want_chosen = _hf_forward(model, tokens, mask)
-    cfg, params = hf.load_hf(dirs["per_expert"])
-    routing = hf.load_hf_routing(dirs["per_expert"], cfg)
+    cfg, params = hf.load_hf(directory)
+    routing = hf.load_hf_routing(directory, cfg)
     got, got_chosen, unbiased = _ours(cfg, params, routing, tokens, mask, monkeypatch)
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
     assert len(got_chosen) == len(want_chosen) == sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
     for layer, (g, w) in enumerate(zip(got_chosen, want_chosen)):
         assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)]), f"MoE layer {layer}: other experts chosen"
+    return cfg, params, routing, unbiased, want_chosen, real
+
+
+def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
+    family, model, dirs = saved
+    cfg, params, routing, unbiased, want_chosen, real = _assert_same_as_transformers(model, dirs["per_expert"],
+                                                                                     monkeypatch)
     if family in SELECTION_BIAS:  # the imported bias decides choices: without it others are chosen
         changed = [np.mean(np.any(u != w, axis=-1)[real.reshape(-1)]) for u, w in zip(unbiased, want_chosen)]
         assert min(changed) > 0.05, f"the selection bias changes too few choices to be tested: {changed}"
@@ -224,6 +233,24 @@ def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, fused)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), routing,
                  hf.load_hf_routing(dirs["fused"], cfg))
+
+
+@pytest.mark.parametrize("saved", sorted(SELECTION_BIAS), indirect=True)
+def test_selection_biases_around_minus_one_equal_transformers(saved, tmp_path, monkeypatch):
+    """Selection biases spread around -1 (a long aux-loss-free run's overloaded experts): most
+    biased scores are negative, and the experts of dropped groups must still never be chosen
+    (transformers fills them with -inf), so logits and choices equal transformers' as before."""
+    family, model, _ = saved
+    model = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(-1.0 + 0.5 * torch.randn(b.shape, generator=gen))
+    model.save_pretrained(tmp_path)
+    _, _, routing, *_ = _assert_same_as_transformers(model, tmp_path, monkeypatch)
+    bias = np.asarray(routing["bias"])
+    assert bias.max() < 0 and bias.mean() < -0.7, bias  # with sigmoid scores in (0, 1): both signs
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])

@@ -1,15 +1,16 @@
 """Sigmoid scores, group-limited top-k and the routed scaling factor in every routing implementation.
 
 Each case runs the reference (jnp), the Pallas kernel (interpreter) and the Triton kernel (Triton
-interpreter, torch CPU tensors) and compares them with an independent NumPy transcription of
-Hugging Face transformers' routers: ``DeepseekV3TopkRouter`` / ``Glm4MoeMoE.route_tokens_to_experts``
-("noaux_tc": sigmoid, bias for choice only, group score = sum of the top-2 biased scores,
-other groups filled with 0.0, gates = unbiased scores / (sum + 1e-20) * routed_scaling_factor) and
-``DeepseekV2MoEGate`` ("group_limited_greedy": softmax, group score = max probability, other groups
-filled with 0.0, gates = probabilities * routed_scaling_factor, never renormalised). transformers
-leaves the order of tied scores to ``torch.topk``; moefast's rule (the lower index wins, for groups
-too) is what the NumPy version does with a stable sort. Choices, slots and counts are compared
-bitwise between the implementations; gates and statistics to float32 rounding.
+interpreter, torch CPU tensors) and compares them with an independent NumPy port of DeepSeek's
+gates as transformers writes them: ``DeepseekV3TopkRouter`` / ``Glm4MoeTopkRouter`` ("noaux_tc":
+sigmoid, bias for choice only, group score = sum of the top-2 biased scores, other groups filled
+with ``-inf``, gates = unbiased scores / (sum + 1e-20) * routed_scaling_factor) and
+``DeepseekV2TopkRouter`` ("group_limited_greedy": softmax, group score = max probability, other
+groups' probabilities filled with 0.0, gates = probabilities * routed_scaling_factor, never
+renormalised). transformers leaves the order of tied scores to ``torch.topk``; moefast's rule (the
+lower index wins, for groups too) is what the NumPy version does with a stable sort. Choices, slots
+and counts are compared bitwise between the implementations; gates and statistics to float32
+rounding. The routers of transformers themselves are run too, on tie-free logits.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def hf_route(logits, bias, *, top_k, score_func, n_group, topk_group, norm_topk_
     group_mask = np.zeros((t, n_group), bool)
     np.put_along_axis(group_mask, group_idx, True, axis=-1)
     score_mask = np.repeat(group_mask, e // n_group, axis=-1)
-    masked = np.where(score_mask, choice, np.float32(0.0))  # masked_fill(~score_mask, 0.0)
+    # V3/GLM: masked_fill(~score_mask, -inf) on the biased scores; V2: masked_fill(~score_mask, 0.0)
+    # on the probabilities (never above a kept expert's)
+    masked = np.where(score_mask, choice, np.float32(-np.inf if score_func == "sigmoid" else 0.0))
     index = np.argsort(-masked, axis=-1, kind="stable")[:, :top_k]
     w = np.take_along_axis(s, index, axis=-1)
     if norm_topk_prob:
@@ -90,8 +93,12 @@ def _bias(kind, e, seed):
         return np.zeros(e, np.float32)
     if kind == "spread":  # large enough to change choices
         return (0.5 * rng.standard_normal(e)).astype(np.float32)
-    if kind == "negative":  # many biased scores below 0: dropped groups' experts (0.0) win over them
+    if kind == "negative":  # many biased scores below 0: a 0.0 fill would let dropped groups win
         return np.full(e, -0.8, np.float32)
+    if kind == "around-1":  # spread around -1: biased scores of both signs, most of them negative
+        return (-1.0 + 0.5 * rng.standard_normal(e)).astype(np.float32)
+    if kind == "all-negative":  # every biased score below 0 (sigmoid < 1)
+        return np.full(e, -1.0, np.float32)
     if kind == "group0":  # unequal load: group 0 favoured
         return np.where(np.arange(e) < 4, 0.5, 0.0).astype(np.float32)
     raise ValueError(kind)
@@ -101,8 +108,12 @@ def _bias(kind, e, seed):
 CASES = {
     # DeepSeek-V3 shape in small: 4 groups, 2 kept, spread bias, drops under the priority policy
     "v3-priority": (37, 16, 4, 4, 2, "sigmoid", True, 2.5, "normal", "spread", 6, "priority", 16),
-    # biased scores < 0 in kept groups: transformers' 0.0 fill lets dropped groups' experts win
+    # biased scores < 0 in kept groups: dropped groups' experts must still never be chosen
     "v3-negative": (21, 16, 4, 4, 1, "sigmoid", True, 1.0, "normal", "negative", 21, "position", 8),
+    "v3-mixed-sign": (33, 16, 4, 4, 2, "sigmoid", True, 2.5, "normal", "around-1", 33, "position", 16),
+    # every biased score negative, many tied scores and tied groups (V3 and V2)
+    "ties-negative": (24, 8, 2, 4, 2, "sigmoid", True, 2.5, "ties", "all-negative", 24, "position", 8),
+    "v2-ties": (24, 8, 3, 4, 2, "softmax", False, 16.0, "ties", "none", 24, "position", 8),
     # E = 12 in a kernel padded to 16: experts 12..15 form a group of padding only, never kept
     "unequal-load": (40, 12, 3, 3, 2, "sigmoid", False, 2.5, "normal", "group0", 8, "position", 16),
     "ties": (24, 8, 2, 4, 2, "sigmoid", True, 2.5, "ties", "none", 24, "position", 8),
@@ -150,16 +161,101 @@ def test_every_impl_matches_transformers_routing(name):
         np.testing.assert_allclose(r.z_sum, ref.z_sum, rtol=1e-5, err_msg=impl)
 
 
-def test_negative_biased_scores_let_a_dropped_groups_expert_win():
-    """transformers fills the dropped groups with 0.0, not -inf: an expert of a dropped group (0.0)
-    outranks a kept expert whose biased score is negative. The case must show it happening."""
-    logits, bias, mask, (want_index, _), got = _case("v3-negative")
-    s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
-    group = (s + bias).reshape(len(s), 4, 4)
-    kept_group = np.argmax(np.sort(group, -1)[..., -2:].sum(-1), axis=-1)  # topk_groups=1
-    chosen_group = np.asarray(got["pallas"].expert_index) // 4
-    outside = (chosen_group != kept_group[:, None]) & mask[:, None]
-    assert outside.any() and (chosen_group == kept_group[:, None]).any()
+def _kept_groups(logits, bias, g, topk_groups, score_func):
+    """[T, G] bool: each token's ``topk_groups`` best groups (lower index first among ties), NumPy."""
+    x = logits.astype(np.float32)
+    if score_func == "sigmoid":
+        by_group = np.sort((np.float32(1) / (np.float32(1) + np.exp(-x)) + bias).reshape(len(x), g, -1), -1)
+        group_score = by_group[..., -1] + by_group[..., -2]
+    else:
+        group_score = x.reshape(len(x), g, -1).max(-1)
+    kept = np.zeros(group_score.shape, bool)
+    np.put_along_axis(kept, np.argsort(-group_score, -1, kind="stable")[:, :topk_groups], True, -1)
+    return kept
+
+
+@pytest.mark.parametrize("name", ["v3-negative", "v3-mixed-sign", "ties-negative", "v2-ties"])
+def test_dropped_groups_experts_are_never_chosen(name):
+    """Whatever the sign of the biased scores, every chosen expert lies in one of the token's kept
+    groups, on every path. For the sigmoid cases, filling the dropped groups with 0.0 (moefast's
+    old rule) would choose otherwise: the cases do exercise negative biased scores."""
+    t, e, k, g, tg, sf, *_ = CASES[name]
+    logits, bias, mask, _, got = _case(name)
+    kept = _kept_groups(logits, bias, g, tg, sf)
+    for impl, r in got.items():
+        chosen_group = np.asarray(r.expert_index) // (e // g)
+        assert np.take_along_axis(kept, chosen_group, axis=1)[mask].all(), impl
+    if sf == "sigmoid":
+        s = np.float32(1) / (np.float32(1) + np.exp(-logits)) + bias
+        zero_fill = np.where(np.repeat(kept, e // g, axis=1), s, np.float32(0.0))
+        old = np.sort(np.argsort(-zero_fill, -1, kind="stable")[:, :k], -1)
+        assert (old != np.sort(np.asarray(got["reference"].expert_index), -1)).any(axis=1)[mask].mean() > 0.3
+
+
+def test_the_issues_token_chooses_the_kept_groups_on_every_path():
+    """Biases of -1 make every biased score negative: DeepSeek-V3's gate keeps groups 1 and 2 and
+    chooses experts 4, 5, 8, 9 (with a 0.0 fill, experts 0-3 of the dropped groups won)."""
+    s = np.array([.95, .06, .05, .04, .6, .6, .1, .1, .55, .55, .1, .1, .9, .03, .02, .01], np.float32)
+    logits = np.log(s / (1 - s))[None].astype(np.float32)
+    bias = np.full(16, -1.0, np.float32)
+    kw = dict(top_k=4, capacity=1, bias=jnp.asarray(bias), score_func="sigmoid", num_groups=4, topk_groups=2,
+              routed_scaling_factor=2.5)
+    for impl in ("reference", "pallas"):
+        np.testing.assert_array_equal(route(jnp.asarray(logits), impl=impl, **kw).expert_index, [[4, 5, 8, 9]],
+                                      err_msg=impl)
+    tri = triton_interpreted(logits, top_k=4, capacity=1, policy="position", mask=jnp.ones(1, bool), bias=bias,
+                             scoring=Scoring("sigmoid", 4, 2, 2.5), block_tokens=8)
+    np.testing.assert_array_equal(tri.expert_index, [[4, 5, 8, 9]])
+
+
+# transformers' group-limited routers: class -> (config class, module under transformers.models)
+HF_ROUTERS = {"DeepseekV3TopkRouter": ("DeepseekV3Config", "deepseek_v3"),
+              "Glm4MoeTopkRouter": ("Glm4MoeConfig", "glm4_moe"),
+              "Glm4MoeLiteTopkRouter": ("Glm4MoeLiteConfig", "glm4_moe_lite"),
+              "DeepseekV2TopkRouter": ("DeepseekV2Config", "deepseek_v2")}
+
+
+@pytest.mark.parametrize("router", list(HF_ROUTERS))
+def test_transformers_routers_choose_the_same_experts(router):
+    """transformers' router modules themselves (the weight an identity, so their router logits are
+    the given logits) on normal logits with biases spread around -1: the same chosen experts and
+    gates as every moefast path (compared as sets: transformers returns them unsorted)."""
+    import importlib
+
+    transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+    t, e, k, g, tg = 40, 16, 4, 4, 2
+    config_cls, module = HF_ROUTERS[router]
+    v2 = module == "deepseek_v2"
+    cfg = getattr(transformers, config_cls)(hidden_size=e, num_attention_heads=4, num_key_value_heads=4,
+                                            n_routed_experts=e, num_experts_per_tok=k, n_group=g, topk_group=tg,
+                                            routed_scaling_factor=2.5, norm_topk_prob=not v2,
+                                            topk_method="group_limited_greedy")
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    hf = getattr(modeling, router)(cfg)
+    rng = np.random.default_rng(7)
+    logits = (2.0 * rng.standard_normal((t, e))).astype(np.float32)
+    bias = np.zeros(e, np.float32) if v2 else (-1.0 + 0.5 * rng.standard_normal(e)).astype(np.float32)
+    with torch.no_grad():
+        hf.weight.copy_(torch.eye(e))
+        if not v2:
+            hf.e_score_correction_bias.copy_(_torch(bias))
+        _, w_hf, i_hf = hf(_torch(logits))
+    order = np.argsort(i_hf.numpy(), -1)
+    want_index = np.take_along_axis(i_hf.numpy(), order, -1)
+    want_gates = np.take_along_axis(w_hf.numpy(), order, -1)
+    sf = "softmax" if v2 else "sigmoid"
+    kw = dict(top_k=k, capacity=t, bias=None if v2 else jnp.asarray(bias), renormalize=not v2, score_func=sf,
+              num_groups=g, topk_groups=tg, routed_scaling_factor=2.5)
+    got = {impl: route(jnp.asarray(logits), impl=impl, **kw) for impl in ("reference", "pallas")}
+    tri = triton_interpreted(logits, top_k=k, capacity=t, policy="position", mask=jnp.ones(t, bool), bias=bias,
+                             scoring=Scoring(sf, g, tg, 2.5), block_tokens=16)
+    got["triton"] = tri if not v2 else tri._replace(gates=got["reference"].gates)
+    for impl, r in got.items():
+        order = np.argsort(np.asarray(r.expert_index), -1)
+        np.testing.assert_array_equal(np.take_along_axis(np.asarray(r.expert_index), order, -1), want_index,
+                                      err_msg=impl)
+        np.testing.assert_allclose(np.take_along_axis(np.asarray(r.gates), order, -1), want_gates, **GATES,
+                                   err_msg=impl)
 
 
 def test_one_group_is_no_group_limit():

@@ -1,5 +1,6 @@
-"""DeepSeek-V3 routing options at the layer: MoEConfig's checks, and the scaling factor applied once
-on an expert-parallel mesh (the kernel-level cases are tests/kernels/test_routing_groups.py)."""
+"""DeepSeek-V3 routing options at the layer: MoEConfig's checks, and on an expert-parallel mesh the
+scaling factor applied once and dropped groups never chosen with biases around -1, against a NumPy
+MoE layer (the kernel-level cases are tests/kernels/test_routing_groups.py)."""
 
 from __future__ import annotations
 
@@ -52,17 +53,47 @@ def _layer(x, mask, router, w_in, w_out, bias, *, moe):
     return moe_ffn(x, mask, router, w_in, w_out, moe, drop_tokens=False, bias_e=bias)
 
 
-def test_scaling_applied_once_on_an_expert_parallel_mesh():
+def _numpy_layer(x, mask, router, w_in, w_out, bias, scale):
+    """The MoE layer in NumPy (float64) with DeepSeek-V3's gate: sigmoid scores, 4 groups scored by
+    their two best biased scores, 2 kept, the others' experts at -inf, top-2, gates renormalised and
+    scaled; SwiGLU experts ([E, D, 2F] gate|up, [E, F, D] down). Masked tokens give 0."""
+    x = np.asarray(x, np.float64).reshape(-1, D)
+    s = 1.0 / (1.0 + np.exp(-(x @ np.asarray(router, np.float64))))
+    choice = (s + np.asarray(bias, np.float64)).reshape(-1, 4, E // 4)
+    group = np.sort(choice, -1)[..., -2:].sum(-1)
+    kept = np.zeros(group.shape, bool)
+    np.put_along_axis(kept, np.argsort(-group, -1, kind="stable")[:, :2], True, -1)
+    choice = np.where(np.repeat(kept, E // 4, -1), choice.reshape(len(x), E), -np.inf)
+    index = np.argsort(-choice, -1, kind="stable")[:, :K]
+    gates = np.take_along_axis(s, index, -1)
+    gates = scale * gates / gates.sum(-1, keepdims=True)
+    y = np.zeros_like(x)
+    w_in, w_out = np.asarray(w_in, np.float64), np.asarray(w_out, np.float64)
+    for t in range(len(x)):
+        for e, g in zip(index[t], gates[t]):
+            h = x[t] @ w_in[e]
+            y[t] += g * ((h[:F] / (1 + np.exp(-h[:F]))) * h[F:]) @ w_out[e]
+    return (y * np.asarray(mask, np.float64).reshape(-1, 1)).reshape(np.shape(mask) + (D,))
+
+
+@pytest.mark.parametrize("bias_around", [0.0, -1.0])
+def test_expert_parallel_mesh_matches_a_numpy_layer(bias_around):
     """On a data x expert mesh, moe_ffn's output with routed_scaling_factor 2.5 is 2.5 x its output
-    with 1.0 (no shared expert), and equals the single-device output (sigmoid, 4 groups, 2 kept)."""
+    with 1.0 (no shared expert), and equals a NumPy layer with DeepSeek-V3's gate and the
+    single-device output (sigmoid, 4 groups, 2 kept), with selection biases near 0 and around -1
+    (biased scores of both signs: dropped groups' experts must still never be chosen)."""
     x = jax.random.normal(jax.random.key(1), (4, 6, D))
     mask = jnp.ones((4, 6), bool).at[1, 3:].set(False)
-    args = (x, mask, *_weights())
+    router, w_in, w_out, bias = _weights()
+    bias = bias_around + bias
+    args = (x, mask, router, w_in, w_out, bias)
     one = dataclasses.replace(V3, routed_scaling_factor=1.0)
     local = jax.jit(functools.partial(_layer, moe=V3))(*args)[0]
     mesh = jax.make_mesh((2, 1, 2), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
     with jax.set_mesh(mesh):
         sharded = {m: jax.jit(functools.partial(_layer, moe=m))(*args)[0] for m in (V3, one)}
+    want = _numpy_layer(x, mask, router, w_in, w_out, bias, 2.5)
+    np.testing.assert_allclose(sharded[V3], want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(sharded[V3], 2.5 * np.asarray(sharded[one]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(sharded[V3], local, rtol=1e-5, atol=1e-6)
     assert float(jnp.max(jnp.abs(local))) > 0.1  # a test that cannot pass on zeros
