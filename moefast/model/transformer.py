@@ -113,7 +113,8 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
     Args:
       q_bthd: [B, T, H, Hd] queries; k_bsgd: [B, S, G, Hd] keys, v_bsgd: [B, S, G, Hv] values (H
         divisible by G; Hv = Hd but in MLA), same dtype as the queries.
-      mask_b1ts: bool [B or 1, 1, T, S], True where a query may attend to a key.
+      mask_b1ts: bool [B or 1, 1, T, S], True where a query may attend to a key. Keys and values
+        that no query may see never reach the result, whatever they hold (NaN or inf included).
       causal: the mask is causal over T == S (query t never sees key s > t).
       block: query rows per block (static).
       scale: logit scale, a dimensionless multiplier; ``None``: ``Hd ** -0.5``.
@@ -131,6 +132,11 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
     if causal and t != s_len:
         raise ValueError(f"causal block attention needs as many queries as keys (got {t} and {s_len})")
     q = (q_bthd * jnp.asarray(hd ** -0.5 if scale is None else scale, q_bthd.dtype)).reshape(b, t, g, h // g, hd)
+    if not causal:  # a KV cache: slots no query may see hold anything (a reused buffer: NaN, inf). Their
+        # logits are selected away below; their values are selected away here, since a zero weight
+        # times NaN or inf is NaN.
+        seen_bs = jnp.any(mask_b1ts[:, 0], axis=1)  # [B or 1, S]
+        v_bsgd = jnp.where(seen_bs[:, :, None, None], v_bsgd, jnp.zeros((), v_bsgd.dtype))
     mask = mask_b1ts[:, :, None]  # [B, 1, 1, T, S]
     if not causal or t <= block:
         o = _attend(q, k_bsgd, v_bsgd, mask)

@@ -219,8 +219,8 @@ MLA_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=4", "mod
 def test_mla_decoding_with_the_compressed_cache_equals_the_full_forward():
     """Prefill + one-token steps through the [B, S, kv_lora_rank] / [B, S, qk_rope_head_dim] cache
     (kv_b_proj absorbed into query and output) give the full forward's logits, at positions past
-    the original YaRN context; one compiled program. (Sampling through the cache: generate, in
-    test_transformer.py.)"""
+    the original YaRN context; one compiled program, also with NaN in the unwritten slots.
+    (Sampling through the cache: generate, in test_transformer.py.)"""
     cfg = load_config(None, MLA_MODEL + ["model.num_dense_layers=2"])  # dense blocks: the attention is under test
     md = ModelDef(cfg, 259)
     params = md.init_params(seed=5)
@@ -228,10 +228,10 @@ def test_mla_decoding_with_the_compressed_cache_equals_the_full_forward():
     prefill = 18
 
     @jax.jit
-    def run(params):
+    def run(params, fill):
         model = md.module(params)
         full = model(ids, drop_tokens=False).logits
-        cache = transformer.init_cache(model, 2, 32)
+        cache = jax.tree.map(lambda c: jnp.full_like(c, fill), transformer.init_cache(model, 2, 32))
         out = model(ids[:, :prefill], cache=cache, cache_index=0, drop_tokens=False)
         steps, cache = [out.logits], out.cache
         for i in range(prefill, ids.shape[1]):
@@ -240,8 +240,10 @@ def test_mla_decoding_with_the_compressed_cache_equals_the_full_forward():
             cache = out.cache
         return full, jnp.concatenate(steps, axis=1), cache
 
-    full, decoded, cache = run(params)
+    full, decoded, cache = run(params, jnp.float32(0))
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), rtol=1e-4, atol=1e-4)
+    # a reused buffer holding NaN in the slots not yet written: bitwise the zero-filled cache's logits
+    np.testing.assert_array_equal(run(params, jnp.float32(np.nan))[1], decoded)
     assert [sorted((k, v.shape) for k, v in layer.items()) for layer in cache] == \
         [[("k_rope", (2, 32, R)), ("kv", (2, 32, C))]] * 2
 

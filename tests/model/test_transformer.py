@@ -8,7 +8,7 @@ from flax import nnx
 
 from moefast.config import load_config
 from moefast.data import ByteTokenizer
-from moefast.model import build_model, rope_table
+from moefast.model import build_model, init_cache, rope_table
 from moefast.train import ModelDef, generate
 
 SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
@@ -99,6 +99,31 @@ def test_generate_with_kv_cache_matches_full_forward():
     n = len(prompt_ids)
     for i in range(len(logits)):
         np.testing.assert_allclose(logits[i], np.asarray(full[n - 1 + i]), rtol=1e-4, atol=1e-4)
+
+
+def test_kv_cache_slots_holding_nan_or_inf_change_nothing(model):
+    """A cache buffer reused with NaN or inf in the slots not yet written gives, for a prefill and
+    the decoding steps after it, bitwise the logits of a zero-filled cache (masked slots are
+    selected away, not multiplied by a zero weight). (MLA's cache: test_mla.py.)"""
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, 256, (2, 9)), jnp.int32)
+
+    @jax.jit
+    def decode(state, fill):
+        m = nnx.merge(graphdef, state)
+        cache = jax.tree.map(lambda c: jnp.full_like(c, fill), init_cache(m, 2, 16))
+        out = m(ids[:, :6], cache=cache, cache_index=0, drop_tokens=False)
+        logits, cache = [out.logits], out.cache
+        for i in range(6, 9):
+            out = m(ids[:, i: i + 1], cache=cache, cache_index=jnp.int32(i), drop_tokens=False)
+            logits.append(out.logits)
+            cache = out.cache
+        return jnp.concatenate(logits, axis=1)
+
+    zero = decode(state, jnp.float32(0))
+    assert bool(jnp.all(jnp.isfinite(zero)))
+    for fill in (np.nan, np.inf, -np.inf):
+        np.testing.assert_array_equal(decode(state, jnp.float32(fill)), zero, err_msg=str(fill))
 
 
 def test_generate_rejects_too_long_prompt():
