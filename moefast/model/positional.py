@@ -41,6 +41,7 @@ __all__ = [
     "Yarn",
     "apply_rope",
     "check_positions",
+    "document_positions",
     "rope_cos_sin",
     "rope_deinterleave_permutation",
     "rope_table",
@@ -300,6 +301,23 @@ def check_positions(positions, max_seq_len: int) -> None:
     if p.size and (p.min() < 0 or p.max() >= max_seq_len):
         raise ValueError(f"positions must be in [0, model.max_seq_len={max_seq_len}), got range "
                          f"[{p.min()}, {p.max()}]; raise model.max_seq_len or shorten the sequence")
+
+
+def document_positions(segment_ids_bt: jax.Array) -> jax.Array:
+    """Each token's position inside its packed document: 0 where the segment id changes (and at
+    t = 0), counting up until it changes again.
+
+    Args:
+      segment_ids_bt: [B, T] int segment ids, each document one run of equal ids (as
+        :mod:`moefast.data.packing` numbers them; padding, id 0, is a run of its own).
+
+    Returns:
+      [B, T] int32 positions in [0, T).
+    """
+    b, t = segment_ids_bt.shape
+    t_idx = jnp.arange(t, dtype=jnp.int32)[None, :]
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1)
+    return t_idx - jax.lax.cummax(jnp.where(starts, t_idx, 0), axis=1)
 
 
 def _gather_rows(table: np.ndarray, positions_bt: jax.Array) -> jax.Array:

@@ -46,7 +46,8 @@ from moefast.kernels.attention import flash_attention
 from moefast.kernels.platform import target_platform
 from moefast.model.layout import layer_layout
 from moefast.model.moe import MoELayer, MoEStats
-from moefast.model.positional import Yarn, apply_rope, check_positions, rope_cos_sin, sinusoidal_encoding
+from moefast.model.positional import (Yarn, apply_rope, check_positions, document_positions, rope_cos_sin,
+                                      sinusoidal_encoding)
 from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map
 from moefast.parallel.precision import dense, embed_lookup
@@ -581,8 +582,10 @@ class Transformer(nnx.Module):
 
         Args:
           tokens_bt: [B, T] int token ids in [0, V).
-          positions_bt: [B, T] int positions in [0, max_seq_len); ``None`` = ``arange(T)``
-            (plus ``cache_index`` when decoding).
+          positions_bt: [B, T] int positions in [0, max_seq_len); ``None``: each token's position
+            in its document of ``segment_ids_bt`` (:func:`~moefast.model.positional.document_positions`:
+            a packed row's second document starts at 0, as it would alone), else ``arange(T)`` (plus
+            ``cache_index`` when decoding).
           segment_ids_bt: [B, T] int document ids of packed rows (0 = padding: never routed; padding
             attends only to padding). ``None`` = one document. Ignored with a cache.
           cache: per-layer KV cache from :func:`init_cache` (generation). Keys/values of these
@@ -610,7 +613,9 @@ class Transformer(nnx.Module):
         if t > self.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.max_seq_len}; "
                              "shorten the input or raise model.max_seq_len")
-        if positions_bt is None:
+        if positions_bt is None and cache is None and segment_ids_bt is not None:
+            positions_bt = document_positions(segment_ids_bt)
+        elif positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None] + cache_index, (b, t))
         check_positions(positions_bt, self.max_seq_len)
         if cache is not None:

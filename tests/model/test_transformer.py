@@ -9,6 +9,7 @@ from flax import nnx
 from moefast.config import load_config
 from moefast.data import ByteTokenizer
 from moefast.model import build_model, init_cache, rope_table
+from moefast.model.positional import document_positions
 from moefast.train import ModelDef, generate
 
 SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
@@ -27,20 +28,34 @@ def model():
 forward = nnx.jit(lambda m, tokens, positions=None, segment_ids=None: m(tokens, positions, segment_ids))
 
 
-def test_packed_documents_do_not_interact(model):
+@pytest.mark.parametrize("encoding", ["rope", "sinusoidal"])
+def test_packed_documents_do_not_interact(model, encoding):
+    """A packed row's second document gives the logits it gives alone, with the positions given or
+    left to the model (derived from the segment ids: with sinusoidal encodings, row positions
+    would shift it), and changing the first document changes nothing of it."""
+    if encoding == "sinusoidal":
+        model = build_model(load_config(None, SMALL + ["moe.capacity_factor=8", "model.position_encoding=sinusoidal"]),
+                            259, seed=3)
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 256, 9), rng.integers(0, 256, 7)
     tokens = np.concatenate([a, b])[None]
-    seg = np.array([[1] * 9 + [2] * 7])
+    seg = jnp.asarray(np.array([[1] * 9 + [2] * 7]))
     pos = np.array([list(range(9)) + list(range(7))])
-    out = forward(model, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg)).logits
+    out = forward(model, jnp.asarray(tokens), None, seg).logits
+    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(tokens), jnp.asarray(pos), seg).logits),
+                               np.asarray(out), rtol=1e-6, atol=1e-6)
     tokens2 = tokens.copy()
     tokens2[0, :9] = rng.integers(0, 256, 9)  # change document A only
-    out2 = forward(model, jnp.asarray(tokens2), jnp.asarray(pos), jnp.asarray(seg)).logits
-    alone = forward(model, jnp.asarray(b[None]), jnp.arange(7)[None], jnp.ones((1, 7), jnp.int32)).logits
+    out2 = forward(model, jnp.asarray(tokens2), None, seg).logits
+    alone = forward(model, jnp.asarray(b[None]), None, jnp.ones((1, 7), jnp.int32)).logits
     np.testing.assert_allclose(np.asarray(out[0, 9:]), np.asarray(out2[0, 9:]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out[0, 9:]), np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
     assert not np.allclose(np.asarray(out[0, :9]), np.asarray(out2[0, :9]))
+
+
+def test_document_positions_restart_at_each_segment():
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [5, 5, 5, 5, 5, 5, 5, 5]])
+    np.testing.assert_array_equal(document_positions(seg), [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))])
 
 
 def test_causality(model):
