@@ -401,7 +401,8 @@ class MoEConfig:
         GLM-4.5 or Kimi K2 means). A token first keeps its ``topk_groups`` best groups, by the sum
         of each group's two best biased sigmoid scores (``sigmoid``: DeepSeek-V3 "noaux_tc") or by
         its best softmax probability (``softmax``: DeepSeek-V2 "group_limited_greedy"), then
-        chooses its top_k experts with the other groups' scores set to 0.0, as Hugging Face does.
+        chooses its top_k experts among the kept groups only (the others' scores set to -inf, as
+        DeepSeek-V3 and Hugging Face do), whatever the sign of the biased scores.
       topk_groups: groups kept per token, in [1, num_groups] (HF ``topk_group``).
       routed_scaling_factor: dimensionless multiplier of the routed experts' gates, applied once
         after ``norm_topk_prob``'s renormalisation and never to a shared expert (HF
