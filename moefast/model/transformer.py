@@ -4,14 +4,12 @@ Dimension letters: B batch, T tokens (query length), S key length (cache), D d_m
 G key/value heads, Hd head_dim, F d_ff, V vocab, L layers, E experts.
 
 Block (pre-norm): ``x + Attn(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))`` where FFN is a
-:class:`~moefast.model.moe.MoELayer` or a dense SwiGLU. Attention is causal, grouped-query, with RoPE
-(or sinusoidal absolute encodings), and never crosses packed documents (segment ids). It is
-computed by :func:`causal_attention` (XLA einsums over the causal key blocks, a [B, 1, T, T] mask)
-or by the fused kernel :func:`fused_attention` (segment ids, memory linear in T), chosen by
-``model.attention_impl`` (:func:`attention_impl`; ``"auto"``: fused when compiling for GPUs).
-With ``model.attention=mla`` the block's attention is :class:`MLAttention` (DeepSeek-V2/V3
-multi-head latent attention) on the same two paths, and the generation cache holds its compressed
-vectors (:func:`cache_bytes_per_token`).
+:class:`~moefast.model.moe.MoELayer` or a dense SwiGLU. The attention kinds live in modules of their
+own: grouped-query attention with RoPE or sinusoidal encodings (:mod:`moefast.model.attention`:
+:func:`causal_attention`, the fused kernel :func:`fused_attention`, ``model.attention_impl``) and,
+with ``model.attention=mla``, DeepSeek's multi-head latent attention (:mod:`moefast.model.mla`),
+whose generation cache holds its compressed vectors (:func:`cache_bytes_per_token`). Attention
+never crosses packed documents (segment ids).
 
 Caching (``cache.tables``): the positional rows (gathered from constant tables, see
 :mod:`moefast.model.positional`) and the attention mask are computed once per forward pass and
@@ -42,14 +40,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moefast.config import ExperimentConfig
-from moefast.kernels.attention import flash_attention
-from moefast.kernels.platform import target_platform
+from moefast.model.attention import (ATTENTION_BLOCK, Attention, attention_impl, causal_attention,
+                                     fused_attention)
 from moefast.model.layout import layer_layout
+from moefast.model.mla import MLA_NORM_EPS, MLAttention
 from moefast.model.moe import MoELayer, MoEStats
-from moefast.model.positional import (Yarn, apply_rope, check_positions, document_positions, rope_cos_sin,
-                                      sinusoidal_encoding)
+from moefast.model.norm import rms_norm
+from moefast.model.positional import Yarn, check_positions, document_positions, rope_cos_sin, sinusoidal_encoding
 from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
-from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map
 from moefast.parallel.precision import dense, embed_lookup
 
 __all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "MLA_NORM_EPS", "MLAttention", "MTPModule", "ModelOutput",
@@ -78,296 +76,6 @@ def _dropout(x, rate: float, key, site: int):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def _rms_norm(d_model: int, eps: float, dtype, rngs: nnx.Rngs) -> nnx.RMSNorm:
-    """RMSNorm computed in float32 (its scale's gradient sums tokens in float32); callers cast the
-    result to the compute dtype."""
-    del dtype
-    return nnx.RMSNorm(d_model, epsilon=eps, dtype=jnp.float32, scale_metadata={"logical_axes": ("norm",)},
-                       rngs=rngs)
-
-
-ATTENTION_BLOCK = 128  # query rows per block of :func:`causal_attention` (chosen by measurement: docs/perf.md)
-
-
-def _attend(q_btghd, k_bsgd, v_bsgd, mask_b11ts):
-    """Softmax attention of one query block: [B, T, G, R, Hd] queries (already scaled), [B, S, G, Hd]
-    keys and values, bool mask broadcastable to [B, G, R, T, S]; logits and softmax in float32."""
-    s = jnp.einsum("btgrd,bsgd->bgrts", q_btghd, k_bsgd, preferred_element_type=jnp.float32)
-    s = jnp.where(mask_b11ts, s, jnp.finfo(jnp.float32).min)  # finite: a fully masked row stays finite
-    p = jax.nn.softmax(s, axis=-1).astype(v_bsgd.dtype)
-    return jnp.einsum("bgrts,bsgd->btgrd", p, v_bsgd, preferred_element_type=jnp.float32).astype(q_btghd.dtype)
-
-
-def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask_b1ts: jax.Array, *,
-                     causal: bool, block: int = ATTENTION_BLOCK, scale: float | None = None) -> jax.Array:
-    """Scaled dot-product attention (Vaswani et al. 2017, eq. 1) with grouped-query heads, computing
-    only the key blocks a causal mask can reach.
-
-    With ``causal=True`` (training and evaluation: T == S, ``mask_b1ts`` already causal) the queries
-    are split into blocks of ``block`` rows and block i attends to keys ``[0, end_i)`` only, so the
-    work above the diagonal blocks is never done: at T = 256 and 128-row blocks 3/4 of the full
-    score matrix, at T = 1024 9/16. Its speed against the full-matrix einsums and
-    ``jax.nn.dot_product_attention(implementation="xla")`` on CPU, and the block size, are measured in
-    docs/perf.md ("moefast against Hugging Face transformers"). The result equals full masked
-    attention (the skipped logits are all masked).
-
-    Args:
-      q_bthd: [B, T, H, Hd] queries; k_bsgd: [B, S, G, Hd] keys, v_bsgd: [B, S, G, Hv] values (H
-        divisible by G; Hv = Hd but in MLA), same dtype as the queries.
-      mask_b1ts: bool [B or 1, 1, T, S], True where a query may attend to a key. Keys and values
-        that no query may see never reach the result, whatever they hold (NaN or inf included).
-      causal: the mask is causal over T == S (query t never sees key s > t).
-      block: query rows per block (static).
-      scale: logit scale, a dimensionless multiplier; ``None``: ``Hd ** -0.5``.
-
-    Returns:
-      [B, T, H, Hv] in the queries' dtype; logits and softmax are computed in float32.
-
-    Raises:
-      ValueError: ``causal`` with T != S, or H not divisible by G.
-    """
-    b, t, h, hd = q_bthd.shape
-    s_len, g = k_bsgd.shape[1], k_bsgd.shape[2]
-    if h % g:
-        raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={g}")
-    if causal and t != s_len:
-        raise ValueError(f"causal block attention needs as many queries as keys (got {t} and {s_len})")
-    q = (q_bthd * jnp.asarray(hd ** -0.5 if scale is None else scale, q_bthd.dtype)).reshape(b, t, g, h // g, hd)
-    if not causal:  # a KV cache: slots no query may see hold anything (a reused buffer: NaN, inf). Their
-        # logits are selected away below; their values are selected away here, since a zero weight
-        # times NaN or inf is NaN.
-        seen_bs = jnp.any(mask_b1ts[:, 0], axis=1)  # [B or 1, S]
-        v_bsgd = jnp.where(seen_bs[:, :, None, None], v_bsgd, jnp.zeros((), v_bsgd.dtype))
-    mask = mask_b1ts[:, :, None]  # [B, 1, 1, T, S]
-    if not causal or t <= block:
-        o = _attend(q, k_bsgd, v_bsgd, mask)
-    else:
-        o = jnp.concatenate([
-            _attend(q[:, i: i + block], k_bsgd[:, : i + block], v_bsgd[:, : i + block],
-                    mask[..., i: i + block, : i + block])
-            for i in range(0, t, block)], axis=1)
-    return o.reshape(b, t, h, v_bsgd.shape[-1])
-
-
-def _token_shards() -> tuple[tuple[str, ...], int]:
-    """The mesh axes that split the batch (those of :data:`BATCH_AXES` in the mesh set with
-    ``jax.set_mesh``, of size > 1) and their product; ``((), 1)`` without a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return (), 1
-    check_mesh_axes(mesh, "attention")
-    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
-    return axes, math.prod(mesh.shape[a] for a in axes)
-
-
-def attention_impl(impl: str, batch: int) -> str:
-    """``"blocked"`` or ``"flash"``: what ``model.attention_impl=impl`` means for a batch of
-    ``batch`` rows in the program being traced. ``"auto"`` is ``"flash"`` when compiling for GPUs
-    (:func:`~moefast.kernels.platform.target_platform`) and the batch divides over the token
-    shards, else ``"blocked"``.
-
-    Raises:
-      ValueError: ``impl="flash"`` with a batch the token shards do not divide.
-    """
-    shards = _token_shards()[1]
-    if impl == "auto":
-        return "flash" if target_platform() == "gpu" and batch % shards == 0 else "blocked"
-    if impl == "flash" and batch % shards:
-        raise ValueError(f"model.attention_impl=flash: batch {batch} is not divisible by the {shards} token shards "
-                         "of the mesh; use a batch that is, or model.attention_impl=blocked")
-    return impl
-
-
-def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, segment_ids_bt: jax.Array, *,
-                    scale: float | None = None) -> jax.Array:
-    """Causal grouped-query attention inside packed documents with the fused kernel
-    (:func:`moefast.kernels.attention.flash_attention`), each device on its own rows.
-
-    Under a mesh the kernel runs inside ``jax.shard_map`` over the token axes (a Pallas call has no
-    partitioning rule: left to the partitioner, every device would gather the whole batch).
-
-    Args:
-      q_bthd: [B, T, H, Hd] queries (unscaled); k_btgd: [B, T, G, Hd] keys, v_btgd: [B, T, G, Hv]
-        values (Hv = Hd but in MLA), in their dtype.
-      segment_ids_bt: [B, T] int document ids (query t sees keys s <= t of its own id).
-      scale: logit scale; ``None``: ``Hd ** -0.5``.
-
-    Returns:
-      [B, T, H, Hv] in the queries' dtype.
-    """
-    interpret = target_platform() == "cpu"
-    run = lambda q, k, v, seg: flash_attention(q, k, v, seg, sm_scale=scale, interpret=interpret)
-    axes, shards = _token_shards()
-    if shards == 1:
-        return run(q_bthd, k_btgd, v_btgd, segment_ids_bt)
-    spec = jax.sharding.PartitionSpec(axes)
-    # Every operand and the result are split over the same axes (nothing replicated for AD to sum),
-    # and JAX's kernel declares its outputs without varying-axes types: the check stays off.
-    return jax.shard_map(run, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)(
-        *reshard_for_shard_map((q_bthd, k_btgd, v_btgd, segment_ids_bt), (spec,) * 4))
-
-
-class Attention(nnx.Module):
-    """Causal grouped-query attention with RoPE (:func:`causal_attention`, or :func:`fused_attention`
-    when the model passes segment ids: ``model.attention_impl``).
-
-    Parameters: ``qkv`` [D, (H + 2G)·Hd] (embed, heads), fused q|k|v projections; ``out`` [H·Hd, D]
-    (heads, embed). Options (``model.attention_bias``): ``qkv_bias`` [(H + 2G)·Hd] and ``out_bias``
-    [D]. ``model.qk_norm``: ``q_norm``/``k_norm`` RMSNorm scales of [Hd] (``"per_head"``: each
-    head's query and key normalised, Qwen3) or of [H·Hd] and [G·Hd] (``"full"``: the whole query
-    and key projections, OLMoE), applied before RoPE.
-    """
-
-    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 dtype, init_std: float, out_std: float, bias: str = "none", qk_norm: str = "none",
-                 norm_eps: float = 1e-6, rngs: nnx.Rngs):
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.dtype, self.bias, self.qk_norm = dtype, bias, qk_norm
-        init = jax.nn.initializers.normal(init_std)
-        width = (num_heads + 2 * num_kv_heads) * head_dim
-        self.qkv = nnx.Param(init(rngs.params(), (d_model, width)), logical_axes=("embed", "heads"))
-        self.out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * head_dim, d_model)),
-                             logical_axes=("heads", "embed"))
-        if bias != "none":
-            self.qkv_bias = nnx.Param(jnp.zeros((width,), jnp.float32), logical_axes=("heads",))
-        if bias == "all":
-            self.out_bias = nnx.Param(jnp.zeros((d_model,), jnp.float32), logical_axes=("norm",))
-        if qk_norm != "none":
-            q_dim, k_dim = (head_dim, head_dim) if qk_norm == "per_head" else (num_heads * head_dim,
-                                                                                num_kv_heads * head_dim)
-            self.q_norm = _rms_norm(q_dim, norm_eps, dtype, rngs)
-            self.k_norm = _rms_norm(k_dim, norm_eps, dtype, rngs)
-
-    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
-        """``rope``: ``(cos, sin)`` float32 [B, T, 1, Hd/2] from :func:`rope_cos_sin`, or ``None``
-        (no rotation: sinusoidal encodings were added to the embeddings); ``mask_b1ts``: bool
-        [B or 1, 1, T, S], True where a query may attend to a key (:func:`causal_attention`), or
-        the int [B, T] segment ids of the packed documents (no cache: :func:`fused_attention`)."""
-        b, t, _ = x_btd.shape
-        h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = dense(x_btd, self.qkv[...], self.dtype, ("embed", "heads"))
-        if self.bias != "none":  # added in float32: the bias gradient sums tokens in float32
-            qkv = (qkv.astype(jnp.float32) + self.qkv_bias[...][None, None]).astype(self.dtype)
-        q, k, v = qkv[..., : h * hd], qkv[..., h * hd: (h + g) * hd], qkv[..., (h + g) * hd:]
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q).astype(self.dtype), self.k_norm(k).astype(self.dtype)
-        q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, g, hd), v.reshape(b, t, g, hd)
-        if self.qk_norm == "per_head":
-            q, k = self.q_norm(q).astype(self.dtype), self.k_norm(k).astype(self.dtype)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        new_cache = None
-        if cache is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1)
-            new_cache = {"k": k, "v": v}
-        if mask_b1ts.ndim == 2:  # segment ids: the fused kernel
-            o = fused_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts)
-        else:
-            o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts, causal=cache is None)
-        o = dense(o.reshape(b, t, h * hd), self.out[...], self.dtype, ("heads", "embed"))
-        if self.bias == "all":
-            o = (o.astype(jnp.float32) + self.out_bias[...][None, None]).astype(self.dtype)
-        return o, new_cache
-
-
-MLA_NORM_EPS = 1e-6
-"""Epsilon of MLA's two RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``): DeepSeek's reference code
-and Hugging Face's build them with the default 1e-6 whatever ``rms_norm_eps`` is."""
-
-
-class MLAttention(nnx.Module):
-    """Multi-head latent attention (MLA; DeepSeek-V2, DeepSeek-AI 2024, sec. 2.1, eqs. 9-19;
-    DeepSeek-V3 uses it unchanged), causal, with the shared RoPE key of the decoupled rotary
-    strategy (sec. 2.1.3).
-
-    Dimension letters (besides the module's): C = ``kv_lora_rank`` (d_c), Q = ``q_lora_rank``
-    (d_c'), N = ``qk_nope_head_dim``, R = ``qk_rope_head_dim`` (d_h^R), Hv = ``v_head_dim``.
-
-    Parameters (Hugging Face DeepSeek-V3's names; each is the HF ``nn.Linear`` weight transposed,
-    [in, out], the heads' columns head-major as HF's ``view(..., H, -1)``):
-
-    * ``q_a_proj`` [D, Q] (embed, lora), ``q_a_layernorm`` scale [Q], ``q_b_proj`` [Q, H·(N+R)]
-      (lora, heads): the low-rank query, eq. 12 with RMSNorm on c^Q; or, with ``q_lora_rank`` 0 /
-      ``None``, ``q_proj`` [D, H·(N+R)] (embed, heads) (DeepSeek-V2-Lite).
-    * ``kv_a_proj_with_mqa`` [D, C+R] (embed, lora): the compressed KV c^KV (eq. 9) and the shared
-      RoPE key k^R before rotation (eq. 15); ``kv_a_layernorm`` scale [C] normalises c^KV.
-    * ``kv_b_proj`` [C, H·(N+Hv)] (lora, heads): per head the no-RoPE key k^C (eq. 10) and the value
-      (eq. 11).
-    * ``o_proj`` [H·Hv, D] (heads, embed) (eq. 19).
-
-    Each head's query is ``[q^C, RoPE(q^R)]`` and key ``[k^C, RoPE(k^R)]`` (eqs. 16-17); the logit
-    scale is ``(N + R) ** -0.5 * softmax_multiplier`` (YaRN, :attr:`Yarn.softmax_multiplier`).
-    Without a cache (training) keys and values are expanded per head and attended as H heads
-    (:func:`causal_attention` / :func:`fused_attention`). With a cache (generation) only c^KV
-    (normalised) and the rotated k^R are cached, [B, S, C] and [B, S, R], and ``kv_b_proj`` is
-    absorbed into the query and the output (sec. 2.1.2): one shared key [c^KV, k^R] of C + R
-    features and one shared value c^KV for all heads, the same function of the inputs.
-    """
-
-    def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, softmax_multiplier: float = 1.0,
-                 dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
-        self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank or 0, kv_lora_rank
-        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.dtype = dtype
-        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * softmax_multiplier
-        init = jax.nn.initializers.normal(init_std)
-        qk = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
-        if self.q_lora_rank:
-            self.q_a_proj = nnx.Param(init(rngs.params(), (d_model, self.q_lora_rank)), logical_axes=("embed", "lora"))
-            self.q_a_layernorm = _rms_norm(self.q_lora_rank, MLA_NORM_EPS, dtype, rngs)
-            self.q_b_proj = nnx.Param(init(rngs.params(), (self.q_lora_rank, qk)), logical_axes=("lora", "heads"))
-        else:
-            self.q_proj = nnx.Param(init(rngs.params(), (d_model, qk)), logical_axes=("embed", "heads"))
-        self.kv_a_proj_with_mqa = nnx.Param(init(rngs.params(), (d_model, kv_lora_rank + qk_rope_head_dim)),
-                                            logical_axes=("embed", "lora"))
-        self.kv_a_layernorm = _rms_norm(kv_lora_rank, MLA_NORM_EPS, dtype, rngs)
-        self.kv_b_proj = nnx.Param(init(rngs.params(), (kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))),
-                                   logical_axes=("lora", "heads"))
-        self.o_proj = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * v_head_dim, d_model)),
-                                logical_axes=("heads", "embed"))
-
-    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
-        """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin);
-        ``cache``: ``{"kv": [B, S, C], "k_rope": [B, S, R]}`` (:func:`init_cache`) or ``None``.
-        Returns ``([B, T, D] in the compute dtype, the updated cache or None)``."""
-        b, t, _ = x_btd.shape
-        h, n, r, c, hv = self.num_heads, self.nope, self.rope, self.kv_lora_rank, self.v_head_dim
-        if self.q_lora_rank:
-            q = dense(x_btd, self.q_a_proj[...], self.dtype, ("embed", "lora"))
-            q = dense(self.q_a_layernorm(q).astype(self.dtype), self.q_b_proj[...], self.dtype, ("lora", "heads"))
-        else:
-            q = dense(x_btd, self.q_proj[...], self.dtype, ("embed", "heads"))
-        q = q.reshape(b, t, h, n + r)
-        q_nope, q_rope = q[..., :n], apply_rope(q[..., n:], *rope)
-        kv_a = dense(x_btd, self.kv_a_proj_with_mqa[...], self.dtype, ("embed", "lora"))
-        c_kv = self.kv_a_layernorm(kv_a[..., :c]).astype(self.dtype)  # [B, T, C]
-        k_rope = apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared by the heads
-        if cache is None:
-            kv = dense(c_kv, self.kv_b_proj[...], self.dtype, ("lora", "heads")).reshape(b, t, h, n + hv)
-            k = jnp.concatenate([kv[..., :n], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, r))], axis=-1)
-            q, v = jnp.concatenate([q_nope, q_rope], axis=-1), kv[..., n:]
-            if mask_b1ts.ndim == 2:  # segment ids: the fused kernel
-                o = fused_attention(q, k, v, mask_b1ts, scale=self.scale)
-            else:
-                o = causal_attention(q, k, v, mask_b1ts, causal=True, scale=self.scale)
-            new_cache = None
-        else:
-            c_kv = jax.lax.dynamic_update_slice_in_dim(cache["kv"], c_kv.astype(cache["kv"].dtype), cache_index, axis=1)
-            k_rope = jax.lax.dynamic_update_slice_in_dim(cache["k_rope"], k_rope.astype(cache["k_rope"].dtype),
-                                                         cache_index, axis=1)
-            new_cache = {"kv": c_kv, "k_rope": k_rope}
-            w = self.kv_b_proj[...].astype(self.dtype).reshape(c, h, n + hv)
-            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w[..., :n], preferred_element_type=jnp.float32)
-            q = jnp.concatenate([q_lat.astype(self.dtype), q_rope], axis=-1)  # [B, T, H, C + R]
-            k = jnp.concatenate([c_kv, k_rope], axis=-1).astype(self.dtype)[:, :, None]  # [B, S, 1, C + R]
-            o_lat = causal_attention(q, k, c_kv.astype(self.dtype)[:, :, None], mask_b1ts, causal=False,
-                                     scale=self.scale)  # [B, T, H, C]
-            o = jnp.einsum("bthc,chv->bthv", o_lat, w[..., n:], preferred_element_type=jnp.float32).astype(self.dtype)
-        return dense(o.reshape(b, t, h * hv), self.o_proj[...], self.dtype, ("heads", "embed")), new_cache
-
-
 class DenseMLP(nnx.Module):
     """SwiGLU feed-forward (Shazeer 2020), gate and up projections fused into one [D, 2F] matrix."""
 
@@ -389,7 +97,7 @@ class Block(nnx.Module):
         dtype = _DTYPES[m.dtype]
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
         self.dropout = m.dropout
-        self.attn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
+        self.attn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs)
         if m.attention == "mla":
             yarn = Yarn.from_config(m)
             self.attn = MLAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
@@ -400,7 +108,7 @@ class Block(nnx.Module):
             self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, dtype=dtype,
                                   init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
                                   norm_eps=m.norm_eps, rngs=rngs)
-        self.ffn_norm = _rms_norm(m.d_model, m.norm_eps, dtype, rngs)
+        self.ffn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs)
         self.is_moe = m.is_moe_layer(layer) if is_moe is None else is_moe
         if self.is_moe:
             self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe, dtype=dtype, init_std=m.init_std, out_std=out_std,
@@ -472,13 +180,13 @@ class MTPModule(nnx.Module):
     def __init__(self, cfg: ExperimentConfig, k: int, *, rngs: nnx.Rngs):
         m = cfg.model
         self.dtype = _DTYPES[m.dtype]
-        self.enorm = _rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
-        self.hnorm = _rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
+        self.enorm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
+        self.hnorm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
         self.eh_proj = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (2 * m.d_model, m.d_model)),
                                  logical_axes=(None, "embed"))
         has_moe = any(m.is_moe_layer(i) for i in range(m.num_layers))
         self.block = Block(cfg, m.num_layers + k - 1, rngs=rngs, is_moe=has_moe)
-        self.head_norm = _rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
+        self.head_norm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
 
     @property
     def is_moe(self) -> bool:
@@ -564,7 +272,7 @@ class Transformer(nnx.Module):
                 self.groups = nnx.List([_stack_modules([blocks[i] for i in ids]) for ids in self.layout.groups])
             if self.layout.tail:
                 self.tail = nnx.List([blocks[i] for i in self.layout.tail])
-        self.final_norm = _rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
+        self.final_norm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
         if not m.tie_embeddings:
             self.lm_head = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (m.d_model, vocab_size)),
                                      logical_axes=("embed", "vocab"))

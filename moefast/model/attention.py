@@ -1,0 +1,214 @@
+"""Grouped-query softmax attention: the XLA path over causal key blocks, the fused kernel path, and
+the :class:`Attention` module.
+
+Dimension letters: B batch, T tokens (query length), S key length (cache), D d_model, H query heads,
+G key/value heads, Hd head_dim.
+
+Attention is causal and never crosses packed documents (segment ids). It is computed by
+:func:`causal_attention` (XLA einsums over the causal key blocks, a [B, 1, T, T] mask) or by the
+fused kernel :func:`fused_attention` (segment ids, memory linear in T), chosen by
+``model.attention_impl`` (:func:`attention_impl`; ``"auto"``: fused when compiling for GPUs).
+Multi-head latent attention (DeepSeek) is :mod:`moefast.model.mla`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moefast.kernels.attention import flash_attention
+from moefast.kernels.platform import target_platform
+from moefast.model.norm import rms_norm
+from moefast.model.positional import apply_rope
+from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map
+from moefast.parallel.precision import dense
+
+__all__ = ["ATTENTION_BLOCK", "Attention", "attention_impl", "causal_attention", "fused_attention"]
+
+
+ATTENTION_BLOCK = 128  # query rows per block of :func:`causal_attention` (chosen by measurement: docs/perf.md)
+
+
+def _attend(q_btghd, k_bsgd, v_bsgd, mask_b11ts):
+    """Softmax attention of one query block: [B, T, G, R, Hd] queries (already scaled), [B, S, G, Hd]
+    keys and values, bool mask broadcastable to [B, G, R, T, S]; logits and softmax in float32."""
+    s = jnp.einsum("btgrd,bsgd->bgrts", q_btghd, k_bsgd, preferred_element_type=jnp.float32)
+    s = jnp.where(mask_b11ts, s, jnp.finfo(jnp.float32).min)  # finite: a fully masked row stays finite
+    p = jax.nn.softmax(s, axis=-1).astype(v_bsgd.dtype)
+    return jnp.einsum("bgrts,bsgd->btgrd", p, v_bsgd, preferred_element_type=jnp.float32).astype(q_btghd.dtype)
+
+
+def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask_b1ts: jax.Array, *,
+                     causal: bool, block: int = ATTENTION_BLOCK, scale: float | None = None) -> jax.Array:
+    """Scaled dot-product attention (Vaswani et al. 2017, eq. 1) with grouped-query heads, computing
+    only the key blocks a causal mask can reach.
+
+    With ``causal=True`` (training and evaluation: T == S, ``mask_b1ts`` already causal) the queries
+    are split into blocks of ``block`` rows and block i attends to keys ``[0, end_i)`` only, so the
+    work above the diagonal blocks is never done: at T = 256 and 128-row blocks 3/4 of the full
+    score matrix, at T = 1024 9/16. Its speed against the full-matrix einsums and
+    ``jax.nn.dot_product_attention(implementation="xla")`` on CPU, and the block size, are measured in
+    docs/perf.md ("moefast against Hugging Face transformers"). The result equals full masked
+    attention (the skipped logits are all masked).
+
+    Args:
+      q_bthd: [B, T, H, Hd] queries; k_bsgd: [B, S, G, Hd] keys, v_bsgd: [B, S, G, Hv] values (H
+        divisible by G; Hv = Hd but in MLA), same dtype as the queries.
+      mask_b1ts: bool [B or 1, 1, T, S], True where a query may attend to a key. Keys and values
+        that no query may see never reach the result, whatever they hold (NaN or inf included).
+      causal: the mask is causal over T == S (query t never sees key s > t).
+      block: query rows per block (static).
+      scale: logit scale, a dimensionless multiplier; ``None``: ``Hd ** -0.5``.
+
+    Returns:
+      [B, T, H, Hv] in the queries' dtype; logits and softmax are computed in float32.
+
+    Raises:
+      ValueError: ``causal`` with T != S, or H not divisible by G.
+    """
+    b, t, h, hd = q_bthd.shape
+    s_len, g = k_bsgd.shape[1], k_bsgd.shape[2]
+    if h % g:
+        raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={g}")
+    if causal and t != s_len:
+        raise ValueError(f"causal block attention needs as many queries as keys (got {t} and {s_len})")
+    q = (q_bthd * jnp.asarray(hd ** -0.5 if scale is None else scale, q_bthd.dtype)).reshape(b, t, g, h // g, hd)
+    if not causal:  # a KV cache: slots no query may see hold anything (a reused buffer: NaN, inf). Their
+        # logits are selected away below; their values are selected away here, since a zero weight
+        # times NaN or inf is NaN.
+        seen_bs = jnp.any(mask_b1ts[:, 0], axis=1)  # [B or 1, S]
+        v_bsgd = jnp.where(seen_bs[:, :, None, None], v_bsgd, jnp.zeros((), v_bsgd.dtype))
+    mask = mask_b1ts[:, :, None]  # [B, 1, 1, T, S]
+    if not causal or t <= block:
+        o = _attend(q, k_bsgd, v_bsgd, mask)
+    else:
+        o = jnp.concatenate([
+            _attend(q[:, i: i + block], k_bsgd[:, : i + block], v_bsgd[:, : i + block],
+                    mask[..., i: i + block, : i + block])
+            for i in range(0, t, block)], axis=1)
+    return o.reshape(b, t, h, v_bsgd.shape[-1])
+
+
+def _token_shards() -> tuple[tuple[str, ...], int]:
+    """The mesh axes that split the batch (those of :data:`BATCH_AXES` in the mesh set with
+    ``jax.set_mesh``, of size > 1) and their product; ``((), 1)`` without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return (), 1
+    check_mesh_axes(mesh, "attention")
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def attention_impl(impl: str, batch: int) -> str:
+    """``"blocked"`` or ``"flash"``: what ``model.attention_impl=impl`` means for a batch of
+    ``batch`` rows in the program being traced. ``"auto"`` is ``"flash"`` when compiling for GPUs
+    (:func:`~moefast.kernels.platform.target_platform`) and the batch divides over the token
+    shards, else ``"blocked"``.
+
+    Raises:
+      ValueError: ``impl="flash"`` with a batch the token shards do not divide.
+    """
+    shards = _token_shards()[1]
+    if impl == "auto":
+        return "flash" if target_platform() == "gpu" and batch % shards == 0 else "blocked"
+    if impl == "flash" and batch % shards:
+        raise ValueError(f"model.attention_impl=flash: batch {batch} is not divisible by the {shards} token shards "
+                         "of the mesh; use a batch that is, or model.attention_impl=blocked")
+    return impl
+
+
+def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, segment_ids_bt: jax.Array, *,
+                    scale: float | None = None) -> jax.Array:
+    """Causal grouped-query attention inside packed documents with the fused kernel
+    (:func:`moefast.kernels.attention.flash_attention`), each device on its own rows.
+
+    Under a mesh the kernel runs inside ``jax.shard_map`` over the token axes (a Pallas call has no
+    partitioning rule: left to the partitioner, every device would gather the whole batch).
+
+    Args:
+      q_bthd: [B, T, H, Hd] queries (unscaled); k_btgd: [B, T, G, Hd] keys, v_btgd: [B, T, G, Hv]
+        values (Hv = Hd but in MLA), in their dtype.
+      segment_ids_bt: [B, T] int document ids (query t sees keys s <= t of its own id).
+      scale: logit scale; ``None``: ``Hd ** -0.5``.
+
+    Returns:
+      [B, T, H, Hv] in the queries' dtype.
+    """
+    interpret = target_platform() == "cpu"
+    run = lambda q, k, v, seg: flash_attention(q, k, v, seg, sm_scale=scale, interpret=interpret)
+    axes, shards = _token_shards()
+    if shards == 1:
+        return run(q_bthd, k_btgd, v_btgd, segment_ids_bt)
+    spec = jax.sharding.PartitionSpec(axes)
+    # Every operand and the result are split over the same axes (nothing replicated for AD to sum),
+    # and JAX's kernel declares its outputs without varying-axes types: the check stays off.
+    return jax.shard_map(run, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)(
+        *reshard_for_shard_map((q_bthd, k_btgd, v_btgd, segment_ids_bt), (spec,) * 4))
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention with RoPE (:func:`causal_attention`, or :func:`fused_attention`
+    when the model passes segment ids: ``model.attention_impl``).
+
+    Parameters: ``qkv`` [D, (H + 2G)·Hd] (embed, heads), fused q|k|v projections; ``out`` [H·Hd, D]
+    (heads, embed). Options (``model.attention_bias``): ``qkv_bias`` [(H + 2G)·Hd] and ``out_bias``
+    [D]. ``model.qk_norm``: ``q_norm``/``k_norm`` RMSNorm scales of [Hd] (``"per_head"``: each
+    head's query and key normalised, Qwen3) or of [H·Hd] and [G·Hd] (``"full"``: the whole query
+    and key projections, OLMoE), applied before RoPE.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 dtype, init_std: float, out_std: float, bias: str = "none", qk_norm: str = "none",
+                 norm_eps: float = 1e-6, rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype, self.bias, self.qk_norm = dtype, bias, qk_norm
+        init = jax.nn.initializers.normal(init_std)
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        self.qkv = nnx.Param(init(rngs.params(), (d_model, width)), logical_axes=("embed", "heads"))
+        self.out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * head_dim, d_model)),
+                             logical_axes=("heads", "embed"))
+        if bias != "none":
+            self.qkv_bias = nnx.Param(jnp.zeros((width,), jnp.float32), logical_axes=("heads",))
+        if bias == "all":
+            self.out_bias = nnx.Param(jnp.zeros((d_model,), jnp.float32), logical_axes=("norm",))
+        if qk_norm != "none":
+            q_dim, k_dim = (head_dim, head_dim) if qk_norm == "per_head" else (num_heads * head_dim,
+                                                                                num_kv_heads * head_dim)
+            self.q_norm = rms_norm(q_dim, norm_eps, dtype, rngs)
+            self.k_norm = rms_norm(k_dim, norm_eps, dtype, rngs)
+
+    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
+        """``rope``: ``(cos, sin)`` float32 [B, T, 1, Hd/2] from :func:`rope_cos_sin`, or ``None``
+        (no rotation: sinusoidal encodings were added to the embeddings); ``mask_b1ts``: bool
+        [B or 1, 1, T, S], True where a query may attend to a key (:func:`causal_attention`), or
+        the int [B, T] segment ids of the packed documents (no cache: :func:`fused_attention`)."""
+        b, t, _ = x_btd.shape
+        h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = dense(x_btd, self.qkv[...], self.dtype, ("embed", "heads"))
+        if self.bias != "none":  # added in float32: the bias gradient sums tokens in float32
+            qkv = (qkv.astype(jnp.float32) + self.qkv_bias[...][None, None]).astype(self.dtype)
+        q, k, v = qkv[..., : h * hd], qkv[..., h * hd: (h + g) * hd], qkv[..., (h + g) * hd:]
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q).astype(self.dtype), self.k_norm(k).astype(self.dtype)
+        q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, g, hd), v.reshape(b, t, g, hd)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q).astype(self.dtype), self.k_norm(k).astype(self.dtype)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        new_cache = None
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1)
+            new_cache = {"k": k, "v": v}
+        if mask_b1ts.ndim == 2:  # segment ids: the fused kernel
+            o = fused_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts)
+        else:
+            o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts, causal=cache is None)
+        o = dense(o.reshape(b, t, h * hd), self.out[...], self.dtype, ("heads", "embed"))
+        if self.bias == "all":
+            o = (o.astype(jnp.float32) + self.out_bias[...][None, None]).astype(self.dtype)
+        return o, new_cache

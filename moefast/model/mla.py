@@ -1,0 +1,115 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2 and V3): the :class:`MLAttention` module.
+
+Dimension letters: B batch, T tokens, S key length (cache), D d_model, H heads, C kv_lora_rank,
+N qk_nope_head_dim, R qk_rope_head_dim, Hv v_head_dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moefast.model.attention import causal_attention, fused_attention
+from moefast.model.norm import rms_norm
+from moefast.model.positional import apply_rope
+from moefast.parallel.precision import dense
+
+__all__ = ["MLA_NORM_EPS", "MLAttention"]
+
+
+MLA_NORM_EPS = 1e-6
+"""Epsilon of MLA's two RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``): DeepSeek's reference code
+and Hugging Face's build them with the default 1e-6 whatever ``rms_norm_eps`` is."""
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention (MLA; DeepSeek-V2, DeepSeek-AI 2024, sec. 2.1, eqs. 9-19;
+    DeepSeek-V3 uses it unchanged), causal, with the shared RoPE key of the decoupled rotary
+    strategy (sec. 2.1.3).
+
+    Dimension letters (besides the module's): C = ``kv_lora_rank`` (d_c), Q = ``q_lora_rank``
+    (d_c'), N = ``qk_nope_head_dim``, R = ``qk_rope_head_dim`` (d_h^R), Hv = ``v_head_dim``.
+
+    Parameters (Hugging Face DeepSeek-V3's names; each is the HF ``nn.Linear`` weight transposed,
+    [in, out], the heads' columns head-major as HF's ``view(..., H, -1)``):
+
+    * ``q_a_proj`` [D, Q] (embed, lora), ``q_a_layernorm`` scale [Q], ``q_b_proj`` [Q, H·(N+R)]
+      (lora, heads): the low-rank query, eq. 12 with RMSNorm on c^Q; or, with ``q_lora_rank`` 0 /
+      ``None``, ``q_proj`` [D, H·(N+R)] (embed, heads) (DeepSeek-V2-Lite).
+    * ``kv_a_proj_with_mqa`` [D, C+R] (embed, lora): the compressed KV c^KV (eq. 9) and the shared
+      RoPE key k^R before rotation (eq. 15); ``kv_a_layernorm`` scale [C] normalises c^KV.
+    * ``kv_b_proj`` [C, H·(N+Hv)] (lora, heads): per head the no-RoPE key k^C (eq. 10) and the value
+      (eq. 11).
+    * ``o_proj`` [H·Hv, D] (heads, embed) (eq. 19).
+
+    Each head's query is ``[q^C, RoPE(q^R)]`` and key ``[k^C, RoPE(k^R)]`` (eqs. 16-17); the logit
+    scale is ``(N + R) ** -0.5 * softmax_multiplier`` (YaRN, :attr:`Yarn.softmax_multiplier`).
+    Without a cache (training) keys and values are expanded per head and attended as H heads
+    (:func:`causal_attention` / :func:`fused_attention`). With a cache (generation) only c^KV
+    (normalised) and the rotated k^R are cached, [B, S, C] and [B, S, R], and ``kv_b_proj`` is
+    absorbed into the query and the output (sec. 2.1.2): one shared key [c^KV, k^R] of C + R
+    features and one shared value c^KV for all heads, the same function of the inputs.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, softmax_multiplier: float = 1.0,
+                 dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank or 0, kv_lora_rank
+        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.dtype = dtype
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * softmax_multiplier
+        init = jax.nn.initializers.normal(init_std)
+        qk = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        if self.q_lora_rank:
+            self.q_a_proj = nnx.Param(init(rngs.params(), (d_model, self.q_lora_rank)), logical_axes=("embed", "lora"))
+            self.q_a_layernorm = rms_norm(self.q_lora_rank, MLA_NORM_EPS, dtype, rngs)
+            self.q_b_proj = nnx.Param(init(rngs.params(), (self.q_lora_rank, qk)), logical_axes=("lora", "heads"))
+        else:
+            self.q_proj = nnx.Param(init(rngs.params(), (d_model, qk)), logical_axes=("embed", "heads"))
+        self.kv_a_proj_with_mqa = nnx.Param(init(rngs.params(), (d_model, kv_lora_rank + qk_rope_head_dim)),
+                                            logical_axes=("embed", "lora"))
+        self.kv_a_layernorm = rms_norm(kv_lora_rank, MLA_NORM_EPS, dtype, rngs)
+        self.kv_b_proj = nnx.Param(init(rngs.params(), (kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))),
+                                   logical_axes=("lora", "heads"))
+        self.o_proj = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * v_head_dim, d_model)),
+                                logical_axes=("heads", "embed"))
+
+    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
+        """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin);
+        ``cache``: ``{"kv": [B, S, C], "k_rope": [B, S, R]}`` (:func:`init_cache`) or ``None``.
+        Returns ``([B, T, D] in the compute dtype, the updated cache or None)``."""
+        b, t, _ = x_btd.shape
+        h, n, r, c, hv = self.num_heads, self.nope, self.rope, self.kv_lora_rank, self.v_head_dim
+        if self.q_lora_rank:
+            q = dense(x_btd, self.q_a_proj[...], self.dtype, ("embed", "lora"))
+            q = dense(self.q_a_layernorm(q).astype(self.dtype), self.q_b_proj[...], self.dtype, ("lora", "heads"))
+        else:
+            q = dense(x_btd, self.q_proj[...], self.dtype, ("embed", "heads"))
+        q = q.reshape(b, t, h, n + r)
+        q_nope, q_rope = q[..., :n], apply_rope(q[..., n:], *rope)
+        kv_a = dense(x_btd, self.kv_a_proj_with_mqa[...], self.dtype, ("embed", "lora"))
+        c_kv = self.kv_a_layernorm(kv_a[..., :c]).astype(self.dtype)  # [B, T, C]
+        k_rope = apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared by the heads
+        if cache is None:
+            kv = dense(c_kv, self.kv_b_proj[...], self.dtype, ("lora", "heads")).reshape(b, t, h, n + hv)
+            k = jnp.concatenate([kv[..., :n], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, r))], axis=-1)
+            q, v = jnp.concatenate([q_nope, q_rope], axis=-1), kv[..., n:]
+            if mask_b1ts.ndim == 2:  # segment ids: the fused kernel
+                o = fused_attention(q, k, v, mask_b1ts, scale=self.scale)
+            else:
+                o = causal_attention(q, k, v, mask_b1ts, causal=True, scale=self.scale)
+            new_cache = None
+        else:
+            c_kv = jax.lax.dynamic_update_slice_in_dim(cache["kv"], c_kv.astype(cache["kv"].dtype), cache_index, axis=1)
+            k_rope = jax.lax.dynamic_update_slice_in_dim(cache["k_rope"], k_rope.astype(cache["k_rope"].dtype),
+                                                         cache_index, axis=1)
+            new_cache = {"kv": c_kv, "k_rope": k_rope}
+            w = self.kv_b_proj[...].astype(self.dtype).reshape(c, h, n + hv)
+            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w[..., :n], preferred_element_type=jnp.float32)
+            q = jnp.concatenate([q_lat.astype(self.dtype), q_rope], axis=-1)  # [B, T, H, C + R]
+            k = jnp.concatenate([c_kv, k_rope], axis=-1).astype(self.dtype)[:, :, None]  # [B, S, 1, C + R]
+            o_lat = causal_attention(q, k, c_kv.astype(self.dtype)[:, :, None], mask_b1ts, causal=False,
+                                     scale=self.scale)  # [B, T, H, C]
+            o = jnp.einsum("bthc,chv->bthv", o_lat, w[..., n:], preferred_element_type=jnp.float32).astype(self.dtype)
+        return dense(o.reshape(b, t, h * hv), self.o_proj[...], self.dtype, ("heads", "embed")), new_cache
