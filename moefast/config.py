@@ -49,7 +49,10 @@ DEFAULT_CAPACITY_FACTOR = 1.25
 PARAMETER_KEYS = {"model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "dense_d_ff",
                             "vocab_size", "tie_embeddings", "num_dense_layers", "moe_every", "attention_bias",
                             "qk_norm", "position_encoding", "attention", "q_lora_rank", "kv_lora_rank",
-                            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+                            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "layer_types",
+                            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                            "linear_value_head_dim", "linear_conv_kernel_dim", "attention_output_gate",
+                            "zero_centered_norm"),
                   "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate")}
 # Keys that belong to one invocation of a run, never to the run: the run dir's config.yaml does
 # not keep them, and they are ignored in one that an older moefast wrote with them
@@ -184,6 +187,28 @@ class ModelConfig:
         embedding and output head after its own RMSNorm (:class:`moefast.model.MTPModule`). Its
         loss is weighted by ``train.mtp_loss_coef``; generation never runs the modules. Must be
         below ``data.seq_len``.
+      layer_types: each block's token mixer, one entry per layer (Hugging Face's ``layer_types``):
+        ``"full_attention"`` (the ``attention`` block above) or ``"linear_attention"``: Gated
+        DeltaNet (Yang et al. 2024, arXiv:2412.06464; Qwen3-Next, Qwen3.5 / Qwen3.6 MoE;
+        :mod:`moefast.model.gated_deltanet`), whose state resets at every packed document's start.
+        ``None``: every layer ``"full_attention"``. With ``scan_layers`` the repeating period of
+        (token mixer, MoE or dense) is scanned (:mod:`moefast.model.layout`). Multi-token
+        prediction blocks use full attention.
+      linear_num_key_heads, linear_num_value_heads: Gated DeltaNet query/key heads Hk and value
+        heads Hv (a multiple of Hk: each key head serves Hv / Hk value heads); HF's names, as are
+        the next three.
+      linear_key_head_dim, linear_value_head_dim: Gated DeltaNet per-head key and value widths.
+      linear_conv_kernel_dim: width of Gated DeltaNet's depthwise causal convolution, in tokens.
+      linear_attention_impl: how Gated DeltaNet's recurrence is computed
+        (:func:`moefast.kernels.gated_delta_rule.gated_delta_rule`): ``"reference"`` (token by token),
+        ``"chunked"`` (64-token chunks, the WY/UT form), ``"pallas"`` (the fused kernel; compiled on
+        GPU, interpreted on CPU) or ``"auto"`` (``"pallas"`` when compiling for GPUs, else
+        ``"chunked"``). Decoding one token at a time uses the recurrence.
+      attention_output_gate: full-attention layers gate their output per feature with
+        ``sigmoid(x W_gate)`` before the output projection (Qwen3-Next / Qwen3.5's ``q_proj``,
+        twice as wide, holds the gate).
+      zero_centered_norm: every RMSNorm scale is stored as ``w`` and applied as ``1 + w``, starting
+        at 0 (Qwen3-Next / Qwen3.5); Gated DeltaNet's output norm keeps a plain scale.
 """
 
     d_model: int = 256
@@ -224,6 +249,15 @@ class ModelConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     mtp_depth: int = 0
+    layer_types: tuple[Literal["full_attention", "linear_attention"], ...] | None = None
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    linear_attention_impl: Literal["auto", "reference", "chunked", "pallas"] = "auto"
+    attention_output_gate: bool = False
+    zero_centered_norm: bool = False
 
     def __post_init__(self):
         _check_choices(self, "model")
@@ -247,6 +281,33 @@ class ModelConfig:
                  f"must be >= 0 (0 = no multi-token prediction), got {self.mtp_depth}")
         self._check_attention()
         self._check_rope()
+        self._check_layer_types()
+
+    def _check_layer_types(self):
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, list):  # built in code with a list: keep the config hashable
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        kinds = ("full_attention", "linear_attention")
+        bad = [f"{i}: {k!r}" for i, k in enumerate(self.layer_types) if k not in kinds]
+        _require(not bad, "model.layer_types", f"entries must be one of {list(kinds)}; got {', '.join(bad)}")
+        _require(len(self.layer_types) == self.num_layers, "model.layer_types",
+                 f"needs one entry per layer: {len(self.layer_types)} entries for model.num_layers={self.num_layers}")
+        if "linear_attention" not in self.layer_types:
+            return
+        for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim"):
+            _require(getattr(self, k) >= 1, f"model.{k}", f"must be >= 1, got {getattr(self, k)}")
+        _require(self.linear_num_value_heads % self.linear_num_key_heads == 0, "model.linear_num_value_heads",
+                 f"must be a multiple of model.linear_num_key_heads={self.linear_num_key_heads} (each key head "
+                 f"serves the same number of value heads), got {self.linear_num_value_heads}")
+
+    def layer_type(self, layer: int) -> str:
+        """Block ``layer``'s token mixer: ``"full_attention"`` or ``"linear_attention"`` (blocks past
+        ``num_layers``, the multi-token prediction blocks, use full attention)."""
+        if self.layer_types is None or layer >= self.num_layers:
+            return "full_attention"
+        return self.layer_types[layer]
 
     def _check_attention(self):
         if self.attention != "mla":
@@ -812,7 +873,10 @@ class ExperimentConfig:
         return dataclasses.replace(self, **sections)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Nested dicts of plain YAML/JSON values (tuples become lists)."""
+        plain = lambda v: [plain(x) for x in v] if isinstance(v, (list, tuple)) else (  # noqa: E731
+            {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v)
+        return plain(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> "ExperimentConfig":
@@ -865,8 +929,14 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                 return _coerce(key, value, a)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # X or null: X's own message (it names a bad list entry)
+            raise ConfigError(errors[0])
         raise ConfigError(f"{key}: {value!r} does not fit {_type_name(typ)}")
-    if typ is bool:
+    if origin is tuple:  # tuple[X, ...]: a YAML list
+        (item, _) = typing.get_args(typ)
+        if isinstance(value, (list, tuple)):
+            return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
+    elif typ is bool:
         if isinstance(value, bool):
             return value
     elif typ is int:
@@ -893,6 +963,8 @@ def _type_name(typ: Any) -> str:
         return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(typ))
     if typing.get_origin(typ) is Literal:
         return " or ".join(repr(a) for a in typing.get_args(typ))
+    if typing.get_origin(typ) is tuple:
+        return f"a list of ({_type_name(typing.get_args(typ)[0])})"
     return getattr(typ, "__name__", str(typ))
 
 

@@ -158,17 +158,22 @@ class Attention(nnx.Module):
     (heads, embed). Options (``model.attention_bias``): ``qkv_bias`` [(H + 2G)·Hd] and ``out_bias``
     [D]. ``model.qk_norm``: ``q_norm``/``k_norm`` RMSNorm scales of [Hd] (``"per_head"``: each
     head's query and key normalised, Qwen3) or of [H·Hd] and [G·Hd] (``"full"``: the whole query
-    and key projections, OLMoE), applied before RoPE.
+    and key projections, OLMoE), applied before RoPE (``zero_centered``: scales applied as ``1 + w``).
+    ``output_gate`` (``model.attention_output_gate``; Qwen3-Next, Qwen3.5): ``gate`` [D, H·Hd]
+    (embed, heads), the output multiplied by ``sigmoid(x gate)`` before ``out``.
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  dtype, init_std: float, out_std: float, bias: str = "none", qk_norm: str = "none",
-                 norm_eps: float = 1e-6, rngs: nnx.Rngs):
+                 norm_eps: float = 1e-6, output_gate: bool = False, zero_centered: bool = False,
+                 rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.dtype, self.bias, self.qk_norm = dtype, bias, qk_norm
+        self.dtype, self.bias, self.qk_norm, self.output_gate = dtype, bias, qk_norm, output_gate
         init = jax.nn.initializers.normal(init_std)
         width = (num_heads + 2 * num_kv_heads) * head_dim
         self.qkv = nnx.Param(init(rngs.params(), (d_model, width)), logical_axes=("embed", "heads"))
+        if output_gate:
+            self.gate = nnx.Param(init(rngs.params(), (d_model, num_heads * head_dim)), logical_axes=("embed", "heads"))
         self.out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * head_dim, d_model)),
                              logical_axes=("heads", "embed"))
         if bias != "none":
@@ -178,8 +183,8 @@ class Attention(nnx.Module):
         if qk_norm != "none":
             q_dim, k_dim = (head_dim, head_dim) if qk_norm == "per_head" else (num_heads * head_dim,
                                                                                 num_kv_heads * head_dim)
-            self.q_norm = rms_norm(q_dim, norm_eps, dtype, rngs)
-            self.k_norm = rms_norm(k_dim, norm_eps, dtype, rngs)
+            self.q_norm = rms_norm(q_dim, norm_eps, dtype, rngs, zero_centered=zero_centered)
+            self.k_norm = rms_norm(k_dim, norm_eps, dtype, rngs, zero_centered=zero_centered)
 
     def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
         """``rope``: ``(cos, sin)`` float32 [B, T, 1, Hd/2] from :func:`rope_cos_sin`, or ``None``
@@ -208,7 +213,11 @@ class Attention(nnx.Module):
             o = fused_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts)
         else:
             o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts, causal=cache is None)
-        o = dense(o.reshape(b, t, h * hd), self.out[...], self.dtype, ("heads", "embed"))
+        o = o.reshape(b, t, h * hd)
+        if self.output_gate:
+            g = dense(x_btd, self.gate[...], self.dtype, ("embed", "heads"))
+            o = (o * jax.nn.sigmoid(g.astype(jnp.float32)).astype(o.dtype)).astype(self.dtype)
+        o = dense(o, self.out[...], self.dtype, ("heads", "embed"))
         if self.bias == "all":
             o = (o.astype(jnp.float32) + self.out_bias[...][None, None]).astype(self.dtype)
         return o, new_cache

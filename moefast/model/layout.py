@@ -1,16 +1,19 @@
 """Where each block's parameters live with ``model.scan_layers``, and conversion between layouts.
 
-Dimension letters: L layers, G whole groups of the ``moe_every`` pattern.
+Dimension letters: L layers, P the period of the repeating pattern, G its whole groups.
 
 Unrolled (``scan_layers: false``), the parameters hold one entry per block,
 ``params["blocks"][i]`` for block i. Scanned (``scan_layers: true``), identical blocks are stacked
 on a new leading axis (logical axis ``layers``, never sharded) so ``jax.lax.scan`` can run them:
 
 * ``params["prefix"]``: the ``num_dense_layers`` leading dense blocks, stacked [num_dense_layers, ...];
-* ``params["groups"][j]``: after them the layers repeat the pattern of ``moe_every`` (an MoE block
-  followed by ``moe_every - 1`` dense ones); the G = (L - num_dense_layers) // moe_every whole
-  groups are scanned, position j of the pattern stacked [G, ...] (position 0 is the MoE block);
-* ``params["tail"][i]``: the blocks of a last, partial group (fewer than ``moe_every``), unrolled.
+* ``params["groups"][j]``: after them the blocks repeat a pattern of P kinds, a kind being the
+  block's (token mixer of ``model.layer_types``, MoE or dense feed-forward): P is the shortest
+  period of the kinds, e.g. ``moe_every`` (an MoE block followed by ``moe_every - 1`` dense ones)
+  or 4 for Qwen3.5's three Gated DeltaNet layers and one attention layer. The
+  G = (L - num_dense_layers) // P whole groups are scanned, position j of the pattern stacked
+  [G, ...];
+* ``params["tail"][i]``: the blocks of a last, partial group (fewer than P), unrolled.
 
 Every other parameter (embedding, final norm, head) is the same in both layouts. Stacking only
 moves numbers, so :func:`to_layout` converts a whole train state (parameters and the optimizer's
@@ -26,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["LayerLayout", "STACKED_KEYS", "is_param_dict", "is_stacked_path", "layer_layout", "to_layout"]
+__all__ = ["LayerLayout", "STACKED_KEYS", "is_param_dict", "is_stacked_path", "layer_kinds", "layer_layout", "to_layout"]
 
 STACKED_KEYS = ("prefix", "groups")  # top-level parameter entries whose leaves carry a leading layers axis
 
@@ -51,12 +54,28 @@ class LayerLayout:
         return len(self.groups[0]) if self.groups else 0
 
 
+def layer_kinds(model_cfg) -> tuple[tuple[str, bool], ...]:
+    """Each block's kind, (token mixer, MoE feed-forward), of a :class:`~moefast.config.ModelConfig`."""
+    return tuple((model_cfg.layer_type(i), model_cfg.is_moe_layer(i)) for i in range(model_cfg.num_layers))
+
+
 def layer_layout(model_cfg) -> LayerLayout:
-    """The :class:`LayerLayout` of a :class:`~moefast.config.ModelConfig`."""
-    nd, every, n = model_cfg.num_dense_layers, model_cfg.moe_every, model_cfg.num_layers
-    g = (n - nd) // every
-    groups = tuple(tuple(nd + k * every + j for k in range(g)) for j in range(every)) if g else ()
-    return LayerLayout(prefix=tuple(range(nd)), groups=groups, tail=tuple(range(nd + g * every, n)))
+    """The :class:`LayerLayout` of a :class:`~moefast.config.ModelConfig`.
+
+    Raises:
+      ValueError: the leading dense blocks are not all of one token mixer (they form one stack).
+    """
+    nd, n = model_cfg.num_dense_layers, model_cfg.num_layers
+    kinds = layer_kinds(model_cfg)
+    if len(set(kinds[:nd])) > 1:
+        raise ValueError(f"model.scan_layers: the model.num_dense_layers={nd} leading blocks mix token mixers "
+                         f"({[k for k, _ in kinds[:nd]]}) and cannot form one stack; use model.scan_layers=false")
+    rest = kinds[nd:]
+    period = next((p for p in range(1, len(rest) + 1) if all(rest[i] == rest[i % p] for i in range(len(rest)))),
+                  1)
+    g = len(rest) // period
+    groups = tuple(tuple(nd + k * period + j for k in range(g)) for j in range(period)) if g else ()
+    return LayerLayout(prefix=tuple(range(nd)), groups=groups, tail=tuple(range(nd + g * period, n)))
 
 
 def is_param_dict(x: Any) -> bool:

@@ -42,6 +42,7 @@ from flax import nnx
 from moefast.config import ExperimentConfig
 from moefast.model.attention import (ATTENTION_BLOCK, Attention, attention_impl, causal_attention,
                                      fused_attention)
+from moefast.model.gated_deltanet import GatedDeltaNet
 from moefast.model.layout import layer_layout
 from moefast.model.mla import MLA_NORM_EPS, MLAttention
 from moefast.model.moe import MoELayer, MoEStats
@@ -56,7 +57,8 @@ __all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "MLA_NORM_EPS", "MLAtt
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-KVCache = list  # per layer: {"k": [B, S, G, Hd], "v": [B, S, G, Hd]} (GQA) or {"kv": [B, S, C], "k_rope": [B, S, R]} (MLA)
+KVCache = list  # per layer: {"k": [B, S, G, Hd], "v": [B, S, G, Hd]} (GQA), {"kv": [B, S, C], "k_rope": [B, S, R]} (MLA)
+# or, for a Gated DeltaNet layer, {"conv": [B, W-1, C], "state": [B, Hv, K, V]} (init_cache)
 
 
 class ModelOutput(NamedTuple):
@@ -97,8 +99,16 @@ class Block(nnx.Module):
         dtype = _DTYPES[m.dtype]
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
         self.dropout = m.dropout
-        self.attn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs)
-        if m.attention == "mla":
+        zc = m.zero_centered_norm
+        self.attn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
+        self.linear = m.layer_type(layer) == "linear_attention"
+        if self.linear:
+            self.attn = GatedDeltaNet(m.d_model, num_key_heads=m.linear_num_key_heads,
+                                      num_value_heads=m.linear_num_value_heads, key_head_dim=m.linear_key_head_dim,
+                                      value_head_dim=m.linear_value_head_dim, conv_width=m.linear_conv_kernel_dim,
+                                      dtype=dtype, init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
+                                      impl=m.linear_attention_impl, rngs=rngs)
+        elif m.attention == "mla":
             yarn = Yarn.from_config(m)
             self.attn = MLAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                                     qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
@@ -107,8 +117,9 @@ class Block(nnx.Module):
         else:
             self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, dtype=dtype,
                                   init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
-                                  norm_eps=m.norm_eps, rngs=rngs)
-        self.ffn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs)
+                                  norm_eps=m.norm_eps, output_gate=m.attention_output_gate, zero_centered=zc,
+                                  rngs=rngs)
+        self.ffn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
         self.is_moe = m.is_moe_layer(layer) if is_moe is None else is_moe
         if self.is_moe:
             self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe, dtype=dtype, init_std=m.init_std, out_std=out_std,
@@ -118,10 +129,17 @@ class Block(nnx.Module):
 
     def __call__(self, x, layer, rope, attn_mask, token_mask, cache=None, cache_index=0, step_key=None,
                  routing_state=None, routing_warmup=None, *, drop_tokens=True):
-        """One block; ``layer`` is its index (an int, or a traced int32 under ``scan_layers``), the
-        other arguments are :meth:`Transformer.__call__`'s, per layer. Returns ``(x, stats or None,
-        new cache or None)``."""
-        a, new_cache = self.attn(self.attn_norm(x).astype(x.dtype), rope, attn_mask, cache, cache_index)
+        """One block; ``layer`` is its index (an int, or a traced int32 under ``scan_layers``),
+        ``attn_mask`` the attention mask (or the fused kernel's segment ids), or the pair (that,
+        the [B, T] segment ids that reset a Gated DeltaNet layer's states; ``None``: one document),
+        the other arguments are :meth:`Transformer.__call__`'s, per layer. Returns ``(x, stats or
+        None, new cache or None)``."""
+        mask, segment_ids = attn_mask if isinstance(attn_mask, tuple) else (attn_mask, None)
+        xn = self.attn_norm(x).astype(x.dtype)
+        if self.linear:
+            a, new_cache = self.attn(xn, segment_ids, cache)
+        else:
+            a, new_cache = self.attn(xn, rope, mask, cache, cache_index)
         x = x + _dropout(a, self.dropout, step_key, 3 * layer)
         h = self.ffn_norm(x).astype(x.dtype)
         stats = None
@@ -180,13 +198,13 @@ class MTPModule(nnx.Module):
     def __init__(self, cfg: ExperimentConfig, k: int, *, rngs: nnx.Rngs):
         m = cfg.model
         self.dtype = _DTYPES[m.dtype]
-        self.enorm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
-        self.hnorm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
+        self.enorm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs, zero_centered=m.zero_centered_norm)
+        self.hnorm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs, zero_centered=m.zero_centered_norm)
         self.eh_proj = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (2 * m.d_model, m.d_model)),
                                  logical_axes=(None, "embed"))
         has_moe = any(m.is_moe_layer(i) for i in range(m.num_layers))
         self.block = Block(cfg, m.num_layers + k - 1, rngs=rngs, is_moe=has_moe)
-        self.head_norm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
+        self.head_norm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs, zero_centered=m.zero_centered_norm)
 
     @property
     def is_moe(self) -> bool:
@@ -253,6 +271,10 @@ class Transformer(nnx.Module):
         self.position_encoding, self.rope_base, self.head_dim = m.position_encoding, m.rope_base, m.head_dim
         self.rope_dim, self.yarn, self.attention = m.rotary_dim, Yarn.from_config(m), m.attention
         self.cache_widths = tuple(_cache_widths(m).items())
+        self.layer_kinds = tuple(m.layer_type(i) for i in range(m.num_layers))
+        channels = 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim
+        self.linear_cache_shapes = ((m.linear_conv_kernel_dim - 1, channels),
+                                    (m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim))
         self.cache_tables = cfg.cache.tables
         self.attention_impl = m.attention_impl
         self.dtype = _DTYPES[m.dtype]
@@ -272,7 +294,7 @@ class Transformer(nnx.Module):
                 self.groups = nnx.List([_stack_modules([blocks[i] for i in ids]) for ids in self.layout.groups])
             if self.layout.tail:
                 self.tail = nnx.List([blocks[i] for i in self.layout.tail])
-        self.final_norm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs)
+        self.final_norm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs, zero_centered=m.zero_centered_norm)
         if not m.tie_embeddings:
             self.lm_head = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (m.d_model, vocab_size)),
                                      logical_axes=("embed", "vocab"))
@@ -327,13 +349,14 @@ class Transformer(nnx.Module):
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None] + cache_index, (b, t))
         check_positions(positions_bt, self.max_seq_len)
         if cache is not None:
-            s = next(iter(cache[0].values())).shape[1]
+            # key length S: the attention layers' caches (Gated DeltaNet layers carry states instead)
+            s = next((next(iter(c.values())).shape[1] for c in cache if "state" not in c), 0)
             if s > self.max_seq_len:
                 raise ValueError(f"cache length {s} exceeds model.max_seq_len={self.max_seq_len}")
 
-            def make_mask():  # [1, 1, T, S]: each query sees the cache up to its own index
+            def make_mask():  # [1, 1, T, S]: each query sees the cache up to its own index; no segments
                 q_idx = cache_index + jnp.arange(t)
-                return (jnp.arange(s)[None, :] <= q_idx[:, None])[None, None]
+                return (jnp.arange(s)[None, :] <= q_idx[:, None])[None, None], None
 
             token_mask = jnp.ones((b, t), bool)
         else:
@@ -341,12 +364,12 @@ class Transformer(nnx.Module):
                 segment_ids_bt = jnp.ones((b, t), jnp.int32)
             fused = attention_impl(self.attention_impl, b) == "flash"
 
-            def make_mask():  # [B, 1, T, T]: causal and inside the same packed document
+            def make_mask():  # ([B, 1, T, T] causal inside each packed document, or the segment ids; the ids)
                 if fused:  # the kernel masks from the segment ids themselves
-                    return segment_ids_bt
+                    return segment_ids_bt, segment_ids_bt
                 causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
                 same_doc = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-                return (same_doc & causal[None])[:, None]
+                return (same_doc & causal[None])[:, None], segment_ids_bt
 
             token_mask = segment_ids_bt != 0
 
@@ -458,8 +481,8 @@ class Transformer(nnx.Module):
     def _scanned(self, x, make, routing_state, *, drop_tokens, **kw):
         """The scanned layout: ``jax.lax.scan`` over the prefix stack and over the whole groups
         (each iteration runs one group's blocks in order), then the tail unrolled. MoE layer j's
-        routing-state row and statistics stay row j of [L_moe, ...] (groups first, then the tail's
-        MoE block)."""
+        routing-state row and statistics stay row j of [L_moe, ...] (layer order: the groups' MoE
+        blocks, group by group, then the tail's)."""
         layout = self.layout
         rest = (kw["token_mask"], None, kw["cache_index"], kw["step_key"])
 
@@ -477,27 +500,40 @@ class Transformer(nnx.Module):
 
             x, _ = jax.lax.scan(prefix_body, x, (state, jnp.asarray(layout.prefix, jnp.int32)))
         stats = []
+        moe_rows = 0  # routing-state rows used so far (MoE layers in layer order)
         if layout.groups:
             g = layout.num_groups
             parts = [nnx.split(stack) for stack in self.groups]
             fns = [_block_fn(gd, self.remat, drop_tokens) for gd, _ in parts]
-            rs_groups = None if routing_state is None else {k: v[:g] for k, v in routing_state.items()}
+            moe_pos = [j for j, stack in enumerate(self.groups) if stack.is_moe]  # MoE positions of the pattern
+            m = len(moe_pos)
+            rs_groups = None
+            if routing_state is not None and m:  # group k's MoE layers are rows k * m .. k * m + m - 1
+                rs_groups = {k: v[: g * m].reshape(g, m, *v.shape[1:]) for k, v in routing_state.items()}
 
-            def group_body(x, xs):  # position 0 is the group's MoE block, the rest dense
+            def group_body(x, xs):  # the pattern's blocks in order; statistics of its MoE blocks
                 states, layers, rs = xs
-                x, moe_stats, _ = run(fns[0], states[0], x, layers[0], rs)
-                for j in range(1, len(fns)):
-                    x = run(fns[j], states[j], x, layers[j], None)[0]
-                return x, moe_stats
+                group_stats = []
+                for j in range(len(fns)):
+                    rs_j = None if rs is None or j not in moe_pos else {k: v[moe_pos.index(j)] for k, v in rs.items()}
+                    x, s_j, _ = run(fns[j], states[j], x, layers[j], rs_j)
+                    if s_j is not None:
+                        group_stats.append(s_j)
+                return x, (jax.tree.map(lambda *a: jnp.stack(a), *group_stats) if group_stats else None)
 
-            layers = jnp.asarray(layout.groups, jnp.int32)  # [moe_every, G]
+            layers = jnp.asarray(layout.groups, jnp.int32)  # [P, G]
             x, group_stats = jax.lax.scan(group_body, x, ([st for _, st in parts], list(layers), rs_groups))
-            stats.append(group_stats)
+            if group_stats is not None:  # [G, m, ...] -> [G * m, ...]: layer order
+                stats.append(jax.tree.map(lambda a: a.reshape(g * m, *a.shape[2:]), group_stats))
+            moe_rows = g * m
         if layout.tail:
-            rs = None if routing_state is None else {k: v[layout.num_groups] for k, v in routing_state.items()}
             for j, i in enumerate(layout.tail):
+                rs = None
+                if routing_state is not None and self.tail[j].is_moe:
+                    rs = {k: v[moe_rows] for k, v in routing_state.items()}
+                    moe_rows += 1
                 graphdef, state = nnx.split(self.tail[j])
-                x, s_i, _ = run(_block_fn(graphdef, self.remat, drop_tokens), state, x, i, rs if j == 0 else None)
+                x, s_i, _ = run(_block_fn(graphdef, self.remat, drop_tokens), state, x, i, rs)
                 if s_i is not None:
                     stats.append(jax.tree.map(lambda a: a[None], s_i))
         moe = jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
@@ -561,7 +597,13 @@ def cache_bytes_per_token(model_cfg, dtype: Any = None) -> int:
 def init_cache(model: Transformer, batch: int, length: int, dtype: Any = None) -> KVCache:
     """Zeroed generation cache, one dict per layer: ``{"k", "v"}`` of shape [B, S, G, Hd]
     (``model.attention=gqa``), or ``{"kv": [B, S, kv_lora_rank], "k_rope": [B, S, qk_rope_head_dim]}``
-    (``mla``: :class:`MLAttention`). Bytes per token: :func:`cache_bytes_per_token`."""
+    (``mla``: :class:`MLAttention`); a Gated DeltaNet layer (``model.layer_types``) holds its
+    states instead, of a size independent of S: ``{"conv": [B, W-1, C], "state": [B, Hv, K, V]}``
+    (float32 state; :meth:`~moefast.model.gated_deltanet.GatedDeltaNet.init_cache`). Bytes per
+    token of an attention layer: :func:`cache_bytes_per_token`."""
     dtype = dtype or model.dtype
-    return [{k: jnp.zeros((batch, length, *w), dtype) for k, w in model.cache_widths}
-            for _ in range(model.num_layers)]
+    conv, state = model.linear_cache_shapes
+    return [{"conv": jnp.zeros((batch, *conv), dtype), "state": jnp.zeros((batch, *state), jnp.float32)}
+            if kind == "linear_attention" else
+            {k: jnp.zeros((batch, length, *w), dtype) for k, w in model.cache_widths}
+            for kind in model.layer_kinds]

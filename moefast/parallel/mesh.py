@@ -58,6 +58,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "expert": "expert",
     "router": None,  # the router's expert dimension: every device routes over all experts
     "norm": None,
+    "conv": None,  # the taps of Gated DeltaNet's short causal convolution
     "layers": None,  # the stacked axis of scanned blocks (model.scan_layers): never split
 }
 
