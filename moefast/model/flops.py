@@ -24,6 +24,15 @@ The convention is PaLM's (Chowdhery et al. 2022, appendix B): training FLOPs per
   nothing. With MLA the term is ``6 * L * H * (Hd_qk + Hv) * T``, Hd_qk = ``qk_nope_head_dim +
   qk_rope_head_dim`` and Hv = ``v_head_dim`` (the training path's expanded heads).
 
+Gated DeltaNet layers (``model.layer_types``; :mod:`moefast.model.gated_deltanet`) replace the
+attention projections by their own (``in_proj`` ``D * (C + 2 * Hv * V + 2 * Hv)``, the depthwise
+convolution's ``W * C`` taps, ``out`` ``Hv * V * D``; C = ``2 * Hk * K + Hv * V``) and the attention
+term by the chunked gated delta rule's work per token and value head, forward
+``6 * K * V + c * (5 * K + 3 * V)`` at chunk c = 64 (reading and writing the K x V state: 3 products;
+the chunk's key-key and query-key products, the unit-triangular solve for the keys and values,
+and the intra-chunk weighted values: Yang et al. 2024, arXiv:2412.06464, sec. 3.3, the WY/UT form),
+times 3 for training; it does not grow with T.
+
 Multi-token prediction (``model.mtp_depth`` = D; DeepSeek-V3, arXiv 2412.19437, sec. 2.2): each
 module adds its projection ``M_k`` (``2 * D * D``), one block (attention, and the router and
 ``top_k`` experts of an MoE block or the dense SwiGLU) and one more pass through the shared LM head
@@ -82,21 +91,27 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
     attn = d * qkv + m.num_heads * m.head_dim * d
     attn += {"none": 0, "qkv": qkv, "all": qkv + d}[m.attention_bias]
     attn += {"none": 0, "per_head": 2 * m.head_dim, "full": (m.num_heads + m.kv_heads) * m.head_dim}[m.qk_norm]
+    if m.attention_output_gate:
+        attn += d * m.num_heads * m.head_dim
     norms = 2 * d
     if m.attention == "mla":
         attn, mla_norms = _mla_params(m)
         norms += mla_norms
+    n_linear = sum(m.layer_type(i) == "linear_attention" for i in range(m.num_layers))
+    n_full = m.num_layers - n_linear
+    linear_weights, linear_other = _linear_params(m)
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     n_dense = m.num_layers - n_moe
     expert = 3 * d * f
     dense = 3 * d * m.dense_ff
     shared = 3 * d * e.shared_expert_d_ff + (d if e.shared_expert_d_ff and e.shared_expert_gate else 0)
     experts = n_moe * e.num_experts * expert
-    layers_total = m.num_layers * (attn + norms) + n_moe * (d * e.num_experts + shared) + experts + n_dense * dense
+    mixers_total = n_full * attn + n_linear * (linear_weights + linear_other)
+    layers_total = mixers_total + m.num_layers * norms + n_moe * (d * e.num_experts + shared) + experts + n_dense * dense
     embed = v * d
     total = layers_total + embed + d + (0 if m.tie_embeddings else embed)  # + final norm
-    active = (m.num_layers * attn + n_moe * (d * e.num_experts + e.top_k * expert + shared) + n_dense * dense
-              + embed)
+    active = (n_full * attn + n_linear * linear_weights + n_moe * (d * e.num_experts + e.top_k * expert + shared)
+              + n_dense * dense + embed)
     if m.mtp_depth:  # DeepSeek-V3 sec. 2.2: M_k, one block, three norms; the head is shared (active once more)
         if n_moe:
             block_total = attn + norms + d * e.num_experts + shared + e.num_experts * expert
@@ -108,6 +123,24 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
         active += m.mtp_depth * (2 * d * d + block_active + embed)
     return ParamCounts(total=total, active=active,
                        active_with_embedding=active + (0 if m.tie_embeddings else embed), experts=experts)
+
+
+def _linear_params(m) -> tuple[int, int]:
+    """(weights a token multiplies by: projections and conv taps; other parameters: A_log, dt_bias,
+    the output norm) of one Gated DeltaNet block."""
+    c = 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim
+    hv, vd = m.linear_num_value_heads, m.linear_value_head_dim
+    weights = m.d_model * (c + hv * vd + 2 * hv) + m.linear_conv_kernel_dim * c + hv * vd * m.d_model
+    return weights, 2 * hv + vd
+
+
+DELTA_RULE_CHUNK = 64  # the chunk of the gated delta rule's chunked form, for its FLOP count
+
+
+def _delta_rule_flops(m) -> int:
+    """Forward FLOPs per token of one Gated DeltaNet layer's recurrence (module docstring)."""
+    k, v, c = m.linear_key_head_dim, m.linear_value_head_dim, DELTA_RULE_CHUNK
+    return m.linear_num_value_heads * (6 * k * v + c * (5 * k + 3 * v))
 
 
 def _mla_params(m) -> tuple[int, int]:
@@ -144,7 +177,9 @@ def model_flops_per_token(cfg: ExperimentConfig, vocab_size: int | None = None, 
     m = cfg.model
     t = cfg.data.seq_len if seq_len is None else seq_len
     n_active = param_counts(cfg, vocab_size).active
-    layers = m.num_layers + m.mtp_depth  # each MTP module has one more attention layer
+    n_linear = sum(m.layer_type(i) == "linear_attention" for i in range(m.num_layers))
+    linear = 3 * n_linear * _delta_rule_flops(m)
+    layers = m.num_layers - n_linear + m.mtp_depth  # attention layers; each MTP module has one more
     if m.attention == "mla":  # scores over Hd_qk features, weighted values over Hv: 6 * L * H * (Hd_qk + Hv) * T
-        return float(6 * n_active + 6 * layers * m.num_heads * sum(attention_widths(m)) * t)
-    return float(6 * n_active + 12 * layers * m.num_heads * m.head_dim * t)
+        return float(6 * n_active + 6 * layers * m.num_heads * sum(attention_widths(m)) * t + linear)
+    return float(6 * n_active + 12 * layers * m.num_heads * m.head_dim * t + linear)

@@ -56,8 +56,12 @@ def test_param_counts_equal_the_built_model():
     [*MLA, "model.num_kv_heads=4"], [*MLA, "model.num_kv_heads=4", "model.q_lora_rank=0"],
     ["model.mtp_depth=2", "moe.shared_expert_d_ff=48"],
     ["model.mtp_depth=1", "model.num_dense_layers=3"],  # no MoE layer: a dense MTP block
+    ["model.layer_types=[linear_attention,linear_attention,full_attention]", "model.attention_output_gate=true",
+     "model.zero_centered_norm=true", "model.qk_norm=per_head", "model.linear_num_key_heads=2",
+     "model.linear_num_value_heads=4", "model.linear_key_head_dim=8", "model.linear_value_head_dim=12",
+     "moe.shared_expert_d_ff=48"],  # Qwen3-Next / Qwen3.5: Gated DeltaNet blocks beside gated attention
 ], ids=["qkv-bias-per-head-norm", "all-bias-full-norm", "mla-q-lora", "mla-direct-q", "mtp2-shared",
-        "mtp1-dense"])
+        "mtp1-dense", "hybrid-deltanet"])
 def test_param_counts_cover_the_hf_family_options(extra):
     cfg = load_config(None, ["model.vocab_size=300", "model.num_dense_layers=1", "model.num_layers=3",
                              "model.num_kv_heads=2", *extra])
