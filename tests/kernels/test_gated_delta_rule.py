@@ -1,0 +1,263 @@
+"""The gated delta rule: the recurrence against a NumPy float64 loop, and the chunked form and the
+Pallas kernel (interpreted on CPU; lowered for CUDA) against the recurrence, outputs, final states
+and gradients, over packed documents.
+
+Shapes are small and T is never a multiple of the chunk (16 here, plus one case of 64), so every
+run pads its last chunk; documents start inside chunks and on chunk edges.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moefast.kernels.gated_delta_rule import (IMPLS, gated_delta_rule, gated_delta_rule_chunked,
+                                              gated_delta_rule_reference, resolve)
+
+# Float32 math everywhere; the forms differ only in summation order (and exp(sum) vs prod(exp)).
+FWD_TOL = dict(rtol=1e-5, atol=1e-5)
+GRAD_TOL = dict(rtol=1e-4, atol=2e-5)  # atol relative to max |grad|
+
+
+def make_inputs(b=2, t=37, h=2, kd=8, vd=16, seed=0, dtype=jnp.float32):
+    """q, k (L2-normalised), v, g (log decay in [-1.5, 0], a few exactly 0), beta in (0, 1), and a
+    random float32 initial state."""
+    rng = np.random.default_rng(seed)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q = unit(rng.normal(size=(b, t, h, kd)))
+    k = unit(rng.normal(size=(b, t, h, kd)))
+    v = rng.normal(size=(b, t, h, vd))
+    g = -rng.uniform(0.0, 1.5, size=(b, t, h)) * (rng.uniform(size=(b, t, h)) > 0.1)
+    beta = rng.uniform(0.02, 0.98, size=(b, t, h))
+    s0 = rng.normal(size=(b, h, kd, vd))
+    cast = lambda x: jnp.asarray(x, dtype)
+    return (cast(q), cast(k), cast(v), cast(g), cast(beta)), jnp.asarray(s0, jnp.float32)
+
+
+def numpy_recurrence(q, k, v, g, beta, segment_ids=None, initial_state=None, scale=None):
+    """The recurrence of transformers' ``torch_recurrent_gated_delta_rule`` in float64 loops, with
+    the state zeroed wherever the segment id changes."""
+    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
+    b, t, h, kd = q.shape
+    vd = v.shape[-1]
+    scale = kd ** -0.5 if scale is None else scale
+    o = np.zeros((b, t, h, vd))
+    final = np.zeros((b, h, kd, vd))
+    for bi in range(b):
+        for hi in range(h):
+            s = np.zeros((kd, vd)) if initial_state is None else np.asarray(initial_state, np.float64)[bi, hi].copy()
+            for ti in range(t):
+                if segment_ids is not None and ti > 0 and segment_ids[bi, ti] != segment_ids[bi, ti - 1]:
+                    s = np.zeros((kd, vd))
+                s = s * np.exp(g[bi, ti, hi])
+                kv = k[bi, ti, hi] @ s
+                delta = beta[bi, ti, hi] * (v[bi, ti, hi] - kv)
+                s = s + np.outer(k[bi, ti, hi], delta)
+                o[bi, ti, hi] = (q[bi, ti, hi] * scale) @ s
+            final[bi, hi] = s
+    return o, final
+
+
+def assert_close(got, want, tol=FWD_TOL, err_msg=""):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=err_msg, **tol)
+
+
+def assert_close_grads(got, want, names=("q", "k", "v", "g", "beta", "initial_state")):
+    for name, a, e in zip(names, got, want):
+        a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+        assert a.shape == e.shape, name
+        np.testing.assert_allclose(a, e, rtol=GRAD_TOL["rtol"], atol=GRAD_TOL["atol"] * max(1.0, np.abs(e).max()),
+                                   err_msg=f"d/d{name}")
+
+
+def packed_row_segments(t):
+    """Two rows of packed documents for T = 70 and chunks of 16: row 0 holds four documents
+    (ids 3, 7, 3, 9: a repeated id still starts a new document) starting at 0, 16 (a chunk edge),
+    41 and 45 (inside one chunk: a 4-token document), row 1 two documents starting at 0 and 33."""
+    assert t == 70
+    starts = [[0, 16, 41, 45], [0, 33]]
+    ids = [[3, 7, 3, 9], [1, 2]]
+    seg = np.zeros((2, t), np.int32)
+    for r in range(2):
+        for s, e, i in zip(starts[r], starts[r][1:] + [t], ids[r]):
+            seg[r, s:e] = i
+    return starts, seg
+
+
+def documents_alone(inputs, s0, starts, t):
+    """Each document of the packed rows left-aligned in a row of its own (no segment ids): tokens
+    after it have g = 0 and beta = 0, which leave the state as the document left it. The initial
+    state goes to each row's first document only."""
+    q, k, v, g, beta = inputs
+    rows, state, where = [[] for _ in range(5)], [], []
+    for r, row_starts in enumerate(starts):
+        ends = row_starts[1:] + [t]
+        for d, (s, e) in enumerate(zip(row_starts, ends)):
+            for out, x, keep in zip(rows, (q, k, v, g, beta), (True, True, True, False, False)):
+                doc = x[r, s:e]
+                rest = x[r, : t - (e - s)] if keep else jnp.zeros_like(x[r, : t - (e - s)])
+                out.append(jnp.concatenate([doc, rest], axis=0))
+            state.append(s0[r] if d == 0 else jnp.zeros_like(s0[r]))
+            where.append((r, s, e, d == len(row_starts) - 1))
+    return tuple(jnp.stack(x) for x in rows), jnp.stack(state), where
+
+
+def run(fn, *args):
+    return jax.jit(fn)(*args)
+
+
+def with_vjp(fn, seed=3):
+    """``args -> ((o, final_state), grads of <(o, final_state), random cotangents> w.r.t. args)``."""
+    def f(*args):
+        out, vjp = jax.vjp(fn, *args)
+        rng = np.random.default_rng(seed)
+        cot = tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in out)
+        return out, vjp(cot)
+    return f
+
+
+# ---- the recurrence ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_reference_equals_numpy_float64_loop(segmented):
+    inputs, s0 = make_inputs(b=2, t=70, seed=1)
+    _, seg = packed_row_segments(70)
+    seg = jnp.asarray(seg) if segmented else None
+    o, s = run(lambda *a: gated_delta_rule_reference(*a, segment_ids=seg, initial_state=s0, scale=0.3), *inputs)
+    o_np, s_np = numpy_recurrence(*inputs, segment_ids=None if seg is None else np.asarray(seg),
+                                  initial_state=s0, scale=0.3)
+    assert o.dtype == jnp.float32 and s.dtype == jnp.float32
+    assert_close(o, o_np, err_msg="o")
+    assert_close(s, s_np, err_msg="final_state")
+
+
+def test_reference_default_scale_and_zero_initial_state():
+    inputs, _ = make_inputs(b=1, t=9, h=3, kd=4, vd=5, seed=2)
+    o, s = gated_delta_rule_reference(*inputs)
+    o_np, s_np = numpy_recurrence(*inputs)  # scale K**-0.5, zero state
+    assert_close(o, o_np)
+    assert_close(s, s_np)
+
+
+# ---- the chunked form ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t,chunk,with_state", [(37, 16, False), (37, 16, True), (70, 64, True), (1, 16, True),
+                                                (37, 5, False)])
+def test_chunked_equals_reference(t, chunk, with_state):
+    inputs, s0 = make_inputs(t=t, seed=t + chunk)
+    kw = dict(initial_state=s0 if with_state else None)
+    (o, s), (o_ref, s_ref) = run(lambda *a: (gated_delta_rule_chunked(*a, chunk_size=chunk, **kw),
+                                             gated_delta_rule_reference(*a, **kw)), *inputs)
+    assert o.shape == inputs[2].shape and s.shape == s0.shape
+    assert_close(o, o_ref, err_msg="o")
+    assert_close(s, s_ref, err_msg="final_state")
+
+
+def test_packed_documents_chunked():
+    """Documents packed in a row give exactly what each gives alone, with boundaries on a chunk edge
+    and inside a chunk; and the packed rows equal the recurrence."""
+    t = 70
+    inputs, s0 = make_inputs(t=t, seed=5)
+    starts, seg = packed_row_segments(t)
+    alone, alone_s0, where = documents_alone(inputs, s0, starts, t)
+    fn = functools.partial(gated_delta_rule_chunked, chunk_size=16)
+    (o, s), (o1, s1), (o_ref, s_ref) = run(
+        lambda a, b: (fn(*a, segment_ids=jnp.asarray(seg), initial_state=s0), fn(*b, initial_state=alone_s0),
+                      gated_delta_rule_reference(*a, segment_ids=jnp.asarray(seg), initial_state=s0)),
+        inputs, alone)
+    check_packed(o, s, o1, s1, where)
+    assert_close(o, o_ref)
+    assert_close(s, s_ref)
+
+
+def check_packed(o, s, o_alone, s_alone, where):
+    for i, (r, start, end, last) in enumerate(where):
+        assert_close(o[r, start:end], o_alone[i, : end - start], err_msg=f"row {r}, document at {start}")
+        if last:
+            assert_close(s[r], s_alone[i], err_msg=f"final state of row {r}")
+
+
+def test_chunked_gradients_equal_reference():
+    t = 37
+    inputs, s0 = make_inputs(t=t, seed=7)
+    seg = jnp.asarray(np.where(np.arange(t) < 20, 0, 1)[None].repeat(2, 0), jnp.int32)  # a start inside chunk 1
+    fns = [lambda q, k, v, g, beta, s, fn=fn, kw=kw: fn(q, k, v, g, beta, segment_ids=seg, initial_state=s, **kw)
+           for fn, kw in ((gated_delta_rule_chunked, dict(chunk_size=16)), (gated_delta_rule_reference, {}))]
+    (out, grads), (out_ref, grads_ref) = run(lambda *a: (with_vjp(fns[0])(*a), with_vjp(fns[1])(*a)), *inputs, s0)
+    assert_close(out[0], out_ref[0])
+    assert_close_grads(grads, grads_ref)
+
+
+def test_bfloat16_inputs():
+    """Any float dtype in; o in v's dtype, the state float32, the math float32 (compared with the
+    recurrence on the same bfloat16 values upcast)."""
+    inputs, s0 = make_inputs(t=21, seed=8, dtype=jnp.bfloat16)
+    o, s = run(lambda *a: gated_delta_rule(*a, initial_state=s0, impl="chunked", chunk_size=16), *inputs)
+    o_ref, s_ref = numpy_recurrence(*inputs, initial_state=s0)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(o, np.float32), o_ref, rtol=1e-2, atol=2e-2)  # o rounded to bfloat16
+    assert_close(s, s_ref)
+
+
+# ---- the public entry point ----------------------------------------------------------------------
+
+
+def test_auto_follows_the_target_platform():
+    assert resolve("auto", "gpu") == ("pallas" if "pallas" in IMPLS else "chunked")  # stage 1: no kernel yet
+    assert resolve("auto", "cpu") == "chunked"
+    assert resolve("auto") == "chunked"  # this CPU machine
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices("cpu")[:1], axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        assert resolve("auto") == "chunked"
+    with pytest.raises(ValueError, match="impl"):
+        resolve("fast")
+
+
+def test_impls_agree_through_the_entry_point():
+    inputs, s0 = make_inputs(t=19, seed=9)
+    outs = {impl: gated_delta_rule(*inputs, initial_state=s0, impl=impl, chunk_size=16)
+            for impl in IMPLS if impl != "pallas"}
+    for impl, (o, s) in outs.items():
+        assert_close(o, outs["reference"][0], err_msg=impl)
+        assert_close(s, outs["reference"][1], err_msg=impl)
+
+
+def _bad_cases():
+    (q, k, v, g, beta), s0 = make_inputs(b=2, t=5, h=2, kd=4, vd=6)
+    seg = jnp.zeros((2, 5), jnp.int32)
+    good = dict(q=q, k=k, v=v, g=g, beta=beta)
+    return good, [
+        (dict(q=q[0]), {}, "q must"),
+        (dict(q=q[:, :0], k=k[:, :0], v=v[:, :0], g=g[:, :0], beta=beta[:, :0]), {}, "q must"),
+        (dict(q=q.astype(jnp.int32)), {}, "q must"),
+        (dict(k=k[..., :3]), {}, "k must"),
+        (dict(k=k[:, :, :1]), {}, "k must"),
+        (dict(v=v[:, :4]), {}, "v must"),
+        (dict(v=v[:, :, :1]), {}, "v must"),
+        (dict(g=g[..., None]), {}, "g must"),
+        (dict(beta=beta[:, :4]), {}, "beta must"),
+        (dict(beta=beta.astype(jnp.int32)), {}, "beta must"),
+        ({}, dict(segment_ids=seg[:, :4]), "segment_ids must"),
+        ({}, dict(segment_ids=seg.astype(jnp.float32)), "segment_ids must"),
+        ({}, dict(initial_state=s0[:, :, :, :5]), "initial_state must"),
+        ({}, dict(initial_state=s0[0]), "initial_state must"),
+        ({}, dict(scale="0.5"), "scale must"),
+        ({}, dict(chunk_size=0, impl="chunked"), "chunk_size must"),
+        ({}, dict(chunk_size=16.0, impl="chunked"), "chunk_size must"),
+        ({}, dict(impl="fast"), "impl"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_cases()[1])))
+def test_bad_arguments_raise_value_error_naming_them(case):
+    good, cases = _bad_cases()
+    arrays, kw, match = cases[case]
+    args = {**good, **arrays}
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(lambda a: gated_delta_rule(**a, **kw), args)
