@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moefast.kernels.gated_delta_rule import gated_delta_rule
 from moefast.model.norm import gated_rms_norm
 from moefast.parallel.precision import dense
 
@@ -126,8 +127,6 @@ class GatedDeltaNet(nnx.Module):
             q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...])[None, None] * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...][None, None])
-        from moefast.kernels.gated_delta_rule import gated_delta_rule  # TEMP until the kernel lands
-
         o, state = gated_delta_rule(q, k, v, g, beta, segment_ids=None if cache is not None else segment_ids_bt,
                                     initial_state=None if cache is None else cache["state"], impl=self.impl)
         o = gated_rms_norm(o, z.reshape(b, t, hv, vd), self.norm[...], self.norm_eps, self.dtype)
