@@ -28,13 +28,14 @@ import jax
 
 from ..platform import target_platform
 from .chunked import check_chunk_size, gated_delta_rule_chunked
+from .ops import gated_delta_rule_pallas
 from .reference import gated_delta_rule_reference, validate
 
-__all__ = ["IMPLS", "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_reference", "resolve",
-           "validate"]
+__all__ = ["IMPLS", "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_pallas",
+           "gated_delta_rule_reference", "resolve", "validate"]
 
-IMPLS = ("reference", "chunked", "auto")
-Impl = Literal["reference", "chunked", "auto"]
+IMPLS = ("reference", "chunked", "pallas", "auto")
+Impl = Literal["reference", "chunked", "pallas", "auto"]
 
 
 def resolve(impl: str, platform: str | None = None) -> str:
@@ -48,7 +49,7 @@ def resolve(impl: str, platform: str | None = None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"gated delta rule impl={impl!r} is not one of {IMPLS}")
     if impl == "auto":
-        return "pallas" if (platform or target_platform()) == "gpu" and "pallas" in IMPLS else "chunked"
+        return "pallas" if (platform or target_platform()) == "gpu" else "chunked"
     return impl
 
 
@@ -92,5 +93,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     kw = dict(segment_ids=segment_ids, initial_state=initial_state, scale=scale)
     if impl == "reference":
         return gated_delta_rule_reference(q, k, v, g, beta, **kw)
+    if impl == "pallas":
+        return gated_delta_rule_pallas(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **kw)
     check_chunk_size(chunk_size)
     return gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kw)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from moefast.kernels.gated_delta_rule import (IMPLS, gated_delta_rule, gated_delta_rule_chunked,
-                                              gated_delta_rule_reference, resolve)
+                                              gated_delta_rule_pallas, gated_delta_rule_reference, resolve)
 
 # Float32 math everywhere; the forms differ only in summation order (and exp(sum) vs prod(exp)).
 FWD_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -205,12 +205,123 @@ def test_bfloat16_inputs():
     assert_close(s, s_ref)
 
 
+# ---- the Pallas kernel (interpreted here; lowered for CUDA) --------------------------------------
+
+pallas_interpret = functools.partial(gated_delta_rule_pallas, interpret=True)
+
+
+@pytest.mark.parametrize("t,kd,vd,chunk,dtype", [
+    (37, 8, 16, 16, jnp.float32),  # padded last chunk; K and V padded to 16 for the kernel
+    (70, 12, 20, 64, jnp.float32),  # one 64-token chunk and a padded one; widths not powers of two
+    (1, 8, 8, 16, jnp.float32),  # one token
+    (21, 16, 16, 16, jnp.bfloat16),  # bfloat16 in and out, float32 inside
+])
+def test_pallas_interpret_equals_chunked(t, kd, vd, chunk, dtype):
+    inputs, s0 = make_inputs(t=t, kd=kd, vd=vd, seed=t + kd, dtype=dtype)
+    (o, s), (o_c, s_c), (o_ref, s_ref) = run(
+        lambda *a: (pallas_interpret(*a, initial_state=s0, chunk_size=chunk, scale=0.4),
+                    gated_delta_rule_chunked(*a, initial_state=s0, chunk_size=chunk, scale=0.4),
+                    gated_delta_rule_reference(*a, initial_state=s0, scale=0.4)), *inputs)
+    assert o.dtype == dtype and o.shape == inputs[2].shape and s.dtype == jnp.float32 and s.shape == s0.shape
+    if dtype == jnp.bfloat16:  # outputs rounded to bfloat16: at most an ulp apart
+        np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_c, np.float32), rtol=1e-2, atol=1e-2)
+    else:
+        assert_close(o, o_c, err_msg="o vs chunked")
+        assert_close(o, o_ref, err_msg="o vs reference")
+    assert_close(s, s_c, err_msg="final_state vs chunked")
+    assert_close(s, s_ref, err_msg="final_state vs reference")
+
+
+def test_packed_documents_pallas():
+    t = 70
+    inputs, s0 = make_inputs(t=t, seed=11)
+    starts, seg = packed_row_segments(t)
+    alone, alone_s0, where = documents_alone(inputs, s0, starts, t)
+    fn = functools.partial(pallas_interpret, chunk_size=16)
+    (o, s), (o1, s1), (o_ref, s_ref) = run(
+        lambda a, b: (fn(*a, segment_ids=jnp.asarray(seg), initial_state=s0), fn(*b, initial_state=alone_s0),
+                      gated_delta_rule_reference(*a, segment_ids=jnp.asarray(seg), initial_state=s0)),
+        inputs, alone)
+    check_packed(o, s, o1, s1, where)
+    assert_close(o, o_ref)
+    assert_close(s, s_ref)
+
+
+def test_pallas_gradients_equal_reference():
+    t = 37
+    inputs, s0 = make_inputs(t=t, kd=8, vd=16, seed=13)
+    seg = jnp.asarray(np.stack([np.where(np.arange(t) < 16, 4, 5), np.where(np.arange(t) < 27, 0, 1)]), jnp.int32)
+    fns = [lambda q, k, v, g, beta, s, fn=fn, kw=kw: fn(q, k, v, g, beta, segment_ids=seg, initial_state=s, **kw)
+           for fn, kw in ((pallas_interpret, dict(chunk_size=16)), (gated_delta_rule_reference, {}))]
+    (out, grads), (out_ref, grads_ref) = run(lambda *a: (with_vjp(fns[0])(*a), with_vjp(fns[1])(*a)), *inputs, s0)
+    assert_close(out[0], out_ref[0])
+    assert_close(out[1], out_ref[1])
+    assert_close_grads(grads, grads_ref)
+
+
+def test_pallas_lowers_for_cuda_from_cpu():
+    """The compiled path (``interpret=False``) lowers to one Triton kernel at a realistic head size
+    (K = V = 128, chunks of 64, bfloat16 inputs, packed documents), forward and gradient (the loss
+    needs o, so the gradient program runs the kernel once; its backward is the chunked form's VJP:
+    a triangular solve, no second kernel). This checks the Pallas -> Triton IR lowering
+    (power-of-two tensors, supported primitives) on a CPU-only jaxlib; compiling the Triton IR to
+    PTX needs a GPU toolchain."""
+    b, t, h, kd, vd = 2, 300, 4, 128, 128
+    sd = jax.ShapeDtypeStruct
+    args = (sd((b, t, h, kd), jnp.bfloat16), sd((b, t, h, kd), jnp.bfloat16), sd((b, t, h, vd), jnp.bfloat16),
+            sd((b, t, h), jnp.float32), sd((b, t, h), jnp.float32), sd((b, t), jnp.int32), sd((b, h, kd, vd), jnp.float32))
+
+    def fwd(q, k, v, g, beta, seg, s0):
+        return gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=s0, impl="pallas", chunk_size=64,
+                                interpret=False)
+
+    def loss(q, k, v, g, beta, seg, s0):
+        o, s = fwd(q, k, v, g, beta, seg, s0)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s)
+
+    lower = lambda fn: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert lower(fwd).count("__gpu$xla.gpu.triton") == 1
+    grad_text = lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)))
+    assert grad_text.count("__gpu$xla.gpu.triton") == 1 and "triangular_solve" in grad_text
+
+
+def test_pallas_rejects_a_chunk_that_is_no_triton_block():
+    inputs, _ = make_inputs(t=5)
+    for chunk in (8, 24):
+        with pytest.raises(ValueError, match="chunk_size must be a power of two >= 16"):
+            jax.eval_shape(lambda *a: gated_delta_rule(*a, impl="pallas", chunk_size=chunk), *inputs)
+
+
+def test_document_start_after_strong_decay_keeps_float32_precision():
+    """A document of 50 tokens with log decay -20 per token, then one of 20 tokens in the same
+    64-token chunk: the cumulative decay reaches -1000 inside the chunk. The segmented cumulative
+    decay restarts at the second document, so its decays are exact; differences of chunk-wide
+    cumulative sums (a float32 ulp of 6e-5 at 1000) would be off by ~1e-4. Outputs, final state and
+    gradients (no inf or NaN from the masked exponentials) against the recurrence."""
+    t = 70
+    inputs, s0 = make_inputs(b=1, t=t, h=2, seed=17)
+    q, k, v, g, beta = inputs
+    g = jnp.where(jnp.arange(t)[None, :, None] < 50, -20.0, g * 0.1)
+    seg = jnp.asarray(np.where(np.arange(t) < 50, 0, 1)[None], jnp.int32)
+    fns = {name: (lambda q, k, v, g, beta, s, fn=fn: fn(q, k, v, g, beta, segment_ids=seg, initial_state=s, **kw))
+           for name, fn, kw in (("chunked", gated_delta_rule_chunked, dict(chunk_size=64)),
+                                ("pallas", pallas_interpret, dict(chunk_size=64)),
+                                ("reference", gated_delta_rule_reference, {}))}
+    args = (q, k, v, g, beta, s0)
+    outs = run(lambda *a: {name: fn(*a) for name, fn in fns.items()}, *args)
+    for name in ("chunked", "pallas"):
+        assert_close(outs[name][0], outs["reference"][0], err_msg=f"{name} o")
+        assert_close(outs[name][1], outs["reference"][1], err_msg=f"{name} final_state")
+    (_, grads), (_, grads_ref) = run(lambda *a: (with_vjp(fns["chunked"])(*a), with_vjp(fns["reference"])(*a)), *args)
+    assert all(np.isfinite(np.asarray(x)).all() for x in grads)
+    assert_close_grads(grads, grads_ref)
+
+
 # ---- the public entry point ----------------------------------------------------------------------
 
 
 def test_auto_follows_the_target_platform():
-    assert resolve("auto", "gpu") == ("pallas" if "pallas" in IMPLS else "chunked")  # stage 1: no kernel yet
-    assert resolve("auto", "cpu") == "chunked"
+    assert resolve("auto", "gpu") == "pallas" and resolve("auto", "cpu") == "chunked"
     assert resolve("auto") == "chunked"  # this CPU machine
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices("cpu")[:1], axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):
@@ -221,8 +332,7 @@ def test_auto_follows_the_target_platform():
 
 def test_impls_agree_through_the_entry_point():
     inputs, s0 = make_inputs(t=19, seed=9)
-    outs = {impl: gated_delta_rule(*inputs, initial_state=s0, impl=impl, chunk_size=16)
-            for impl in IMPLS if impl != "pallas"}
+    outs = {impl: gated_delta_rule(*inputs, initial_state=s0, impl=impl, chunk_size=16) for impl in IMPLS}
     for impl, (o, s) in outs.items():
         assert_close(o, outs["reference"][0], err_msg=impl)
         assert_close(s, outs["reference"][1], err_msg=impl)
