@@ -20,11 +20,14 @@ head and Vb of the V value columns. Per chunk, in float32 whatever the inputs' d
    ``S <- c_last e^{G_last} S + (k * m e^{G_last - G})^T delta``.
 
 Every product is a float32 ``dot`` at ``Precision.HIGHEST`` (IEEE on the Triton backend, not TF32),
-so the kernel equals the chunked jnp form to float32 rounding. Compiled through the Pallas Triton
-backend (``plt.CompilerParams``; deprecated since jax 0.11 in favour of Mosaic GPU, still shipped);
-``interpret=True`` runs it in the Pallas interpreter on CPU. The kernel has been lowered for CUDA
-from a CPU machine; it has not been compiled to PTX or timed on a GPU here (block sizes and warps
-are untuned guesses).
+so the kernel equals the chunked jnp form to float32 rounding; Triton then emits them as float32
+FMAs, not tensor-core MMAs (a TF32 or bfloat16 product mode would be faster and less exact).
+Compiled through the Pallas Triton backend (``plt.CompilerParams``; deprecated since jax 0.11 in
+favour of Mosaic GPU, still shipped); ``interpret=True`` runs it in the Pallas interpreter on CPU.
+Status: lowered for CUDA from a CPU machine (tested), and its Triton IR compiled by hand to an
+sm_90a cubin with triton 3.9 and ptxas 12.9 without a GPU; never run or timed on a GPU. The offline
+ptxas reports heavy register spills at K = V = 128 (as it does for the routing kernel, so the
+offline figures are not trusted); block sizes and warps are untuned guesses.
 """
 
 from __future__ import annotations

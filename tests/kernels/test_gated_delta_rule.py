@@ -205,58 +205,85 @@ def test_bfloat16_inputs():
     assert_close(s, s_ref)
 
 
-# ---- the Pallas kernel (interpreted here; lowered for CUDA) --------------------------------------
+# ---- the Pallas kernel: compiled on a GPU, interpreted here; lowered for CUDA --------------------
+
+
+class _PallasCases:
+    """The kernel's tests, shared by the compiled (GPU) and interpreted variants (jax's
+    ``gpu_ops_test`` style)."""
+
+    INTERPRET = False
+
+    def pallas(self, *args, **kw):
+        return gated_delta_rule_pallas(*args, interpret=self.INTERPRET, **kw)
+
+    @pytest.mark.parametrize("t,kd,vd,chunk,dtype", [
+        (37, 8, 16, 16, jnp.float32),  # padded last chunk; K and V padded to 16 for the kernel
+        (70, 12, 20, 64, jnp.float32),  # one 64-token chunk and a padded one; widths not powers of two
+        (1, 8, 8, 16, jnp.float32),  # one token
+        (21, 16, 16, 16, jnp.bfloat16),  # bfloat16 in and out, float32 inside
+    ])
+    def test_equals_chunked_and_reference(self, t, kd, vd, chunk, dtype):
+        inputs, s0 = make_inputs(t=t, kd=kd, vd=vd, seed=t + kd, dtype=dtype)
+        (o, s), (o_c, s_c), (o_ref, s_ref) = run(
+            lambda *a: (self.pallas(*a, initial_state=s0, chunk_size=chunk, scale=0.4),
+                        gated_delta_rule_chunked(*a, initial_state=s0, chunk_size=chunk, scale=0.4),
+                        gated_delta_rule_reference(*a, initial_state=s0, scale=0.4)), *inputs)
+        assert o.dtype == dtype and o.shape == inputs[2].shape and s.dtype == jnp.float32 and s.shape == s0.shape
+        if dtype == jnp.bfloat16:  # outputs rounded to bfloat16: at most an ulp apart
+            np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_c, np.float32), rtol=1e-2, atol=1e-2)
+        else:
+            assert_close(o, o_c, err_msg="o vs chunked")
+            assert_close(o, o_ref, err_msg="o vs reference")
+        assert_close(s, s_c, err_msg="final_state vs chunked")
+        assert_close(s, s_ref, err_msg="final_state vs reference")
+
+    def test_packed_documents(self):
+        t = 70
+        inputs, s0 = make_inputs(t=t, seed=11)
+        starts, seg = packed_row_segments(t)
+        alone, alone_s0, where = documents_alone(inputs, s0, starts, t)
+        fn = functools.partial(self.pallas, chunk_size=16)
+        (o, s), (o1, s1), (o_ref, s_ref) = run(
+            lambda a, b: (fn(*a, segment_ids=jnp.asarray(seg), initial_state=s0), fn(*b, initial_state=alone_s0),
+                          gated_delta_rule_reference(*a, segment_ids=jnp.asarray(seg), initial_state=s0)),
+            inputs, alone)
+        check_packed(o, s, o1, s1, where)
+        assert_close(o, o_ref)
+        assert_close(s, s_ref)
+
+    def test_gradients_equal_reference(self):
+        t = 37
+        inputs, s0 = make_inputs(t=t, kd=8, vd=16, seed=13)
+        seg = jnp.asarray(np.stack([np.where(np.arange(t) < 16, 4, 5), np.where(np.arange(t) < 27, 0, 1)]),
+                          jnp.int32)
+        fns = [lambda q, k, v, g, beta, s, fn=fn, kw=kw: fn(q, k, v, g, beta, segment_ids=seg, initial_state=s, **kw)
+               for fn, kw in ((self.pallas, dict(chunk_size=16)), (gated_delta_rule_reference, {}))]
+        (out, grads), (out_ref, grads_ref) = run(lambda *a: (with_vjp(fns[0])(*a), with_vjp(fns[1])(*a)),
+                                                 *inputs, s0)
+        assert_close(out[0], out_ref[0])
+        assert_close(out[1], out_ref[1])
+        assert_close_grads(grads, grads_ref)
+
+
+@pytest.mark.gpu
+class TestGatedDeltaRulePallas(_PallasCases):
+    """The compiled kernel (Pallas Triton backend)."""
+
+    INTERPRET = False
+
+    @pytest.fixture(autouse=True)
+    def _needs_gpu(self):
+        if jax.default_backend() != "gpu":
+            pytest.skip("the compiled Pallas kernel needs an NVIDIA GPU (Pallas Triton backend); "
+                        "TestGatedDeltaRulePallasInterpret runs the same tests in the Pallas interpreter")
+
+
+class TestGatedDeltaRulePallasInterpret(_PallasCases):
+    INTERPRET = True
+
 
 pallas_interpret = functools.partial(gated_delta_rule_pallas, interpret=True)
-
-
-@pytest.mark.parametrize("t,kd,vd,chunk,dtype", [
-    (37, 8, 16, 16, jnp.float32),  # padded last chunk; K and V padded to 16 for the kernel
-    (70, 12, 20, 64, jnp.float32),  # one 64-token chunk and a padded one; widths not powers of two
-    (1, 8, 8, 16, jnp.float32),  # one token
-    (21, 16, 16, 16, jnp.bfloat16),  # bfloat16 in and out, float32 inside
-])
-def test_pallas_interpret_equals_chunked(t, kd, vd, chunk, dtype):
-    inputs, s0 = make_inputs(t=t, kd=kd, vd=vd, seed=t + kd, dtype=dtype)
-    (o, s), (o_c, s_c), (o_ref, s_ref) = run(
-        lambda *a: (pallas_interpret(*a, initial_state=s0, chunk_size=chunk, scale=0.4),
-                    gated_delta_rule_chunked(*a, initial_state=s0, chunk_size=chunk, scale=0.4),
-                    gated_delta_rule_reference(*a, initial_state=s0, scale=0.4)), *inputs)
-    assert o.dtype == dtype and o.shape == inputs[2].shape and s.dtype == jnp.float32 and s.shape == s0.shape
-    if dtype == jnp.bfloat16:  # outputs rounded to bfloat16: at most an ulp apart
-        np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_c, np.float32), rtol=1e-2, atol=1e-2)
-    else:
-        assert_close(o, o_c, err_msg="o vs chunked")
-        assert_close(o, o_ref, err_msg="o vs reference")
-    assert_close(s, s_c, err_msg="final_state vs chunked")
-    assert_close(s, s_ref, err_msg="final_state vs reference")
-
-
-def test_packed_documents_pallas():
-    t = 70
-    inputs, s0 = make_inputs(t=t, seed=11)
-    starts, seg = packed_row_segments(t)
-    alone, alone_s0, where = documents_alone(inputs, s0, starts, t)
-    fn = functools.partial(pallas_interpret, chunk_size=16)
-    (o, s), (o1, s1), (o_ref, s_ref) = run(
-        lambda a, b: (fn(*a, segment_ids=jnp.asarray(seg), initial_state=s0), fn(*b, initial_state=alone_s0),
-                      gated_delta_rule_reference(*a, segment_ids=jnp.asarray(seg), initial_state=s0)),
-        inputs, alone)
-    check_packed(o, s, o1, s1, where)
-    assert_close(o, o_ref)
-    assert_close(s, s_ref)
-
-
-def test_pallas_gradients_equal_reference():
-    t = 37
-    inputs, s0 = make_inputs(t=t, kd=8, vd=16, seed=13)
-    seg = jnp.asarray(np.stack([np.where(np.arange(t) < 16, 4, 5), np.where(np.arange(t) < 27, 0, 1)]), jnp.int32)
-    fns = [lambda q, k, v, g, beta, s, fn=fn, kw=kw: fn(q, k, v, g, beta, segment_ids=seg, initial_state=s, **kw)
-           for fn, kw in ((pallas_interpret, dict(chunk_size=16)), (gated_delta_rule_reference, {}))]
-    (out, grads), (out_ref, grads_ref) = run(lambda *a: (with_vjp(fns[0])(*a), with_vjp(fns[1])(*a)), *inputs, s0)
-    assert_close(out[0], out_ref[0])
-    assert_close(out[1], out_ref[1])
-    assert_close_grads(grads, grads_ref)
 
 
 def test_pallas_lowers_for_cuda_from_cpu():
