@@ -14,7 +14,8 @@ Improving Mamba2 with Delta Rule", arXiv:2412.06464, eq. 10, exactly as transfor
 * ``"pallas"`` — :mod:`.pallas` (kernel) and :mod:`.ops` (custom VJP): one Pallas program per
   (row, head, value block) looping over the chunks with the state in registers. Compiled through
   the Pallas Triton backend on GPU; the Pallas interpreter on CPU (tests). Its backward pass is the
-  VJP of the chunked form recomputed from the saved inputs.
+  VJP of the chunked form recomputed from the saved inputs. Tested in the interpreter and lowered
+  for CUDA; not yet run or timed on a GPU.
 * ``"auto"`` — ``"pallas"`` when compiling for GPUs
   (:func:`~moefast.kernels.platform.target_platform`: the mesh's platform, not the host's),
   ``"chunked"`` elsewhere.

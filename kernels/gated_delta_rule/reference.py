@@ -23,6 +23,8 @@ its last segment. Only changes of id matter: ids 1, 2, 1 are three documents.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -65,8 +67,9 @@ def validate(q, k, v, g, beta, segment_ids=None, initial_state=None, scale=None)
     if initial_state is not None and (initial_state.shape != (b, h, kd, v.shape[3]) or not floating(initial_state)):
         raise ValueError(f"initial_state must be a float32 [B, H, K, V]={[b, h, kd, v.shape[3]]} array, got "
                          f"{initial_state.dtype}{list(initial_state.shape)}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise ValueError(f"scale must be a Python float or None (K**-0.5), got {scale!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise ValueError(f"scale must be a static real number (a Python or NumPy float) or None (K**-0.5), "
+                         f"got {scale!r}")
 
 
 def run_ids(segment_ids, b: int, t: int) -> jax.Array:

@@ -312,6 +312,34 @@ def test_pallas_lowers_for_cuda_from_cpu():
     assert grad_text.count("__gpu$xla.gpu.triton") == 1 and "triangular_solve" in grad_text
 
 
+def test_pallas_inside_shard_map():
+    """Rows split over a 2-device mesh with ``jax.shard_map``: the compiled kernel lowers for CUDA
+    with ``check_vma=True`` (its outputs declare the mesh axes they vary over); the interpreter
+    runs with ``check_vma=False`` and equals the chunked form, and refuses ``check_vma=True`` with a
+    clear error."""
+    from jax.sharding import AxisType, PartitionSpec as P
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2], axis_types=(AxisType.Auto,))
+    inputs, s0 = make_inputs(b=2, t=19, seed=21)
+    seg = jnp.asarray(np.where(np.arange(19) < 7, 0, 1)[None].repeat(2, 0), jnp.int32)
+    specs = dict(mesh=mesh, in_specs=(P("data"),) * 7, out_specs=(P("data"), P("data")))
+
+    def per_shard(fn, **kw):
+        return lambda q, k, v, g, beta, seg, s0: fn(q, k, v, g, beta, segment_ids=seg, initial_state=s0,
+                                                    chunk_size=16, **kw)
+
+    args = (*inputs, seg, s0)
+    got, want = run(lambda *a: (jax.shard_map(per_shard(pallas_interpret), check_vma=False, **specs)(*a),
+                                jax.shard_map(per_shard(gated_delta_rule_chunked), **specs)(*a)), *args)
+    for a, e in zip(got, want):
+        assert_close(a, e)
+    with pytest.raises(NotImplementedError, match="check_vma"):
+        jax.jit(jax.shard_map(per_shard(pallas_interpret), **specs)).trace(*args)
+    compiled = functools.partial(gated_delta_rule_pallas, interpret=False)
+    text = jax.jit(jax.shard_map(per_shard(compiled), **specs)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
 def test_pallas_rejects_a_chunk_that_is_no_triton_block():
     inputs, _ = make_inputs(t=5)
     for chunk in (8, 24):
