@@ -2,8 +2,10 @@
 Pallas kernel (interpreted on CPU; lowered for CUDA) against the recurrence, outputs, final states
 and gradients, over packed documents.
 
-Shapes are small and T is never a multiple of the chunk (16 here, plus one case of 64), so every
-run pads its last chunk; documents start inside chunks and on chunk edges.
+Shapes are small; chunks are mostly 16 tokens (some 64, and 1 and 5 for the jnp form) and T is
+not a multiple of them, so the last chunk is padded; documents start inside chunks and on chunk
+edges. The compiled kernel's cases run on a GPU only (``gpu`` marker); here they run in the
+Pallas interpreter.
 """
 
 from __future__ import annotations
