@@ -42,9 +42,8 @@ import numpy as np
 
 from moefast.config import ExperimentConfig, ModelConfig
 
-__all__ = ["REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "FirstKDense", "MlpLayerTypes", "MlpOnlyLayers", "Router",
-           "SharedExpert",
-           "Tensor", "Transform"]
+__all__ = ["LINEAR_KEYS", "REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "FirstKDense", "LayerTypes", "MlpLayerTypes",
+           "MlpOnlyLayers", "Part", "Router", "RowsTransposed", "SharedExpert", "Tensor", "Transform"]
 
 SubPath = tuple[str, ...]  # a parameter's sub-path in moefast's (unrolled) tree, e.g. ("attn", "qkv")
 
@@ -163,8 +162,67 @@ class FusedExperts(Transform):
         return [(names[0], value.transpose(0, 2, 1))]
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Some rows of an HF tensor that several parameters share, as a :class:`Transform` writes them:
+    ``value`` [len(index), ...] is rows ``index`` (int [len(index)]) of a tensor of ``rows`` rows.
+    The engine joins the parts of one name and writes the tensor once each row is set exactly once
+    (Qwen3-Next's ``q_proj``: the query and the output gate, interleaved per head)."""
+
+    index: np.ndarray
+    value: np.ndarray
+    rows: int
+
+
+class RowsTransposed(Transform):
+    """HF linear weights [rows_n, in] stacked by rows in ``names`` order, rows ``index`` of the stack
+    taken in that order and transposed: [in, len(index)].
+
+    ``index`` reorders rows (Qwen3-Next's Gated DeltaNet projections, grouped per key head) and may
+    leave out rows of a weight that another parameter reads (Qwen3-Next's gated ``q_proj``); such a
+    weight is written as :class:`Part` s. Built per model (``rows``: each name's row count).
+    """
+
+    def __init__(self, index: np.ndarray, rows: tuple[int, ...]):
+        self.index, self.rows = np.asarray(index, np.int64), tuple(rows)
+        self.starts = np.concatenate([[0], np.cumsum(self.rows)])
+
+    def hf_shapes(self, names, shape, sizes):
+        return {n: (r, shape[0]) for n, r in zip(names, self.rows)}
+
+    def read(self, get, names, experts):
+        return np.concatenate([get(n) for n in names], axis=0)[self.index].T
+
+    def write(self, value, names, sizes):
+        x = value.T
+        out = []
+        for n, r, lo in zip(names, self.rows, self.starts):
+            sel = (self.index >= lo) & (self.index < lo + r)
+            rows = self.index[sel] - lo
+            if len(rows) == r:  # every row of this weight is here (index is a permutation of its rows)
+                full = np.empty((r,) + x.shape[1:], x.dtype)
+                full[rows] = x[sel]
+                out.append((n, full))
+            else:
+                out.append((n, Part(rows, x[sel], r)))
+        return out
+
+
+class Conv1dTaps(Transform):
+    """A depthwise ``nn.Conv1d`` weight [C, 1, W] -> [W, C] (Gated DeltaNet's ``conv1d.weight``)."""
+
+    def hf_shapes(self, names, shape, sizes):
+        return {names[0]: (shape[1], 1, shape[0])}
+
+    def read(self, get, names, experts):
+        return get(names[0])[:, 0, :].T
+
+    def write(self, value, names, sizes):
+        return [(names[0], value.T[:, None, :])]
+
+
 IDENTITY, TRANSPOSED, CONCAT_T, CONCAT = Identity(), Transposed(), ConcatTransposed(), Concat()
-PER_EXPERT, FUSED_EXPERTS = PerExpert(), FusedExperts()
+PER_EXPERT, FUSED_EXPERTS, CONV1D = PerExpert(), FusedExperts(), Conv1dTaps()
 
 
 def qkv_sizes(m: ModelConfig, width: int) -> tuple[int, ...]:
@@ -177,16 +235,22 @@ class Tensor:
     """One row of a tensor table: a moefast parameter made of HF tensors ``names`` by ``transform``.
 
     ``names`` are templates: ``{i}`` the layer, ``{e}`` the expert. ``split`` gives the widths of
-    the parameter's last axis that each name holds (default: equal parts).
+    the parameter's last axis that each name holds (default: equal parts). ``transform`` is a
+    :class:`Transform`, or a function of the model config that makes one (a transform that needs
+    the heads' layout, e.g. :class:`RowsTransposed` for interleaved rows).
     """
 
-    transform: Transform
+    transform: Transform | Callable[[ModelConfig], Transform]
     names: tuple[str, ...]
     split: Callable[[ModelConfig, int], tuple[int, ...]] | None = None
 
     def sizes(self, m: ModelConfig, width: int) -> tuple[int, ...]:
         """Per-name widths of a parameter whose last axis is ``width`` wide."""
         return self.split(m, width) if self.split else (width // len(self.names),) * len(self.names)
+
+    def transform_for(self, m: ModelConfig) -> Transform:
+        """The row's transform for a model of config ``m``."""
+        return self.transform if isinstance(self.transform, Transform) else self.transform(m)
 
 
 def _t(transform: Transform, *names: str, split=None) -> Tensor:
@@ -359,6 +423,46 @@ class MlpLayerTypes:
         return None  # any set of dense layers can be listed
 
 
+LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_conv_kernel_dim")
+"""config.json keys of Gated DeltaNet's shape, read into moefast's ``model.*`` keys of the same names."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTypes:
+    """``layer_types`` lists each layer's token mixer, ``"full_attention"`` or ``"linear_attention"``
+    (Gated DeltaNet; moefast ``model.layer_types``, HF's name). Absent or null: layer i is full
+    attention where ``(i + 1) % full_attention_interval == 0`` (default 4) and linear otherwise, as
+    transformers' Qwen3-Next and Qwen3.5 configs assume."""
+
+    key: str = "layer_types"
+    interval_key: str = "full_attention_interval"
+    interval_default: int = 4
+
+    def types(self, hf: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+        """Each layer's mixer.
+
+        Raises:
+          ValueError: the list's length is not ``num_layers``, or an entry is neither kind.
+        """
+        kinds = ("full_attention", "linear_attention")
+        types = hf.get(self.key)
+        if types is None:
+            every = hf.get(self.interval_key) or self.interval_default
+            return tuple("linear_attention" if (i + 1) % every else "full_attention" for i in range(num_layers))
+        if not isinstance(types, (list, tuple)):
+            raise ValueError(f"one entry per layer ({num_layers}), each {kinds[0]!r} or {kinds[1]!r}")
+        other = sorted({repr(t) for t in types if t not in kinds})
+        if len(types) != num_layers or other:
+            raise ValueError(f"{len(types)} entries for num_hidden_layers={num_layers}"
+                             + (f", with {', '.join(other)}" if other else "")
+                             + f": one per layer, each {kinds[0]!r} or {kinds[1]!r}")
+        return tuple(types)
+
+    def to_hf(self, types: tuple[str, ...]) -> dict[str, Any]:
+        return {self.key: list(types)}
+
+
 # ----------------------------------------------------------------------------------------- family
 @dataclasses.dataclass(frozen=True)
 class FamilySpec:
@@ -424,6 +528,22 @@ class FamilySpec:
       moe_tensors: per-layer tables of MoE layers' MLPs by on-disk expert layout (``"per_expert"``
         and, where it exists, ``"fused"``); reading picks the layout whose tensors the files hold.
       global_tensors: table of the parameters outside the layers (embedding, final norm, head).
+      layer_types: the family mixes tokens per layer by full attention or Gated DeltaNet, listed in
+        config.json (:class:`LayerTypes`; moefast ``model.layer_types``, the :data:`LINEAR_KEYS` under
+        the same names, defaults from ``hf_defaults``); None: full attention only (a
+        ``layer_types`` with another entry is refused).
+      linear_tensors: per-layer table of the linear-attention layers (their norms and Gated
+        DeltaNet), used for those layers instead of ``layer_tensors``.
+      attention_output_gate: the family's full-attention layers gate their output (moefast
+        ``model.attention_output_gate``; Qwen3-Next's ``q_proj`` holds the gate).
+      zero_centered_norm: the family's RMSNorms apply ``1 + w`` (moefast ``model.zero_centered_norm``,
+        which stores HF's ``w`` as the norm's ``scale``).
+      text_config_key: config.json keeps the language model's keys in this sub-dict (a
+        vision-language checkpoint's ``text_config``); ``model_type``, ``tie_word_embeddings`` and
+        ``quantization_config`` are read from the top level, as transformers' composite model
+        reads them. None: every key at the top level.
+      skipped_tensors: tensor name prefix -> what those tensors are: parts of the checkpoint moefast
+        does not read (a vision tower), left out with one note at import.
 
     A table may list parameters a model lacks (biases, q/k norms): only the model's own parameters
     are looked up, and one with no row cannot be read or written in this family.
@@ -462,10 +582,20 @@ class FamilySpec:
     unsupported: Mapping[str, str] = dataclasses.field(default_factory=dict)
     export_constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     model_checks: tuple[tuple[Callable[[ExperimentConfig], bool], str], ...] = ()
+    layer_types: LayerTypes | None = None
+    linear_tensors: Mapping[SubPath, Tensor] = dataclasses.field(default_factory=dict)
+    attention_output_gate: bool = False
+    zero_centered_norm: bool = False
+    text_config_key: str | None = None
+    skipped_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         required = {"rope_theta", "rms_norm_eps", "num_experts_per_tok", self.router.scaling_key,
                     self.shared_expert and self.shared_expert.count_key} - {None}
+        if self.layer_types is not None:
+            required |= set(LINEAR_KEYS)
+            if not self.linear_tensors:
+                raise ValueError(f"FamilySpec {self.model_type}: layer_types needs a linear_tensors table")
         missing = required - set(self.hf_defaults)
         if missing:
             raise ValueError(f"FamilySpec {self.model_type}: hf_defaults lacks {sorted(missing)}")
@@ -582,6 +712,112 @@ def _qwen(model_type: str, architecture: str, name: str, **kw) -> FamilySpec:
                                            "max_window_layers": lambda cfg: cfg.model.num_layers}), **kw)
 
 
+# ------------------------------------------------------------------ hybrid layers (Qwen3-Next, Qwen3.5)
+def _gated_query_rows(m: ModelConfig) -> np.ndarray:
+    """Rows of a gated ``q_proj`` [H·2·Hd, D] that hold the query: head h's block of 2·Hd rows is its
+    query (Hd) then its output gate (Hd), as transformers' ``view(..., H, 2·Hd)`` + ``chunk(2)``
+    splits it (``Qwen3NextAttention.forward``)."""
+    hd = m.head_dim
+    return (np.arange(m.num_heads)[:, None] * 2 * hd + np.arange(hd)[None]).ravel()
+
+
+def _gated_qkv(m: ModelConfig) -> RowsTransposed:
+    """moefast ``qkv`` [D, (H + 2G)·Hd] from q_proj's query rows, k_proj and v_proj."""
+    q, kv = m.num_heads * m.head_dim, m.kv_heads * m.head_dim
+    return RowsTransposed(np.concatenate([_gated_query_rows(m), 2 * q + np.arange(2 * kv)]), (2 * q, kv, kv))
+
+
+def _gated_gate(m: ModelConfig) -> RowsTransposed:
+    """moefast ``gate`` [D, H·Hd] from q_proj's gate rows."""
+    return RowsTransposed(_gated_query_rows(m) + m.head_dim, (2 * m.num_heads * m.head_dim,))
+
+
+def _grouped_in_proj(m: ModelConfig) -> RowsTransposed:
+    """moefast Gated DeltaNet ``in_proj`` [D, C + Hv·V + 2·Hv] (columns q | k | v | z | b | a, heads
+    in order) from Qwen3-Next's ``in_proj_qkvz`` [Hk·(2K + 2rV), D] and ``in_proj_ba`` [2·Hv, D]
+    (r = Hv / Hk), whose rows are grouped per key head h: q (K), k (K), v (r·V: value heads h·r ..
+    h·r + r - 1), z (r·V), and b (r), a (r) (``Qwen3NextGatedDeltaNet.fix_query_key_value_ordering``)."""
+    hk, hv, k, v = m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
+    r = hv // hk
+    block = 2 * k + 2 * r * v  # one key head's rows of in_proj_qkvz
+    heads = np.arange(hk)[:, None]
+    q = (heads * block + np.arange(k)).ravel()
+    values = (heads * block + 2 * k + np.arange(r * v)).ravel()  # value head h·r + j, feature d: j·V + d
+    b = hk * block + (heads * 2 * r + np.arange(r)).ravel()  # in_proj_ba follows in the stack
+    return RowsTransposed(np.concatenate([q, q + k, values, values + r * v, b, b + r]), (hk * block, 2 * hv))
+
+
+def _in_proj_sizes(m: ModelConfig, width: int) -> tuple[int, ...]:
+    """Widths of Qwen3.5's in_proj_qkv | in_proj_z | in_proj_b | in_proj_a in moefast's ``in_proj``."""
+    hv, value = m.linear_num_value_heads, m.linear_num_value_heads * m.linear_value_head_dim
+    return (width - value - 2 * hv, value, hv, hv)
+
+
+_LA = _L + "linear_attn."
+_GATED_ATTENTION = MappingProxyType({
+    ("attn_norm", "scale"): _ATTENTION[("attn_norm", "scale")],
+    ("ffn_norm", "scale"): _ATTENTION[("ffn_norm", "scale")],
+    ("attn", "qkv"): _t(_gated_qkv, *(_A + f"{x}_proj.weight" for x in "qkv")),
+    ("attn", "gate"): _t(_gated_gate, _A + "q_proj.weight"),
+    ("attn", "out"): _ATTENTION[("attn", "out")],
+    ("attn", "q_norm", "scale"): _ATTENTION[("attn", "q_norm", "scale")],
+    ("attn", "k_norm", "scale"): _ATTENTION[("attn", "k_norm", "scale")],
+})
+"""Gated full attention (Qwen3-Next, Qwen3.5): ``q_proj`` [H·2·Hd, D] holds each head's query and
+output gate (moefast ``qkv``'s query columns and ``gate`` [D, H·Hd]); per-head q/k norms; with the
+family's zero-centred norms every ``scale`` is HF's ``w`` itself (applied as ``1 + w``)."""
+_GATED_DELTANET = MappingProxyType({
+    ("attn_norm", "scale"): _ATTENTION[("attn_norm", "scale")],
+    ("ffn_norm", "scale"): _ATTENTION[("ffn_norm", "scale")],
+    ("attn", "conv"): _t(CONV1D, _LA + "conv1d.weight"),
+    ("attn", "A_log"): _t(IDENTITY, _LA + "A_log"),
+    ("attn", "dt_bias"): _t(IDENTITY, _LA + "dt_bias"),
+    ("attn", "norm"): _t(IDENTITY, _LA + "norm.weight"),
+    ("attn", "out"): _t(TRANSPOSED, _LA + "out_proj.weight"),
+})
+"""A Gated DeltaNet layer's tensors but its input projection (:class:`moefast.model.GatedDeltaNet`):
+conv [W, C] (HF [C, 1, W]), A_log and dt_bias [Hv], norm [V] (a plain scale), out [Hv·V, D]."""
+_QWEN3_NEXT_LINEAR = MappingProxyType({
+    **_GATED_DELTANET,
+    ("attn", "in_proj"): _t(_grouped_in_proj, _LA + "in_proj_qkvz.weight", _LA + "in_proj_ba.weight"),
+})
+_QWEN3_5_LINEAR = MappingProxyType({
+    **_GATED_DELTANET,
+    ("attn", "in_proj"): _t(CONCAT_T, *(_LA + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")),
+                            split=_in_proj_sizes),
+})
+_HYBRID_DEFAULTS = {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25, "head_dim": 256,
+                    "num_key_value_heads": 2, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+_NOT_READ_MTP = MappingProxyType({"mtp.": "the multi-token-prediction layers (mtp.*), which transformers does not "
+                                          "read either"})
+
+
+def _hybrid(model_type: str, architecture: str, name: str, linear_tensors, **kw) -> FamilySpec:
+    """Qwen3-Next / Qwen3.5-MoE: Gated DeltaNet and gated full attention per ``layer_types``,
+    zero-centred RMSNorms, per-head q/k norms, partial RoPE, softmax top-k routing and a shared
+    expert behind a sigmoid gate (Qwen2-MoE's names)."""
+    return FamilySpec(
+        model_type=model_type, architecture=architecture, name=name, num_experts_keys=("num_experts",),
+        expert_ff_key="moe_intermediate_size", qk_norm="per_head", partial_rotary=True,
+        shared_expert=SharedExpert("shared_expert_intermediate_size", gated=True), layer_types=LayerTypes(),
+        attention_output_gate=True, zero_centered_norm=True, layer_tensors=_GATED_ATTENTION,
+        linear_tensors=linear_tensors, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=_moe_tables(shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate.weight"),
+        unsupported=MappingProxyType({"attention_bias": "biases on the attention projections (moefast's "
+                                                        "attention output gate has none)"}),
+        skipped_tensors=_NOT_READ_MTP, export_constants=MappingProxyType({"attention_bias": False}), **kw)
+
+
+def _prefixed(table: Mapping, prefix: str) -> MappingProxyType:
+    """``table`` with the names under ``model.`` moved under ``prefix`` (``lm_head`` stays)."""
+    def move(t: Tensor) -> Tensor:
+        return dataclasses.replace(t, names=tuple(prefix + n[len("model."):] if n.startswith("model.") else n
+                                                  for n in t.names))
+    return MappingProxyType({k: (_prefixed(v, prefix) if isinstance(v, Mapping) else move(v))
+                             for k, v in table.items()})
+
+
 # --------------------------------------------------------------------------------------- registry
 REGISTRY: dict[str, FamilySpec] = {
     "mixtral": FamilySpec(
@@ -671,6 +907,22 @@ REGISTRY: dict[str, FamilySpec] = {
         unsupported=MappingProxyType({"attention_bias": "biases on MLA's q_a/kv_a/o projections",
                                       "mlp_bias": "biases in the feed-forward layers"}),
         export_constants=MappingProxyType({"attention_bias": False, "mlp_bias": False, "norm_topk_prob": False})),
+    # Qwen3-Next (Qwen/Qwen3-Next-80B-A3B-*): Gated DeltaNet layers (in_proj_qkvz / in_proj_ba grouped
+    # per key head) and gated full attention per layer_types, zero-centred norms, a quarter of each
+    # head rotated; Qwen2-MoE's experts, router and gated shared expert, dense layers in
+    # mlp_only_layers. The checkpoints' MTP layers (mtp.*) are skipped with a note.
+    "qwen3_next": _hybrid(
+        "qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next", _QWEN3_NEXT_LINEAR,
+        hf_defaults=MappingProxyType({**_HYBRID_DEFAULTS, "num_experts_per_tok": 10, "norm_topk_prob": True}),
+        dense_ff_key="intermediate_size", moe_layers=MlpOnlyLayers()),
+    # Qwen3.5-MoE's language model (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text): Qwen3-Next's
+    # layers with separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (heads in order), every
+    # layer MoE, gates always renormalised. Its RoPE is mrope (rope_parameters.mrope_section), which
+    # for text (the three position axes equal) is plain partial RoPE: the mrope keys are not used.
+    "qwen3_5_moe_text": _hybrid(
+        "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5-MoE", _QWEN3_5_LINEAR,
+        hf_defaults=MappingProxyType({**_HYBRID_DEFAULTS, "num_experts_per_tok": 8}),
+        norm_topk_prob_key=None, fixed_norm_topk_prob=True),
 }
 """HF ``model_type`` -> :class:`FamilySpec`: the families moefast reads and writes, in the order
 :func:`moefast.interop.hf.hf_family` tries them."""
@@ -690,3 +942,19 @@ REGISTRY["glm4_moe_lite"] = dataclasses.replace(
 # read through the V3 spec; a model is always exported as deepseek_v3, which transformers loads.
 REGISTRY["kimi_k2"] = dataclasses.replace(REGISTRY["deepseek_v3"], model_type="kimi_k2", name="Kimi K2",
                                           export_as="deepseek_v3")
+
+# Qwen3.5-MoE as published (Qwen/Qwen3.5-*-A*B: Qwen3_5MoeForConditionalGeneration, model_type
+# qwen3_5_moe): config.json nests the language model's keys under text_config, its tensors are
+# under model.language_model.* (lm_head.weight at the top), and a vision tower (model.visual.*)
+# that moefast does not read: it is skipped with one note. A model read from it is exported as the
+# text model (qwen3_5_moe_text, Qwen3_5MoeForCausalLM), which transformers loads with
+# AutoModelForCausalLM; the vision tower is not written.
+REGISTRY["qwen3_5_moe"] = dataclasses.replace(
+    REGISTRY["qwen3_5_moe_text"], model_type="qwen3_5_moe", architecture="Qwen3_5MoeForConditionalGeneration",
+    name="Qwen3.5-MoE (vision-language)", export_as="qwen3_5_moe_text", text_config_key="text_config",
+    layer_tensors=_prefixed(_GATED_ATTENTION, "model.language_model."),
+    linear_tensors=_prefixed(_QWEN3_5_LINEAR, "model.language_model."),
+    dense_tensors=_prefixed(_DENSE_MLP, "model.language_model."),
+    moe_tensors=_prefixed(REGISTRY["qwen3_5_moe_text"].moe_tensors, "model.language_model."),
+    global_tensors=_prefixed(_GLOBAL, "model.language_model."),
+    skipped_tensors=MappingProxyType({"model.visual.": "the vision tower (model.visual.*)", **_NOT_READ_MTP}))

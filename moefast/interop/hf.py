@@ -138,9 +138,34 @@ def family_spec(model_type: str | None) -> FamilySpec:
     return spec
 
 
+_TOP_LEVEL_KEYS = ("tie_word_embeddings", "quantization_config")
+"""Keys a composite (vision-language) config.json keeps at its top level for the whole model, which
+transformers' composite model reads there rather than in ``text_config``."""
+
+
+def _language_config(hf: dict) -> dict[str, Any]:
+    """The language model's keys of a ``config.json`` dict: itself, or for a family with a
+    ``text_config_key`` (a vision-language checkpoint) that sub-dict with the top level's
+    ``model_type`` and :data:`_TOP_LEVEL_KEYS`.
+
+    Raises:
+      HFFormatError: unknown ``model_type``, or the sub-dict is missing.
+    """
+    spec = family_spec(hf.get("model_type"))
+    key = spec.text_config_key
+    if key is None:
+        return hf
+    text = hf.get(key)
+    if not isinstance(text, dict):
+        raise HFFormatError(f"config.json: {key}={text!r} ({spec.model_type}): {spec.name} keeps its language "
+                            f"model's config in {key!r}, a dict")
+    return {**text, **{k: hf[k] for k in _TOP_LEVEL_KEYS if k in hf}, "model_type": hf["model_type"]}
+
+
 def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model, moe)`` config sections of an HF ``config.json`` dict."""
     spec = family_spec(hf.get("model_type"))
+    hf = _language_config(hf)
 
     def reject(field: str, value: Any, why: str) -> None:
         raise HFFormatError(f"config.json: {field}={value!r} ({spec.model_type}) is not supported: {why}")
@@ -172,12 +197,18 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
             reject(key, hf[key], why)
     if hf.get("use_sliding_window"):
         reject("use_sliding_window", True, "sliding-window attention")
-    if any(t != "full_attention" for t in hf.get("layer_types") or []):
-        reject("layer_types", hf["layer_types"], "only full_attention layers")
-
     d, n_layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads") or heads
-    head_dim = hf.get("head_dim") or d // heads
+    if spec.layer_types is None:
+        if any(t != "full_attention" for t in hf.get("layer_types") or []):
+            reject("layer_types", hf["layer_types"], "only full_attention layers")
+        layer_types = None
+    else:
+        try:
+            layer_types = spec.layer_types.types(hf, n_layers)
+        except ValueError as err:
+            reject(spec.layer_types.key, hf.get(spec.layer_types.key), str(err))
+    kv = hf.get("num_key_value_heads") or spec.hf_defaults.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or spec.hf_defaults.get("head_dim") or d // heads
     e = next((hf[k] for k in spec.num_experts_keys if hf.get(k) is not None), None)
     if not e:
         reject(spec.num_experts_keys[0], e, "a model without experts; moefast needs at least one MoE layer")
@@ -210,6 +241,12 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
                  qk_norm=qk_norm, init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0)
     if spec.partial_rotary:
         model["partial_rotary_factor"] = float(partial)
+    if layer_types is not None:
+        model.update(layer_types=layer_types, **{k: int(get(k)) for k in families.LINEAR_KEYS})
+    if spec.attention_output_gate:
+        model["attention_output_gate"] = True
+    if spec.zero_centered_norm:
+        model["zero_centered_norm"] = True
     if spec.mla:
         r = hf["qk_rope_head_dim"]
         model.update(attention="mla", q_lora_rank=hf.get("q_lora_rank") or None, kv_lora_rank=hf["kv_lora_rank"],
@@ -306,6 +343,7 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
     path = Path(path)
     hf = hf_config(path)
     hf_model, hf_moe = _hf_sections(hf)
+    hf = _language_config(hf)
     raw = (base or load_config(None)).to_dict()
     raw["name"] = path.resolve().name
     raw["model"] = {**hf_model, "mtp_depth": _mtp_layers_on_disk(path, family_spec(hf["model_type"]), hf)}
@@ -385,6 +423,14 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
                    "changes the chosen experts)")
     if m.mtp_depth and spec.mtp_key is None:
         out.append(f"model.mtp_depth={m.mtp_depth} ({name} has no multi-token prediction layers)")
+    if "linear_attention" in (m.layer_types or ()) and spec.layer_types is None:
+        out.append(f"model.layer_types with linear_attention layers ({name}'s layers are full attention)")
+    if m.attention_output_gate != spec.attention_output_gate:
+        out.append(f"model.attention_output_gate={str(m.attention_output_gate).lower()} ({name} "
+                   f"{'gates' if spec.attention_output_gate else 'does not gate'} its attention output)")
+    if m.zero_centered_norm != spec.zero_centered_norm:
+        out.append(f"model.zero_centered_norm={str(m.zero_centered_norm).lower()} ({name}'s RMSNorms apply "
+                   f"{'1 + w' if spec.zero_centered_norm else 'w'})")
     out += [message for fails, message in spec.model_checks if fails(cfg)]
     return out
 
@@ -477,6 +523,9 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
         out[r.scaling_key] = e.routed_scaling_factor
     if spec.mtp_key is not None:
         out[spec.mtp_key] = m.mtp_depth
+    if spec.layer_types is not None:
+        out.update(spec.layer_types.to_hf(tuple(m.layer_type(i) for i in range(m.num_layers))))
+        out.update({k: getattr(m, k) for k in families.LINEAR_KEYS})
     out.update({k: v(cfg) if callable(v) else v for k, v in spec.export_constants.items()})
     return out
 
@@ -509,9 +558,10 @@ class _Leaf:
 
 
 def _table(spec: FamilySpec, cfg: ExperimentConfig, i: int, layout: str) -> Mapping[tuple, Any]:
-    """The tensor table of layer ``i`` (attention and norms, then its MLP's) in expert ``layout``."""
+    """The tensor table of layer ``i`` (token mixer and norms, then its MLP's) in expert ``layout``."""
     mlp = spec.moe_tensors[layout] if cfg.model.is_moe_layer(i) else spec.dense_tensors
-    return {**spec.layer_tensors, **mlp}
+    mixer = spec.linear_tensors if cfg.model.layer_type(i) == "linear_attention" else spec.layer_tensors
+    return {**mixer, **mlp}
 
 
 def _leaves(spec: FamilySpec, cfg: ExperimentConfig, layout: str,
@@ -543,7 +593,7 @@ def _leaves(spec: FamilySpec, cfg: ExperimentConfig, layout: str,
     if unknown:
         raise HFFormatError(f"parameters {unknown[:3]} have no Hugging Face name in {spec.model_type}")
     perms = spec.rope_interleave if interleaved else {}
-    return {p: _Leaf(row.transform, tuple(n.format(i=i, e="{e}") for n in row.names),
+    return {p: _Leaf(row.transform_for(m), tuple(n.format(i=i, e="{e}") for n in row.names),
                      row.sizes(m, shapes[p][-1]), perms[sub](m) if sub in perms else None)
             for p, (row, i, sub) in rows.items() if p in shapes}
 
@@ -552,7 +602,8 @@ def _disk_layout(spec: FamilySpec, cfg: ExperimentConfig, present: Mapping[str, 
     """The expert layout whose first MoE layer's expert tensors are all in ``present``."""
     i = next(i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i))
     for layout, table in spec.moe_tensors.items():
-        names = [n.format(i=i, e=0) for row in table.values() if row.transform.expert_axis for n in row.names]
+        names = [n.format(i=i, e=0) for row in table.values() if row.transform_for(cfg.model).expert_axis
+                 for n in row.names]
         if names and all(n in present for n in names):
             return layout
     return "per_expert"  # the missing tensors are reported by name
@@ -783,7 +834,7 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     vocab = m.vocab_size
     if vocab is None:
         raise HFFormatError("model.vocab_size is null; build the config with config_from_hf")
-    hf = hf_config(path)
+    hf = _language_config(hf_config(path))
     on_disk = _mtp_layers_held(files.where, spec, hf)
     if m.mtp_depth > on_disk:
         raise HFFormatError(f"model.mtp_depth={m.mtp_depth}, but {path} holds {on_disk} multi-token-prediction layers "
@@ -814,6 +865,13 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
                 f"{m.mtp_depth} reads the first {m.mtp_depth} whole layers)" +
                 ("; the imported model predicts the next token only, as transformers' does" if not m.mtp_depth else ""))
         (log or warnings.warn)(note)
+    skipped = {p: [n for n in unexpected if n.startswith(p)] for p in spec.skipped_tensors}
+    skipped = {p: names for p, names in skipped.items() if names}
+    if skipped:
+        unexpected = [n for n in unexpected if not n.startswith(tuple(skipped))]
+        (log or warnings.warn)(f"{path}: {sum(map(len, skipped.values()))} tensors not read, moefast reads the "
+                               f"{spec.name} language model only: " +
+                               "; ".join(f"{spec.skipped_tensors[p]}: {len(names)}" for p, names in skipped.items()))
     if unexpected:
         raise HFFormatError(f"{path}: {len(unexpected)} tensors moefast has no place for, e.g. {unexpected[:3]} "
                             "(an architecture option moefast does not implement?)")
@@ -1060,6 +1118,33 @@ def _copy_rows(spec: FamilySpec, cfg: ExperimentConfig, leaves: Mapping[tuple, _
             yield name, dict(leaves[source[src]].write(_host(values[source[src]])))[src].astype(np_dtype)
 
 
+def _joined(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, np.ndarray]]:
+    """``(HF name, tensor)`` as the parameters' transforms write them, with the
+    :class:`~moefast.interop.families.Part` s of a tensor that several parameters share joined: that
+    tensor comes once, when its last rows are written.
+
+    Raises:
+      HFFormatError: a family's tables write some rows of a tensor twice or never (a bug in its spec).
+    """
+    open_parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # name -> (tensor so far, rows written)
+    for name, x in tensors:
+        if not isinstance(x, families.Part):
+            yield name, x
+            continue
+        if name not in open_parts:
+            open_parts[name] = (np.zeros((x.rows,) + x.value.shape[1:], x.value.dtype), np.zeros(x.rows, bool))
+        full, written = open_parts[name]
+        if written[x.index].any():
+            raise HFFormatError(f"rows of {name} are written by two parameters (a bug in the family's tensor tables)")
+        full[x.index], written[x.index] = x.value, True
+        if written.all():
+            del open_parts[name]
+            yield name, full
+    if open_parts:
+        raise HFFormatError(f"some rows of {sorted(open_parts)[:3]} are written by no parameter (a bug in the family's "
+                            "tensor tables)")
+
+
 def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None]:
     """BOS/EOS/PAD ids of the run's tokenizer for config.json (``None`` where it has none, or where
     an id is outside the model's vocabulary, e.g. the byte tokenizer's with a smaller model)."""
@@ -1147,8 +1232,8 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
                 shards.append(list(pending))
                 pending, size = {}, 0
 
-        tensors = ((name, x.astype(np_dtype)) for p, leaf in leaves.items()
-                   for name, x in leaf.write(_host(values[p])))
+        tensors = ((name, x.astype(np_dtype)) for name, x in
+                   _joined(name_x for p, leaf in leaves.items() for name_x in leaf.write(_host(values[p]))))
         for name, x in itertools.chain(tensors, _copy_rows(spec, cfg, leaves, values, np_dtype), bias_rows):
             x = np.ascontiguousarray(x)
             if pending and size + x.nbytes > max_shard_bytes:

@@ -1,0 +1,328 @@
+"""Hugging Face import/export of the hybrid families (Gated DeltaNet + gated attention) against
+transformers itself: Qwen3-Next, Qwen3.5-MoE's text model and Qwen3.5-MoE as published (the
+vision-language model, whose language model moefast reads).
+
+Tiny random models are built offline (fp32; 4 layers: three Gated DeltaNet layers then one full
+attention layer; 2 key heads serving 4 value heads, so the per-key-head grouping of Qwen3-Next's
+projections shows; every norm weight, A_log and dt_bias re-randomised so defaults hide nothing),
+saved with ``save_pretrained`` in both expert layouts, read with :func:`moefast.interop.hf.load_hf`
+and run by moefast: logits within 1e-4 of transformers' on the real tokens of 2 x 40 tokens with a
+right-padded row (moefast resets the DeltaNet state at segment boundaries and its padding is a
+segment of its own; transformers zeroes padded hidden states: with right padding the real tokens
+are unaffected), the same experts chosen for every real token in every MoE layer. Then ``save_hf``
+-> ``AutoModelForCausalLM.from_pretrained`` gives transformers' weights bit for bit and its logits,
+and ``load_hf(save_hf(x)) == x`` exactly.
+
+Until the Gated DeltaNet kernel package exists, run with a stub of it::
+
+    PYTHONPATH=/tmp/stub python -m pytest -q -n 0 -p conftest_inject tests/interop/test_hf_hybrid.py
+"""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+
+from moefast import routing  # noqa: E402
+from moefast.interop import hf  # noqa: E402
+from moefast.model import build_model  # noqa: E402
+
+V, B, T = 128, 2, 40
+PAD_FROM = 27  # row 1 is padding from here on
+TEXT = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, max_position_embeddings=256, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, tie_word_embeddings=False,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+# Qwen3.5's mrope over the rotated half of each head: text positions are equal on all three axes
+QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+FAMILIES = {
+    # a quarter of each head rotated (the default), a leading dense layer (mlp_only_layers) of its
+    # own width, raw gates (norm_topk_prob false: transformers' default is true)
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(**TEXT, intermediate_size=96, mlp_only_layers=[0],
+                                                       norm_topk_prob=False),
+    # half of each head rotated, mrope keys, every layer MoE, gates always renormalised
+    "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(**TEXT, rope_parameters=QWEN3_5_ROPE),
+    # the same language model inside the vision-language model, with a one-block vision tower
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeConfig(
+        text_config={**TEXT, "rope_parameters": QWEN3_5_ROPE},
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)),
+}
+TEXT_PREFIX = {"qwen3_5_moe": "model.language_model."}  # where the language model's tensors are
+
+
+def _hf_model(family: str):
+    """The family's tiny transformers model, fp32, with every norm weight, A_log and dt_bias random."""
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    cls = (transformers.Qwen3_5MoeForConditionalGeneration if family == "qwen3_5_moe"
+           else transformers.AutoModelForCausalLM)
+    model = (cls(config) if family == "qwen3_5_moe" else cls.from_config(config)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):  # the gated norm's plain scale (starts at 1)
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("norm.weight") and ".visual." not in name:  # zero-centred: w, applied as 1 + w
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # routing margins well above float rounding
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _inputs():
+    tokens = np.random.default_rng(0).integers(0, V, (B, T))
+    mask = np.ones((B, T), np.int64)
+    mask[1, PAD_FROM:] = 0
+    return tokens, mask
+
+
+def _is_router(module) -> bool:
+    return type(module).__name__.lower().endswith("router")
+
+
+def _hf_forward(model, tokens, mask):
+    """Logits [B, T, V] and, per MoE layer, the chosen experts [B*T, K] (sorted), from the router
+    modules' returned indices."""
+    chosen = []
+    hooks = [m.register_forward_hook(lambda m, args, out: chosen.append(np.sort(out[-1].numpy(), axis=-1)))
+             for m in model.modules() if _is_router(m)]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(chosen) == sum(1 for m in model.modules() if _is_router(m))
+    return out.logits.numpy(), chosen
+
+
+def _module(cfg, params):
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, cfg.model.vocab_size)))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def _ours(cfg, params, routing_state, tokens, mask, monkeypatch):
+    """moefast's logits and the experts each routing call chose, the padding its own segment."""
+    calls = []
+    real_route = routing.route
+
+    def recording(*a, **kw):
+        r = real_route(*a, **kw)
+        calls.append(np.sort(np.asarray(r.expert_index), axis=-1))
+        return r
+
+    monkeypatch.setattr(routing, "route", recording)
+    with jax.default_matmul_precision("highest"):
+        out = _module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32),
+                                   drop_tokens=False, routing_state=routing_state)
+    monkeypatch.setattr(routing, "route", real_route)
+    return np.asarray(out.logits), calls
+
+
+def _equal_trees(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def _load_quietly(directory):
+    """load_hf, with the vision-language checkpoint's one note collected rather than warned."""
+    cfg = hf.config_from_hf(directory)
+    notes = []
+    return cfg, hf.load_hf_params(directory, cfg, log=notes.append), notes
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    """(family, HF model, its directory per expert layout)."""
+    family = request.param
+    model = _hf_model(family)
+    dirs = {}
+    for layout, original in (("per_expert", True), ("fused", False)):
+        d = tmp_path_factory.mktemp(f"{family}-{layout}")
+        model.save_pretrained(d, save_original_format=original)
+        dirs[layout] = d
+    return family, model, dirs
+
+
+def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
+    family, model, dirs = saved
+    tokens, mask = _inputs()
+    want, want_chosen = _hf_forward(model, tokens, mask)
+    cfg, params, notes = _load_quietly(dirs["per_expert"])
+    m = cfg.model
+    assert m.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
+            m.linear_conv_kernel_dim) == (2, 4, 16, 16, 4)
+    assert m.attention_output_gate and m.zero_centered_norm and m.qk_norm == "per_head"
+    assert m.partial_rotary_factor == (0.25 if family == "qwen3_next" else 0.5)
+    assert cfg.moe.norm_topk_prob == (family != "qwen3_next") and cfg.moe.shared_expert_gate
+    if family == "qwen3_5_moe":  # the vision tower: one note, nothing else
+        assert len(notes) == 1 and "the vision tower (model.visual.*)" in notes[0], notes
+    else:
+        assert notes == []
+    routing_state = hf.load_hf_routing(dirs["per_expert"], cfg)
+    got, got_chosen = _ours(cfg, params, routing_state, tokens, mask, monkeypatch)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    assert len(got_chosen) == len(want_chosen) == moe_layers == (3 if family == "qwen3_next" else 4)
+    for layer, (g, w) in enumerate(zip(got_chosen, want_chosen)):
+        assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)]), f"MoE layer {layer}: other experts chosen"
+    _, fused, _ = _load_quietly(dirs["fused"])  # the fused on-disk layout: the very same parameters
+    _equal_trees(params, fused)
+
+
+@pytest.mark.parametrize("saved", ["qwen3_next"], indirect=True)
+def test_grouped_deltanet_projections_are_transformers_q_k_v_z_b_a(saved):
+    """moefast's in_proj columns q | k | v | z | b | a (heads in order) are, exactly, what
+    transformers' fix_query_key_value_ordering makes of in_proj_qkvz / in_proj_ba (per key head)."""
+    _, model, dirs = saved
+    cfg, params, _ = _load_quietly(dirs["per_expert"])
+    layer = model.model.layers[0].linear_attn
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x), layer.in_proj_ba(x))
+    want = np.concatenate([t.reshape(1, 3, -1).numpy() for t in (q, k, v, z, b, a)], axis=-1)
+    w = np.asarray(params["blocks"][0]["attn"]["in_proj"])
+    np.testing.assert_allclose(x.numpy() @ w, want, atol=1e-6, rtol=0)
+    assert w.shape == (64, 2 * 2 * 16 + 4 * 16 + 4 * 16 + 2 * 4)
+
+
+def _tensors(directory) -> dict:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), framework="numpy") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path):
+    """Both expert layouts: transformers loads the export (Qwen3.5-MoE's as its text model) with
+    every weight bit-equal to the original's language model and the same logits; load_hf of the
+    export is the imported model exactly. The first family that fits, Qwen3-Next, represents every
+    one of them: a Qwen3.5 model exported as qwen3_next computes the same logits in transformers."""
+    family, model, dirs = saved
+    cfg, params, _ = _load_quietly(dirs["per_expert"])
+    routing_state = hf.load_hf_routing(dirs["per_expert"], cfg)
+    assert hf.hf_family(cfg) == "qwen3_next"
+    text_family = "qwen3_5_moe_text" if family == "qwen3_5_moe" else family
+    assert hf.hf_family(cfg, family) == text_family
+    prefix = TEXT_PREFIX.get(family, "model.")
+    want_sd = {("model." + n[len(prefix):] if n.startswith(prefix) else n): w for n, w in model.state_dict().items()
+               if not n.startswith("model.visual.")}
+    tokens, mask = _inputs()
+    want, _ = _hf_forward(model, tokens, mask)
+    real = mask.astype(bool)
+    for layout in ("per_expert", "fused"):
+        out = hf.save_hf(cfg, params, tmp_path / layout, routing_state=routing_state, layout=layout, family=family)
+        written = json.loads((out / "config.json").read_text())
+        assert (written["model_type"], written["architectures"]) == (text_family, [hf.FAMILIES[text_family]])
+        assert written["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                            output_loading_info=True)
+        assert type(reloaded).__name__ == hf.FAMILIES[text_family]
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+        got_sd = reloaded.state_dict()
+        assert sorted(got_sd) == sorted(want_sd)
+        for name, w in want_sd.items():
+            assert torch.equal(got_sd[name], w), name
+        for key in ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                    "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim", "num_key_value_heads",
+                    "shared_expert_intermediate_size", "moe_intermediate_size", "num_experts"):
+            assert getattr(reloaded.config, key) == getattr(model.config.get_text_config(), key), key
+        assert reloaded.config.rope_parameters["partial_rotary_factor"] == cfg.model.partial_rotary_factor
+        if layout == "per_expert":
+            got, _ = _hf_forward(reloaded.eval(), tokens, mask)
+            np.testing.assert_allclose(got[real], want[real], atol=1e-6, rtol=0)
+        cfg2, params2, notes = _load_quietly(out)
+        assert notes == [] and cfg2.model == cfg.model and cfg2.moe == cfg.moe
+        _equal_trees(params, params2)
+    if family == "qwen3_5_moe_text":  # the same model written as the other family
+        out = hf.save_hf(cfg, params, tmp_path / "as-next", routing_state=routing_state)
+        next_ = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert type(next_).__name__ == "Qwen3NextForCausalLM"
+        got, _ = _hf_forward(next_, tokens, mask)
+        np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=0)
+        _equal_trees(params, _load_quietly(out)[1])
+        assert _tensors(out).keys() & {"model.layers.0.linear_attn.in_proj_qkvz.weight"}
+
+
+def _rewrite(src, dst, drop=(), top=False, **config_changes):
+    """A copy of HF directory ``src`` without tensors ``drop`` and with config.json's keys changed
+    (for a vision-language config, its text_config's unless ``top``); a key changed to None is removed."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    keys = cfg if top else cfg.get("text_config", cfg)
+    keys.update(config_changes)
+    for k, v in config_changes.items():
+        if v is None:
+            keys.pop(k)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        from safetensors.numpy import save_file
+
+        tensors = _tensors(dst)
+        assert all(n in tensors for n in drop)
+        save_file({k: v for k, v in tensors.items() if k not in drop}, str(dst / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return dst
+
+
+def test_bad_checkpoints_are_one_clear_error(saved, tmp_path):
+    """A layer lacking one of its Gated DeltaNet tensors, layer_types of the wrong length or with an
+    unknown kind, attention biases (which the output gate would need too): one error naming the
+    tensor or the key. Without layer_types the layers are transformers' default (every 4th full
+    attention)."""
+    family, _, dirs = saved
+    src = dirs["per_expert"]
+    prefix = TEXT_PREFIX.get(family, "model.")
+    missing = prefix + ("layers.1.linear_attn.in_proj_ba.weight" if family == "qwen3_next"
+                        else "layers.1.linear_attn.in_proj_a.weight")
+    with pytest.raises(hf.HFFormatError, match=rf"1 tensors that config.json implies are missing, e.g. \['{missing}'\]"):
+        hf.load_hf(_rewrite(src, tmp_path / "no-a", drop=[missing]))
+    conv = prefix + "layers.2.linear_attn.conv1d.weight"
+    with pytest.raises(hf.HFFormatError, match=rf"\['{conv}'\]"):
+        hf.load_hf(_rewrite(src, tmp_path / "no-conv", drop=[conv]))
+    with pytest.raises(hf.HFFormatError, match=r"layer_types=\[.*\] .* 3 entries for num_hidden_layers=4: one per layer"):
+        hf.config_from_hf(_rewrite(src, tmp_path / "short", layer_types=["linear_attention"] * 2 + ["full_attention"]))
+    with pytest.raises(hf.HFFormatError, match=r"4 entries for num_hidden_layers=4, with 'mamba': one per layer, each "
+                                               r"'full_attention' or 'linear_attention'"):
+        hf.config_from_hf(_rewrite(src, tmp_path / "kind", layer_types=["mamba"] + ["linear_attention"] * 3))
+    m = hf.config_from_hf(_rewrite(src, tmp_path / "default", layer_types=None)).model
+    assert m.layer_types == ("linear_attention",) * 3 + ("full_attention",)  # transformers' default interval 4
+    with pytest.raises(hf.HFFormatError, match="attention_bias"):
+        hf.config_from_hf(_rewrite(src, tmp_path / "bias", attention_bias=True))
+    if family == "qwen3_5_moe":
+        with pytest.raises(hf.HFFormatError, match="keeps its language model's config in 'text_config'"):
+            hf.config_from_hf(_rewrite(src, tmp_path / "no-text", top=True, text_config=None))
+
+
+def test_other_families_do_not_claim_hybrid_models(saved):
+    """A hybrid model is not written as a family without Gated DeltaNet, gates or zero-centred norms;
+    a plain model is not written as a hybrid family."""
+    family, _, dirs = saved
+    if family != "qwen3_5_moe_text":
+        pytest.skip("one model is enough")
+    cfg = hf.config_from_hf(dirs["per_expert"])
+    with pytest.raises(hf.HFFormatError, match=r"qwen3_moe cannot represent this model: it has .*model.layer_types "
+                                               r"with linear_attention layers.*attention_output_gate=true.*"
+                                               r"zero_centered_norm=true"):
+        hf.hf_family(cfg, "qwen3_moe")
+    plain = cfg.replace(model=cfg.model.__class__(**{**cfg.model.__dict__, "layer_types": None,
+                                                     "attention_output_gate": False, "zero_centered_norm": False}))
+    with pytest.raises(hf.HFFormatError, match=r"qwen3_next cannot represent this model: it has "
+                                               r"model.attention_output_gate=false .*model.zero_centered_norm=false"):
+        hf.hf_family(plain, "qwen3_next")
