@@ -14,9 +14,15 @@ To add a family:
    Routing keys (``scoring_func``, ``topk_method``, ``n_group``, ``routed_scaling_factor``, the
    selection bias) are one :class:`Router`; shared experts one :class:`SharedExpert`; a family that
    is another's architecture under its own ``model_type`` is a ``dataclasses.replace`` of it
-   (Kimi K2, GLM-4.7-Flash).
+   (Kimi K2, GLM-4.7-Flash). Hybrid families (Gated DeltaNet and full attention per
+   ``layer_types``: Qwen3-Next, Qwen3.5-MoE) add a :class:`LayerTypes` and a ``linear_tensors`` table
+   for their linear-attention layers; a vision-language checkpoint whose language model moefast reads
+   names its ``text_config_key``, the prefix of its tensors (``_prefixed``) and the parts it skips.
 2. Only if one of its tensors is not a transpose, a concatenation or an expert stack of HF tensors,
-   write a new :class:`Transform` subclass (``hf_shapes``, ``read``, ``write``, exact inverses);
+   write a new :class:`Transform` subclass (``hf_shapes``, ``read``, ``write``, exact inverses; a
+   row that needs the model's head layout gives a function of the config that builds it, and
+   :class:`RowsTransposed` already reorders or picks rows, writing a tensor that several parameters
+   share as :class:`Part` s);
    only if its config.json places MoE layers another way, a layer-pattern class like
    :class:`MlpOnlyLayers` or :class:`FirstKDense` (``moe_layers``, ``to_hf``, ``problem``).
 3. Add the family to ``tests/interop/test_hf.py``'s tiny transformers models: logits, chosen experts
@@ -27,7 +33,9 @@ When several families represent a model, :func:`moefast.interop.hf.hf_family` pi
 
 Dimension letters: D d_model, H query heads, G key/value heads, Hd head_dim, F d_ff (of the routed
 experts), E experts; MLA: Q q_lora_rank, C kv_lora_rank, N qk_nope_head_dim, R qk_rope_head_dim,
-Hv v_head_dim. moefast's linear weights are [in, out]; HF's are [out, in].
+Hv v_head_dim. Gated DeltaNet (as :mod:`moefast.model.gated_deltanet`): Hk key heads, Hv value
+heads (r = Hv / Hk per key head), K and V their widths, W the conv width, C = 2·Hk·K + Hv·V conv
+channels. moefast's linear weights are [in, out]; HF's are [out, in].
 """
 
 from __future__ import annotations
@@ -549,7 +557,8 @@ class FamilySpec:
     are looked up, and one with no row cannot be read or written in this family.
 
     Raises:
-      ValueError: at construction, a spec missing a required default or a per-expert table.
+      ValueError: at construction, a spec missing a required default (the :data:`LINEAR_KEYS` with
+        ``layer_types``), a per-expert table, or a ``linear_tensors`` table with ``layer_types``.
     """
 
     model_type: str

@@ -11,7 +11,10 @@ and writes any of them and names none.
 
 * :func:`config_from_hf` reads ``config.json`` into an :class:`~moefast.config.ExperimentConfig`
   (``model`` and ``moe`` sections from the checkpoint, everything else from a base config and
-  overrides). Options moefast does not implement (sliding windows, RoPE scaling other than the
+  overrides). Hybrid families (Qwen3-Next, Qwen3.5-MoE) give ``model.layer_types`` (transformers'
+  default from ``full_attention_interval`` when absent), the ``linear_*`` keys, the attention output
+  gate and zero-centred norms; a vision-language config (Qwen3.5-MoE's ``qwen3_5_moe``) is read
+  from its ``text_config``. Options moefast does not implement (sliding windows, RoPE scaling other than the
   YaRN of families with ``yarn``, partial rotary outside families with ``partial_rotary``, a
   ``scoring_func`` / ``topk_method`` the family's router does not compute, a family's own
   ``unsupported`` keys, a ``quantization_config`` other than FP8 blocks, unknown
@@ -30,7 +33,9 @@ and writes any of them and names none.
   checkpoints (DeepSeek-V3/R1, Kimi K2 on the hub: F8_E4M3 weights [O, I] with float32
   ``weight_scale_inv`` [ceil(O/BO), ceil(I/BI)], config.json's ``quantization_config``) are
   dequantized on read, tensor by tensor, to float32 (with a note); every other quantization is
-  refused naming ``quantization_config.quant_method``.
+  refused naming ``quantization_config.quant_method``. Parts of a checkpoint that a family marks
+  as not read (``FamilySpec.skipped_tensors``: a vision tower, ``mtp.*`` layers) are left out with
+  one note.
 * :func:`load_hf_routing` reads a router's selection bias (``e_score_correction_bias`` [E] per MoE
   layer) into moefast's routing state ``{"bias": [L_moe, E], "load_ema": [L_moe, E]}`` float32,
   where moefast keeps it (out of the parameters and the optimizer).
@@ -38,7 +43,10 @@ and writes any of them and names none.
   index; the routing state's bias as each MoE layer's ``e_score_correction_bias``; the MTP
   modules as layers ``num_hidden_layers + k - 1`` with ``num_nextn_predict_layers``), a
   ``config.json`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, and the
-  tokenizer files of a run that has them.
+  tokenizer files of a run that has them. A model read from a vision-language checkpoint is
+  written as its text model (``FamilySpec.export_as``: Qwen3.5-MoE as ``qwen3_5_moe_text``). A
+  tensor that several parameters share (Qwen3-Next's gated ``q_proj``: query and gate rows per
+  head) is assembled from the :class:`~moefast.interop.families.Part` s their transforms write.
 
 Conventions (checked against transformers 5.24 by ``tests/interop/test_hf.py``): HF linear weights
 are [out, in] (moefast's are [in, out]); moefast fuses q|k|v into one [D, (H + 2G)·Hd] matrix and
@@ -439,6 +447,7 @@ def hf_family(cfg: ExperimentConfig, family: str | None = None) -> str:
     """The HF ``model_type`` that represents ``cfg``'s model exactly: ``family`` when given, else
     the first family of :data:`~moefast.interop.families.REGISTRY` whose spec fits (q/k norms,
     shared expert, dense layers, attention biases, partial rotary, gate renormalisation, scores,
+    token mixers (``model.layer_types``), attention output gate, zero-centred norms,
     group limits, gate scaling, a learned selection bias, multi-token prediction, the spec's own
     ``model_checks``). A family that transformers does not know (``FamilySpec.export_as``, e.g.
     ``kimi_k2``) stands for the one it is written as (``deepseek_v3``).
@@ -814,7 +823,8 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
         trainer's ``state_sharding["params"]``); ``None``: the first device.
       log: printer of notes (the multi-token-prediction layers a checkpoint carries beyond
         ``num_hidden_layers`` + ``model.mtp_depth``, which are not read; FP8 block-quantized
-        weights dequantized); ``None``: :func:`warnings.warn`.
+        weights dequantized; the tensors of the family's ``skipped_tensors``, e.g. a vision
+        tower, one line); ``None``: :func:`warnings.warn`.
 
     Returns:
       The parameters, a pure dict like ``nnx.to_pure_dict`` of the model's state, float32.
@@ -869,8 +879,8 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     skipped = {p: names for p, names in skipped.items() if names}
     if skipped:
         unexpected = [n for n in unexpected if not n.startswith(tuple(skipped))]
-        (log or warnings.warn)(f"{path}: {sum(map(len, skipped.values()))} tensors not read, moefast reads the "
-                               f"{spec.name} language model only: " +
+        (log or warnings.warn)(f"{path}: {sum(map(len, skipped.values()))} tensors not read (moefast reads "
+                               f"{spec.name}'s language model only): " +
                                "; ".join(f"{spec.skipped_tensors[p]}: {len(names)}" for p, names in skipped.items()))
     if unexpected:
         raise HFFormatError(f"{path}: {len(unexpected)} tensors moefast has no place for, e.g. {unexpected[:3]} "

@@ -186,7 +186,8 @@ def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
 @pytest.mark.parametrize("saved", ["qwen3_next"], indirect=True)
 def test_grouped_deltanet_projections_are_transformers_q_k_v_z_b_a(saved):
     """moefast's in_proj columns q | k | v | z | b | a (heads in order) are, exactly, what
-    transformers' fix_query_key_value_ordering makes of in_proj_qkvz / in_proj_ba (per key head)."""
+    transformers' fix_query_key_value_ordering makes of in_proj_qkvz / in_proj_ba (per key head);
+    reading into the scanned layout gives the unrolled read stacked."""
     _, model, dirs = saved
     cfg, params, _ = _load_quietly(dirs["per_expert"])
     layer = model.model.layers[0].linear_attn
@@ -197,6 +198,10 @@ def test_grouped_deltanet_projections_are_transformers_q_k_v_z_b_a(saved):
     w = np.asarray(params["blocks"][0]["attn"]["in_proj"])
     np.testing.assert_allclose(x.numpy() @ w, want, atol=1e-6, rtol=0)
     assert w.shape == (64, 2 * 2 * 16 + 4 * 16 + 4 * 16 + 2 * 4)
+    from moefast.model.layout import to_layout  # the scanned layout (dense prefix, then the period) reads the same
+
+    _, scanned = hf.load_hf(dirs["per_expert"], ["model.scan_layers=true"])
+    _equal_trees(to_layout(params, cfg.model, scanned=True), scanned)
 
 
 def _tensors(directory) -> dict:
