@@ -14,8 +14,9 @@ chunk. With
 * G_i = sum of g_j over j <= i of i's run inside the chunk (a segmented cumulative decay: it restarts
   at each document start, so no decay ever spans two documents and nothing huge is subtracted);
 * D_ij = exp(G_i - G_j) for j <= i in the same run, else 0 (the decay from token j to token i);
-* A_ij = beta_i (k_i . k_j) D_ij for j < i (strictly lower), T = (I + A)^-1 (a unit lower
-  triangular solve);
+* A_ij = beta_i (k_i . k_j) D_ij for j < i (strictly lower), T = (I + A)^-1, computed with
+  matmuls only as (I - A)(I + A^2)(I + A^4)... (A is nilpotent, A^C = 0: ceil(log2 C) - 1 squarings;
+  :func:`unit_lower_inverse`);
 * U = T (beta v) [C, V] and W = T (beta c e^G k) [C, K]  (transformers' ``new_values`` and
   ``k_cumdecay``),
 
@@ -35,12 +36,30 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from .reference import HIGHEST, run_ids, validate
 
-__all__ = ["chunk_prep", "gated_delta_rule_chunked", "chunked_core"]
+__all__ = ["chunk_prep", "chunked_core", "gated_delta_rule_chunked", "unit_lower_inverse"]
 
+
+def unit_lower_inverse(a):
+    """``(I + A)^-1`` for strictly lower triangular ``a`` [..., C, C] (zero on and above the
+    diagonal), float32, by matmuls only: A is nilpotent (A^C = 0), so
+    ``(I + A)^-1 = sum_j (-A)^j = (I - A)(I + A^2)(I + A^4)...`` up to the power >= C.
+
+    Not ``jax.scipy.linalg.solve_triangular``: on XLA:CPU (jaxlib 0.10.2) its LAPACK custom call,
+    inside a whole hybrid model's train step, stalled the program's second execution with every
+    thread idle (the step of ``configs/tiny_qwen3_next.yaml`` at 128 tokens); the matmul form is
+    also what GPUs run well.
+    """
+    c = a.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(c, dtype=a.dtype), a.shape)
+    inv, power, reach = eye - a, a, 2  # inv = sum of (-A)^j for j < reach
+    while reach < c:
+        power = jnp.einsum("...ij,...jk->...ik", power, power, precision=HIGHEST)  # A^reach
+        inv = jnp.einsum("...ij,...jk->...ik", inv, eye + power, precision=HIGHEST)
+        reach *= 2
+    return inv
 
 def _pad_tokens(x, tp: int, axis: int, mode: str = "constant"):
     pad = [(0, 0)] * x.ndim
@@ -96,7 +115,7 @@ def chunked_core(q, k, v, g, beta, run_bt, s0, *, scale: float, chunk_size: int)
     a = jnp.where(strict, bc[..., :, None] * kk * decay, 0.0)
     e_g = jnp.exp(seg_decay)
     rhs = jnp.concatenate([bc[..., None] * vc, (bc * cont * e_g)[..., None] * kc], axis=-1)
-    sol = solve_triangular(a, rhs, lower=True, unit_diagonal=True)  # (I + A)^-1 rhs; A's diagonal unread
+    sol = jnp.einsum("bhnij,bhnjd->bhnid", unit_lower_inverse(a), rhs, precision=HIGHEST)  # (I + A)^-1 rhs
     u, w = sol[..., :vd], sol[..., vd:]
     attn = jnp.einsum("bhnik,bhnjk->bhnij", qc, kc, precision=HIGHEST) * decay
     q_in = (cont * e_g)[..., None] * qc  # reads the incoming state

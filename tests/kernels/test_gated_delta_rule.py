@@ -311,7 +311,7 @@ def test_pallas_lowers_for_cuda_from_cpu():
     lower = lambda fn: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert lower(fwd).count("__gpu$xla.gpu.triton") == 1
     grad_text = lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)))
-    assert grad_text.count("__gpu$xla.gpu.triton") == 1 and "triangular_solve" in grad_text
+    assert grad_text.count("__gpu$xla.gpu.triton") == 1  # the backward: the chunked form's VJP in XLA
 
 
 def test_pallas_inside_shard_map():
