@@ -463,7 +463,8 @@ class MoEConfig:
         of each group's two best biased sigmoid scores (``sigmoid``: DeepSeek-V3 "noaux_tc") or by
         its best softmax probability (``softmax``: DeepSeek-V2 "group_limited_greedy"), then
         chooses its top_k experts among the kept groups only (the others' scores set to -inf, as
-        DeepSeek-V3 and Hugging Face do), whatever the sign of the biased scores.
+        DeepSeek-V3 and Hugging Face do), whatever the sign of the (finite) biased scores; a
+        selection bias of -inf ties such an expert with the dropped ones (lower index first).
       topk_groups: groups kept per token, in [1, num_groups] (HF ``topk_group``).
       routed_scaling_factor: dimensionless multiplier of the routed experts' gates, applied once
         after ``norm_topk_prob``'s renormalisation and never to a shared expert (HF

@@ -106,9 +106,9 @@ def test_mla_flash_attention_lowers_for_cuda(small_config, monkeypatch):
     ``v_head_dim`` padded to the 12 query/key features, forward and gradients."""
     from flax import nnx
 
-    from moefast.model import build_model, transformer
+    from moefast.model import attention, build_model
 
-    monkeypatch.setattr(transformer, "target_platform", lambda: "gpu")
+    monkeypatch.setattr(attention, "target_platform", lambda: "gpu")
     cfg = small_config("model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=12",
                        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6",
                        "model.attention_impl=flash", "model.num_layers=1", "model.num_dense_layers=1",

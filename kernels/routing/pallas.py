@@ -106,7 +106,7 @@ def _group_limit(sel, col, real, scoring: Scoring, num_experts: int):
         best = jnp.max(avail, axis=1, keepdims=True)
         pick = jnp.min(jnp.where((avail == best) & jnp.logical_not(kept), gid, scoring.num_groups), axis=1)
         kept = kept | (gid == pick[:, None])
-    return jnp.where(kept & real, sel, -jnp.inf)  # dropped groups' experts are never chosen
+    return jnp.where(kept & real, sel, -jnp.inf)  # below every finite kept score: never chosen
 
 
 def _routing_kernel(logits_ref, mask_ref, bias_ref, index_ref, gates_ref, rank_ref, counts_ref,
