@@ -25,13 +25,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moefast.kernels.gated_delta_rule import gated_delta_rule
+from moefast.kernels.gated_delta_rule import gated_delta_rule, resolve
 from moefast.model.norm import gated_rms_norm
 from moefast.parallel.precision import dense
 
 __all__ = ["GatedDeltaNet", "causal_conv"]
 
 L2_EPS = 1e-6  # q/k L2 normalisation epsilon (fla and transformers: x * rsqrt(sum(x**2) + 1e-6))
+# Tokens per chunk of the chunked and Pallas forms. The chunked (XLA) form inverts each chunk's
+# C x C triangular system by matmuls, O(C^2) per token: on CPU at the tiny hybrid's heads (K = V =
+# 32, T = 1024) chunks of 16 ran fwd + bwd 2.6x faster than the token-by-token recurrence, 64 no
+# faster (docs/perf.md); the Pallas kernel keeps 64 (GPU tiles).
+CHUNK = {"pallas": 64, "chunked": 16}
 
 
 def causal_conv(x_btc: jax.Array, w_wc: jax.Array, prev_bwc: jax.Array | None,
@@ -125,10 +130,12 @@ class GatedDeltaNet(nnx.Module):
         v = qkv[..., 2 * hk * kd:].reshape(b, t, hv, vd)
         if hv != hk:  # key head h serves value heads h * r .. h * r + r - 1
             q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
+        impl = resolve(self.impl)  # the platform compiled for: "pallas" on GPUs, "chunked" elsewhere
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...])[None, None] * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...][None, None])
         o, state = gated_delta_rule(q, k, v, g, beta, segment_ids=None if cache is not None else segment_ids_bt,
-                                    initial_state=None if cache is None else cache["state"], impl=self.impl)
+                                    initial_state=None if cache is None else cache["state"], impl=impl,
+                                    chunk_size=CHUNK.get(impl, 64))
         o = gated_rms_norm(o, z.reshape(b, t, hv, vd), self.norm[...], self.norm_eps, self.dtype)
         out = dense(o.reshape(b, t, hv * vd), self.out[...], self.dtype, ("heads", "embed"))
         return out, (None if cache is None else {"conv": conv_state, "state": state})
