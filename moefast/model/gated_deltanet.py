@@ -21,12 +21,16 @@ values: a prompt and each decoded token continue them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from moefast.kernels.gated_delta_rule import gated_delta_rule, resolve
+from moefast.model.attention import _token_shards
 from moefast.model.norm import gated_rms_norm
+from moefast.parallel.mesh import reshard_for_shard_map
 from moefast.parallel.precision import dense
 
 __all__ = ["GatedDeltaNet", "causal_conv"]
@@ -133,9 +137,18 @@ class GatedDeltaNet(nnx.Module):
         impl = resolve(self.impl)  # the platform compiled for: "pallas" on GPUs, "chunked" elsewhere
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...])[None, None] * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...][None, None])
-        o, state = gated_delta_rule(q, k, v, g, beta, segment_ids=None if cache is not None else segment_ids_bt,
-                                    initial_state=None if cache is None else cache["state"], impl=impl,
-                                    chunk_size=CHUNK.get(impl, 64))
+        seg = None if cache is not None else segment_ids_bt
+        state0 = None if cache is None else cache["state"]
+        run = functools.partial(gated_delta_rule, impl=impl, chunk_size=CHUNK.get(impl, 64))
+        axes, shards = _token_shards()
+        if impl != "pallas" or shards == 1 or b % shards or seg is None or state0 is not None:
+            o, state = run(q, k, v, g, beta, segment_ids=seg, initial_state=state0)
+        else:  # training under a mesh: each device runs the kernel on its own rows (a Pallas call has no
+            # partitioning rule: left to the partitioner, every device would gather the whole batch)
+            spec = jax.sharding.PartitionSpec(axes)
+            o, state = jax.shard_map(lambda *a: run(*a[:5], segment_ids=a[5]), in_specs=(spec,) * 6,
+                                     out_specs=(spec, spec), check_vma=False)(
+                *reshard_for_shard_map((q, k, v, g, beta, seg), (spec,) * 6))
         o = gated_rms_norm(o, z.reshape(b, t, hv, vd), self.norm[...], self.norm_eps, self.dtype)
         out = dense(o.reshape(b, t, hv * vd), self.out[...], self.dtype, ("heads", "embed"))
         return out, (None if cache is None else {"conv": conv_state, "state": state})
