@@ -13,7 +13,6 @@ Multi-head latent attention (DeepSeek) is :mod:`moefast.model.mla`.
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ from moefast.kernels.attention import flash_attention
 from moefast.kernels.platform import target_platform
 from moefast.model.norm import rms_norm
 from moefast.model.positional import apply_rope
-from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map
+from moefast.parallel.mesh import on_own_rows, token_shards
 from moefast.parallel.precision import dense
 
 __all__ = ["ATTENTION_BLOCK", "Attention", "attention_impl", "causal_attention", "fused_attention"]
@@ -92,17 +91,6 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
     return o.reshape(b, t, h, v_bsgd.shape[-1])
 
 
-def _token_shards() -> tuple[tuple[str, ...], int]:
-    """The mesh axes that split the batch (those of :data:`BATCH_AXES` in the mesh set with
-    ``jax.set_mesh``, of size > 1) and their product; ``((), 1)`` without a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return (), 1
-    check_mesh_axes(mesh, "attention")
-    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
-    return axes, math.prod(mesh.shape[a] for a in axes)
-
-
 def attention_impl(impl: str, batch: int) -> str:
     """``"blocked"`` or ``"flash"``: what ``model.attention_impl=impl`` means for a batch of
     ``batch`` rows in the program being traced. ``"auto"`` is ``"flash"`` when compiling for GPUs
@@ -112,7 +100,7 @@ def attention_impl(impl: str, batch: int) -> str:
     Raises:
       ValueError: ``impl="flash"`` with a batch the token shards do not divide.
     """
-    shards = _token_shards()[1]
+    shards = token_shards("attention")[1]
     if impl == "auto":
         return "flash" if target_platform() == "gpu" and batch % shards == 0 else "blocked"
     if impl == "flash" and batch % shards:
@@ -139,15 +127,8 @@ def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
       [B, T, H, Hv] in the queries' dtype.
     """
     interpret = target_platform() == "cpu"
-    run = lambda q, k, v, seg: flash_attention(q, k, v, seg, sm_scale=scale, interpret=interpret)
-    axes, shards = _token_shards()
-    if shards == 1:
-        return run(q_bthd, k_btgd, v_btgd, segment_ids_bt)
-    spec = jax.sharding.PartitionSpec(axes)
-    # Every operand and the result are split over the same axes (nothing replicated for AD to sum),
-    # and JAX's kernel declares its outputs without varying-axes types: the check stays off.
-    return jax.shard_map(run, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)(
-        *reshard_for_shard_map((q_bthd, k_btgd, v_btgd, segment_ids_bt), (spec,) * 4))
+    run = lambda q, k, v, seg: flash_attention(q, k, v, seg, sm_scale=scale, interpret=interpret)  # noqa: E731
+    return on_own_rows(run, q_bthd, k_btgd, v_btgd, segment_ids_bt, where="attention")
 
 
 class Attention(nnx.Module):

@@ -28,12 +28,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moefast.kernels.gated_delta_rule import gated_delta_rule, resolve
-from moefast.model.attention import _token_shards
 from moefast.model.norm import gated_rms_norm
-from moefast.parallel.mesh import reshard_for_shard_map
+from moefast.parallel.mesh import on_own_rows
 from moefast.parallel.precision import dense
 
-__all__ = ["GatedDeltaNet", "causal_conv"]
+__all__ = ["GatedDeltaNet", "causal_conv", "init_state"]
 
 L2_EPS = 1e-6  # q/k L2 normalisation epsilon (fla and transformers: x * rsqrt(sum(x**2) + 1e-6))
 # Tokens per chunk of the chunked and Pallas forms. The chunked (XLA) form inverts each chunk's
@@ -41,6 +40,17 @@ L2_EPS = 1e-6  # q/k L2 normalisation epsilon (fla and transformers: x * rsqrt(s
 # 32, T = 1024) chunks of 16 ran fwd + bwd 2.6x faster than the token-by-token recurrence, 64 no
 # faster (docs/perf.md); the Pallas kernel keeps 64 (GPU tiles).
 CHUNK = {"pallas": 64, "chunked": 16}
+
+
+def init_state(model_cfg, batch: int, dtype) -> dict[str, jax.Array]:
+    """A Gated DeltaNet layer's zeroed decoding state for a :class:`~moefast.config.ModelConfig`:
+    ``conv`` [B, W-1, C] in ``dtype`` (the last convolution inputs) and ``state`` [B, Hv, K, V]
+    float32 (the recurrent state)."""
+    m = model_cfg
+    channels = 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim
+    return {"conv": jnp.zeros((batch, m.linear_conv_kernel_dim - 1, channels), dtype),
+            "state": jnp.zeros((batch, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim),
+                               jnp.float32)}
 
 
 def causal_conv(x_btc: jax.Array, w_wc: jax.Array, prev_bwc: jax.Array | None,
@@ -113,14 +123,9 @@ class GatedDeltaNet(nnx.Module):
                                                                                   d_model)),
                              logical_axes=("heads", "embed"))
 
-    def init_cache(self, batch: int, dtype) -> dict[str, jax.Array]:
-        """Zeroed decoding state: ``conv`` [B, W-1, C] in ``dtype`` and ``state`` [B, Hv, K, V] float32."""
-        return {"conv": jnp.zeros((batch, self.conv_width - 1, self.channels), dtype),
-                "state": jnp.zeros((batch, self.hv, self.k_dim, self.v_dim), jnp.float32)}
-
     def __call__(self, x_btd, segment_ids_bt, cache: dict | None):
         """``x_btd`` [B, T, D]; ``segment_ids_bt`` [B, T] int document ids (no cache) or ``None``;
-        ``cache``: :meth:`init_cache`'s dict or ``None``. Returns ``([B, T, D] in the compute dtype,
+        ``cache``: :func:`init_state`'s dict or ``None``. Returns ``([B, T, D] in the compute dtype,
         the updated cache or None)``."""
         b, t, _ = x_btd.shape
         hk, hv, kd, vd, c = self.hk, self.hv, self.k_dim, self.v_dim, self.channels
@@ -140,15 +145,11 @@ class GatedDeltaNet(nnx.Module):
         seg = None if cache is not None else segment_ids_bt
         state0 = None if cache is None else cache["state"]
         run = functools.partial(gated_delta_rule, impl=impl, chunk_size=CHUNK.get(impl, 64))
-        axes, shards = _token_shards()
-        if impl != "pallas" or shards == 1 or b % shards or seg is None or state0 is not None:
+        if impl == "pallas" and seg is not None and state0 is None:  # training: the kernel on each device's rows
+            o, state = on_own_rows(lambda *a: run(*a[:5], segment_ids=a[5]), q, k, v, g, beta, seg,
+                                   where="Gated DeltaNet")
+        else:
             o, state = run(q, k, v, g, beta, segment_ids=seg, initial_state=state0)
-        else:  # training under a mesh: each device runs the kernel on its own rows (a Pallas call has no
-            # partitioning rule: left to the partitioner, every device would gather the whole batch)
-            spec = jax.sharding.PartitionSpec(axes)
-            o, state = jax.shard_map(lambda *a: run(*a[:5], segment_ids=a[5]), in_specs=(spec,) * 6,
-                                     out_specs=(spec, spec), check_vma=False)(
-                *reshard_for_shard_map((q, k, v, g, beta, seg), (spec,) * 6))
         o = gated_rms_norm(o, z.reshape(b, t, hv, vd), self.norm[...], self.norm_eps, self.dtype)
         out = dense(o.reshape(b, t, hv * vd), self.out[...], self.dtype, ("heads", "embed"))
         return out, (None if cache is None else {"conv": conv_state, "state": state})

@@ -42,7 +42,7 @@ from flax import nnx
 from moefast.config import ExperimentConfig
 from moefast.model.attention import (ATTENTION_BLOCK, Attention, attention_impl, causal_attention,
                                      fused_attention)
-from moefast.model.gated_deltanet import GatedDeltaNet
+from moefast.model.gated_deltanet import GatedDeltaNet, init_state
 from moefast.model.layout import layer_layout
 from moefast.model.mla import MLA_NORM_EPS, MLAttention
 from moefast.model.moe import MoELayer, MoEStats
@@ -271,10 +271,7 @@ class Transformer(nnx.Module):
         self.position_encoding, self.rope_base, self.head_dim = m.position_encoding, m.rope_base, m.head_dim
         self.rope_dim, self.yarn, self.attention = m.rotary_dim, Yarn.from_config(m), m.attention
         self.cache_widths = tuple(_cache_widths(m).items())
-        self.layer_kinds = tuple(m.layer_type(i) for i in range(m.num_layers))
-        channels = 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim
-        self.linear_cache_shapes = ((m.linear_conv_kernel_dim - 1, channels),
-                                    (m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim))
+        self.model_cfg = m  # frozen, hashable: static metadata (init_cache's Gated DeltaNet states)
         self.cache_tables = cfg.cache.tables
         self.attention_impl = m.attention_impl
         self.dtype = _DTYPES[m.dtype]
@@ -599,11 +596,10 @@ def init_cache(model: Transformer, batch: int, length: int, dtype: Any = None) -
     (``model.attention=gqa``), or ``{"kv": [B, S, kv_lora_rank], "k_rope": [B, S, qk_rope_head_dim]}``
     (``mla``: :class:`MLAttention`); a Gated DeltaNet layer (``model.layer_types``) holds its
     states instead, of a size independent of S: ``{"conv": [B, W-1, C], "state": [B, Hv, K, V]}``
-    (float32 state; :meth:`~moefast.model.gated_deltanet.GatedDeltaNet.init_cache`). Bytes per
+    (float32 state; :func:`~moefast.model.gated_deltanet.init_state`). Bytes per
     token of an attention layer: :func:`cache_bytes_per_token`."""
     dtype = dtype or model.dtype
-    conv, state = model.linear_cache_shapes
-    return [{"conv": jnp.zeros((batch, *conv), dtype), "state": jnp.zeros((batch, *state), jnp.float32)}
-            if kind == "linear_attention" else
+    m = model.model_cfg
+    return [init_state(m, batch, dtype) if m.layer_type(i) == "linear_attention" else
             {k: jnp.zeros((batch, length, *w), dtype) for k, w in model.cache_widths}
-            for kind in model.layer_kinds]
+            for i in range(m.num_layers)]

@@ -37,12 +37,14 @@ __all__ = [
     "logical_to_spec",
     "make_mesh",
     "mesh_shape",
+    "on_own_rows",
     "optimizer_spec",
     "param_specs",
     "platform",
     "reshard_for_shard_map",
     "shardings",
     "state_spec",
+    "token_shards",
 ]
 
 MESH_AXES = ("data", "fsdp", "expert")
@@ -163,6 +165,43 @@ def reshard_for_shard_map(args: tuple, in_specs: tuple) -> tuple:
     if mesh.empty or jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
         return args
     return tuple(jax.sharding.reshard(a, s) for a, s in zip(args, in_specs))
+
+
+def token_shards(where: str = "kernel") -> tuple[tuple[str, ...], int]:
+    """The axes of the mesh set with ``jax.set_mesh`` that split the batch (those of
+    :data:`BATCH_AXES` of size > 1) and their product; ``((), 1)`` without a mesh.
+
+    Raises:
+      ValueError: the mesh has another axis longer than 1 (:func:`check_mesh_axes`, naming ``where``).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return (), 1
+    check_mesh_axes(mesh, where)
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def on_own_rows(fn, *arrays_b: jax.Array, where: str = "kernel"):
+    """``fn(*arrays_b)`` with each device on its own rows: every array [B, ...] and every output
+    split over the token axes (:func:`token_shards`) inside ``jax.shard_map``, for a per-row kernel
+    (a Pallas call has no partitioning rule: left to the partitioner, every device would gather the
+    whole batch around it). Without token shards: ``fn(*arrays_b)`` as it is.
+
+    Every operand and result is split over the same axes (nothing replicated for AD to sum), and
+    Pallas kernels declare their outputs without varying-axes types: ``check_vma`` stays off.
+
+    Raises:
+      ValueError: B not divisible by the token shards; see :func:`token_shards`.
+    """
+    axes, shards = token_shards(where)
+    if shards == 1:
+        return fn(*arrays_b)
+    if arrays_b[0].shape[0] % shards:
+        raise ValueError(f"{where}: batch {arrays_b[0].shape[0]} is not divisible by the {shards} token shards")
+    specs = (P(axes),) * len(arrays_b)
+    return jax.shard_map(fn, in_specs=specs, out_specs=P(axes), check_vma=False)(
+        *reshard_for_shard_map(arrays_b, specs))
 
 
 def make_mesh(cfg: ExperimentConfig, devices: list | None = None) -> jax.sharding.Mesh:
