@@ -18,15 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 
-from moefast import routing  # noqa: E402
 from moefast.interop import hf  # noqa: E402
 from moefast.config import ConfigError, load_config  # noqa: E402
-from moefast.model import build_model  # noqa: E402
+from hf_oracle import hf_forward, module, ours, saved_layouts  # noqa: E402
 
 V, B, T = 128, 2, 128
 PAD_FROM = 88  # row 1 is padding from here on
@@ -135,47 +133,10 @@ def _inputs():
     return tokens, mask
 
 
-def _hf_forward(model, tokens, mask):
-    """Logits [B, T, V] and, per MoE layer, the chosen experts [B*T, K] (sorted): the indices each
-    router module returns last (every family's ``...TopkRouter.forward``)."""
-    chosen = []
-    hooks = [m.register_forward_hook(lambda m, args, out: chosen.append(np.sort(out[-1].numpy(), axis=-1)))
-             for m in model.modules() if type(m).__name__.lower().endswith("router")]
-    try:
-        with torch.no_grad():
-            out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask))
-    finally:
-        for h in hooks:
-            h.remove()
-    assert len(chosen) == sum(1 for m in model.modules() if type(m).__name__.lower().endswith("router"))
-    return out.logits.numpy(), chosen
 
 
-def _module(cfg, params):
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, cfg.model.vocab_size)))
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
 
 
-def _ours(cfg, params, routing_state, tokens, mask, monkeypatch):
-    """moefast's logits, chosen experts and the experts chosen without the selection bias (each
-    layer's routing called again on the same logits with ``bias=None``), eagerly, recording every
-    routing call."""
-    calls, unbiased = [], []
-    real_route = routing.route
-
-    def recording(*a, **kw):
-        r = real_route(*a, **kw)
-        calls.append(np.sort(np.asarray(r.expert_index), axis=-1))
-        unbiased.append(np.sort(np.asarray(real_route(*a, **{**kw, "bias": None}).expert_index), axis=-1))
-        return r
-
-    monkeypatch.setattr(routing, "route", recording)
-    with jax.default_matmul_precision("highest"):
-        out = _module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32),
-                                   drop_tokens=False, routing_state=routing_state)
-    monkeypatch.setattr(routing, "route", real_route)
-    return np.asarray(out.logits), calls, unbiased
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -183,12 +144,7 @@ def saved(request, tmp_path_factory):
     """(family, HF model, its directory per layout)."""
     family = request.param
     model = _hf_model(family)
-    dirs = {}
-    for layout, original in (("per_expert", True), ("fused", False)):
-        d = tmp_path_factory.mktemp(f"{family}-{layout}")
-        model.save_pretrained(d, save_original_format=original)
-        dirs[layout] = d
-    return family, model, dirs
+    return family, model, saved_layouts(model, family, tmp_path_factory)
 
 
 def test_saved_layouts_are_the_two_on_disk_layouts(saved):
@@ -207,10 +163,10 @@ def _assert_same_as_transformers(model, directory, monkeypatch):
     """Reads ``directory`` (``model`` saved) and checks moefast's logits (1e-4) and chosen experts
     against ``model``'s on :func:`_inputs`; returns what the callers check further."""
     tokens, mask = _inputs()
-    want, want_chosen = _hf_forward(model, tokens, mask)
+    want, want_chosen = hf_forward(model, tokens, mask)
     cfg, params = hf.load_hf(directory)
     routing = hf.load_hf_routing(directory, cfg)
-    got, got_chosen, unbiased = _ours(cfg, params, routing, tokens, mask, monkeypatch)
+    got, got_chosen, unbiased = ours(cfg, params, routing, tokens, mask, monkeypatch, unbiased=True)
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
     assert len(got_chosen) == len(want_chosen) == sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
@@ -271,8 +227,8 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, layout, t
     for key in CONFIG_KEYS.get(family, ()):
         assert getattr(reloaded.config, key) == getattr(model.config, key), key
     tokens, mask = _inputs()
-    want, _ = _hf_forward(model, tokens, mask)
-    got, _ = _hf_forward(reloaded.eval(), tokens, mask)
+    want, _ = hf_forward(model, tokens, mask)
+    got, _ = hf_forward(reloaded.eval(), tokens, mask)
     # the same weights; torch's expert kernels may round differently for other memory layouts
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     cfg2, params2 = hf.load_hf(out)
@@ -331,9 +287,9 @@ def test_multi_token_prediction_layers_are_read_exactly_and_round_trip(saved, tm
     assert hf.config_from_hf(dirs["per_expert"]).model.mtp_depth == 0  # the key, but no layer on disk
     routing = hf.load_hf_routing(src, cfg)
     got = params["mtp"][0]
-    for ours, name in ((("enorm", "scale"), "enorm"), (("hnorm", "scale"), "hnorm"),
+    for path, name in ((("enorm", "scale"), "enorm"), (("hnorm", "scale"), "hnorm"),
                        (("head_norm", "scale"), "shared_head.norm")):
-        np.testing.assert_array_equal(np.asarray(got[ours[0]][ours[1]]), mtp[f"model.layers.{n}.{name}.weight"])
+        np.testing.assert_array_equal(np.asarray(got[path[0]][path[1]]), mtp[f"model.layers.{n}.{name}.weight"])
     np.testing.assert_array_equal(np.asarray(got["eh_proj"]), mtp[f"model.layers.{n}.eh_proj.weight"].T)
     last = to_layout(params, cfg.model, scanned=False)["blocks"][n - 1]
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), 2 * np.asarray(b)), got["block"], last)
@@ -361,7 +317,7 @@ def test_multi_token_prediction_layers_are_read_exactly_and_round_trip(saved, tm
                      scanned["mtp"])
         tokens, mask = _inputs()
         with jax.default_matmul_precision("highest"):  # as the parity test: its eager ops' compilations are reused
-            y = _module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32),
+            y = module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32),
                                      drop_tokens=False, routing_state=routing)
         import optax
 
@@ -647,7 +603,7 @@ def test_import_fine_tune_export_from_the_cli(tmp_path, text_dir):
     with torch.no_grad():
         want = reloaded(input_ids=torch.tensor(tokens)).logits.numpy()
     with jax.default_matmul_precision("highest"):
-        got = np.asarray(_module(cfg, tuned)(jnp.asarray(tokens), drop_tokens=False,
+        got = np.asarray(module(cfg, tuned)(jnp.asarray(tokens), drop_tokens=False,
                                              routing_state=routing_state).logits)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     from moefast.data import HFTokenizer

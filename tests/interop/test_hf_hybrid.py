@@ -22,17 +22,14 @@ import json
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 
-from moefast import routing  # noqa: E402
 from moefast.interop import hf  # noqa: E402
-from moefast.model import build_model  # noqa: E402
+from hf_oracle import hf_forward, ours, saved_layouts  # noqa: E402
 
 V, B, T = 128, 2, 40
 PAD_FROM = 27  # row 1 is padding from here on
@@ -86,48 +83,12 @@ def _inputs():
     return tokens, mask
 
 
-def _is_router(module) -> bool:
-    return type(module).__name__.lower().endswith("router")
 
 
-def _hf_forward(model, tokens, mask):
-    """Logits [B, T, V] and, per MoE layer, the chosen experts [B*T, K] (sorted), from the router
-    modules' returned indices."""
-    chosen = []
-    hooks = [m.register_forward_hook(lambda m, args, out: chosen.append(np.sort(out[-1].numpy(), axis=-1)))
-             for m in model.modules() if _is_router(m)]
-    try:
-        with torch.no_grad():
-            out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask))
-    finally:
-        for h in hooks:
-            h.remove()
-    assert len(chosen) == sum(1 for m in model.modules() if _is_router(m))
-    return out.logits.numpy(), chosen
 
 
-def _module(cfg, params):
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, cfg.model.vocab_size)))
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
 
 
-def _ours(cfg, params, routing_state, tokens, mask, monkeypatch):
-    """moefast's logits and the experts each routing call chose, the padding its own segment."""
-    calls = []
-    real_route = routing.route
-
-    def recording(*a, **kw):
-        r = real_route(*a, **kw)
-        calls.append(np.sort(np.asarray(r.expert_index), axis=-1))
-        return r
-
-    monkeypatch.setattr(routing, "route", recording)
-    with jax.default_matmul_precision("highest"):
-        out = _module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32),
-                                   drop_tokens=False, routing_state=routing_state)
-    monkeypatch.setattr(routing, "route", real_route)
-    return np.asarray(out.logits), calls
 
 
 def _equal_trees(a, b):
@@ -147,18 +108,13 @@ def saved(request, tmp_path_factory):
     """(family, HF model, its directory per expert layout)."""
     family = request.param
     model = _hf_model(family)
-    dirs = {}
-    for layout, original in (("per_expert", True), ("fused", False)):
-        d = tmp_path_factory.mktemp(f"{family}-{layout}")
-        model.save_pretrained(d, save_original_format=original)
-        dirs[layout] = d
-    return family, model, dirs
+    return family, model, saved_layouts(model, family, tmp_path_factory)
 
 
 def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
     family, model, dirs = saved
     tokens, mask = _inputs()
-    want, want_chosen = _hf_forward(model, tokens, mask)
+    want, want_chosen = hf_forward(model, tokens, mask)
     cfg, params, notes = _load_quietly(dirs["per_expert"])
     m = cfg.model
     assert m.layer_types == ("linear_attention",) * 3 + ("full_attention",)
@@ -172,7 +128,7 @@ def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
     else:
         assert notes == []
     routing_state = hf.load_hf_routing(dirs["per_expert"], cfg)
-    got, got_chosen = _ours(cfg, params, routing_state, tokens, mask, monkeypatch)
+    got, got_chosen = ours(cfg, params, routing_state, tokens, mask, monkeypatch)
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
     moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
@@ -229,7 +185,7 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
     want_sd = {("model." + n[len(prefix):] if n.startswith(prefix) else n): w for n, w in model.state_dict().items()
                if not n.startswith("model.visual.")}
     tokens, mask = _inputs()
-    want, _ = _hf_forward(model, tokens, mask)
+    want, _ = hf_forward(model, tokens, mask)
     real = mask.astype(bool)
     for layout in ("per_expert", "fused"):
         out = hf.save_hf(cfg, params, tmp_path / layout, routing_state=routing_state, layout=layout, family=family)
@@ -250,7 +206,7 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
             assert getattr(reloaded.config, key) == getattr(model.config.get_text_config(), key), key
         assert reloaded.config.rope_parameters["partial_rotary_factor"] == cfg.model.partial_rotary_factor
         if layout == "per_expert":
-            got, _ = _hf_forward(reloaded.eval(), tokens, mask)
+            got, _ = hf_forward(reloaded.eval(), tokens, mask)
             np.testing.assert_allclose(got[real], want[real], atol=1e-6, rtol=0)
         cfg2, params2, notes = _load_quietly(out)
         assert notes == [] and cfg2.model == cfg.model and cfg2.moe == cfg.moe
@@ -259,7 +215,7 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
         out = hf.save_hf(cfg, params, tmp_path / "as-next", routing_state=routing_state)
         next_ = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         assert type(next_).__name__ == "Qwen3NextForCausalLM"
-        got, _ = _hf_forward(next_, tokens, mask)
+        got, _ = hf_forward(next_, tokens, mask)
         np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=0)
         _equal_trees(params, _load_quietly(out)[1])
         assert _tensors(out).keys() & {"model.layers.0.linear_attn.in_proj_qkvz.weight"}

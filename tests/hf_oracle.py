@@ -1,0 +1,71 @@
+"""Shared by the Hugging Face parity tests (tests/interop/): transformers' logits and chosen experts,
+and moefast's for the same parameters, recording every routing call."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moefast import routing
+from moefast.model import build_model
+
+
+def is_router(module) -> bool:
+    return type(module).__name__.lower().endswith("router")
+
+
+def hf_forward(model, tokens, mask):
+    """transformers' logits [B, T, V] and, per MoE layer, the chosen experts [B*T, K] (sorted): the
+    indices each router module (every family's ``...Router.forward``) returns last."""
+    import torch
+
+    chosen = []
+    hooks = [m.register_forward_hook(lambda m, args, out: chosen.append(np.sort(out[-1].numpy(), axis=-1)))
+             for m in model.modules() if is_router(m)]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(chosen) == sum(1 for m in model.modules() if is_router(m))
+    return out.logits.numpy(), chosen
+
+
+def module(cfg, params):
+    """The moefast model of ``cfg`` holding ``params`` (a pure dict)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, cfg.model.vocab_size)))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def ours(cfg, params, routing_state, tokens, mask, monkeypatch, *, unbiased=False):
+    """moefast's logits and the experts each routing call chose (sorted), eagerly, the padding its
+    own segment; with ``unbiased`` also the experts each call chooses again without the selection
+    bias. Returns ``(logits, chosen)`` or ``(logits, chosen, unbiased)``."""
+    calls, without_bias = [], []
+    real_route = routing.route
+
+    def recording(*a, **kw):
+        r = real_route(*a, **kw)
+        calls.append(np.sort(np.asarray(r.expert_index), axis=-1))
+        if unbiased:
+            without_bias.append(np.sort(np.asarray(real_route(*a, **{**kw, "bias": None}).expert_index), axis=-1))
+        return r
+
+    monkeypatch.setattr(routing, "route", recording)
+    with jax.default_matmul_precision("highest"):
+        out = module(cfg, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(mask, jnp.int32),
+                                  drop_tokens=False, routing_state=routing_state)
+    monkeypatch.setattr(routing, "route", real_route)
+    return (np.asarray(out.logits), calls, without_bias) if unbiased else (np.asarray(out.logits), calls)
+
+
+def saved_layouts(model, family, tmp_path_factory):
+    """``model`` saved in both on-disk expert layouts: ``{"per_expert": dir, "fused": dir}``."""
+    dirs = {}
+    for layout, original in (("per_expert", True), ("fused", False)):
+        d = tmp_path_factory.mktemp(f"{family}-{layout}")
+        model.save_pretrained(d, save_original_format=original)
+        dirs[layout] = d
+    return dirs
