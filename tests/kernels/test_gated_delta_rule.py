@@ -164,11 +164,14 @@ def test_chunked_equals_reference(t, chunk, with_state):
 def test_packed_documents_chunked():
     """Documents packed in a row give exactly what each gives alone, with boundaries on a chunk edge
     and inside a chunk; and the packed rows equal the recurrence."""
-    t = 70
-    inputs, s0 = make_inputs(t=t, seed=5)
+    check_packed_documents(functools.partial(gated_delta_rule_chunked, chunk_size=16), seed=5)
+
+
+def check_packed_documents(fn, seed, t=70):
+    """``fn`` on a packed row equals ``fn`` on each document alone, and the recurrence on the row."""
+    inputs, s0 = make_inputs(t=t, seed=seed)
     starts, seg = packed_row_segments(t)
     alone, alone_s0, where = documents_alone(inputs, s0, starts, t)
-    fn = functools.partial(gated_delta_rule_chunked, chunk_size=16)
     (o, s), (o1, s1), (o_ref, s_ref) = run(
         lambda a, b: (fn(*a, segment_ids=jnp.asarray(seg), initial_state=s0), fn(*b, initial_state=alone_s0),
                       gated_delta_rule_reference(*a, segment_ids=jnp.asarray(seg), initial_state=s0)),
@@ -241,18 +244,7 @@ class _PallasCases:
         assert_close(s, s_ref, err_msg="final_state vs reference")
 
     def test_packed_documents(self):
-        t = 70
-        inputs, s0 = make_inputs(t=t, seed=11)
-        starts, seg = packed_row_segments(t)
-        alone, alone_s0, where = documents_alone(inputs, s0, starts, t)
-        fn = functools.partial(self.pallas, chunk_size=16)
-        (o, s), (o1, s1), (o_ref, s_ref) = run(
-            lambda a, b: (fn(*a, segment_ids=jnp.asarray(seg), initial_state=s0), fn(*b, initial_state=alone_s0),
-                          gated_delta_rule_reference(*a, segment_ids=jnp.asarray(seg), initial_state=s0)),
-            inputs, alone)
-        check_packed(o, s, o1, s1, where)
-        assert_close(o, o_ref)
-        assert_close(s, s_ref)
+        check_packed_documents(functools.partial(self.pallas, chunk_size=16), seed=11)
 
     def test_gradients_equal_reference(self):
         t = 37
