@@ -84,7 +84,8 @@ def test_finetune_hf(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     workdir, text, _, _ = _execute("finetune_hf.ipynb", tmp_path)
-    assert "imported qwen3_moe" in text and "resuming from step 0" in text
+    assert "imported qwen3_5_moe_text" in text and "resuming from step 0" in text
     assert (workdir / "hf_finetuned" / "model.safetensors").is_file()
+    assert "step 20: max |moefast - transformers| logits" in text  # fine-tuned, then compared
     diff = float(text.split("logits = ")[1].split()[0])
     assert diff < 1e-4
