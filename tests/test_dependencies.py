@@ -216,3 +216,34 @@ def test_the_checks_catch_what_they_should():
     assert _forbidden("moefast.parallel.mesh", "moefast.model.layout")
     assert _forbidden("moefast.bench.peers", "moefast.cli") and not _forbidden("moefast.__main__", "moefast.cli")
     assert not _forbidden("moefast.train.loop", "moefast.model")
+
+
+def test_a_session_at_the_checkout_root_imports_the_installed_kernels_package(tmp_path):
+    """Python started at the checkout's root has the root first on ``sys.path``, where ``kernels/``
+    (moefast.kernels) sits: ``import kernels`` still gives the installed ``kernels`` distribution (a
+    stand-in of Hugging Face's here, which transformers imports), with its submodules, and
+    ``moefast.kernels`` is unaffected; with no such distribution the import fails as it would
+    anywhere else."""
+    import os
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("from .layers import CUDAProperties\n")
+    (site / "kernels" / "layers.py").write_text("class CUDAProperties:\n    pass\n")
+    (site / "kernels-0.12.0.dist-info").mkdir()
+    (site / "kernels-0.12.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.12.0\n")
+    code = ("import kernels, importlib.metadata, moefast.kernels, moefast.kernels.routing\n"
+            "from kernels import CUDAProperties\n"
+            "print(kernels.__file__, importlib.metadata.version('kernels'), moefast.kernels.__file__)\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    got = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    found, version, ours = got.stdout.split()
+    assert Path(found) == site / "kernels" / "__init__.py" and version == "0.12.0"
+    assert Path(ours) == REPO / "kernels" / "__init__.py"
+    env.pop("PYTHONPATH")  # -S: without site-packages, where a real kernels distribution may be installed
+    got = subprocess.run([sys.executable, "-S", "-c", "import kernels"], cwd=REPO, env=env, capture_output=True,
+                         text=True)
+    assert got.returncode == 1 and "ModuleNotFoundError: No module named 'kernels'" in got.stderr, got.stderr
