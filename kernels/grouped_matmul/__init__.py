@@ -57,9 +57,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
       w: [G, I, O], the dtype of ``x``.
       group_sizes: [G] int32, rows per group, ``sum(group_sizes) <= N`` (may be traced).
       impl: one of :data:`IMPLS`.
-      tile_rows, granule_rows: ``"tiled"`` only — rows of a full tile and the granularity of the
-        partial piece (``granule_rows`` divides ``tile_rows``); ``"pallas"`` picks its own tile
+      tile_rows: ``"tiled"`` only — rows of a full tile; ``"pallas"`` picks its own tile
         (:func:`.pallas.tile_rows_for`).
+      granule_rows: ``"tiled"`` only — the granularity of the partial piece, in rows (divides
+        ``tile_rows``).
 
     Returns:
       [N, O] in ``x.dtype``; 0 for rows after the last group. Differentiable with ``jax.grad`` /

@@ -92,8 +92,10 @@ class MoELayer(nnx.Module):
             output does not depend on the rest of the batch (evaluation, generation).
           bias_e: [E] float32 aux-loss-free selection bias of this layer (train state).
           load_ema_e: [E] float32 load average of this layer (dynamic capacity; train state).
-          warmup_key, warmup_active: expert warm-up noise key of this layer and [] bool flag (see
+          warmup_key: expert warm-up noise key of this layer (see
             :func:`~moefast.parallel.expert.moe_ffn`); ``None``: no warm-up.
+          warmup_active: [] bool, whether this step is in the warm-up (see
+            :func:`~moefast.parallel.expert.moe_ffn`).
 
         Returns:
           ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` — the routed experts' gated sum plus the

@@ -366,9 +366,10 @@ def apply_rope(x_bthd: jax.Array, cos_bt1f: jax.Array, sin_bt1f: jax.Array) -> j
 
     Args:
       x_bthd: [B, T, H, head_dim] queries or keys, any float dtype.
-      cos_bt1f, sin_bt1f: float32 [B, T, 1, F] from :func:`rope_cos_sin`, 2F <= head_dim. With
-        2F < head_dim (partial rotary, Hugging Face's ``partial_rotary_factor``) the first 2F
-        features rotate and the others pass unchanged.
+      cos_bt1f: float32 [B, T, 1, F] from :func:`rope_cos_sin`, 2F <= head_dim. With 2F <
+        head_dim (partial rotary, Hugging Face's ``partial_rotary_factor``) the first 2F features
+        rotate and the others pass unchanged.
+      sin_bt1f: float32 [B, T, 1, F] from :func:`rope_cos_sin`, like ``cos_bt1f``.
 
     Returns:
       [B, T, H, head_dim] in ``x_bthd.dtype``; the rotation is computed in float32.

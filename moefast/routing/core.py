@@ -78,8 +78,10 @@ def route(logits_te: jax.Array, *, top_k: int, capacity: int, mask_t: jax.Array 
       capacity_limit: [E] int32 dynamic per-expert limit <= capacity.
       renormalize: renormalise the K gates to sum to 1 (``moe.norm_topk_prob``).
       score_func: ``"softmax"`` or ``"sigmoid"`` (``moe.score_func``).
-      num_groups, topk_groups: group-limited top-k (``moe.num_groups``, ``moe.topk_groups``; HF
-        ``n_group``, ``topk_group``); 1, 1: none.
+      num_groups: group-limited top-k: G groups of experts (``moe.num_groups``; HF ``n_group``);
+        1, with ``topk_groups`` 1: none.
+      topk_groups: group-limited top-k: the groups kept per token (``moe.topk_groups``; HF
+        ``topk_group``).
       routed_scaling_factor: dimensionless gate multiplier, applied once (``moe.routed_scaling_factor``).
 
     Returns:

@@ -1,5 +1,5 @@
-"""MoELayer inside a user's own program: the mesh they build, the inputs they pass (README, "The MoE
-layer in your own program")."""
+"""MoELayer inside a user's own program: the mesh they build, the inputs they pass (docs/layer.md,
+"The MoE layer in your own model")."""
 
 import jax
 import jax.numpy as jnp
