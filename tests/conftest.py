@@ -82,3 +82,21 @@ def pytest_collection_modifyitems(config, items):
         path = Path(str(item.fspath)).as_posix()
         return next((i for i, name in enumerate(_LONGEST_FIRST) if path.endswith("tests/" + name)), len(_LONGEST_FIRST))
     items.sort(key=rank)  # stable
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 15 slowest test files (setup, call and teardown of their tests summed, on whichever
+    worker ran them), printed before pytest's own total: what to trim when the suite grows."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "when", None) in ("setup", "call", "teardown") and hasattr(r, "duration"):
+                name = r.nodeid.split("::")[0]
+                per_file[name] = per_file.get(name, 0.0) + r.duration
+    if not per_file:
+        return
+    terminalreporter.write_sep("=", "slowest 15 test files")
+    for name, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {name}")
+    terminalreporter.write_line(f"{sum(per_file.values()):8.1f}s in all test files together "
+                                f"({len(per_file)} files; the wall time is pytest's total, below)")
