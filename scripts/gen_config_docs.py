@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Writes docs/config.md, the reference of every config field, from moefast/config.py.
+"""Writes docs/config.md, the reference of every config field, from moefast/config/.
 
 Each section is a frozen dataclass of :mod:`moefast.config`; the type and default of a field come
 from the dataclass, its meaning from the ``Attributes:`` entry of the class docstring (an entry may
@@ -107,7 +107,7 @@ def render(sections: list[tuple[str, type]] | None = None) -> str:
     """
     sections = config_sections() if sections is None else sections
     out = ["# Config reference", "",
-           "Every field of the experiment config (`moefast/config.py`), by section: its type, default and "
+           "Every field of the experiment config (`moefast/config/`), by section: its type, default and "
            "meaning. Set them in a YAML file (`--config`, see `configs/`) or on the command line as "
            "`section.key=value` overrides (later ones win), e.g. `moefast train moe.top_k=1 train.steps=200`. "
            "A typo is refused with the valid keys.", "",
@@ -135,7 +135,7 @@ def render(sections: list[tuple[str, type]] | None = None) -> str:
         out.append("")
     if missing:
         raise SystemExit("gen_config_docs: no 'Attributes:' entry in the class docstring for: " + ", ".join(missing)
-                         + " (document each field where it is defined, in moefast/config.py)")
+                         + " (document each field where it is defined, in moefast/config/)")
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -1,0 +1,301 @@
+"""The ``model`` section: the decoder-only transformer's shape (:class:`ModelConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from .fields import _check_choices, _require
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer shape.
+
+    Attributes:
+      d_model: residual stream width D.
+      num_layers: number of transformer blocks.
+      num_heads: query heads H.
+      num_kv_heads: key/value heads (grouped-query attention); ``None`` means ``num_heads``.
+      head_dim: per-head width.
+      d_ff: hidden width F of each SwiGLU expert (and of dense feed-forward layers unless
+        ``dense_d_ff`` is set; Hugging Face's ``moe_intermediate_size``).
+      dense_d_ff: hidden width of the dense feed-forward layers (Hugging Face's
+        ``intermediate_size`` in Qwen-MoE configs); ``None`` means ``d_ff``.
+      attention_bias: learned biases of the attention projections: ``"none"``, ``"qkv"`` (query,
+        key and value: Qwen2-MoE) or ``"all"`` (also the output projection: ``attention_bias`` in
+        Qwen3-MoE / OLMoE configs).
+      qk_norm: RMSNorm of queries and keys before RoPE (Dehghani et al. 2023, ViT-22B sec. 3.1):
+        ``"none"``, ``"per_head"`` (over each head's Hd features: Qwen3-MoE) or ``"full"`` (over
+        the whole query and key projections, before the split into heads: OLMoE). Each has its own
+        learned scale.
+      attention_impl: how training and evaluation compute causal attention
+        (:mod:`moefast.model.transformer`): ``"blocked"`` (XLA einsums over the causal key blocks
+        of 128-row query blocks, with a [B, 1, T, T] mask: the CPU path), ``"flash"`` (the fused
+        Pallas kernel of :mod:`moefast.kernels.attention`, isolating packed documents by segment
+        id, memory linear in T; compiled on GPU, interpreted on CPU) or ``"auto"`` (``"flash"``
+        when the step is compiled for GPUs and the batch divides over the token shards, else
+        ``"blocked"``). Generation with a KV cache always uses the blocked path.
+      vocab_size: V; ``None`` means the tokenizer's vocabulary size.
+      max_seq_len: length of the positional tables, in tokens; positions must be below it.
+      position_encoding: ``"rope"`` (rotary, applied to queries and keys; Su et al. 2021, RoFormer
+        sec. 3.4) or ``"sinusoidal"`` (absolute encodings added to the token embeddings; Vaswani et
+        al. 2017, sec. 3.5).
+      rope_base: RoPE wavelength base (Su et al. 2021, RoFormer eq. 15).
+      tie_embeddings: LM head reuses the token embedding matrix.
+      num_dense_layers: leading blocks with a dense feed-forward instead of MoE.
+      moe_every: after the leading dense layers, every ``moe_every``-th block is MoE, others dense.
+      dtype: compute dtype of activations and matmuls (parameters stay float32; the router is
+        always float32).
+      dropout: dropout rate on attention and feed-forward outputs (training only).
+      norm_eps: RMSNorm epsilon.
+      init_std: standard deviation of the normal initialiser of weight matrices.
+      remat: activation rematerialisation of each block in the backward pass (``jax.checkpoint``
+        with a policy from ``jax.checkpoint_policies``; :data:`moefast.model.REMAT_POLICIES`):
+        ``"none"`` keeps every activation; ``"full"`` keeps only each block's input and recomputes
+        the block, the routing and (expert axis > 1) both expert all-to-alls included, so the
+        forward exchange runs twice; ``"save_dots"`` keeps every matmul output (``dots_saveable``)
+        and ``"save_dots_no_batch"`` those without batch dimensions
+        (``dots_with_no_batch_dims_saveable``: not the experts' batched matmuls), both recompute the
+        exchange; ``"minimal"`` keeps the routing decisions and the expert buffers on either side of
+        the exchange (:data:`moefast.model.MINIMAL_SAVED`) and recomputes the rest, never the
+        routing or the all-to-alls. Results are bitwise those of ``"none"`` on CPU.
+      scan_layers: run identical blocks with ``jax.lax.scan`` over parameters stacked on a leading
+        ``layers`` axis (:mod:`moefast.model.layout`): the leading dense blocks form one stack and
+        the MoE/dense pattern of ``moe_every`` one stack per position in the pattern; compile time
+        no longer grows with depth. A checkpoint written with either layout restores into the other.
+      attention: the attention block: ``"gqa"`` (grouped-query attention over ``num_heads``,
+        ``num_kv_heads`` and ``head_dim``) or ``"mla"``: multi-head latent attention (DeepSeek-V2,
+        DeepSeek-AI 2024, sec. 2.1, eqs. 9-19; DeepSeek-V3 and GLM-4.7-Flash use it unchanged):
+        keys and values are expanded per head from one normalised compressed vector of
+        ``kv_lora_rank`` features per token, and a RoPE key of ``qk_rope_head_dim`` features shared
+        by every head; decoding caches only those two (:func:`moefast.model.transformer.cache_bytes_per_token`).
+        With ``"mla"``, ``head_dim`` and ``num_kv_heads`` are not used and ``attention_bias`` /
+        ``qk_norm`` must be ``"none"``.
+      q_lora_rank: MLA: rank of the low-rank query projection (eq. 12: ``q_a_proj`` -> RMSNorm ->
+        ``q_b_proj``); ``None`` or 0: one direct query projection ``q_proj`` (DeepSeek-V2-Lite).
+        Hugging Face's ``q_lora_rank``, as are the next four names.
+      kv_lora_rank: MLA: width of the compressed key/value vector (eq. 9, d_c).
+      qk_nope_head_dim: MLA: per-head query/key features without RoPE (eqs. 10, 13).
+      qk_rope_head_dim: MLA: per-head query features with RoPE, and the width of the shared RoPE key
+        (eqs. 14-15, d_h^R); even.
+      v_head_dim: MLA: per-head value width (eq. 11). The softmax scale is
+        ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` (times the YaRN multiplier below).
+      partial_rotary_factor: fraction of each head's ``head_dim`` features that RoPE rotates: the
+        first ``int(head_dim * partial_rotary_factor)`` (rotate-half within them, the rest pass
+        unchanged; GLM-4.5: 0.5), Hugging Face's name. The rotated width must be even. 1.0 with
+        ``"mla"`` (its RoPE width is ``qk_rope_head_dim``).
+      rope_type: ``"default"`` (RoFormer frequencies) or ``"yarn"``: YaRN scaling of the RoPE
+        frequencies (Peng et al. 2023, "YaRN", sec. 3.2-3.4; Hugging Face ``rope_type: yarn``): each
+        frequency is interpolated by ``rope_factor`` or kept, with a linear ramp between the
+        dimensions whose wavelength makes ``beta_fast`` and ``beta_slow`` rotations over
+        ``original_max_position_embeddings`` (floor/ceil of the bounds, HF's default
+        ``truncate``), and cos/sin are multiplied by the attention factor
+        ``m(rope_factor, mscale) / m(rope_factor, mscale_all_dim)`` when both are set, else
+        ``m(rope_factor, 1)``, with ``m(s, a) = 0.1 * a * ln(s) + 1`` for s > 1, else 1 (YaRN sec. 3.4).
+        With ``"mla"`` the softmax scale is also multiplied by ``m(rope_factor, mscale_all_dim) ** 2``
+        when ``mscale_all_dim`` is set (DeepSeek-V2/V3's checkpoints).
+      rope_factor: YaRN: context extension factor s (HF ``rope_parameters.factor``), > 1.
+      original_max_position_embeddings: YaRN: the pretraining context length, in tokens (HF's name).
+      beta_fast, beta_slow: YaRN: ramp bounds, in rotations over the original context (alpha and beta
+        of the paper, sec. 3.2; HF's names, defaults 32 and 1).
+      mscale, mscale_all_dim: YaRN: DeepSeek's attention-factor coefficients (HF's names; ``None``
+        or 0: not set).
+      mtp_depth: D, multi-token prediction modules (DeepSeek-V3, arXiv 2412.19437, sec. 2.2,
+        eqs. 21-25); 0 (the default) = none, the model and its loss exactly as without the field.
+        Module k (1..D) projects ``[RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})]`` (the checkpoint
+        order of ``eh_proj``) from 2D to D, runs one transformer block of its own (MoE when the
+        model has MoE layers, dense otherwise) and predicts token ``t_{i+k+1}`` through the shared
+        embedding and output head after its own RMSNorm (:class:`moefast.model.MTPModule`). Its
+        loss is weighted by ``train.mtp_loss_coef``; generation never runs the modules. Must be
+        below ``data.seq_len``.
+      layer_types: each block's token mixer, one entry per layer (Hugging Face's ``layer_types``):
+        ``"full_attention"`` (the ``attention`` block above) or ``"linear_attention"``: Gated
+        DeltaNet (Yang et al. 2024, arXiv:2412.06464; Qwen3-Next, Qwen3.5 / Qwen3.6 MoE;
+        :mod:`moefast.model.gated_deltanet`), whose state resets at every packed document's start.
+        ``None``: every layer ``"full_attention"``. With ``scan_layers`` the repeating period of
+        (token mixer, MoE or dense) is scanned (:mod:`moefast.model.layout`). Multi-token
+        prediction blocks use full attention.
+      linear_num_key_heads, linear_num_value_heads: Gated DeltaNet query/key heads Hk and value
+        heads Hv (a multiple of Hk: each key head serves Hv / Hk value heads); HF's names, as are
+        the next three.
+      linear_key_head_dim, linear_value_head_dim: Gated DeltaNet per-head key and value widths.
+      linear_conv_kernel_dim: width of Gated DeltaNet's depthwise causal convolution, in tokens.
+      linear_attention_impl: how Gated DeltaNet's recurrence is computed
+        (:func:`moefast.kernels.gated_delta_rule.gated_delta_rule`): ``"reference"`` (token by token),
+        ``"chunked"`` (64-token chunks, the WY/UT form), ``"pallas"`` (the fused kernel; compiled on
+        GPU, interpreted on CPU) or ``"auto"`` (``"pallas"`` when compiling for GPUs, else
+        ``"chunked"``). Decoding one token at a time uses the recurrence.
+      attention_output_gate: full-attention layers gate their output per feature with
+        ``sigmoid(x W_gate)`` before the output projection (Qwen3-Next / Qwen3.5's ``q_proj``,
+        twice as wide, holds the gate).
+      zero_centered_norm: every RMSNorm scale is stored as ``w`` and applied as ``1 + w``, starting
+        at 0 (Qwen3-Next / Qwen3.5); Gated DeltaNet's output norm keeps a plain scale.
+"""
+
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int = 64
+    d_ff: int = 512
+    dense_d_ff: int | None = None
+    attention_bias: Literal["none", "qkv", "all"] = "none"
+    qk_norm: Literal["none", "per_head", "full"] = "none"
+    attention_impl: Literal["auto", "blocked", "flash"] = "auto"
+    vocab_size: int | None = None
+    max_seq_len: int = 1024
+    position_encoding: Literal["rope", "sinusoidal"] = "rope"
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    num_dense_layers: int = 0
+    moe_every: int = 1
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    dropout: float = 0.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    remat: Literal["none", "full", "save_dots", "save_dots_no_batch", "minimal"] = "none"
+    scan_layers: bool = False
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    partial_rotary_factor: float = 1.0
+    rope_type: Literal["default", "yarn"] = "default"
+    rope_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    mtp_depth: int = 0
+    layer_types: tuple[Literal["full_attention", "linear_attention"], ...] | None = None
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    linear_attention_impl: Literal["auto", "reference", "chunked", "pallas"] = "auto"
+    attention_output_gate: bool = False
+    zero_centered_norm: bool = False
+
+    def __post_init__(self):
+        _check_choices(self, "model")
+        for k in ("d_model", "num_layers", "num_heads", "head_dim", "d_ff", "max_seq_len", "moe_every"):
+            _require(getattr(self, k) >= 1, f"model.{k}", f"must be >= 1, got {getattr(self, k)}")
+        _require(self.dense_d_ff is None or self.dense_d_ff >= 1, "model.dense_d_ff",
+                 f"must be >= 1 or null (= model.d_ff), got {self.dense_d_ff}")
+        kv = self.kv_heads
+        _require(kv >= 1 and self.num_heads % kv == 0, "model.num_kv_heads",
+                 f"must divide model.num_heads={self.num_heads}, got {kv}")
+        _require(self.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {self.head_dim}")
+        _require(self.vocab_size is None or self.vocab_size >= 2, "model.vocab_size",
+                 f"must be >= 2 or null (= tokenizer's size), got {self.vocab_size}")
+        _require(0 <= self.num_dense_layers <= self.num_layers, "model.num_dense_layers",
+                 f"must be in [0, model.num_layers={self.num_layers}], got {self.num_dense_layers}")
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(self.rope_base > 1.0, "model.rope_base", f"must be > 1, got {self.rope_base}")
+        _require(self.position_encoding != "sinusoidal" or self.d_model % 2 == 0, "model.d_model",
+                 f"must be even for sinusoidal position encodings, got {self.d_model}")
+        _require(self.mtp_depth >= 0, "model.mtp_depth",
+                 f"must be >= 0 (0 = no multi-token prediction), got {self.mtp_depth}")
+        self._check_attention()
+        self._check_rope()
+        self._check_layer_types()
+
+    def _check_layer_types(self):
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, list):  # built in code with a list: keep the config hashable
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        kinds = ("full_attention", "linear_attention")
+        bad = [f"{i}: {k!r}" for i, k in enumerate(self.layer_types) if k not in kinds]
+        _require(not bad, "model.layer_types", f"entries must be one of {list(kinds)}; got {', '.join(bad)}")
+        _require(len(self.layer_types) == self.num_layers, "model.layer_types",
+                 f"needs one entry per layer: {len(self.layer_types)} entries for model.num_layers={self.num_layers}")
+        if "linear_attention" not in self.layer_types:
+            return
+        for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim"):
+            _require(getattr(self, k) >= 1, f"model.{k}", f"must be >= 1, got {getattr(self, k)}")
+        _require(self.linear_num_value_heads % self.linear_num_key_heads == 0, "model.linear_num_value_heads",
+                 f"must be a multiple of model.linear_num_key_heads={self.linear_num_key_heads} (each key head "
+                 f"serves the same number of value heads), got {self.linear_num_value_heads}")
+
+    def layer_type(self, layer: int) -> str:
+        """Block ``layer``'s token mixer: ``"full_attention"`` or ``"linear_attention"`` (blocks past
+        ``num_layers``, the multi-token prediction blocks, use full attention)."""
+        if self.layer_types is None or layer >= self.num_layers:
+            return "full_attention"
+        return self.layer_types[layer]
+
+    def _check_attention(self):
+        if self.attention != "mla":
+            _require(0.0 < self.partial_rotary_factor <= 1.0 and self.rotary_dim >= 2 and self.rotary_dim % 2 == 0,
+                     "model.partial_rotary_factor", f"must be in (0, 1] and rotate an even number >= 2 of the "
+                     f"head_dim={self.head_dim} features, got {self.partial_rotary_factor} ({self.rotary_dim} features)")
+            return
+        _require(self.q_lora_rank is None or self.q_lora_rank >= 0, "model.q_lora_rank",
+                 f"must be >= 1, or 0 / null for a direct query projection; got {self.q_lora_rank}")
+        for k in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _require(getattr(self, k) >= 1, f"model.{k}", f"must be >= 1 with model.attention=mla, got {getattr(self, k)}")
+        _require(self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
+                 f"must be even and >= 2 with model.attention=mla, got {self.qk_rope_head_dim}")
+        _require(self.position_encoding == "rope", "model.position_encoding",
+                 "model.attention=mla rotates its qk_rope_head_dim features: use rope")
+        _require(self.num_kv_heads is None or self.num_kv_heads == self.num_heads, "model.num_kv_heads",
+                 f"model.attention=mla expands keys and values for every head: leave it null (got {self.num_kv_heads})")
+        _require(self.attention_bias == "none", "model.attention_bias",
+                 f"model.attention=mla has no projection biases here: use none (got {self.attention_bias})")
+        _require(self.qk_norm == "none", "model.qk_norm",
+                 f"model.attention=mla normalises its compressed vectors instead: use none (got {self.qk_norm})")
+        _require(self.partial_rotary_factor == 1.0, "model.partial_rotary_factor",
+                 "model.attention=mla rotates exactly qk_rope_head_dim features: use 1.0 and set qk_rope_head_dim")
+
+    def _check_rope(self):
+        if self.rope_type != "yarn":
+            return
+        _require(self.position_encoding == "rope", "model.rope_type", "yarn scales RoPE: needs model.position_encoding=rope")
+        _require(self.rope_factor > 1.0 and math.isfinite(self.rope_factor), "model.rope_factor",
+                 f"must be a finite number > 1 with model.rope_type=yarn (the context-extension factor; 1 scales "
+                 f"nothing: use model.rope_type=default), got {self.rope_factor}")
+        _require(self.original_max_position_embeddings is not None and self.original_max_position_embeddings >= 1,
+                 "model.original_max_position_embeddings",
+                 f"model.rope_type=yarn needs the pretraining context length (>= 1), got "
+                 f"{self.original_max_position_embeddings}")
+        _require(self.beta_fast > 0 and self.beta_slow > 0, "model.beta_fast",
+                 f"beta_fast and beta_slow must be > 0, got {self.beta_fast} and {self.beta_slow}")
+
+    @property
+    def dense_ff(self) -> int:
+        """Hidden width of the dense feed-forward layers (``dense_d_ff``, else ``d_ff``)."""
+        return self.d_ff if self.dense_d_ff is None else self.dense_d_ff
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each query/key head that RoPE rotates: ``qk_rope_head_dim`` with MLA, else
+        ``int(head_dim * partial_rotary_factor)`` (Hugging Face's rounding)."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) has an MoE feed-forward."""
+        if layer < self.num_dense_layers:
+            return False
+        return (layer - self.num_dense_layers) % self.moe_every == 0
+
+    def moe_layer_names(self) -> list[str]:
+        """What each row of the per-layer MoE statistics (``tokens_per_expert``, ``dropped_fraction``,
+        ...) and of the routing state belongs to: ``"MoE layer i"`` for the main model's L_moe MoE
+        layers (i = 0 .. L_moe - 1, the row index), then ``"MTP module k"`` (k = 1 .. D) for the
+        ``mtp_depth`` multi-token prediction blocks, MoE layers whenever the main model has one."""
+        n = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        return [f"MoE layer {i}" for i in range(n)] + [f"MTP module {k}" for k in range(1, self.mtp_depth + 1) if n]
+
