@@ -46,7 +46,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moefast.data import prepared as P
+from moefast.data import prepared_format as fmt
+from moefast.data import prepared_read as reader
+from moefast.data import prepared_write as writer
 from moefast.data.errors import DataError
 from moefast.data.hf_tokenizer import HFTokenizer
 from moefast.data.packing import PackedRows, row_index
@@ -61,8 +63,8 @@ def template_identity(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-class _MaskedShardWriter(P._ShardWriter):
-    """:class:`moefast.data.prepared._ShardWriter` that also writes ``<split>-NNNNN.mask.npy``."""
+class _MaskedShardWriter(writer._ShardWriter):
+    """:class:`moefast.data.prepared_write._ShardWriter` that also writes ``<split>-NNNNN.mask.npy``."""
 
     def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
         super().__init__(directory, split, dtype, shard_tokens)
@@ -85,11 +87,11 @@ class _MaskedShardWriter(P._ShardWriter):
         name = Path(entry["tokens"]).name.removesuffix(".tokens.npy")
         path = self.directory / f"{name}.mask.npy"
         mask = np.concatenate(masks) if masks else np.zeros((0,), np.uint8)
-        with P._writing(self.directory):
+        with writer._writing(self.directory):
             np.save(path, mask, allow_pickle=False)
         digest = hashlib.blake2b(entry["content"].encode(), digest_size=16)  # the tokens' digest, then the mask
         digest.update(mask.tobytes())
-        entry.update({"mask": f"{P.SHARD_DIR}/{name}.mask.npy", "mask_bytes": path.stat().st_size,
+        entry.update({"mask": f"{fmt.SHARD_DIR}/{name}.mask.npy", "mask_bytes": path.stat().st_size,
                       "weighted_tokens": weighted, "content": "blake2b:" + digest.hexdigest()})
         self.weighted_tokens += weighted
 
@@ -98,7 +100,7 @@ class _MaskedShardWriter(P._ShardWriter):
 
 
 def prepare_sft(source: str, out_dir: str | os.PathLike, *, tokenizer: str, val_fraction: float = 0.02,
-                force: bool = False, shard_tokens: int = P.DEFAULT_SHARD_TOKENS, progress: bool = True) -> dict:
+                force: bool = False, shard_tokens: int = writer.DEFAULT_SHARD_TOKENS, progress: bool = True) -> dict:
     """Tokenizes and masks the conversations of ``source`` once into shards under ``out_dir``.
 
     Args:
@@ -124,18 +126,18 @@ def prepare_sft(source: str, out_dir: str | os.PathLike, *, tokenizer: str, val_
     tok = get_tokenizer(tokenizer)
     template = sft.ChatTemplate.from_tokenizer(tok)
     assert isinstance(tok, HFTokenizer)
-    dtype = P._token_dtype(tok.vocab_size)
+    dtype = fmt._token_dtype(tok.vocab_size)
     listed = sft._source_files(source)
-    files = [P._file_entry(p) for p, _ in listed]
+    files = [writer._file_entry(p) for p, _ in listed]
     out = Path(os.path.expanduser(os.fspath(out_dir)))
-    args = P._prepare_args(source, tokenizer, "sft", val_fraction, "text")
+    args = writer._prepare_args(source, tokenizer, "sft", val_fraction, "text")
     t0 = time.perf_counter()
-    with P._preparing(out, force, [p for p, _ in listed], args) as partial, P._Progress(progress) as bar:
+    with writer._preparing(out, force, [p for p, _ in listed], args) as partial, writer._Progress(progress) as bar:
         def write(held: set[str] | None) -> tuple[dict, dict, list[float]]:
-            directory = partial / P.SHARD_DIR
-            with P._writing(partial):
+            directory = partial / fmt.SHARD_DIR
+            with writer._writing(partial):
                 directory.mkdir()
-            writers = {name: _MaskedShardWriter(directory, name, dtype, int(shard_tokens)) for name in P.SPLITS}
+            writers = {name: _MaskedShardWriter(directory, name, dtype, int(shard_tokens)) for name in fmt.SPLITS}
             counts = {"conversations": 0, "assistant_turns": 0, "bytes": 0}
             hashes = []
             for conv in sft.iter_conversations(source):
@@ -164,19 +166,19 @@ def prepare_sft(source: str, out_dir: str | os.PathLike, *, tokenizer: str, val_
             k = min(n - 1, max(1, round(n * val_fraction)))
             ids = [c.id for c in sft.iter_conversations(source)]
             held = {ids[i] for i in sorted(range(n), key=lambda i: hashes[i])[:k]}
-            shutil.rmtree(partial / P.SHARD_DIR)
+            shutil.rmtree(partial / fmt.SHARD_DIR)
             splits, counts, hashes = write(held)
         manifest = {
-            "format": P.FORMAT,
-            "format_version": P.FORMAT_VERSION,
+            "format": fmt.FORMAT,
+            "format_version": fmt.FORMAT_VERSION,
             "data_format": "sft",
-            "tokenizer": {"name": str(tokenizer), "identity": P.tokenizer_identity(tok), "vocab_size": tok.vocab_size,
+            "tokenizer": {"name": str(tokenizer), "identity": fmt.tokenizer_identity(tok), "vocab_size": tok.vocab_size,
                           "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
             "dtype": dtype.name,
             "val_fraction": val_fraction,
             "held_out_documents": True,
-            "split": {"rule": rule, "note": P._split_note(rule, n, splits["val"]["documents"], val_fraction,
-                                                          unit="conversation")},
+            "split": {"rule": rule, "note": writer._split_note(rule, n, splits["val"]["documents"], val_fraction,
+                                                               unit="conversation")},
             "splits": splits,
             "sft": {"conversations": counts["conversations"], "assistant_turns": counts["assistant_turns"],
                     "chat_template": template_identity(template.text), "chat_template_source": template.source},
@@ -185,7 +187,7 @@ def prepare_sft(source: str, out_dir: str | os.PathLike, *, tokenizer: str, val_
             "prepare_args": args,
             "seconds": round(time.perf_counter() - t0, 3),
         }
-        P._publish(out, partial, manifest)
+        writer._publish(out, partial, manifest)
     return manifest
 
 
@@ -322,33 +324,33 @@ def open_prepared_sft(directory: str | os.PathLike, *, tokenizer: str, seq_len: 
     from moefast.data import sft
 
     root = Path(os.path.expanduser(os.fspath(directory)))
-    corpus = P.open_prepared(root, tokenizer=tokenizer, seq_len=seq_len, data_format="sft")
-    manifest, mpath = corpus.manifest, root / P.MANIFEST
+    corpus = reader.open_prepared(root, tokenizer=tokenizer, seq_len=seq_len, data_format="sft")
+    manifest, mpath = corpus.manifest, root / fmt.MANIFEST
     template = sft.ChatTemplate.from_tokenizer(corpus.tokenizer)
-    recorded = P._field(manifest, mpath, "sft", "chat_template")
+    recorded = reader._field(manifest, mpath, "sft", "chat_template")
     if template_identity(template.text) != recorded:
         raise DataError(f"{mpath}: prepared with another chat template ({recorded}) than {template.source} "
-                        f"({template_identity(template.text)}) now holds; " + P._again(root, manifest))
+                        f"({template_identity(template.text)}) now holds; " + fmt._again(root, manifest))
     dtype = np.dtype(manifest["dtype"])
     rows = {}
-    stats = sft.SFTStats(conversations=int(P._field(manifest, mpath, "sft", "conversations")),
-                         assistant_turns=int(P._field(manifest, mpath, "sft", "assistant_turns")))
-    for name in P.SPLITS:
+    stats = sft.SFTStats(conversations=int(reader._field(manifest, mpath, "sft", "conversations")),
+                         assistant_turns=int(reader._field(manifest, mpath, "sft", "assistant_turns")))
+    for name in fmt.SPLITS:
         shards = []
         weighted = 0
-        for entry in P._field(manifest, mpath, "splits", name, "shards"):
+        for entry in reader._field(manifest, mpath, "splits", name, "shards"):
             n_docs, n_tok = entry["documents"], entry["num_tokens"]
             if not n_docs:
                 continue
-            mask_file = P._field(entry, mpath, "mask")
-            tokens = P._open_array(root / entry["tokens"], dtype, (n_tok,), entry.get("tokens_bytes"), mpath,
-                                   pread=True, manifest=manifest)
-            offsets = P._open_array(root / entry["offsets"], np.dtype(np.int64), (n_docs + 1,),
-                                    entry.get("offsets_bytes"), mpath, manifest=manifest)
-            mask = P._open_array(root / mask_file, np.dtype(np.uint8), (n_tok,), entry.get("mask_bytes"), mpath,
-                                 pread=True, manifest=manifest)
+            mask_file = reader._field(entry, mpath, "mask")
+            tokens = reader._open_array(root / entry["tokens"], dtype, (n_tok,), entry.get("tokens_bytes"), mpath,
+                                        pread=True, manifest=manifest)
+            offsets = reader._open_array(root / entry["offsets"], np.dtype(np.int64), (n_docs + 1,),
+                                         entry.get("offsets_bytes"), mpath, manifest=manifest)
+            mask = reader._open_array(root / mask_file, np.dtype(np.uint8), (n_tok,), entry.get("mask_bytes"), mpath,
+                                      pread=True, manifest=manifest)
             shards.append((tokens, offsets, mask))
-            weighted += int(P._field(entry, mpath, "weighted_tokens"))
+            weighted += int(reader._field(entry, mpath, "weighted_tokens"))
         r = rows[name] = PreparedSFTRows(shards, seq_len, pad_id=corpus.tokenizer.pad_id, overlong=overlong)
         stats.truncated += r.truncated
         stats.dropped_overlong += r.dropped_overlong
@@ -359,7 +361,7 @@ def open_prepared_sft(directory: str | os.PathLike, *, tokenizer: str, seq_len: 
         raise DataError(f"data.source={str(directory)!r}: none of the {stats.conversations} conversations fits in "
                         f"data.seq_len={seq_len} tokens ({stats.summary()}); raise data.seq_len"
                         + (" or set data.sft_overlong=truncate" if overlong == "drop" else ""))
-    for name in P.SPLITS:
+    for name in fmt.SPLITS:
         if not rows[name].num_documents:
             what = "validation" if name == "val" else "training"
             raise DataError(f"data.source={str(directory)!r}: no {what} conversation fits in data.seq_len={seq_len} "

@@ -17,6 +17,7 @@ from moefast.config import DataConfig
 from moefast.data import (ROW_KEYS, Corpus, DataError, eval_batches, get_tokenizer, load_corpus,
                           load_documents, pack_documents, split_documents, train_dataset)
 from moefast.data import prepared as prepared_mod
+from moefast.data import prepared_write
 from moefast.data import sources as sources_mod
 from moefast.data.prepared import MANIFEST, PreparedRows, is_prepared, open_prepared, prepare
 
@@ -434,20 +435,20 @@ def test_a_failed_force_prepare_keeps_the_dataset_it_was_to_replace(fresh_prepar
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(fresh_prepared / "x"))
 
-    monkeypatch.setattr(prepared_mod.tempfile, "mkstemp", read_only)  # every JSON write: the marker first
+    monkeypatch.setattr(prepared_write.tempfile, "mkstemp", read_only)  # every JSON write: the marker first
     with pytest.raises(DataError, match=rf"{fresh_prepared / 'x'}: cannot write the prepared corpus \(Permission "
                                         r"denied\); make OUT_DIR writable"):
         prepare(corpus_dir, fresh_prepared, force=True, progress=False)
     monkeypatch.undo()
     assert files() == before
-    real = prepared_mod._write_json_beside
-    monkeypatch.setattr(prepared_mod, "_write_json_beside",  # the manifest write fails, after the shards
+    real = prepared_write._write_json_beside
+    monkeypatch.setattr(prepared_write, "_write_json_beside",  # the manifest write fails, after the shards
                         lambda path, obj: read_only() if path.name == MANIFEST else real(path, obj))
     with pytest.raises(DataError, match="cannot write the prepared corpus"):
         prepare(corpus_dir, fresh_prepared, force=True, val_fraction=0.5, progress=False)
     monkeypatch.undo()
     assert files() == before
-    monkeypatch.setattr(prepared_mod.np.lib.format, "open_memmap", read_only)  # a shard write fails
+    monkeypatch.setattr(prepared_write.np.lib.format, "open_memmap", read_only)  # a shard write fails
     assert main(["prepare", corpus_dir, str(fresh_prepared), "--force", "--no-progress"]) == 2
     monkeypatch.undo()
     err = capsys.readouterr().err
@@ -589,7 +590,7 @@ def test_the_manifest_is_readable_by_others(fresh_prepared, tmp_path):
 
 def test_interrupted_prepare_leaves_no_dataset_and_reruns_cleanly(corpus_dir, tmp_path, monkeypatch):
     out = tmp_path / "ds"
-    real_flush, calls = prepared_mod._ShardWriter.flush, []
+    real_flush, calls = prepared_write._ShardWriter.flush, []
 
     def failing_flush(self):
         calls.append(1)
@@ -597,7 +598,7 @@ def test_interrupted_prepare_leaves_no_dataset_and_reruns_cleanly(corpus_dir, tm
             raise KeyboardInterrupt  # as a Ctrl-C inside the writer
         real_flush(self)
 
-    monkeypatch.setattr(prepared_mod._ShardWriter, "flush", failing_flush)
+    monkeypatch.setattr(prepared_write._ShardWriter, "flush", failing_flush)
     with pytest.raises(KeyboardInterrupt):
         prepare(corpus_dir, out, shard_tokens=1000, progress=False)
     assert len(calls) == 3 and not out.exists()  # it created OUT_DIR: nothing of value, removed
@@ -640,7 +641,7 @@ def test_sigterm_cleans_up_like_ctrl_c_and_says_what_is_left(corpus_dir, tmp_pat
 
     from moefast.cli import main
 
-    real_flush, calls = prepared_mod._ShardWriter.flush, []
+    real_flush, calls = prepared_write._ShardWriter.flush, []
 
     def terminated_flush(self):
         calls.append(1)
@@ -651,7 +652,7 @@ def test_sigterm_cleans_up_like_ctrl_c_and_says_what_is_left(corpus_dir, tmp_pat
     def unhandled(signum, frame):  # without prepare's own handler, fail the test, not the test process
         raise AssertionError("SIGTERM reached the process's handler: moefast prepare installs none")
 
-    monkeypatch.setattr(prepared_mod._ShardWriter, "flush", terminated_flush)
+    monkeypatch.setattr(prepared_write._ShardWriter, "flush", terminated_flush)
     handler = signal.signal(signal.SIGTERM, unhandled)
     out = tmp_path / "new" / "ds"
     try:

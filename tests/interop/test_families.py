@@ -333,6 +333,7 @@ def test_a_signal_after_import_hf_commits_changes_nothing(v3_family, tmp_path, m
     import signal
 
     from moefast import cli
+    from moefast.cli import hf as cli_hf
     from moefast.train import Trainer, load_run_config
 
     cfg, params, routing = v3_family
@@ -348,7 +349,7 @@ def test_a_signal_after_import_hf_commits_changes_nothing(v3_family, tmp_path, m
             said.append(args[0])
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(cli, "print", interrupted_print, raising=False)
+    monkeypatch.setattr(cli_hf, "print", interrupted_print, raising=False)  # where import-hf prints
     previous, unhandled = _signals_fail_the_test()
     try:
         code = cli.main(["import-hf", str(src), "--run-dir", str(run)])

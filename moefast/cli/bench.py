@@ -1,0 +1,222 @@
+"""``moefast bench TARGET``: the options of every benchmark (:data:`BENCH_OPTIONS` says which
+apply to which target; any other is an error), their checks, and the call into
+:mod:`moefast.bench` that runs it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from moefast.cli.common import CPU_DEVICES_HELP
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``bench`` subcommand; returns its parser (:func:`_unused_bench_options` reads its defaults)."""
+    b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
+    b.add_argument("target", choices=["train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile", "data"],
+                   help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
+                        "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
+                        "slot dispatch, fused routing on GPU), interleaved in rounds; "
+                        "memory: per-device bytes of parameters, optimizer state, compiled arguments and "
+                        "temporaries of the config's train step for each model.remat policy, scan_layers off/on "
+                        "and train.grad_accum_steps 2 and 4 (keys given as overrides are not varied), from XLA's "
+                        "memory_analysis without running a step, and compile time; "
+                        "routing: routing + dispatch + combine, "
+                        "forward+backward; cache: step time with "
+                        "cached tables on vs off and time to first step with a cold vs warm compilation cache; "
+                        "malloc: moefast train processes with moefast's host malloc settings vs glibc's "
+                        "defaults (MOEFAST_HOST_MALLOC=keep vs system): page faults per step, tokens/s; "
+                        "overlap: train-step time for "
+                        "moe.overlap_chunks 1, 2, 4 on a mesh with an expert axis (default mesh.data=2 "
+                        "mesh.expert=4 on 8 CPU devices), the compiled step's all-to-alls, and moefast train "
+                        "tokens/s with device prefetch on vs off; gpu-compile: compiles (never runs) the config's "
+                        "train step for --devices GPUs of kind --gpu on this machine, no GPU needed, and reports per "
+                        "device: compile time, memory against the GPU's, host-synced conditionals and state copies, "
+                        "collectives (dtype, bytes, async or not), kernels and XLA's scheduling estimate; exits 1 "
+                        "when the step does not fit (needs the CUDA PJRT plugin: README, 'Compiling for GPUs without a GPU'); "
+                        "data: moefast prepare against Hugging Face datasets map(num_proc=2) (MB/s, tokens/s), then time "
+                        "to first batch, peak host memory and batches/s of training from prepared shards against the "
+                        "in-memory path for corpora of --sizes GB of tokens, and the tiny config's train steps/s")
+    b.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="train, memory, malloc, overlap, gpu-compile: overrides of the benchmarked experiment")
+    b.add_argument("--config", default=None,
+                   help="train, memory, malloc, overlap, gpu-compile: YAML config (default: configs/tiny.yaml)")
+    b.add_argument("--gpu", default="h100", metavar="h100|h200|FILE",
+                   help="gpu-compile: the GPU to compile for (default h100: H100 SXM 80 GB; h200: H200 141 GB), or a "
+                        "target description file (scripts/gpu_check.py saves a real GPU's)")
+    b.add_argument("--autotune", default=None, metavar="FILE",
+                   help="gpu-compile: XLA autotuning results from a real GPU (scripts/gpu_check.py saves them)")
+    b.add_argument("--devices", default="8", metavar="N|HOSTSxN",
+                   help="gpu-compile: GPUs to compile for, N on one host or HOSTSxN (default 8)")
+    b.add_argument("--device-gib", type=float, default=None, metavar="GIB",
+                   help="memory: memory of one device in GiB; adds a column saying whether each variant fits "
+                        "(default on a GPU: its own limit)")
+    b.add_argument("--ablate", action="store_true",
+                   help="train: the lever table (baseline, +caching, +overlap, +slot dispatch, +fused routing kernel on GPU, all "
+                        "levers); gpu-compile: "
+                        "the lever table estimated from XLA's schedule for the GPUs compiled for")
+    b.add_argument("--quick", action="store_true",
+                   help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")
+    b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
+    b.add_argument("--repeats", type=int, default=5, help="routing: timed runs per point; the median is reported")
+    b.add_argument("--steps", type=int, default=None,
+                   help="train: timed steps per variant and round (default 10); memory: also time this many "
+                        "steps of each variant, interleaved (default 0: compile only); cache: timed train steps per "
+                        "variant (default 10); malloc: steps per train process (default 12); "
+                        "overlap: timed steps per chunk count and per train process (default 10); data: batches timed "
+                        "per loader (default 50)")
+    b.add_argument("--sizes", default="0.2,2", metavar="GB,GB",
+                   help="data: prepared corpora to train from, GB of uint16 token shards (default 0.2,2), generated "
+                        "in --work-dir")
+    b.add_argument("--prepare-mb", type=float, default=100.0, metavar="MB",
+                   help="data: MB of synthetic text tokenized by each prepare path per round (default 100)")
+    b.add_argument("--work-dir", default=None, metavar="DIR",
+                   help="data: where the synthetic corpora are generated (default: a temporary directory), removed "
+                        "after")
+    b.add_argument("--pairs", type=int, default=2, help="cache: cold/warm process pairs (default 2)")
+    b.add_argument("--rounds", type=int, default=3,
+                   help="train: rounds over the variants (default 3); malloc: train processes per setting "
+                        "(default 3); data: rounds of the prepare comparison (default 3); overlap: "
+                        "train processes per prefetch setting, 0 = none (default 3)")
+    b.add_argument("--profile", default=None, metavar="DIR",
+                   help="train: after the rounds, 3 profiled steps per variant, traces in DIR/<variant>/ and the "
+                        "share of step time by kind of work (matmul, routing, dispatch/combine, collectives, "
+                        "optimizer, other) printed")
+    b.add_argument("--cpu-devices", type=int, default=None, help=CPU_DEVICES_HELP)
+    return b
+
+
+# The options of each benchmark; any other option given to it is an error, not silently ignored.
+BENCH_OPTIONS = {
+    "train": {"overrides", "config", "ablate", "json", "steps", "rounds", "profile", "cpu_devices"},
+    "memory": {"overrides", "config", "json", "device_gib", "steps", "cpu_devices"},
+    "routing": {"quick", "json", "repeats", "cpu_devices"},
+    "cache": {"json", "steps", "pairs", "cpu_devices"},
+    "malloc": {"overrides", "config", "json", "steps", "rounds"},
+    "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
+    "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate"},
+    "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
+}
+
+
+def _unused_bench_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """An error naming the first option given to ``bench TARGET`` that TARGET does not use."""
+    b = parser.bench_parser
+    for action in b._actions:
+        dest = action.dest
+        if dest in ("help", "target") or dest in BENCH_OPTIONS[args.target]:
+            continue
+        if getattr(args, dest, None) != b.get_default(dest) and not (dest == "overrides" and not args.overrides):
+            users = sorted(t for t, opts in BENCH_OPTIONS.items() if dest in opts)
+            name = "section.key=value overrides" if dest == "overrides" else action.option_strings[0]
+            verb = "apply" if dest == "overrides" else "applies"
+            return f"{name} {verb} to bench {', '.join(users)} only, not to bench {args.target}"
+    return None
+
+
+PEERS_MOVED = ("moefast bench peers moved out of the installed package: run python benchmarks/peers.py from a "
+               "checkout of the repository (same options; needs pip install -c constraints.txt -e '.[peers]')")
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``moefast bench TARGET``: the options checked, then the benchmark run; its exit status.
+
+    Raises:
+      ConfigError: an option that TARGET does not use, or a bad value of one.
+    """
+    from moefast.config import ConfigError
+
+    out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if out_dir is not None and not os.path.isdir(out_dir):
+        raise ConfigError(f"--json {args.json}: the directory {out_dir} does not exist; create it or "
+                          "choose another path")
+    if args.json and (os.path.isdir(args.json) or args.json.endswith(".md")):
+        raise ConfigError(f"--json {args.json}: give a file name for the JSON records (e.g. out.json); the "
+                          "markdown table is written next to it with the suffix .md")
+    unused = _unused_bench_options(parser, args)
+    if unused:
+        raise ConfigError(unused)
+    if args.json == "" or args.profile == "":
+        raise ConfigError("--json and --profile need a path (got an empty string)")
+    if args.target == "train":
+        from moefast.bench import train as train_bench
+
+        steps = 10 if args.steps is None else args.steps
+        if steps < 1 or args.rounds < 1:
+            raise ConfigError(f"--steps and --rounds must be >= 1, got {steps} and {args.rounds}")
+        if args.profile is not None:
+            try:  # before the benchmark runs: a bad path fails now, not after minutes
+                os.makedirs(args.profile, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"--profile {args.profile}: cannot create the directory ({e.strerror}); "
+                                  "choose another path") from None
+        return train_bench.run_cli(json_out=args.json, steps=steps, rounds=args.rounds, ablate=args.ablate,
+                                   config=args.config, overrides=args.overrides, profile_dir=args.profile)
+    if args.target == "memory":
+        from moefast.bench import memory
+
+        if args.device_gib is not None and not args.device_gib > 0:
+            raise ConfigError(f"--device-gib must be > 0 (GiB of one device), got {args.device_gib}")
+        steps = 0 if args.steps is None else args.steps
+        if steps < 0:
+            raise ConfigError(f"--steps must be >= 0 (0: compile only), got {steps}")
+        return memory.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
+                              device_gib=args.device_gib, steps=steps)
+    if args.target == "overlap":
+        import jax
+
+        from moefast.bench import overlap
+
+        steps = 10 if args.steps is None else args.steps
+        if steps < 1 or args.rounds < 0:
+            raise ConfigError(f"--steps must be >= 1 and --rounds >= 0 (0: no prefetch comparison), got "
+                              f"{steps} and {args.rounds}")
+        return overlap.run_cli(json_out=args.json, steps=steps, rounds=args.rounds, config=args.config,
+                               overrides=args.overrides, cpu_devices=jax.device_count())
+    if args.target == "malloc":
+        from moefast.bench import malloc
+
+        steps = 12 if args.steps is None else args.steps
+        if steps < 3 or args.rounds < 1:
+            raise ConfigError(f"--steps must be >= 3 (three log windows) and --rounds >= 1, got {steps} "
+                              f"and {args.rounds}")
+        return malloc.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
+                              overrides=args.overrides)
+    if args.target == "gpu-compile":
+        from moefast.bench import gpu_compile
+
+        try:
+            return gpu_compile.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
+                                       gpu=args.gpu, devices=args.devices, autotune=args.autotune,
+                                       ablation=args.ablate)
+        except (ValueError, RuntimeError) as e:  # bad --devices; the CUDA plugin missing
+            if isinstance(e, ConfigError):
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.target == "data":
+        from moefast.bench import data as data_bench
+
+        steps = 50 if args.steps is None else args.steps
+        try:
+            sizes = tuple(float(x) for x in args.sizes.split(","))
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) <= 0 or not args.prepare_mb > 0 or steps < 1 or args.rounds < 1:
+            raise ConfigError(f"--sizes must be positive GB separated by commas (got {args.sizes!r}), "
+                              f"--prepare-mb > 0, --steps and --rounds >= 1")
+        if args.work_dir is not None and not os.path.isdir(args.work_dir):
+            raise ConfigError(f"--work-dir {args.work_dir}: not a directory")
+        return data_bench.run_cli(json_out=args.json, sizes_gb=sizes, prepare_mb=args.prepare_mb,
+                                  rounds=args.rounds, batches=steps, work_dir=args.work_dir)
+    if args.target == "cache":
+        from moefast.bench import cache
+
+        steps = 10 if args.steps is None else args.steps
+        if steps < 1 or args.pairs < 1:
+            raise ConfigError(f"--steps and --pairs must be >= 1, got {steps} and {args.pairs}")
+        return cache.run_cli(json_out=args.json, steps=steps, pairs=args.pairs)
+    from moefast.bench import routing
+
+    return routing.run_cli(quick=args.quick, json_out=args.json, repeats=args.repeats)

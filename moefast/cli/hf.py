@@ -1,0 +1,185 @@
+"""``moefast import-hf`` and ``moefast export-hf``: a run started from a Hugging Face checkpoint
+(config, tokenizer files and weights into a new run dir, committed at once or not at all), and a
+run's latest checkpoint written back as a Hugging Face model directory, by default in the family it
+was imported from (:data:`IMPORTED_FROM`). The conversion itself is :mod:`moefast.interop`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from moefast.cli.common import CPU_DEVICES_HELP, _distributed_options, _inference_config
+from moefast.cli.interrupts import _ImportSignals
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """The ``import-hf`` and ``export-hf`` subcommands."""
+    i = sub.add_parser("import-hf", help="start a run from a Hugging Face checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, "
+                                         "OLMoE, GLM-4.5, DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash): its step-0 "
+                                         "checkpoint holds the weights")
+    i.add_argument("hf_dir", metavar="DIR", help="local Hugging Face model directory (config.json, *.safetensors, "
+                                                 "tokenizer.json if any)")
+    i.add_argument("--run-dir", required=True, help="new run directory; continue with moefast train --run-dir")
+    i.add_argument("--cpu-devices", type=int, default=None, help=CPU_DEVICES_HELP)
+    _distributed_options(i)
+    i.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="settings of the run that the checkpoint does not fix, e.g. data.source=my.jsonl "
+                        "moe.capacity_factor=0 model.scan_layers=true (the data and moe sections can only be "
+                        "chosen here, not changed later; train.* can change at any moefast train)")
+    x = sub.add_parser("export-hf", help="write a run's latest checkpoint as a Hugging Face model directory")
+    x.add_argument("out_dir", metavar="OUT_DIR", help="new directory for config.json, *.safetensors and the tokenizer")
+    x.add_argument("--run-dir", required=True, help="run directory written by moefast train or import-hf")
+    x.add_argument("--layout", choices=["per_expert", "fused"], default="per_expert",
+                   help="expert tensors: one per expert (default; what save_pretrained writes) or fused "
+                        "gate_up_proj/down_proj")
+    x.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="saved tensors' dtype")
+    x.add_argument("--family", default=None, metavar="MODEL_TYPE",
+                   help="HF model_type to write, where several represent the model (a GLM-4.7-Flash fine-tune is "
+                        "also a deepseek_v3 model); default: the family the run was imported from, else the first "
+                        "that fits")
+    x.add_argument("--cpu-devices", type=int, default=None, help=CPU_DEVICES_HELP)
+    _distributed_options(x)
+
+
+def _import_hf(args, signals: _ImportSignals) -> None:
+    """``moefast import-hf``: config from config.json, the tokenizer files copied into the run dir,
+    the weights streamed into the run's shardings, step 0 written. It commits once step 0 and
+    ``imported_from.json`` are written: a signal taken before (``signals``) aborts it, removing what
+    it made; one after changes nothing."""
+    import shutil
+    from pathlib import Path
+
+    import jax
+
+    from moefast.interop import hf
+    from moefast.train import CheckpointError, Trainer
+
+    run_dir = Path(args.run_dir)
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        raise CheckpointError(f"--run-dir {run_dir} already holds checkpoints; import into a new run directory")
+    src = Path(args.hf_dir)
+    if src.name == "config.json" and src.is_file():
+        src = src.parent  # the directory was meant
+    cfg = hf.config_from_hf(src, args.overrides)
+    hf_cfg = hf.hf_config(src)
+    tok_files = []
+    if (src / "tokenizer.json").is_file() and cfg.data.tokenizer == str(src.resolve()):
+        tok_files = [src / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                       "chat_template.jinja", "config.json", "generation_config.json")
+                     if (src / n).is_file()]
+    elif cfg.data.tokenizer == "byte":
+        from moefast.data import ByteTokenizer
+
+        byte_ids = ByteTokenizer().vocab_size
+        if cfg.model.vocab_size < byte_ids:
+            raise hf.HFFormatError(f"{src} has no tokenizer.json and its vocabulary ({cfg.model.vocab_size} ids) is "
+                                   f"smaller than the byte tokenizer's {byte_ids}: put the model's tokenizer.json in "
+                                   f"{src} or pass data.tokenizer=PATH")
+        tok = ByteTokenizer()
+        ours = all(hf_cfg.get(k) == v for k, v in (("pad_token_id", tok.pad_id), ("bos_token_id", tok.bos_id),
+                                                     ("eos_token_id", tok.eos_id)))
+        if jax.process_index() == 0 and ours:  # moefast's export of a byte-tokenizer run: its special ids
+            print(f"note: {src} has no tokenizer.json and its config.json gives the byte tokenizer's PAD/BOS/EOS ids "
+                  f"({tok.pad_id}/{tok.bos_id}/{tok.eos_id}, as moefast export-hf writes them): the run uses the byte "
+                  "tokenizer")
+        elif jax.process_index() == 0:
+            print(f"note: {src} has no tokenizer.json; the run uses the byte tokenizer (ids 0-{byte_ids - 1}), which is "
+                  "not the tokenizer the model was trained with")
+    trainer = Trainer(cfg, run_dir, progress=False)  # checks the config against the devices and tokenizer
+    main = trainer.is_main  # with several processes (a shared run dir), process 0 writes the files and prints
+    params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"],
+                               log=lambda s: print(f"note: {s}") if main else None)
+    routing = hf.load_hf_routing(src, cfg, shardings=trainer.state_sharding["routing"])
+    # the routing state is replicated: this process's copy, no collective (other processes skip this)
+    if main and routing and routing["bias"].addressable_data(0).any():
+        rate = cfg.moe.aux_free_bias_rate
+        print(f"note: the checkpoint's selection bias (e_score_correction_bias) is the run's routing state; "
+              f"moe.aux_free_bias_rate={rate}: " + ("it stays as imported while training" if rate == 0 else
+                                                    "training keeps balancing the experts with it"))
+    for key, want in _changed_from_hf(src, cfg) if main else ():
+        print(f"note: {key}={want!r} differs from {src / 'config.json'}: the imported model computes something "
+              "else than the original")
+    # nothing this import creates is left behind unless it all succeeds (and nothing else is removed)
+    made = [p for p in (run_dir, run_dir / "tokenizer", run_dir / "checkpoints") if not p.exists()]
+    try:
+        if tok_files:  # the run keeps its own copy (the HF directory may move or go), found relative to it
+            if main:
+                if run_dir / "tokenizer" not in made:
+                    raise CheckpointError(f"{run_dir / 'tokenizer'} already exists; import into a new run directory")
+                (run_dir / "tokenizer").mkdir(parents=True)
+                for f in tok_files:
+                    shutil.copy2(f, run_dir / "tokenizer" / f.name)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("moefast import-hf: tokenizer copied")
+            cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer="tokenizer"))
+            trainer = Trainer(cfg, run_dir, progress=False)
+        # A signal during the step-0 write is taken once it is complete: orbax's threads would go
+        # on writing into the directory being removed (a large model makes Ctrl-C wait for it)
+        signals.raising = False
+        where = trainer.initialize(params, routing)
+        signals.raising = True
+        signals.check()
+        if main:  # export-hf writes the same family back by default
+            (run_dir / IMPORTED_FROM).write_text(json.dumps(
+                {"model_type": hf_cfg["model_type"], "path": str(src.resolve())}, indent=1) + "\n")
+        signals.settle()  # the commit point: a signal from here on is only recorded ...
+        signals.check()  # ... and one taken before it (even if swallowed in a gc callback) aborts
+    except BaseException:
+        signals.settle()  # a second Ctrl-C does not stop the cleanup
+        for p in made if main else ():
+            shutil.rmtree(p, ignore_errors=True)
+        raise
+    n = sum(x.size for x in jax.tree.leaves(params))
+    if main:
+        print(f"imported {hf_cfg['model_type']} ({n / 1e6:,.2f}M parameters) from {src} into {where}; "
+              f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
+
+
+IMPORTED_FROM = "imported_from.json"
+"""File in a run dir written by ``moefast import-hf``: the HF ``model_type`` and the directory read."""
+
+
+def _imported_family(run_dir, cfg) -> str | None:
+    """The HF family ``run_dir`` was imported from when it still represents ``cfg``'s model, else
+    None (the first family that fits)."""
+    from pathlib import Path
+
+    from moefast.interop import hf
+
+    try:
+        family = json.loads((Path(run_dir) / IMPORTED_FROM).read_text())["model_type"]
+        hf.hf_family(cfg, family)
+    except (OSError, ValueError, KeyError, TypeError, hf.HFFormatError):
+        return None
+    return family
+
+
+def _changed_from_hf(src, cfg) -> list[tuple[str, object]]:
+    """``(key, value)`` of the model/moe keys derived from config.json that overrides changed."""
+    from moefast.interop import hf
+
+    model, moe = hf._hf_sections(hf.hf_config(src))
+    model = {k: v for k, v in model.items() if k not in ("max_seq_len", "dropout", "init_std")}  # training choices
+    out = [(f"model.{k}", getattr(cfg.model, k)) for k, v in model.items() if getattr(cfg.model, k) != v]
+    return out + [(f"moe.{k}", getattr(cfg.moe, k)) for k, v in moe.items()
+                  if k != "aux_loss_coef" and getattr(cfg.moe, k) != v]
+
+
+def _export_hf(args: argparse.Namespace) -> None:
+    """``moefast export-hf``: the run's latest checkpoint as a Hugging Face model directory."""
+    from moefast.interop import hf
+    from moefast.train import Trainer, load_run_config
+
+    cfg = _inference_config(load_run_config(args.run_dir))
+    trainer = Trainer(cfg, args.run_dir, progress=False)
+    family = args.family or _imported_family(args.run_dir, cfg)
+    step, params, routing = trainer.restore_params()
+    hf.save_hf(cfg.replace(data=trainer.data_cfg), params, args.out_dir, routing_state=routing,
+               layout=args.layout, dtype=args.dtype, family=family,
+               log=lambda s: print(f"step {step}: {s}"))  # logged by process 0, which writes
+    if cfg.data.tokenizer == "byte" and trainer.is_main:
+        print("note: the run uses the byte tokenizer, which has no tokenizer.json: ids 0-255 are the UTF-8 "
+              "bytes, 256/257/258 PAD/BOS/EOS (in config.json)")
