@@ -511,16 +511,33 @@ class FamilySpec:
       export_as: the family a model read through this one is written as, for a ``model_type`` that
         transformers does not know (Kimi K2's ``kimi_k2``: ``"deepseek_v3"``); None: itself.
       mtp_key: config.json key of the number of multi-token-prediction layers the checkpoint keeps
-        after its ``num_hidden_layers`` (DeepSeek's ``num_nextn_predict_layers``): MTP module k
-        (moefast ``params["mtp"][k - 1]``, :class:`moefast.model.MTPModule`) is layer
-        ``num_hidden_layers + k - 1``, a decoder layer (``layer_tensors`` and the MoE table, or the
-        dense one in a model without MoE layers) plus ``mtp_tensors``. None: the family has none.
-      mtp_tensors: the MTP layer's own tensors besides its decoder layer (``{i}``: the layer):
-        moefast sub-path of ``params["mtp"][k - 1]`` -> :class:`Tensor`.
+        (DeepSeek's ``num_nextn_predict_layers``, after its ``num_hidden_layers``; Qwen3-Next's
+        ``mtp_num_hidden_layers``): MTP module k (moefast ``params["mtp"][k - 1]``,
+        :class:`moefast.model.MTPModule`) is layer ``num_hidden_layers + k - 1`` (see
+        ``mtp_layer_prefix``), a decoder layer (``layer_tensors`` and the MoE table, or the dense
+        one in a model without MoE layers) plus ``mtp_tensors``. None: the family has none.
+      mtp_tensors: the MTP layer's own tensors besides its decoder layer (``{i}``: the layer; names
+        without it are shared by all the MTP layers): moefast sub-path of ``params["mtp"][k - 1]``
+        -> :class:`Tensor`.
       mtp_copies: HF names (``{i}``: the layer) of the MTP layer's copies of main-model tensors ->
         the main tensors they copy, the first one written wins (DeepSeek-V3's ``embed_tokens`` and
         ``shared_head.head``, which moefast shares with the main model): checked equal on import,
         written as copies on export.
+      mtp_layer_prefix: for a family that keeps its MTP layers apart from the main stack
+        (Qwen3-Next, Qwen3.5: ``mtp.layers.{i}.``), the HF name prefix of MTP layer j's decoder
+        layer (``{i}``: j, from 0): MTP module k is MTP layer ``k - 1``, its table the main
+        layers' (``layer_tensors`` and the MoE or dense table) with each name's layer prefix
+        (``model.layers.{i}.`` or the family's own) replaced by this one, and ``mtp_tensors``
+        name its own tensors. Such a layer j has layer j's kind of MLP (vLLM builds it as layer j:
+        MoE unless ``mlp_only_layers`` lists j), while moefast's MTP block is MoE in a model with
+        MoE layers: a model whose layer j is dense cannot carry MTP layer j. None: MTP module k is
+        layer ``num_hidden_layers + k - 1`` of the main stack (DeepSeek-V3, GLM-4.5).
+      mtp_max_depth: the most MTP modules the family holds exactly; None: any number. Qwen3-Next's
+        and Qwen3.5's MTP layers share one ``fc``, its two norms and the final norm (vLLM's
+        multi-token predictor runs layer ``step % mtp_num_hidden_layers`` with them), which every
+        moefast MTP module keeps for itself: 1.
+      mtp_unsupported: config.json keys that must be absent or false for the MTP layers to be read
+        -> what they would switch on; export writes them false.
       norm_topk_prob_key: key of moefast ``moe.norm_topk_prob`` (absent: ``hf_defaults``' value,
         else false); None: the family's HF code always (``fixed_norm_topk_prob`` true) or never
         (false: DeepSeek-V2, whose config's ``norm_topk_prob`` is not used) renormalises the top-k gates.
@@ -585,6 +602,9 @@ class FamilySpec:
     mtp_key: str | None = None
     mtp_tensors: Mapping[SubPath, Tensor] = dataclasses.field(default_factory=dict)
     mtp_copies: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    mtp_layer_prefix: str | None = None
+    mtp_max_depth: int | None = None
+    mtp_unsupported: Mapping[str, str] = dataclasses.field(default_factory=dict)
     norm_topk_prob_key: str | None = "norm_topk_prob"
     fixed_norm_topk_prob: bool = True
     shared_expert: SharedExpert | None = None
@@ -612,6 +632,29 @@ class FamilySpec:
             raise ValueError(f"FamilySpec {self.model_type}: moe_tensors needs a 'per_expert' table")
         if not self.num_experts_keys:
             raise ValueError(f"FamilySpec {self.model_type}: num_experts_keys is empty")
+        if self.mtp_layer_prefix is not None:
+            tables = [self.layer_tensors, self.dense_tensors, *self.moe_tensors.values()]
+            if "{i}" not in self.mtp_layer_prefix or any("{i}." not in n for t in tables for row in t.values()
+                                                         for n in row.names):
+                raise ValueError(f"FamilySpec {self.model_type}: mtp_layer_prefix and every layer table's name "
+                                 "need the layer '{i}'")
+
+    def mtp_layer(self, num_layers: int, k: int) -> int:
+        """The layer index (``{i}``) in the names of MTP module ``k + 1`` (k from 0) of a model of
+        ``num_layers`` layers: ``k`` with ``mtp_layer_prefix``, else ``num_layers + k``."""
+        return k if self.mtp_layer_prefix is not None else num_layers + k
+
+    def mtp_name(self, name: str) -> str:
+        """A main layer's HF name template (``{i}``: the layer) as an MTP layer's (its prefix
+        replaced by ``mtp_layer_prefix``; the same name without one)."""
+        return name if self.mtp_layer_prefix is None else self.mtp_layer_prefix + name.split("{i}.", 1)[1]
+
+    def mtp_block_tensors(self, layout: str, moe: bool) -> dict[SubPath, Tensor]:
+        """The table of an MTP layer's decoder layer (moefast ``params["mtp"][k]["block"]``):
+        ``layer_tensors`` and the ``layout`` MoE table (``moe``) or the dense one, named as
+        :meth:`mtp_name` makes them."""
+        table = {**self.layer_tensors, **(self.moe_tensors[layout] if moe else self.dense_tensors)}
+        return {sub: dataclasses.replace(row, names=tuple(map(self.mtp_name, row.names))) for sub, row in table.items()}
 
 
 # ---------------------------------------------------------------------------------- tensor tables
@@ -798,14 +841,27 @@ _QWEN3_5_LINEAR = MappingProxyType({
 _HYBRID_DEFAULTS = {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25, "head_dim": 256,
                     "num_key_value_heads": 2, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
                     "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
-_NOT_READ_MTP = MappingProxyType({"mtp.": "the multi-token-prediction layers (mtp.*), which transformers does not "
-                                          "read either"})
+_QWEN_MTP = MappingProxyType({
+    ("enorm", "scale"): _t(IDENTITY, "mtp.pre_fc_norm_embedding.weight"),
+    ("hnorm", "scale"): _t(IDENTITY, "mtp.pre_fc_norm_hidden.weight"),
+    ("eh_proj",): _t(TRANSPOSED, "mtp.fc.weight"),
+    ("head_norm", "scale"): _t(IDENTITY, "mtp.norm.weight"),
+})
+"""The multi-token-prediction tensors of Qwen3-Next and Qwen3.5 besides the decoder layers
+``mtp.layers.{j}.*`` (vLLM's ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py``), shared by those layers:
+pre_fc_norm_embedding [D] (moefast ``enorm``), pre_fc_norm_hidden [D] (``hnorm``), fc [2D, D] (HF
+[D, 2D] applied to [normed embedding; normed hidden state]: ``eh_proj``), norm [D] (``head_norm``);
+zero-centred norms like the model's. The embedding and output head are the main model's (the
+hub's ``mtp_use_dedicated_embeddings: false``)."""
+_LEFTOVER_MTP = MappingProxyType({"mtp.": "multi-token-prediction tensors (mtp.*) beyond config.json's "
+                                          "mtp_num_hidden_layers"})
 
 
 def _hybrid(model_type: str, architecture: str, name: str, linear_tensors, **kw) -> FamilySpec:
     """Qwen3-Next / Qwen3.5-MoE: Gated DeltaNet and gated full attention per ``layer_types``,
     zero-centred RMSNorms, per-head q/k norms, partial RoPE, softmax top-k routing and a shared
-    expert behind a sigmoid gate (Qwen2-MoE's names)."""
+    expert behind a sigmoid gate (Qwen2-MoE's names); at most one multi-token-prediction layer
+    (``mtp_num_hidden_layers``: ``mtp.*``, a gated full-attention layer with the family's MLP)."""
     return FamilySpec(
         model_type=model_type, architecture=architecture, name=name, num_experts_keys=("num_experts",),
         expert_ff_key="moe_intermediate_size", qk_norm="per_head", partial_rotary=True,
@@ -815,7 +871,10 @@ def _hybrid(model_type: str, architecture: str, name: str, linear_tensors, **kw)
         moe_tensors=_moe_tables(shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate.weight"),
         unsupported=MappingProxyType({"attention_bias": "biases on the attention projections (moefast's "
                                                         "attention output gate has none)"}),
-        skipped_tensors=_NOT_READ_MTP, export_constants=MappingProxyType({"attention_bias": False}), **kw)
+        mtp_key="mtp_num_hidden_layers", mtp_tensors=_QWEN_MTP, mtp_layer_prefix="mtp.layers.{i}.", mtp_max_depth=1,
+        mtp_unsupported=MappingProxyType({"mtp_use_dedicated_embeddings": "an embedding of the MTP layer's own; "
+                                                                         "moefast's MTP modules share the model's"}),
+        skipped_tensors=_LEFTOVER_MTP, export_constants=MappingProxyType({"attention_bias": False}), **kw)
 
 
 def _prefixed(table: Mapping, prefix: str) -> MappingProxyType:
@@ -919,7 +978,8 @@ REGISTRY: dict[str, FamilySpec] = {
     # Qwen3-Next (Qwen/Qwen3-Next-80B-A3B-*): Gated DeltaNet layers (in_proj_qkvz / in_proj_ba grouped
     # per key head) and gated full attention per layer_types, zero-centred norms, a quarter of each
     # head rotated; Qwen2-MoE's experts, router and gated shared expert, dense layers in
-    # mlp_only_layers. The checkpoints' MTP layers (mtp.*) are skipped with a note.
+    # mlp_only_layers. The checkpoints' MTP layer (mtp_num_hidden_layers: 1, mtp.*: fc, its norms,
+    # a gated full-attention layer, a final norm) is read into model.mtp_depth=1 and written back.
     "qwen3_next": _hybrid(
         "qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next", _QWEN3_NEXT_LINEAR,
         hf_defaults=MappingProxyType({**_HYBRID_DEFAULTS, "num_experts_per_tok": 10, "norm_topk_prob": True}),
@@ -954,8 +1014,9 @@ REGISTRY["kimi_k2"] = dataclasses.replace(REGISTRY["deepseek_v3"], model_type="k
 
 # Qwen3.5-MoE as published (Qwen/Qwen3.5-*-A*B: Qwen3_5MoeForConditionalGeneration, model_type
 # qwen3_5_moe): config.json nests the language model's keys under text_config, its tensors are
-# under model.language_model.* (lm_head.weight at the top), and a vision tower (model.visual.*)
-# that moefast does not read: it is skipped with one note. A model read from it is exported as the
+# under model.language_model.* (lm_head.weight at the top; the MTP layer's stay at the top, mtp.*,
+# as vLLM's Qwen3_5MoeMTP loads them), and a vision tower (model.visual.*) that moefast does not
+# read: it is skipped with one note. A model read from it is exported as the
 # text model (qwen3_5_moe_text, Qwen3_5MoeForCausalLM), which transformers loads with
 # AutoModelForCausalLM; the vision tower is not written.
 REGISTRY["qwen3_5_moe"] = dataclasses.replace(
@@ -966,4 +1027,4 @@ REGISTRY["qwen3_5_moe"] = dataclasses.replace(
     dense_tensors=_prefixed(_DENSE_MLP, "model.language_model."),
     moe_tensors=_prefixed(REGISTRY["qwen3_5_moe_text"].moe_tensors, "model.language_model."),
     global_tensors=_prefixed(_GLOBAL, "model.language_model."),
-    skipped_tensors=MappingProxyType({"model.visual.": "the vision tower (model.visual.*)", **_NOT_READ_MTP}))
+    skipped_tensors=MappingProxyType({"model.visual.": "the vision tower (model.visual.*)", **_LEFTOVER_MTP}))

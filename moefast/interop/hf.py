@@ -25,23 +25,26 @@ and writes any of them and names none.
   Both on-disk expert layouts are read: one tensor per expert (what ``save_pretrained`` writes by
   default) and fused ``experts.gate_up_proj`` [E, 2F, D] / ``experts.down_proj`` [E, D, F]
   (transformers 5's in-memory layout, ``save_pretrained(save_original_format=False)``).
-  Multi-token-prediction layers after ``num_hidden_layers`` (DeepSeek-V3, GLM-4.5:
-  ``num_nextn_predict_layers``) are read into the model's ``model.mtp_depth`` MTP modules (by
-  default as many as the files hold, see :func:`config_from_hf`; their copies of the embedding and
-  output head must equal the main ones, which moefast shares); layers beyond ``model.mtp_depth``
-  are skipped with a note. transformers' forward pass never runs them. FP8 block-quantized
+  Multi-token-prediction layers (DeepSeek-V3, GLM-4.5: ``num_nextn_predict_layers`` layers after
+  ``num_hidden_layers``, their copies of the embedding and output head equal to the main ones,
+  which moefast shares; Qwen3-Next, Qwen3.5: ``mtp_num_hidden_layers`` layers ``mtp.layers.{j}``
+  with one ``mtp.fc``, its norms and ``mtp.norm``, at most one of them) are read into the model's
+  ``model.mtp_depth`` MTP modules (by default as many as the files hold, see
+  :func:`config_from_hf`); layers beyond ``model.mtp_depth`` are skipped with a note.
+  transformers' forward pass never runs them (vLLM's speculative decoding does). FP8 block-quantized
   checkpoints (DeepSeek-V3/R1, Kimi K2 on the hub: F8_E4M3 weights [O, I] with float32
   ``weight_scale_inv`` [ceil(O/BO), ceil(I/BI)], config.json's ``quantization_config``) are
   dequantized on read, tensor by tensor, to float32 (with a note); every other quantization is
   refused naming ``quantization_config.quant_method``. Parts of a checkpoint that a family marks
-  as not read (``FamilySpec.skipped_tensors``: a vision tower, ``mtp.*`` layers) are left out with
-  one note.
+  as not read (``FamilySpec.skipped_tensors``: a vision tower, ``mtp.*`` tensors beyond
+  ``mtp_num_hidden_layers``) are left out with one note.
 * :func:`load_hf_routing` reads a router's selection bias (``e_score_correction_bias`` [E] per MoE
   layer) into moefast's routing state ``{"bias": [L_moe, E], "load_ema": [L_moe, E]}`` float32,
   where moefast keeps it (out of the parameters and the optimizer).
 * :func:`save_hf` writes the reverse: safetensors (sharded above ``max_shard_bytes``, with the
   index; the routing state's bias as each MoE layer's ``e_score_correction_bias``; the MTP
-  modules as layers ``num_hidden_layers + k - 1`` with ``num_nextn_predict_layers``), a
+  modules as layers ``num_hidden_layers + k - 1`` with ``num_nextn_predict_layers``, or as
+  Qwen3-Next's ``mtp.*`` with ``mtp_num_hidden_layers``), a
   ``config.json`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, and the
   tokenizer files of a run that has them. A model read from a vision-language checkpoint is
   written as its text model (``FamilySpec.export_as``: Qwen3.5-MoE as ``qwen3_5_moe_text``). A
@@ -74,7 +77,8 @@ import ml_dtypes  # registers bfloat16 with numpy, so safetensors' numpy API rea
 import numpy as np
 from flax import nnx
 
-from moefast.config import PARAMETER_KEYS, ConfigError, ExperimentConfig, _merge, load_config, parse_overrides
+from moefast.config import (PARAMETER_KEYS, ConfigError, ExperimentConfig, ModelConfig, _merge, load_config,
+                            parse_overrides)
 from moefast.interop import families
 from moefast.interop.families import FamilySpec, Transform
 from moefast.model.layout import layer_layout, to_layout
@@ -331,9 +335,10 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
     (``section.key=value``) apply last, except to the keys that decide parameter shapes.
 
     ``model.mtp_depth`` is the number of multi-token-prediction layers the checkpoint holds: its
-    ``num_nextn_predict_layers`` (the family's ``mtp_key``) where the files hold those layers'
-    tensors, else 0 (transformers' ``save_pretrained`` writes the key but never the layers).
-    Override it to load fewer (``model.mtp_depth=0``: none, the next-token model only).
+    ``num_nextn_predict_layers`` / ``mtp_num_hidden_layers`` (the family's ``mtp_key``) where the
+    files hold those layers' tensors, else 0 (transformers' ``save_pretrained`` writes the key but
+    never the layers). Override it to load fewer (``model.mtp_depth=0``: none, the next-token model
+    only).
 
     Args:
       path: HF model directory.
@@ -344,8 +349,11 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
       The :class:`~moefast.config.ExperimentConfig`, named after the directory.
 
     Raises:
-      HFFormatError: missing or unsupported ``config.json`` (the message names the field), or an
-        override of a key fixed by the checkpoint.
+      HFFormatError: missing or unsupported ``config.json`` (the message names the field), an
+        override of a key fixed by the checkpoint, or MTP layers that ``model.mtp_depth`` modules
+        cannot hold exactly (more than the family's ``mtp_max_depth``, e.g. Qwen3-Next's
+        ``mtp_num_hidden_layers: 2``; a Qwen3-Next MTP layer whose MLP would be dense; an
+        ``mtp_unsupported`` key set): the message names the key and the depth that can be read.
       ConfigError: a bad override.
     """
     path = Path(path)
@@ -365,7 +373,7 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
                 raise HFFormatError(f"{sec}.{k} is fixed by {path / 'config.json'} (the weights' shapes or "
                                     "their meaning depend on it); drop the override")
     try:
-        return ExperimentConfig.from_dict(_merge(raw, extra), where=f"{path / 'config.json'} + overrides")
+        cfg = ExperimentConfig.from_dict(_merge(raw, extra), where=f"{path / 'config.json'} + overrides")
     except ConfigError as err:  # a value from config.json: name its key there too
         key = str(err).split(":", 1)[0]
         sec, _, field = key.partition(".")
@@ -373,6 +381,8 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
         if hf_key is None or field in extra.get(sec, {}):
             raise
         raise HFFormatError(f"{path / 'config.json'}: {hf_key}={hf.get(hf_key)!r} gives {err}") from None
+    _check_mtp(family_spec(hf["model_type"]), hf, cfg.model, path)
+    return cfg
 
 
 _HF_KEYS = {"model.d_model": "hidden_size", "model.num_layers": "num_hidden_layers",
@@ -429,8 +439,7 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     if e.aux_free_bias_rate > 0 and r.selection_bias is None:
         out.append(f"moe.aux_free_bias_rate={e.aux_free_bias_rate} ({name}'s router has no selection bias, which "
                    "changes the chosen experts)")
-    if m.mtp_depth and spec.mtp_key is None:
-        out.append(f"model.mtp_depth={m.mtp_depth} ({name} has no multi-token prediction layers)")
+    out += _mtp_problems(spec, m)
     if "linear_attention" in (m.layer_types or ()) and spec.layer_types is None:
         out.append(f"model.layer_types with linear_attention layers ({name}'s layers are full attention)")
     if m.attention_output_gate != spec.attention_output_gate:
@@ -532,6 +541,7 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
         out[r.scaling_key] = e.routed_scaling_factor
     if spec.mtp_key is not None:
         out[spec.mtp_key] = m.mtp_depth
+        out.update({k: False for k in spec.mtp_unsupported})
     if spec.layer_types is not None:
         out.update(spec.layer_types.to_hf(tuple(m.layer_type(i) for i in range(m.num_layers))))
         out.update({k: getattr(m, k) for k in families.LINEAR_KEYS})
@@ -591,11 +601,11 @@ def _leaves(spec: FamilySpec, cfg: ExperimentConfig, layout: str,
     for i in range(m.num_layers):
         rows.update({("blocks", i) + sub: (row, i, sub) for sub, row in _table(spec, cfg, i, layout).items()})
     rows.update({p: (row, None, ()) for p, row in top[1:]})
-    if m.mtp_depth and spec.mtp_key is not None:  # MTP module k: HF layer L + k - 1 (MTPModule)
+    if m.mtp_depth and spec.mtp_key is not None:  # MTP module k: HF layer L + k - 1, or MTP layer k - 1
         has_moe = any(m.is_moe_layer(i) for i in range(m.num_layers))
-        block = {**spec.layer_tensors, **(spec.moe_tensors[layout] if has_moe else spec.dense_tensors)}
+        block = spec.mtp_block_tensors(layout, has_moe)
         for k in range(m.mtp_depth):
-            i = m.num_layers + k
+            i = spec.mtp_layer(m.num_layers, k)
             rows.update({("mtp", k) + sub: (row, i, ()) for sub, row in spec.mtp_tensors.items()})
             rows.update({("mtp", k, "block") + sub: (row, i, sub) for sub, row in block.items()})
     unknown = sorted(set(shapes) - set(rows), key=str)
@@ -832,7 +842,8 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     Raises:
       HFFormatError: an unsupported ``config.json`` (see :func:`config_from_hf`), missing or
         unexpected tensors, a tensor whose shape does not match the config (names the tensor
-        and both shapes), ``model.mtp_depth`` above the MTP layers the files hold, or an MTP
+        and both shapes), ``model.mtp_depth`` above the MTP layers the files hold or above what
+        the family holds exactly (see :func:`config_from_hf`), or an MTP
         layer's copy of the embedding or output head that differs from the main one; an FP8
         weight without its ``*_scale_inv``, or one whose shape does not match the weight's blocks
         (names the tensor).
@@ -845,6 +856,7 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     if vocab is None:
         raise HFFormatError("model.vocab_size is null; build the config with config_from_hf")
     hf = _language_config(hf_config(path))
+    _check_mtp(spec, hf, m, path)
     on_disk = _mtp_layers_held(files.where, spec, hf)
     if m.mtp_depth > on_disk:
         raise HFFormatError(f"model.mtp_depth={m.mtp_depth}, but {path} holds {on_disk} multi-token-prediction layers "
@@ -867,11 +879,11 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
                             f"{missing[:3]}")
     unexpected = [n for n in files.where if n not in expected and n not in copies
                   and not n.endswith(_IGNORED_TENSORS)]
-    mtp = _mtp_tensors(spec, hf, unexpected, skip_from=m.num_layers + m.mtp_depth)
+    mtp = _mtp_tensors(spec, hf, unexpected, m.mtp_depth)
     if mtp:
         unexpected = [n for n in unexpected if n not in mtp]
         note = (f"{path}: {len(mtp)} tensors of the checkpoint's multi-token-prediction layers "
-                f"({spec.mtp_key}={hf[spec.mtp_key]}, after the {m.num_layers} layers) are not read (model.mtp_depth="
+                f"({spec.mtp_key}={hf[spec.mtp_key]} in config.json) are not read (model.mtp_depth="
                 f"{m.mtp_depth} reads the first {m.mtp_depth} whole layers)" +
                 ("; the imported model predicts the next token only, as transformers' does" if not m.mtp_depth else ""))
         (log or warnings.warn)(note)
@@ -944,28 +956,71 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     return _unflatten(target, out)
 
 
-def _mtp_tensors(spec: FamilySpec, hf: Mapping[str, Any], names: list[str], skip_from: int) -> set[str]:
-    """The ``names`` of the family's multi-token-prediction layers that are not read: layer indices
-    from ``skip_from`` (``num_hidden_layers`` + ``model.mtp_depth``) on, among the config.json's
-    ``spec.mtp_key`` layers after ``num_hidden_layers`` (DeepSeek-V3 sec. 2.2; GLM-4.5 keeps them
-    as its layer 46 or 92)."""
-    if spec.mtp_key is None or not hf.get(spec.mtp_key):
+def _mtp_tensors(spec: FamilySpec, hf: Mapping[str, Any], names: list[str], depth: int) -> set[str]:
+    """The ``names`` of multi-token-prediction tensors that ``depth`` (``model.mtp_depth``) MTP
+    modules do not read: those of the config.json's ``spec.mtp_key`` layers from layer ``depth``
+    on (DeepSeek-V3 sec. 2.2: layers after ``num_hidden_layers``, GLM-4.5's layer 46 or 92;
+    Qwen3-Next's ``mtp.layers.{j}``), and with ``depth`` 0 the tensors they share (Qwen3-Next's
+    ``mtp.fc``, its norms). Only names not read otherwise may be passed."""
+    n = int(hf.get(spec.mtp_key) or 0) if spec.mtp_key is not None else 0
+    if not n:
         return set()
-    prefix = next(iter(spec.layer_tensors.values())).names[0].split("{i}")[0]  # e.g. "model.layers."
-    first = hf["num_hidden_layers"]
+    first = spec.mtp_layer(hf["num_hidden_layers"], 0)
+    own = {t.format(i=spec.mtp_layer(hf["num_hidden_layers"], k)) for k in range(depth, n)
+           for row in spec.mtp_tensors.values() for t in row.names}
+    prefix = spec.mtp_name(next(iter(spec.layer_tensors.values())).names[0]).split("{i}")[0]  # "model.layers."
     out = set()
-    for n in names:
-        index = n[len(prefix):].split(".", 1)[0] if n.startswith(prefix) else ""
-        if index.isdigit() and max(first, skip_from) <= int(index) < first + hf[spec.mtp_key]:
-            out.add(n)
+    for name in names:
+        index = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
+        if name in own or (index.isdigit() and first + depth <= int(index) < first + n):
+            out.add(name)
     return out
+
+
+def _mtp_problems(spec: FamilySpec, m: ModelConfig) -> list[str]:
+    """What keeps ``spec``'s family from holding ``m``'s ``model.mtp_depth`` MTP modules exactly
+    (empty: nothing), each as ``"model.mtp_depth=D (why)"``."""
+    d, name = m.mtp_depth, spec.name
+    if not d:
+        return []
+    if spec.mtp_key is None:
+        return [f"model.mtp_depth={d} ({name} has no multi-token prediction layers)"]
+    out = []
+    if spec.mtp_max_depth is not None and d > spec.mtp_max_depth:
+        out.append(f"model.mtp_depth={d} ({name}'s multi-token-prediction layers share one fc, its norms and the "
+                   f"final norm, which every moefast MTP module keeps for itself: at most {spec.mtp_max_depth})")
+    if spec.mtp_layer_prefix is not None and any(m.is_moe_layer(i) for i in range(m.num_layers)):
+        dense = [j for j in range(min(d, m.num_layers)) if not m.is_moe_layer(j)]  # MTP layer j is built as layer j
+        if dense:
+            out.append(f"model.mtp_depth={d} with layer {dense[0]} dense ({name}'s MTP layer j has layer j's kind of "
+                       "MLP; moefast's MTP blocks are MoE in a model with MoE layers)")
+    return out
+
+
+def _check_mtp(spec: FamilySpec, hf: Mapping[str, Any], m: ModelConfig, path: Path) -> None:
+    """Raises HFFormatError when ``m``'s ``model.mtp_depth`` MTP modules cannot be read exactly from
+    the checkpoint of language-model config ``hf`` (:func:`_mtp_problems`, or a key of the family's
+    ``mtp_unsupported`` set), naming the config.json key and the depth that can be read."""
+    if not m.mtp_depth or spec.mtp_key is None:
+        return  # a family without MTP layers: model.mtp_depth > 0 is caught by the layers on disk
+    unsupported = [f"{k}={hf[k]!r} ({why})" for k, why in spec.mtp_unsupported.items() if hf.get(k)]
+    problems = _mtp_problems(spec, m) + unsupported
+    if not problems:
+        return
+    most = 0 if unsupported else max(k for k in range(m.mtp_depth)
+                                     if not _mtp_problems(spec, dataclasses.replace(m, mtp_depth=k)))
+    raise HFFormatError(f"{path / 'config.json'}: {spec.mtp_key}={hf.get(spec.mtp_key)!r} ({spec.model_type}): "
+                        f"moefast cannot read these multi-token-prediction layers exactly: {'; '.join(problems)}; "
+                        f"import with model.mtp_depth={most}" + (" (the next-token model only)" if not most else
+                                                                 f" (reads the first {most} exactly)"))
 
 
 def _mtp_copies(spec: FamilySpec, cfg: ExperimentConfig) -> list[tuple[str, tuple[str, ...]]]:
     """``(HF name, the main tensors it may copy)`` of the copies each of ``model.mtp_depth`` MTP
     layers keeps of the shared embedding and output head (the family's ``mtp_copies``)."""
     m = cfg.model
-    return [(n.format(i=m.num_layers + k), main) for k in range(m.mtp_depth) for n, main in spec.mtp_copies.items()]
+    return [(n.format(i=spec.mtp_layer(m.num_layers, k)), main) for k in range(m.mtp_depth)
+            for n, main in spec.mtp_copies.items()]
 
 
 def _mtp_layers_held(names: Mapping[str, Any], spec: FamilySpec, hf: Mapping[str, Any]) -> int:
@@ -974,7 +1029,8 @@ def _mtp_layers_held(names: Mapping[str, Any], spec: FamilySpec, hf: Mapping[str
     without them."""
     n = int(hf.get(spec.mtp_key) or 0) if spec.mtp_key is not None else 0
     for k in range(n if spec.mtp_tensors else 0):
-        layer = [t.format(i=hf["num_hidden_layers"] + k) for row in spec.mtp_tensors.values() for t in row.names]
+        layer = [t.format(i=spec.mtp_layer(hf["num_hidden_layers"], k)) for row in spec.mtp_tensors.values()
+                 for t in row.names]
         if not all(t in names for t in layer):
             return k
     return n if spec.mtp_tensors else 0
@@ -1002,9 +1058,12 @@ def _bias_names(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     name = spec.router.selection_bias
     m = cfg.model
     layers = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
+    if name is None:
+        return []
+    names = [name.format(i=i) for i in layers]
     if layers and spec.mtp_key is not None:  # the MoE blocks of the MTP layers: the rows after the main model's
-        layers += list(range(m.num_layers, m.num_layers + m.mtp_depth))
-    return [] if name is None else [name.format(i=i) for i in layers]
+        names += [spec.mtp_name(name).format(i=spec.mtp_layer(m.num_layers, k)) for k in range(m.mtp_depth)]
+    return names
 
 
 def load_hf_routing(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = None) -> dict[str, jax.Array]:

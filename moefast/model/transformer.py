@@ -189,7 +189,10 @@ class MTPModule(nnx.Module):
     transposed [D, 2D] there), ``block`` (:class:`Block`, the decoder layer: ``input_layernorm``,
     ``self_attn``, ``post_attention_layernorm``, ``mlp``), ``head_norm`` [D]
     (``shared_head.norm``). ``shared_head.head`` and ``embed_tokens`` are the main model's head and
-    embedding (shared, not stored here).
+    embedding (shared, not stored here). Qwen3-Next / Qwen3.5 (vLLM's ``qwen3_next_mtp.py``) name
+    them ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.fc``, ``mtp.layers.{k-1}``
+    and ``mtp.norm``; with ``model.layer_types`` the block is a full-attention block (gated like
+    the model's), as every block past ``num_layers`` is.
 
     The block is an MoE block when the model has MoE layers (its statistics, aux and z losses join
     the main model's, and it has a routing-state row), else dense.

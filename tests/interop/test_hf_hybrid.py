@@ -13,6 +13,11 @@ are unaffected), the same experts chosen for every real token in every MoE layer
 -> ``AutoModelForCausalLM.from_pretrained`` gives transformers' weights bit for bit and its logits,
 and ``load_hf(save_hf(x)) == x`` exactly.
 
+The multi-token-prediction layer (``mtp_num_hidden_layers: 1``, ``mtp.*``), which transformers
+ignores, is checked against vLLM's forward (``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py``) assembled
+in torch from transformers' own decoder layer and norms: its tensors are another tiny model's
+full-attention layer, renamed ``mtp.layers.0.*``, and random ``mtp.fc`` and norms.
+
 Until the Gated DeltaNet kernel package exists, run with a stub of it::
 
     PYTHONPATH=/tmp/stub python -m pytest -q -n 0 -p conftest_inject tests/interop/test_hf_hybrid.py
@@ -29,7 +34,7 @@ torch = pytest.importorskip("torch", reason="torch (a test dependency) is not in
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 
 from moefast.interop import hf  # noqa: E402
-from hf_oracle import hf_forward, ours, saved_layouts  # noqa: E402
+from hf_oracle import hf_forward, module, ours, saved_layouts  # noqa: E402
 
 V, B, T = 128, 2, 40
 PAD_FROM = 27  # row 1 is padding from here on
@@ -56,10 +61,13 @@ FAMILIES = {
 TEXT_PREFIX = {"qwen3_5_moe": "model.language_model."}  # where the language model's tensors are
 
 
-def _hf_model(family: str):
-    """The family's tiny transformers model, fp32, with every norm weight, A_log and dt_bias random."""
-    torch.manual_seed(0)
+def _hf_model(family: str, seed: int = 0, **changes):
+    """The family's tiny transformers model, fp32, with every norm weight, A_log and dt_bias random
+    (config attributes ``changes`` set first)."""
+    torch.manual_seed(seed)
     config = FAMILIES[family]()
+    for k, v in changes.items():
+        setattr(config, k, v)
     cls = (transformers.Qwen3_5MoeForConditionalGeneration if family == "qwen3_5_moe"
            else transformers.AutoModelForCausalLM)
     model = (cls(config) if family == "qwen3_5_moe" else cls.from_config(config)).float().eval()
@@ -81,14 +89,6 @@ def _inputs():
     mask = np.ones((B, T), np.int64)
     mask[1, PAD_FROM:] = 0
     return tokens, mask
-
-
-
-
-
-
-
-
 
 
 def _equal_trees(a, b):
@@ -286,3 +286,164 @@ def test_other_families_do_not_claim_hybrid_models(saved):
     with pytest.raises(hf.HFFormatError, match=r"qwen3_next cannot represent this model: it has "
                                                r"model.attention_output_gate=false .*model.zero_centered_norm=false"):
         hf.hf_family(plain, "qwen3_next")
+
+
+# ------------------------------------------------------------------------- multi-token prediction
+MTP_OWN = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.fc.weight", "mtp.norm.weight")
+DONOR_LAYER = 3  # the donor's full-attention (MoE) layer, whose tensors become mtp.layers.0.*
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+def with_mtp(request, tmp_path_factory):
+    """(family, HF model, donor, directory, {name: tensor} of its mtp.*): the family's tiny model
+    (Qwen3-Next's with every layer MoE: vLLM builds the MTP layer as layer 0, so its MLP is layer 0's
+    kind) saved per expert, with mtp_num_hidden_layers 1 and, in a file of their own, the layer
+    DONOR_LAYER tensors of another seed's text model (the donor) as mtp.layers.0.* (transformers'
+    own per-expert names) and random zero-centred norms and fc [D, 2D]."""
+    from safetensors.numpy import save_file
+
+    family = request.param
+    changes = {"mlp_only_layers": []} if family == "qwen3_next" else {}
+    model = _hf_model(family, **changes)
+    donor = _hf_model("qwen3_5_moe_text" if family == "qwen3_5_moe" else family, seed=1, **changes)
+    assert donor.config.layer_types[DONOR_LAYER] == "full_attention"
+    main_dir, donor_dir = tmp_path_factory.mktemp(f"{family}-mtp"), tmp_path_factory.mktemp(f"{family}-donor")
+    model.save_pretrained(main_dir, save_original_format=True)
+    donor.save_pretrained(donor_dir, save_original_format=True)
+    config = json.loads((main_dir / "config.json").read_text())
+    config.get("text_config", config).update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    (main_dir / "config.json").write_text(json.dumps(config))
+    layer = f"model.layers.{DONOR_LAYER}."
+    mtp = {"mtp.layers.0." + k[len(layer):]: x for k, x in _tensors(donor_dir).items() if k.startswith(layer)}
+    assert "mtp.layers.0.mlp.experts.0.gate_proj.weight" in mtp  # the hub's per-expert layout
+    rng, d = np.random.default_rng(5), TEXT["hidden_size"]
+    for name in MTP_OWN:
+        shape = (d, 2 * d) if name == "mtp.fc.weight" else (d,)
+        mtp[name] = ((0.1 if name == "mtp.fc.weight" else 0.2) * rng.standard_normal(shape)).astype(np.float32)
+    save_file(mtp, str(main_dir / "mtp.safetensors"), metadata={"format": "pt"})
+    return family, model, donor, main_dir, mtp
+
+
+def test_mtp_layer_is_read_and_written_back_exactly(with_mtp, tmp_path):
+    """mtp_num_hidden_layers 1 reads into model.mtp_depth 1: fc (transposed), the pre-fc norms and
+    the final norm are the module's eh_proj, enorm, hnorm and head_norm, its block a gated
+    full-attention block; the export (both expert layouts; Qwen3.5's as its text model) writes the
+    same mtp.* tensors bit for bit and mtp_num_hidden_layers 1, transformers loads it (ignoring
+    mtp.*), and it reads back exactly (also into the scanned layout). model.mtp_depth=0 reads the
+    same main model and says what it skips."""
+    family, _, _, src, mtp = with_mtp
+    cfg, params, notes = _load_quietly(src)
+    assert cfg.model.mtp_depth == 1
+    assert len(notes) == (1 if family == "qwen3_5_moe" else 0), notes  # the vision tower only
+    got = params["mtp"][0]
+    for path, name in ((("enorm", "scale"), "mtp.pre_fc_norm_embedding.weight"),
+                       (("hnorm", "scale"), "mtp.pre_fc_norm_hidden.weight"),
+                       (("head_norm", "scale"), "mtp.norm.weight"),
+                       (("block", "attn_norm", "scale"), "mtp.layers.0.input_layernorm.weight")):
+        leaf = got
+        for key in path:
+            leaf = leaf[key]
+        np.testing.assert_array_equal(np.asarray(leaf), mtp[name])
+    np.testing.assert_array_equal(np.asarray(got["eh_proj"]), mtp["mtp.fc.weight"].T)
+    assert {"qkv", "gate", "q_norm", "k_norm"} <= set(got["block"]["attn"]) and "in_proj" not in got["block"]["attn"]
+    scanned = hf.load_hf_params(src, hf.config_from_hf(src, ["model.scan_layers=true"]), log=notes.append)
+    _equal_trees(params["mtp"], scanned["mtp"])  # MTP modules stay unrolled in both layouts
+    routing_state = hf.load_hf_routing(src, cfg)
+    for layout in ("per_expert", "fused"):
+        out = hf.save_hf(cfg, params, tmp_path / layout, routing_state=routing_state, layout=layout, family=family)
+        written = json.loads((out / "config.json").read_text())
+        assert written["mtp_num_hidden_layers"] == 1 and written["mtp_use_dedicated_embeddings"] is False
+        cfg2, params2, notes = _load_quietly(out)
+        assert notes == [] and cfg2.model == cfg.model
+        _equal_trees(params, params2)
+        if layout == "per_expert":
+            tensors = {k: x for k, x in _tensors(out).items() if k.startswith("mtp.")}
+            assert sorted(tensors) == sorted(mtp)
+            for name, x in mtp.items():
+                np.testing.assert_array_equal(tensors[name], x, err_msg=name)
+            _, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                        output_loading_info=True)
+            assert not any(info[k] for k in ("missing_keys", "mismatched_keys")), info
+    cfg0 = hf.config_from_hf(src, ["model.mtp_depth=0"])
+    notes = []
+    params0 = hf.load_hf_params(src, cfg0, log=notes.append)
+    assert any(f"{len(mtp)} tensors of the checkpoint's multi-token-prediction layers" in n for n in notes), notes
+    _equal_trees({k: v for k, v in params.items() if k != "mtp"}, params0)
+
+
+def test_mtp_logits_equal_vllm_forward_over_transformers_decoder_layer(with_mtp):
+    """moefast's MTP logits (module 1 through the shared head) equal, to 1e-4, vLLM's MTP forward
+    (qwen3_next_mtp.py / qwen3_5_mtp.py: Qwen3NextMultiTokenPredictor.forward, compute_logits)
+    assembled in torch: h_i = transformers' main model output after its final norm (vLLM's target
+    hidden states), x = fc([pre_fc_norm_embedding(Emb(t_{i+1})); pre_fc_norm_hidden(h_i)]), the
+    donor's own transformers decoder layer (full attention, MoE; the checkpoint's mtp.layers.0.*)
+    at the positions of the main tokens, causal, then mtp.norm and the main lm_head; transformers'
+    RMSNorm class (zero-centred) for the norms."""
+    import jax.numpy as jnp
+
+    family, model, donor, src, mtp = with_mtp
+    cfg, params, _ = _load_quietly(src)
+    tokens = np.random.default_rng(1).integers(0, V, (B, T))
+    with jax.default_matmul_precision("highest"):
+        y = module(cfg, params)(jnp.asarray(tokens), drop_tokens=False, routing_state=hf.load_hf_routing(src, cfg))
+    got = np.asarray(y.mtp_logits[0])[:, :-1]  # row i predicts t_{i+2} from h_i and t_{i+1}: the last row has none
+    lm = model.model.language_model if family == "qwen3_5_moe" else model.model
+    eps = model.config.get_text_config().rms_norm_eps
+
+    def norm(name):
+        n = type(lm.norm)(TEXT["hidden_size"], eps=eps)
+        n.weight.data = torch.tensor(mtp[name])
+        return n
+
+    n = T - 1
+    with torch.no_grad():
+        ids = torch.tensor(tokens)
+        h = lm(input_ids=ids).last_hidden_state[:, :n]
+        e = lm.embed_tokens(ids[:, 1:])
+        x = torch.cat([norm("mtp.pre_fc_norm_embedding.weight")(e), norm("mtp.pre_fc_norm_hidden.weight")(h)], dim=-1)
+        x = x @ torch.tensor(mtp["mtp.fc.weight"]).T
+        pos = torch.arange(n)[None].expand(B, n)
+        rope = lm.rotary_emb(x, pos if family == "qwen3_next" else pos[None].expand(3, B, n))  # Qwen3.5: mrope axes
+        causal = torch.full((n, n), float("-inf")).triu(1)[None, None].expand(B, 1, n, n)
+        layer = donor.model.layers[DONOR_LAYER]
+        x = layer(x, position_embeddings=rope, attention_mask=causal, position_ids=pos)
+        want = model.lm_head(norm("mtp.norm.weight")(x)).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert np.abs(want).max() > 0.1  # logits of some size: the comparison can fail
+
+
+def test_mtp_layers_moefast_cannot_hold_exactly_are_one_clear_error(with_mtp, tmp_path):
+    """mtp_num_hidden_layers 2 (the layers share fc and norms, which moefast's modules keep each
+    their own) is one error naming the key at import, the depth that reads exactly
+    (model.mtp_depth=1, which then notes the second layer's tensors as not read) and at export
+    nothing written; so are mtp_use_dedicated_embeddings and, for Qwen3-Next, a dense layer 0
+    (its MTP layer's MLP would be dense). mtp.* tensors without the key are skipped with a note."""
+    from safetensors.numpy import save_file
+
+    family, _, _, src, mtp = with_mtp
+    two = _rewrite(src, tmp_path / "two", mtp_num_hidden_layers=2)
+    second = {"mtp.layers.1." + k[len("mtp.layers.0."):]: x for k, x in mtp.items() if k.startswith("mtp.layers.0.")}
+    save_file(second, str(two / "mtp-1.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(hf.HFFormatError, match=r"mtp_num_hidden_layers=2 .*share one fc, its norms and the final "
+                                               r"norm.*at most 1\); import with model.mtp_depth=1 \(reads the first 1"):
+        hf.config_from_hf(two)
+    cfg = hf.config_from_hf(two, ["model.mtp_depth=1"])
+    notes = []
+    params = hf.load_hf_params(two, cfg, log=notes.append)
+    assert any(f"{len(second)} tensors of the checkpoint's multi-token-prediction layers" in n for n in notes), notes
+    deep = cfg.replace(model=cfg.model.__class__(**{**cfg.model.__dict__, "mtp_depth": 2}))
+    with pytest.raises(hf.HFFormatError, match=r"mtp_num_hidden_layers=2 .*import with model.mtp_depth=1"):
+        hf.load_hf_params(two, deep)
+    with pytest.raises(hf.HFFormatError, match=r"cannot represent this model: it has model.mtp_depth=2 .*at most 1"):
+        hf.save_hf(deep, params, tmp_path / "out", family=family)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(hf.HFFormatError, match=r"mtp_use_dedicated_embeddings=True .*model.mtp_depth=0 \(the next"):
+        hf.config_from_hf(_rewrite(src, tmp_path / "own-embed", mtp_use_dedicated_embeddings=True))
+    if family == "qwen3_next":
+        with pytest.raises(hf.HFFormatError, match=r"mtp_num_hidden_layers=1 .*model.mtp_depth=1 with layer 0 dense"):
+            hf.config_from_hf(_rewrite(src, tmp_path / "dense-0", mlp_only_layers=[0]))
+    cfg0 = hf.config_from_hf(_rewrite(src, tmp_path / "no-key", mtp_num_hidden_layers=None))
+    assert cfg0.model.mtp_depth == 0
+    notes = []
+    hf.load_hf_params(tmp_path / "no-key", cfg0, log=notes.append)
+    assert f"multi-token-prediction tensors (mtp.*) beyond config.json's mtp_num_hidden_layers: {len(mtp)}" in notes[-1]
