@@ -1,0 +1,215 @@
+"""A Hugging Face checkpoint's files on disk: safetensors headers, the shards of an index, a
+tensor's bytes read lazily (and FP8 block-quantized ones dequantized), shape checks; and
+:class:`HFFormatError`, the error of everything in :mod:`moefast.interop.hf` (the engine's lowest
+layer: it knows files, not families)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # registers bfloat16 with numpy, so safetensors' numpy API reads BF16; float8 for FP8
+import numpy as np
+
+from moefast.config import ConfigError
+
+
+class HFFormatError(ConfigError):
+    """A Hugging Face checkpoint (or a config to export as one) uses something moefast cannot
+    represent, or its files do not match its ``config.json``."""
+
+
+def hf_config(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of an HF model directory, as a dict.
+
+    Raises:
+      HFFormatError: no such directory or file, or not valid JSON.
+    """
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise HFFormatError(f"{f} not found: pass a Hugging Face model directory (config.json and *.safetensors)")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise HFFormatError(f"{f} is not valid JSON ({e})") from None
+
+
+_SCALE_INV = "_scale_inv"  # FP8 block scales: ``X.weight_scale_inv`` next to ``X.weight``
+
+
+_QUANT_ADVICE = ("dequantize the checkpoint first (e.g. with the model's own conversion script) or use a "
+                 "bf16/fp32 copy of it")
+
+
+def _fp8_block(hf: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The weight block ``(BO, BI)`` of a config.json's FP8 block quantization, ``None`` without a
+    ``quantization_config``.
+
+    The format of DeepSeek-V3/R1 and Kimi K2 on the hub (DeepSeek-V3 repo ``README_WEIGHTS.md``):
+    ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size":
+    [128, 128]}``, the 128x128 weight blocks of DeepSeek-V3's FP8 training (arXiv 2412.19437,
+    sec. 3.3, fine-grained quantization).
+
+    Raises:
+      HFFormatError: any other quantization (compressed-tensors, gptq, awq, bitsandbytes, FP8
+        without ``weight_block_size`` or in e5m2, static activation scales), naming the field.
+    """
+    q = hf.get("quantization_config")
+    if not q:
+        return None
+
+    def reject(field: str, value: Any, why: str) -> None:
+        raise HFFormatError(f"config.json: quantization_config.{field}={value!r} is not supported: {why}; "
+                            f"{_QUANT_ADVICE}")
+
+    method = q.get("quant_method") if isinstance(q, Mapping) else None
+    if method != "fp8":
+        reject("quant_method", method, "moefast reads unquantized checkpoints and FP8 block-quantized ones "
+                                       "(quant_method 'fp8' with weight_block_size, as DeepSeek-V3 and Kimi K2)")
+    if q.get("fmt", "e4m3") != "e4m3":
+        reject("fmt", q["fmt"], "FP8 weights are read in e4m3 only")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        reject("activation_scheme", q["activation_scheme"], "static activation scales have no place in moefast")
+    block = q.get("weight_block_size")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        reject("weight_block_size", block, "FP8 is read with a [BO, BI] weight block size only (no per-tensor or "
+                                           "per-channel scales)")
+    return int(block[0]), int(block[1])
+
+
+def _safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
+    """``(tensor name -> {"dtype", "shape", "data_offsets"}, byte offset of the data)`` of a
+    safetensors file: an 8-byte little-endian header length, then that many bytes of JSON; each
+    tensor's ``data_offsets`` are relative to the end of the header."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class _Files:
+    """The safetensors files of an HF directory: tensor name -> file, read lazily (numpy).
+
+    FP8 block-quantized weights (DeepSeek-V3/R1, Kimi K2: config.json's ``quantization_config``, see
+    :func:`_fp8_block`) are dequantized on read, a tensor (or a row block of it) at a time: ``X``
+    float8_e4m3fn [..., O, I] with its float32 ``X_scale_inv`` [..., ceil(O/BO), ceil(I/BI)] reads
+    as ``X[..., r, c] * X_scale_inv[..., r // BO, c // BI]`` in float32 (DeepSeek-V3 repo
+    ``inference/fp8_cast_bf16.py``, ``weight_dequant``). The scales are consumed: they are not in
+    ``where``. FP8 bytes are memory-mapped from the file (safetensors' numpy API has no float8).
+    """
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise HFFormatError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f.name for f in path.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise HFFormatError(f"{path}: no *.safetensors files (moefast reads safetensors, not pytorch_model.bin)")
+        self.handles, self.where = {}, {}
+        headers = {}
+        for name in files:
+            if not (path / name).is_file():
+                raise HFFormatError(f"{index} lists {name}, which is missing from {path}")
+            try:
+                h = safe_open(str(path / name), framework="numpy")
+                headers[name] = _safetensors_header(path / name)
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise HFFormatError(f"{path / name} is not a readable safetensors file ({e})") from None
+            self.handles[name] = h
+            for k in h.keys():
+                self.where[k] = name
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(self.where))
+            if missing:
+                raise HFFormatError(f"{index} lists {missing[:3]} but those files do not hold them")
+        self.block = _fp8_block(hf_config(path)) if (path / "config.json").is_file() else None
+        self.fp8: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # FP8 weight -> (file, byte offset, shape)
+        self._maps: dict[str, np.memmap] = {}
+        self._scale_where = {k: f for k, f in self.where.items() if k.endswith(_SCALE_INV)}
+        for k, f in self.where.items():
+            header, start = headers[f]
+            dtype = header[k]["dtype"]
+            if not dtype.startswith("F8"):
+                continue
+            if dtype != "F8_E4M3":
+                raise HFFormatError(f"{path}: tensor {k} is {dtype}; moefast reads FP8 weights in E4M3 only "
+                                    f"({_QUANT_ADVICE})")
+            if self.block is None:
+                raise HFFormatError(f"{path}: tensor {k} is F8_E4M3, but config.json has no quantization_config "
+                                    "(quant_method 'fp8' with weight_block_size) saying how it is scaled")
+            shape = tuple(header[k]["shape"])
+            if len(shape) < 2:
+                raise HFFormatError(f"{path}: FP8 tensor {k} has shape {list(shape)}; FP8 blocks need [..., out, in]")
+            if k + _SCALE_INV not in self._scale_where:
+                raise HFFormatError(f"{path}: FP8 tensor {k} has no {k + _SCALE_INV} (its block scales); "
+                                    "the checkpoint is incomplete")
+            (bo, bi), scale = self.block, k + _SCALE_INV
+            want = shape[:-2] + (-(-shape[-2] // bo), -(-shape[-1] // bi))
+            got = tuple(self.handles[self._scale_where[scale]].get_slice(scale).get_shape())
+            if got != want:
+                raise HFFormatError(f"{path}: {scale} has shape {list(got)}, but {k} {list(shape)} in {bo}x{bi} "
+                                    f"blocks (quantization_config.weight_block_size) needs {list(want)}")
+            self.fp8[k] = (f, start + header[k]["data_offsets"][0], shape)
+        for scale in self._scale_where:
+            weight = scale[:-len(_SCALE_INV)]
+            if weight not in self.fp8:
+                dtype = headers[self.where[weight]][0][weight]["dtype"] if weight in self.where else None
+                raise HFFormatError(f"{path}: {scale} holds block scales of {weight}, which is "
+                                    f"{dtype or 'missing'}, not an F8_E4M3 weight")
+            del self.where[scale]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+
+    def get(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """float32 array of tensor ``name`` (only ``rows``, a contiguous slice, of its first axis
+        when given); an FP8 weight dequantized (for a row slice: the scale rows of the blocks
+        that cover it, cropped)."""
+        if name in self.fp8:
+            return self._dequantized(name, rows)
+        s = self.handles[self.where[name]].get_slice(name)
+        x = s[rows] if rows is not None else s[:]
+        return np.asarray(x, np.float32)
+
+    def _dequantized(self, name: str, rows: slice | None) -> np.ndarray:
+        file, offset, shape = self.fp8[name]
+        if file not in self._maps:
+            self._maps[file] = np.memmap(self.path / file, np.uint8, mode="r")
+        size = int(np.prod(shape))
+        w = self._maps[file][offset:offset + size].view(ml_dtypes.float8_e4m3fn).reshape(shape)
+        lo, hi, _ = (rows or slice(None)).indices(shape[0])
+        hi = max(lo, hi)
+        bo, bi = self.block
+        scale = self.handles[self._scale_where[name + _SCALE_INV]].get_slice(name + _SCALE_INV)
+        if len(shape) == 2:  # rows cut the blocked axis: the blocks covering [lo, hi), then crop
+            s = np.asarray(scale[lo // bo:-(-hi // bo)], np.float32)
+            s = np.repeat(s, bo, axis=0)[lo % bo:lo % bo + hi - lo]
+        else:  # rows cut a leading (expert) axis
+            s = np.asarray(scale[lo:hi], np.float32)
+            s = np.repeat(s, bo, axis=-2)[..., :shape[-2], :]
+        s = np.repeat(s, bi, axis=-1)[..., :shape[-1]]
+        return w[lo:hi].astype(np.float32) * s
+
+    def close(self) -> None:
+        for h in self.handles.values():
+            h.__exit__(None, None, None)
+        self._maps.clear()
+
+
+def _check_shape(files: _Files, name: str, want: tuple[int, ...]) -> None:
+    got = files.shape(name)
+    if got != tuple(want):
+        raise HFFormatError(f"{files.path}: tensor {name} has shape {list(got)}, but config.json implies {list(want)}")

@@ -1,0 +1,226 @@
+"""Writing moefast parameters as a Hugging Face checkpoint (the engine of :mod:`moefast.interop.hf`,
+which documents the whole)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import ml_dtypes  # registers bfloat16 with numpy, so safetensors' numpy API reads BF16; float8 for FP8
+import numpy as np
+
+from moefast.config import ExperimentConfig
+from moefast.interop import families
+from moefast.interop.families import FamilySpec
+from moefast.model.layout import to_layout
+from moefast.interop.hf_files import HFFormatError
+from moefast.interop.hf_tables import _Leaf, _leaves, _mtp_copies
+from moefast.interop.hf_configs import _TOKENIZER_FILES, _export_config, hf_family
+from moefast.interop.hf_read import _bias_names, _flat_paths
+
+
+def _host(x: Any) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _bias_rows(spec: FamilySpec, cfg: ExperimentConfig, routing_state: dict | None) -> list[tuple[str, np.ndarray]]:
+    """``(HF name, float32 [E])`` of each MoE layer's selection bias for ``spec`` (empty for a
+    family without one).
+
+    Raises:
+      HFFormatError: no routing state for a family with a selection bias; a non-zero bias for a family
+        without one.
+    """
+    names = _bias_names(spec, cfg)
+    bias = None if not routing_state else _host(routing_state["bias"]).astype(np.float32)
+    if not names:
+        if bias is not None and np.any(bias):
+            raise HFFormatError(f"the routing state has a non-zero selection bias, which changes the chosen experts; "
+                                f"{spec.name}'s router has none, so this model cannot be exported exactly")
+        return []
+    if bias is None:
+        raise HFFormatError(f"{spec.name} has a selection bias per MoE layer (e_score_correction_bias): pass "
+                            "routing_state (the run's routing state; moefast.model.init_routing_state(cfg) for none)")
+    if bias.shape != (len(names), cfg.moe.num_experts):
+        raise HFFormatError(f"routing_state['bias'] has shape {list(bias.shape)}, expected "
+                            f"{[len(names), cfg.moe.num_experts]} (MoE layers, experts)")
+    return [(n, bias[j]) for j, n in enumerate(names)]
+
+
+def _copy_rows(spec: FamilySpec, cfg: ExperimentConfig, leaves: Mapping[tuple, _Leaf], values: Mapping[tuple, Any],
+               np_dtype: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """``(HF name, tensor)`` of the MTP layers' copies of the shared embedding and output head
+    (the family's ``mtp_copies``), equal to the main tensors as written."""
+    source = {name: p for p, leaf in leaves.items() for name in leaf.names}
+    for name, main in _mtp_copies(spec, cfg):
+        src = next((c for c in main if c in source), None)
+        if src is not None:
+            yield name, dict(leaves[source[src]].write(_host(values[source[src]])))[src].astype(np_dtype)
+
+
+def _joined(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, np.ndarray]]:
+    """``(HF name, tensor)`` as the parameters' transforms write them, with the
+    :class:`~moefast.interop.families.Part` s of a tensor that several parameters share joined: that
+    tensor comes once, when its last rows are written.
+
+    Raises:
+      HFFormatError: a family's tables write some rows of a tensor twice or never (a bug in its spec).
+    """
+    open_parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # name -> (tensor so far, rows written)
+    for name, x in tensors:
+        if not isinstance(x, families.Part):
+            yield name, x
+            continue
+        if name not in open_parts:
+            open_parts[name] = (np.zeros((x.rows,) + x.value.shape[1:], x.value.dtype), np.zeros(x.rows, bool))
+        full, written = open_parts[name]
+        if written[x.index].any():
+            raise HFFormatError(f"rows of {name} are written by two parameters (a bug in the family's tensor tables)")
+        full[x.index], written[x.index] = x.value, True
+        if written.all():
+            del open_parts[name]
+            yield name, full
+    if open_parts:
+        raise HFFormatError(f"some rows of {sorted(open_parts)[:3]} are written by no parameter (a bug in the family's "
+                            "tensor tables)")
+
+
+def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None]:
+    """BOS/EOS/PAD ids of the run's tokenizer for config.json (``None`` where it has none, or where
+    an id is outside the model's vocabulary, e.g. the byte tokenizer's with a smaller model)."""
+    from moefast.data import get_tokenizer
+
+    tok = get_tokenizer(cfg.data.tokenizer)
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    return {k: (v if v is not None and v < vocab_size else None) for k, v in ids.items()}
+
+
+def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing_state: dict | None = None,
+            layout: str = "per_expert", dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
+            family: str | None = None, log: Callable[[str], None] | None = None) -> Path:
+    """Writes moefast parameters as an HF model directory.
+
+    The directory is assembled next to ``out_dir`` and renamed into place when complete, so an
+    interrupted export never leaves a half-written model under ``out_dir``.
+
+    Args:
+      cfg: the experiment the parameters belong to.
+      params: the parameters (either layer layout; jax arrays, sharded or not, or numpy).
+      routing_state: the run's routing state (``{"bias": [L_moe, E], ...}``, the train state's
+        ``routing``): its ``bias`` rows are written as the MoE layers' selection biases
+        (``e_score_correction_bias``, always float32) of a family that has them, where it is
+        required; for other families it must be zero or ``None``.
+      out_dir: new directory (must not exist, or be empty).
+      layout: ``"per_expert"`` (``experts.{e}.*`` tensors: what ``save_pretrained`` writes by
+        default and older readers expect) or ``"fused"`` (``experts.gate_up_proj`` /
+        ``experts.down_proj``).
+      dtype: ``"float32"`` or ``"bfloat16"`` for the saved tensors.
+      max_shard_bytes: bytes per safetensors file; more makes shards and an index.
+      family: HF ``model_type`` to write (e.g. ``"glm4_moe_lite"`` for a GLM-4.7-Flash fine-tune,
+        which ``deepseek_v3`` represents too); ``None``: the first that fits (:func:`hf_family`).
+      log: printer for a one-line summary.
+
+    Returns:
+      ``out_dir`` as a ``Path``.
+
+    Raises:
+      HFFormatError: no HF family (or not ``family``) represents the model, a non-zero selection
+        bias for a family without one, no ``routing_state`` for a family with one, or ``out_dir`` is
+        not empty.
+      ValueError: a bad ``layout`` or ``dtype``.
+    """
+    from safetensors.numpy import save_file
+
+    if layout not in ("per_expert", "fused"):
+        raise ValueError(f"layout={layout!r}: expected 'per_expert' or 'fused'")
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
+    if np_dtype is None:
+        raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16'")
+    spec = families.REGISTRY[hf_family(cfg, family)]
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise HFFormatError(f"{out_dir} exists and is not an empty directory; choose a new one (nothing is "
+                            "overwritten)")
+    m = cfg.model
+    unrolled = to_layout(params, m, scanned=False)
+    vocab = int(unrolled["embed"].shape[0])
+    values = dict(_flat_paths(unrolled))
+    leaves = _leaves(spec, cfg, layout, {p: np.shape(v) for p, v in values.items()})
+    bias_rows = _bias_rows(spec, cfg, routing_state)
+
+    # With several processes every one gathers the tensors (collectives) and process 0 alone writes.
+    is_main = jax.process_index() == 0
+    tmp = None
+    if is_main:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed export to the same place
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is for other tools and users
+    try:
+        shards: list[list[str]] = []
+        pending: dict[str, np.ndarray] = {}
+        size = total = 0
+
+        def flush():
+            nonlocal pending, size
+            if pending:
+                if is_main:
+                    save_file(pending, str(tmp / f"shard-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+                shards.append(list(pending))
+                pending, size = {}, 0
+
+        tensors = ((name, x.astype(np_dtype)) for name, x in
+                   _joined(name_x for p, leaf in leaves.items() for name_x in leaf.write(_host(values[p]))))
+        for name, x in itertools.chain(tensors, _copy_rows(spec, cfg, leaves, values, np_dtype), bias_rows):
+            x = np.ascontiguousarray(x)
+            if pending and size + x.nbytes > max_shard_bytes:
+                flush()
+            pending[name] = x
+            size += x.nbytes
+            total += x.nbytes
+        flush()
+        if is_main:
+            n = len(shards)
+            names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+            for k, name in enumerate(names):
+                os.replace(tmp / f"shard-{k:05d}.safetensors", tmp / name)
+                os.chmod(tmp / name, 0o666 & ~umask)  # safetensors creates its files private (0600)
+            if n > 1:
+                index = {"metadata": {"total_size": total},
+                         "weight_map": {t: names[k] for k, ts in enumerate(shards) for t in ts}}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            special = _special_ids(cfg, vocab)
+            hf = _export_config(cfg, spec, vocab, dtype, special)
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+            gen = {k: v for k, v in special.items() if k != "pad_token_id" and v is not None}
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+            tok = Path(cfg.data.tokenizer)
+            tok_dir = tok.parent if tok.is_file() else tok
+            if cfg.data.tokenizer != "byte" and tok_dir.is_dir():
+                for f in _TOKENIZER_FILES:
+                    if (tok_dir / f).is_file():
+                        shutil.copy2(tok_dir / f, tmp / f)
+            if out_dir.exists():
+                out_dir.rmdir()  # empty (checked above)
+            os.replace(tmp, out_dir)
+            if log is not None:
+                log(f"wrote {spec.model_type} ({layout} experts, {dtype}) to {out_dir}: {n} safetensors file(s), "
+                    f"{total / 2**20:,.1f} MiB")
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
