@@ -1,4 +1,6 @@
 """moefast side by side with Hugging Face transformers' Mixtral, same CPU: a development benchmark.
+One file on purpose (~740 lines): both sides' runners and the comparison stay together so that what
+is timed on each side can be read side by side.
 
 Run from a checkout of the repository (it is not part of the installed package; it needs the peers
 extra, ``pip install -c constraints.txt -e '.[peers]'``)::

@@ -9,7 +9,9 @@ and on a CPU, tiny and in the Pallas interpreter, to check the script itself::
 
     python scripts/gpu_check.py --cpu-smoke --out /tmp/gpu_check_smoke.json
 
-Checks, in order (each a function registered with :func:`register_check`; add checks the same way):
+One file on purpose (~750 lines): the project keeps ONE script that checks and times every GPU path, copied
+as it is to a lent GPU machine whose time is short. Checks, in order (each a function registered with
+:func:`register_check`; add checks the same way):
 
 0. ``lowering`` — the kernel lowers to a Triton custom call; deprecation warnings are recorded.
 1. ``correctness`` — the compiled Pallas kernel (``impl="pallas"``; also ``impl="triton"`` where
