@@ -190,7 +190,7 @@ def test_run_dir_under_a_file_is_one_clear_error(tmp_path, text_dir):
     run = tmp_path / "file.txt" / "run"
     p = moefast("train", "--run-dir", str(run), "--cpu-devices", "1", *SMALL, f"data.source={text_dir}")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert p.stderr.strip() == (f"error: --run-dir {run} cannot be created: {tmp_path / 'file.txt'} is a file, "
+    assert p.stderr.strip() == (f"error: run dir {run} cannot be created: {tmp_path / 'file.txt'} is a file, "
                                 "not a directory; choose a run dir under a directory")
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from moefast.cli import bench, hf, plot, prepare, train
 from moefast.cli.bench import BENCH_OPTIONS, PEERS_MOVED
@@ -134,6 +135,15 @@ def _main(argv: list[str] | None, signals: _ImportSignals) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     cfg = None
+    if args.command == "train" and args.run_dir:
+        from moefast.train import CheckpointError
+        from moefast.train.run_dir import check_run_dir
+
+        try:  # before its config.yaml is taken for the run's: a directory that is not a run is refused
+            check_run_dir(Path(args.run_dir))
+        except (ConfigError, CheckpointError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.command == "train" or (args.command == "bench" and args.target in ("train", "memory")):
         config = args.config
         if config is None and args.command == "train" and args.run_dir:

@@ -54,8 +54,11 @@ def _import_hf(args, signals: _ImportSignals) -> None:
 
     from moefast.interop import hf
     from moefast.train import CheckpointError, Trainer
+    from moefast.train.run_dir import check_run_dir
 
     run_dir = Path(args.run_dir)
+    # before anything of the checkpoint is read: a run dir that is another run, or not a run
+    check_run_dir(run_dir)
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise CheckpointError(f"--run-dir {run_dir} already holds checkpoints; import into a new run directory")
     src = Path(args.hf_dir)

@@ -65,7 +65,7 @@ def _eval(args: argparse.Namespace) -> None:
 
     cfg = _inference_config(load_run_config(args.run_dir))
     trainer = Trainer(cfg, args.run_dir, progress=False)
-    step, params, routing_state = trainer.restore_params()
+    step, params, routing_state = trainer.restore_params(corpus=True)  # a corpus prepared again: refused
     m = trainer.evaluate(params, routing_state)
     if trainer.is_main:
         from moefast.train.evaluation import format_eval

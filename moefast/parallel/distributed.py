@@ -152,5 +152,5 @@ def assert_same_config(config: dict) -> None:
         multihost_utils.assert_equal(mine, "config differs")
     except AssertionError:
         raise ValueError(f"process {jax.process_index()}: the {jax.process_count()} processes were started with "
-                         "different configs or overrides; start every process with the same --config and "
+                         "different configs or overrides; start every process with the same config file and "
                          "section.key=value overrides") from None

@@ -275,7 +275,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restoring
     def restore(self, abstract_state: dict[str, Any], cfg: ExperimentConfig,
-                step: int | None = None, *, tokenizer: dict[str, Any] | None = None) -> Restored:
+                step: int | None = None, *, tokenizer: dict[str, Any] | None = None,
+                corpus: str | None = None) -> Restored:
         """Restores ``step`` (default: latest) into the structure/shardings of ``abstract_state``.
 
         With ``step=None``, steps are tried newest first: a step whose files cannot be read
@@ -293,6 +294,10 @@ class Checkpointer:
           tokenizer: the run's tokenizer now (``{"name", "vocab_size", "identity"}``); checked
             against the one the checkpoint records (older checkpoints: the rows of its
             ``params.embed``) before any array is read.
+          corpus: the prepared corpus ``data.source`` holds now
+            (:func:`~moefast.data.prepared.corpus_identity`), or ``None`` (not checked); checked
+            against the one the checkpoint was trained on before any array is read (a step with no
+            data position, an imported step 0, was trained on none).
 
         Raises:
           TypeError: ``abstract_state`` is ``None`` (orbax would then guess the structure from the
@@ -300,9 +305,10 @@ class Checkpointer:
           CheckpointError: no checkpoint; one written with a different model/moe/data config (at
             once, no fallback); one that this machine cannot hold (out of memory, devices: at
             once, nothing skipped or moved); one written with another tokenizer (at once: the
-            message names both); no step could be restored (names the directory and,
-            for each step tried, what is wrong with its files); or the given ``step`` could not be
-            restored.
+            message names both); one trained on another prepared corpus than ``corpus`` (at
+            once: ``data.source`` was prepared again since); no step could be restored (names the
+            directory and, for each step tried, what is wrong with its files); or the given
+            ``step`` could not be restored.
         """
         if abstract_state is None:
             raise TypeError("Checkpointer.restore needs the target structure: pass the train state's abstract "
@@ -311,17 +317,17 @@ class Checkpointer:
         self._wait_pending()
         if step is not None:
             try:
-                return self._restore_step(abstract_state, cfg, int(step), tokenizer)
+                return self._restore_step(abstract_state, cfg, int(step), tokenizer, corpus)
             except _Unreadable as e:
                 raise CheckpointError(f"checkpoint {self._step_dir(step)} could not be restored: {e.reason}") from e
         steps = self.all_steps()[::-1]
         if not steps:
-            raise CheckpointError(f"no checkpoint in {self.directory}; train first (moefast train "
-                                  f"--run-dir {self.directory.parent})")
+            raise CheckpointError(f"no checkpoint in {self.directory}; train the run in {self.directory.parent} "
+                                  "first")
         skipped: list[tuple[int, str]] = []
         for s in steps:
             try:
-                restored = self._restore_step(abstract_state, cfg, s, tokenizer)
+                restored = self._restore_step(abstract_state, cfg, s, tokenizer, corpus)
             except _Unreadable as e:
                 skipped.append((s, e.reason))
                 continue
@@ -331,12 +337,12 @@ class Checkpointer:
         raise CheckpointError(
             f"no checkpoint in {self.directory} could be restored (tried newest first: {tried}). If these "
             f"files are damaged, move the step directories out of {self.directory} to start from scratch, "
-            "or use a new --run-dir")
+            "or use a new run dir")
 
     def _restore_step(self, abstract_state: dict[str, Any], cfg: ExperimentConfig, step: int,
-                      tokenizer: dict[str, Any] | None = None) -> Restored:
+                      tokenizer: dict[str, Any] | None = None, corpus: str | None = None) -> Restored:
         """Restores one step. Raises :class:`_Unreadable` when its files cannot be read (on any
-        process), :class:`CheckpointError` when its config does not fit."""
+        process), :class:`CheckpointError` when its config, tokenizer or corpus does not fit."""
         meta, error = None, None
         try:
             meta = self._read_meta(step)
@@ -368,9 +374,18 @@ class Checkpointer:
                 diff = sorted(k for k in now if was.get(k) != now[k])
                 raise CheckpointError(
                     f"checkpoint {self._step_dir(step)} was written with a different '{sec}' "
-                    f"config (keys {diff}); use the same config or a new --run-dir")
+                    f"config (keys {diff}); use the same config or a new run dir")
         if tokenizer is not None:
             self._check_tokenizer(step, meta if isinstance(meta, dict) else {}, tokenizer, abstract_state)
+        then = (meta.get("identity") or {}).get("corpus") if isinstance(meta, dict) else None
+        if corpus is not None and then and not fresh and then != corpus:
+            raise CheckpointError(
+                f"data.source {cfg.data.source} is not the prepared corpus checkpoint {self._step_dir(step)} was "
+                "trained on (its manifest.json differs: prepared again since, from changed files or with other "
+                "arguments), so a resume would continue the saved data position on another corpus and an "
+                "evaluation would use another validation split (perhaps holding documents the run trained on); "
+                "prepare it again from the files and with the arguments it was prepared from, or train on this "
+                "corpus in a new run dir")
         scanned_now = cfg.model.scan_layers
         scanned_then = bool((saved.get("model") or {}).get("scan_layers", False))
         target = abstract_state

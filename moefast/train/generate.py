@@ -70,7 +70,7 @@ def generate(model_def: ModelDef, params: dict, tokenizer: Tokenizer, prompt: st
         incl = " incl. BOS" if len(bos) else ""
         raise ValueError(f"prompt ({len(ids)} tokens{incl}) + max_new_tokens ({max_new_tokens}) = "
                          f"{total} exceeds model.max_seq_len={max_len}; shorten the prompt or "
-                         "lower --max-new-tokens")
+                         "generate fewer tokens")
     cache_len = min(max_len, _round_up(total, 128))
     vocab = model_def.abstract_params["embed"].shape[0]
     banned = np.zeros((vocab,), bool)

@@ -156,7 +156,11 @@ class Trainer:
         a relative ``data.source``/``data.tokenizer`` of an existing run that is not found from the
         working directory (:func:`moefast.train.run_dir.absolute_data_paths`; found ones are made
         absolute in :attr:`cfg`).
-      CheckpointError: ``run_dir`` exists and is not a directory.
+      CheckpointError: ``run_dir`` exists and is not a directory, or holds files but no run
+        (:func:`moefast.train.run_dir.check_run_dir`): refused before anything is read or restored.
+
+    Errors name the run dir "run dir" (``run_dir`` here, ``--run-dir`` on the command line) and
+    config keys as ``section.key``, the same for Python and command-line users.
     """
 
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path | None = None, *,
@@ -165,7 +169,7 @@ class Trainer:
                  profile: tuple[int, int] | None = None):
         if profile is not None and not (isinstance(profile, tuple) and len(profile) == 2 and 1 <= profile[0] <= profile[1]):
             raise ValueError(f"profile={profile!r}: expected (start, end) optimizer steps with 1 <= start <= end, "
-                             "e.g. (10, 12) or --profile 10:12")
+                             "e.g. (10, 12)")
         self.profile = profile
         self.cfg = cfg
         self.run_dir = Path(run_dir or Path("runs") / cfg.name)
@@ -193,7 +197,8 @@ class Trainer:
         if cfg.moe.routing_impl == "pallas" and self.platform == "cpu" and self.mesh.size > 1:
             raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
                               f"inside the expert-parallel shard_map over {self.mesh.size} devices; use "
-                              "'reference' or 'auto' here, or one CPU device (--cpu-devices 1)")
+                              "'reference' or 'auto' here, or a mesh of one CPU device (devices=jax.devices()[:1]; "
+                              "--cpu-devices 1 on the command line)")
         if cfg.moe.routing_impl == "triton":
             from moefast.kernels.routing import triton as triton_kernel
 
@@ -439,7 +444,7 @@ class Trainer:
             self._save(run, done)
         run.ckpt.wait()
         run.say(f"{run.stopped_by}: stopped after step {done} with a checkpoint in {run.ckpt.directory / str(done)}; "
-                "run the same command again (same --run-dir) to resume")
+                "start it again with the same run dir to resume")
         return True
 
     def _start(self, stop: StopRequest) -> _Run:
@@ -615,7 +620,7 @@ class Trainer:
             try:
                 if ckpt.latest_step() is not None:
                     raise CheckpointError(f"{ckpt.directory} already holds checkpoints (latest step "
-                                          f"{ckpt.latest_step()}); use a new --run-dir")
+                                          f"{ckpt.latest_step()}); use a new run dir")
                 sharding = self.state_sharding
                 with jax.set_mesh(self.mesh):
                     params = jax.device_put(params, sharding["params"])
@@ -633,17 +638,26 @@ class Trainer:
             run_dir_lib.write_run_config(self.run_dir, self.cfg)
         return ckpt.directory / "0"
 
-    def restore_params(self) -> tuple[int, dict, dict]:
+    def restore_params(self, *, corpus: bool = False) -> tuple[int, dict, dict]:
         """Step, parameters and routing state of the latest checkpoint in the run dir.
 
+        Args:
+          corpus: also refuse a checkpoint trained on another prepared corpus than the one
+            ``data.source`` holds now (reads the corpus): before an evaluation (``moefast eval``),
+            whose validation split would otherwise silently be another one. Generation and export
+            need no data and leave it ``False``.
+
         Raises:
-          CheckpointError: no checkpoint or an incompatible one.
+          CheckpointError: no checkpoint, an incompatible one (config, tokenizer; with ``corpus``,
+            a corpus prepared again since), checked before any array is read.
         """
+        identity = self.identity(corpus=corpus)
         ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.cfg.checkpoint.keep, async_save=False,
                             log=self._ckpt_log)
         with quiet_orbax_aftermath():
             try:
-                r = ckpt.restore(self.abstract_state(), self.cfg, tokenizer=self.identity(corpus=False)["tokenizer"])
+                r = ckpt.restore(self.abstract_state(), self.cfg, tokenizer=identity["tokenizer"],
+                                 corpus=identity.get("corpus"))
             finally:
                 ckpt.close()
         return r.step, r.state["params"], r.state["routing"]

@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,15 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, (np.floating, np.integer)):
         return v.item()
     return v
+
+
+def _row_tag(names: Any, row: int, rows: int) -> str:
+    """The TensorBoard tag of row ``row`` of a per-layer array of ``rows`` rows: its name in the
+    record's ``layer_names`` made a tag (``"MoE layer 3"`` -> ``moe_layer_3``, ``"MTP module 1"`` ->
+    ``mtp_module_1``), else ``moe_layer_<row>``."""
+    if isinstance(names, list) and len(names) == rows and isinstance(names[row], str):
+        return re.sub(r"[^0-9a-z]+", "_", names[row].lower()).strip("_")
+    return f"moe_layer_{row}"
 
 
 def _step_of(line: bytes) -> int | None:
@@ -145,7 +155,13 @@ class MetricsWriter:
         return len(later) + int(cut)
 
     def write(self, kind: str, step: int, record: dict[str, Any]) -> None:
-        """Writes one record, e.g. ``write("train", 100, {"loss": 2.1, "tokens_per_s": 3900.0})``."""
+        """Writes one record, e.g. ``write("train", 100, {"loss": 2.1, "tokens_per_s": 3900.0})``.
+
+        Finite scalars go to TensorBoard as ``<kind>/<key>``; the rows of a per-layer array ([L]
+        values, ``tokens_per_expert`` [L, E] as expert-load histograms) as ``<kind>/<key>/<row>``,
+        ``<row>`` named after the record's ``layer_names`` when it has one name per row
+        (``moe_layer_0``, ..., ``mtp_module_1``: the multi-token prediction blocks' rows, see
+        :meth:`moefast.config.ModelConfig.moe_layer_names`), else ``moe_layer_<i>``."""
         if not self.enabled:
             return
         rec = {"kind": kind, "step": int(step), **{k: _jsonable(v) for k, v in record.items()}}
@@ -156,6 +172,7 @@ class MetricsWriter:
         from tensorboardX import summary
         from tensorboardX.proto.event_pb2 import Event
 
+        names = record.get("layer_names")
         values = []
         for k, v in record.items():
             if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool):
@@ -164,12 +181,12 @@ class MetricsWriter:
             elif isinstance(v, np.ndarray) and k == "tokens_per_expert" and v.ndim == 2:
                 frac = v / np.maximum(v.sum(axis=1, keepdims=True), 1)
                 for layer, row in enumerate(frac):
-                    values.append(summary.histogram(f"{kind}/expert_load/moe_layer_{layer}",
+                    values.append(summary.histogram(f"{kind}/expert_load/{_row_tag(names, layer, len(frac))}",
                                                     np.repeat(np.arange(row.size), np.round(row * 1000).astype(int)),
                                                     bins=np.arange(row.size + 1) - 0.5))
             elif isinstance(v, np.ndarray) and v.ndim == 1:
                 for layer, x in enumerate(v):
-                    values.append(summary.scalar(f"{kind}/{k}/moe_layer_{layer}", float(x)))
+                    values.append(summary.scalar(f"{kind}/{k}/{_row_tag(names, layer, len(v))}", float(x)))
         try:
             for s in values:
                 self._tb.write_event(Event(step=int(step), summary=s))

@@ -32,7 +32,7 @@ class ProfileWindow:
         if profile is not None:
             start, end = max(profile[0], first), min(profile[1], last)
             if start > end and last >= first:
-                log(f"note: --profile {profile[0]}:{profile[1]} is outside the steps of this run "
+                log(f"note: the steps to profile, {profile[0]} to {profile[1]}, are outside the steps of this run "
                     f"({first} to {last}); no trace is written")
             if start <= end:
                 self.start, self.end = start, end

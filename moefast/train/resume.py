@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any, Callable
 
 from moefast.config import INVOCATION_KEYS, ExperimentConfig
-from moefast.train.checkpoint import Checkpointer, CheckpointError
+from moefast.train.checkpoint import Checkpointer
 
 __all__ = ["RunStart", "start_or_resume"]
 
@@ -49,15 +49,9 @@ def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, ini
     if ckpt.latest_step() is None:
         return RunStart(init_state(), 0, {})
     identity = identity or {}
-    restored = ckpt.restore(abstract_state(), cfg, tokenizer=identity.get("tokenizer"))  # before anything is written
+    # before anything is written; the tokenizer and the corpus are checked before any array is read
+    restored = ckpt.restore(abstract_state(), cfg, tokenizer=identity.get("tokenizer"), corpus=identity.get("corpus"))
     start = restored.step
-    then = (restored.meta.get("identity") or {}).get("corpus")
-    if restored.data_state is not None and then and identity.get("corpus") and then != identity["corpus"]:
-        raise CheckpointError(
-            f"data.source {cfg.data.source} is not the prepared corpus checkpoint {ckpt.directory / str(start)} was "
-            f"trained on (its manifest.json differs: prepared again since, from changed files or with other "
-            f"arguments), so the saved data position would continue on another corpus; prepare it again from "
-            f"the files it was prepared from, or train on this corpus in a new --run-dir")
     if restored.data_state is not None:  # None: an imported step 0 (Trainer.initialize), data not yet read
         data_iter.set_state(restored.data_state)
     log(f"resuming from step {start} ({ckpt.directory / str(start)})")

@@ -8,6 +8,7 @@ belong to one invocation and are not kept in it).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import yaml
@@ -24,39 +25,70 @@ _PROBE = ".write-probe.tmp"
 
 def check_run_dir(run_dir: Path) -> None:
     """Raises if ``run_dir`` cannot be a run directory at all: checked when a :class:`Trainer` is
-    created, before anything is read or compiled. Creates nothing. (A directory that exists but
-    is read-only is fine here: ``moefast eval`` and ``generate`` only read it;
+    created, before anything is read, restored or compiled. Creates nothing. (A directory that
+    exists but is read-only is fine here: ``moefast eval`` and ``generate`` only read it;
     :func:`check_writable` refuses it when a run is to write there.)
 
+    The messages call it "run dir", which reads as ``run_dir`` (Python) and ``--run-dir`` (command line).
+
     Raises:
-      CheckpointError: ``run_dir`` exists and is not a directory.
+      CheckpointError: ``run_dir`` exists and is not a directory; or it holds files but no run (no
+        ``metrics.jsonl``, no ``checkpoints/`` of moefast's numbered steps) and names that a run
+        does not write: another directory given by mistake, whose files a run would mix with its
+        own (and whose ``checkpoints/`` it would try to restore).
       ConfigError: ``run_dir`` does not exist and cannot be created: a path component is a regular
         file, or the nearest existing directory above it is not writable.
     """
     if run_dir.exists() and not run_dir.is_dir():
-        raise CheckpointError(f"--run-dir {run_dir} exists and is not a directory; choose another path")
+        raise CheckpointError(f"run dir {run_dir} exists and is not a directory; choose another path")
     if run_dir.exists():
+        _refuse_foreign(run_dir)
         return
     parent = run_dir.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise ConfigError(f"--run-dir {run_dir} cannot be created: {parent} is a file, not a directory; choose a "
+        raise ConfigError(f"run dir {run_dir} cannot be created: {parent} is a file, not a directory; choose a "
                           "run dir under a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--run-dir {run_dir} cannot be created: {parent} is not writable (ls -ld {parent}); "
+        raise ConfigError(f"run dir {run_dir} cannot be created: {parent} is not writable (ls -ld {parent}); "
                           "choose a run dir in a writable directory, or make it writable")
 
 
 # What a run, import-hf, export-hf and plot write into a run dir (hidden entries are never counted).
-_RUN_ENTRIES = frozenset({_CONFIG, "checkpoints", "metrics.jsonl", "tensorboard", "profile", "tokenizer", "plots"})
+_RUN_ENTRIES = frozenset({_CONFIG, "checkpoints", "metrics.jsonl", "tensorboard", "profile", "tokenizer", "plots",
+                          "imported_from.json"})
+# What a run's checkpoints/ holds: step directories, orbax's unfinished writes, steps moved aside.
+_STEP_ENTRY = re.compile(r"\d+(\.corrupt-\d+|\.orbax-checkpoint-tmp.*)?")
 
 
 def _foreign_entries(run_dir: Path) -> list[str]:
-    """Names in an existing ``run_dir`` that no run writes, when it holds no run yet (sorted)."""
-    if not run_dir.is_dir() or (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
+    """Names in an existing ``run_dir`` that no run writes, when it holds no run (sorted; those in
+    a ``checkpoints/`` that is not a run's as ``checkpoints/NAME``); ``[]`` for a run (the user's
+    notes may sit beside one), an empty directory, or one that cannot be listed (the write or the
+    restore says why)."""
+    try:
+        if not run_dir.is_dir() or (run_dir / "metrics.jsonl").exists():
+            return []
+        checkpoints = run_dir / "checkpoints"
+        inside = sorted(f"checkpoints/{e.name}" for e in checkpoints.iterdir()
+                        if not e.name.startswith(".") and not _STEP_ENTRY.fullmatch(e.name)) \
+            if checkpoints.is_dir() else []
+        if checkpoints.is_dir() and not inside:
+            return []  # a run's checkpoints
+        return sorted(e.name for e in run_dir.iterdir() if not e.name.startswith(".") and e.name not in _RUN_ENTRIES) \
+            + inside
+    except OSError:
         return []
-    return sorted(e.name for e in run_dir.iterdir() if not e.name.startswith(".") and e.name not in _RUN_ENTRIES)
+
+
+def _refuse_foreign(run_dir: Path) -> None:
+    """Raises :class:`CheckpointError` when ``run_dir`` holds files but no run (:func:`_foreign_entries`)."""
+    foreign = _foreign_entries(run_dir)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise CheckpointError(f"run dir {run_dir} holds files that are not a moefast run ({shown}): no metrics.jsonl, "
+                              "no checkpoints/ of numbered steps; choose a new or empty directory for the run")
 
 
 def check_writable(run_dir: Path) -> None:
@@ -65,22 +97,16 @@ def check_writable(run_dir: Path) -> None:
 
     Raises:
       ConfigError: ``run_dir`` cannot be created.
-      CheckpointError: files cannot be written in it (read-only directory or file system, no
-        space); the message names ``config.yaml`` (the first file a run writes) and the last
-        complete checkpoint, which is left as it is. Or ``run_dir`` holds files but no run (no
-        ``checkpoints/`` nor ``metrics.jsonl``) and names that a run does not write: another
-        directory was given by mistake, whose files a run would mix with its own.
+      CheckpointError: it is not a directory or holds files but no run (:func:`check_run_dir`);
+        files cannot be written in it (read-only directory or file system, no space): the
+        message names ``config.yaml`` (the first file a run writes) and the last complete
+        checkpoint, which is left as it is.
     """
     check_run_dir(run_dir)
-    foreign = _foreign_entries(run_dir)
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise CheckpointError(f"--run-dir {run_dir} holds files that are not a moefast run ({shown}) and no "
-                              "checkpoints/ or metrics.jsonl; choose a new or empty directory for the run")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"--run-dir {run_dir} cannot be created ({e.strerror}); choose a run dir in a writable "
+        raise ConfigError(f"run dir {run_dir} cannot be created ({e.strerror}); choose a run dir in a writable "
                           "directory") from None
     probe = run_dir / _PROBE
     try:
@@ -94,7 +120,7 @@ def check_writable(run_dir: Path) -> None:
                 else "it holds no complete checkpoint")
         raise CheckpointError(
             f"cannot write {run_dir / _CONFIG}: {e.strerror}; nothing was trained or changed ({kept}). Make "
-            f"{run_dir} writable or free space (ls -ld {run_dir}; df -h {run_dir}), or choose another --run-dir"
+            f"{run_dir} writable or free space (ls -ld {run_dir}; df -h {run_dir}), or choose another run dir"
         ) from None
 
 
@@ -159,21 +185,23 @@ def load_run_config(run_dir: str | Path) -> ExperimentConfig:
     moefast kept there, e.g. ``train.stop_at``, is ignored).
 
     Raises:
-      CheckpointError: the run directory or its config is missing or unreadable.
+      CheckpointError: the run directory or its config is missing or unreadable; the directory
+        holds files but no run (:func:`check_run_dir`: its ``config.yaml`` is not read).
       ConfigError: the config has unknown keys or impossible values.
     """
+    _refuse_foreign(Path(run_dir))
     path = Path(run_dir) / _CONFIG
     if not path.is_file():
-        raise CheckpointError(f"{path} not found: {run_dir} is not a moefast run directory "
-                              "(start one with: moefast train --run-dir DIR)")
+        raise CheckpointError(f"{path} not found: {run_dir} is not a moefast run directory (start one with "
+                              "moefast train --run-dir DIR, or Trainer(cfg, run_dir=DIR).run() in Python)")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise CheckpointError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); moefast train writes it at "
-                              "every start: restore it from the run's first command, or rerun that command") from None
+        raise CheckpointError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); a run writes it at every "
+                              "start: restore it, or start the run again the way it was first started") from None
     if not isinstance(raw, dict) or not raw:
-        raise CheckpointError(f"{path} holds no config; moefast train writes it at every start: rerun the "
-                              "run's training command to rewrite it")
+        raise CheckpointError(f"{path} holds no config; a run writes it at every start: start the run again the "
+                              "same way to rewrite it")
     return ExperimentConfig.from_dict(without_invocation_keys(raw), where=str(path))
 
 

@@ -43,8 +43,8 @@ class StepBook:
         self.t_start = t_start
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         self.flops_per_token, self.peak = flops_per_token, peak
-        self.monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience,
-                                         cfg.model.moe_layer_names())
+        self.layer_names = cfg.model.moe_layer_names()  # each per-layer row's (MTP modules last)
+        self.monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience, self.layer_names)
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []
         self.first_step_s: float | None = None
         self.final_loss: float | None = None
@@ -113,7 +113,7 @@ class StepBook:
                 "the updates were skipped. Last checkpoint from before step "
                 f"{first_bad}: " + (f"{self.ckpt.directory / str(good)}" if good is not None else "none")
                 + ". The model may have diverged a few finite steps earlier: lower train.learning_rate (or "
-                "check the data) and restart from an earlier checkpoint or a new --run-dir.")
+                "check the data) and restart from an earlier checkpoint or in a new run dir.")
 
     def _log_line(self, step: int, m: dict[str, Any], now: float) -> None:
         steps = self.window_steps if self.untimed is None else 0
@@ -131,6 +131,8 @@ class StepBook:
         if "tokens_per_expert" in m:
             rec.update(load_stats(m["tokens_per_expert"]))
             alerts = self.monitor.update(m["tokens_per_expert"])
+            if len(self.layer_names) == len(m["tokens_per_expert"]):  # what each row of the per-layer arrays is
+                rec["layer_names"] = self.layer_names
         self.writer.write("train", step, rec)
         drop = float(np.mean(m["dropped_fraction"])) if "dropped_fraction" in m else 0.0
         load = f" | max/mean load {float(np.max(rec['max_load_ratio'])):.2f}" if "max_load_ratio" in rec else ""

@@ -682,6 +682,7 @@ def test_a_chats_jsonl_prepared_as_text_points_to_format_sft(tmp_path, capsys):
     assert main(["prepare", str(chats), str(tmp_path / "ds"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "no field 'text' (fields: ['messages'])" in err and "for conversations use --format sft" in err, err
+    assert "set --text-field to the field" in err and "data.text_field" not in err and "data.format" not in err, err
 
 
 def test_corpus_identity_is_kept_by_the_same_files_and_changed_by_other_ones(corpus_dir, tmp_path):

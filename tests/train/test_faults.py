@@ -195,6 +195,62 @@ def test_alerts_name_the_mtp_block(small_config):
     assert [(a["layer"], a["layer_name"]) for a in alerts] == [(2, "MTP module 1")]
 
 
+def _tensorboard_tags(run_dir):
+    """The tags of every summary value in the run's TensorBoard event files (TFRecord framing: the
+    length, its CRC, the serialized Event, its CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    tags = []
+    for f in sorted((run_dir / "tensorboard").iterdir()):
+        data, pos = f.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            tags += [v.tag for v in Event.FromString(data[pos + 12:pos + 12 + n]).summary.value]
+            pos += 12 + n + 4
+    return tags
+
+
+def test_mtp_rows_are_named_in_metrics_and_tensorboard(small_config, tmp_path):
+    """The per-layer rows of the multi-token prediction block come after the main model's MoE layers:
+    TensorBoard tagged them as one more main layer (train/dropped_fraction/moe_layer_2 in a model of
+    two MoE layers) and metrics.jsonl left them unnamed. Now each train record's layer_names names the
+    rows and the tags are named after them (the main layers' tags unchanged)."""
+    from moefast.train.metrics import MetricsWriter
+    from moefast.train.mfu import Peak
+    from moefast.train.timing import StepBook
+
+    cfg = small_config("model.mtp_depth=1", "train.log_every=1")
+    writer = MetricsWriter(tmp_path)
+    book = StepBook(cfg, t_start=time.perf_counter(), last=1, writer=writer, say=lambda s: None, bar=None, ckpt=None,
+                    flops_per_token=1.0, peak=Peak(None, None, 1, "test"))
+    rows = np.arange(3, dtype=np.float32)  # two MoE layers, then the MTP module
+    book.record(1, {"loss": np.float32(2.0), "total_loss": np.float32(2.5), "aux_loss": np.float32(1.0),
+                    "z_loss": np.float32(0.1), "grad_norm": np.float32(1.0), "learning_rate": np.float32(1e-3),
+                    "nonfinite": np.int32(0), "mtp_loss": np.float32(2.2), "mtp_loss_depth_1": np.float32(2.2),
+                    "tokens_per_expert": np.array([[4, 4, 4, 4], [8, 0, 4, 4], [2, 2, 6, 6]], np.int32),
+                    "dropped_fraction": rows, "router_entropy": rows, "aux_loss_per_layer": rows,
+                    "z_loss_per_layer": rows})
+    book.flush()
+    writer.close()
+    (rec,) = records(tmp_path, "train")
+    assert rec["layer_names"] == ["MoE layer 0", "MoE layer 1", "MTP module 1"] == cfg.model.moe_layer_names()
+    assert rec["dropped_fraction"] == [0.0, 1.0, 2.0]
+    tags = _tensorboard_tags(tmp_path)
+    for key in ("dropped_fraction", "router_entropy", "aux_loss_per_layer", "z_loss_per_layer", "max_load_ratio",
+                "expert_load"):
+        assert sorted(t for t in tags if t.startswith(f"train/{key}/")) == [
+            f"train/{key}/moe_layer_0", f"train/{key}/moe_layer_1", f"train/{key}/mtp_module_1"], key
+    assert len(tags) == len(set(tags)) and not [t for t in tags if t.endswith("moe_layer_2")]
+    # a record without layer_names (or another count of rows): moe_layer_<row>, as before
+    other = tmp_path / "other"
+    w = MetricsWriter(other)
+    w.write("train", 1, {"dropped_fraction": rows, "layer_names": ["MoE layer 0"]})
+    w.close()
+    assert _tensorboard_tags(other) == [f"train/dropped_fraction/moe_layer_{i}" for i in range(3)]
+
+
 def test_monitoring_records_in_metrics_and_collapsed_router_alert(small_config, tmp_path, monkeypatch):
     """A router forced to collapse (a +100 selection bias on experts 0 and 1 of every layer)
     raises the load alert and the idle-expert alert after `patience` log intervals."""

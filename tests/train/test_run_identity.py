@@ -116,8 +116,9 @@ def test_resume_on_a_corpus_prepared_again_is_refused(small_config, tmp_path):
     kw = dict(init_state=lambda: pytest.fail("not a fresh start"), log=lambda s: None,
               abstract_state=lambda: {"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
     data_iter = types.SimpleNamespace(set_state=positions.append)
-    with pytest.raises(CheckpointError) as e:
-        start_or_resume(cfg, ckpt, data_iter, identity={"corpus": "sha256:new"}, **kw)
+    with pytest.raises(CheckpointError) as e:  # before any array is read: a target that fits none reads none
+        start_or_resume(cfg, ckpt, data_iter, identity={"corpus": "sha256:new"},
+                        **{**kw, "abstract_state": lambda: {"w": jax.ShapeDtypeStruct((5, 5), jnp.int8)}})
     assert "is not the prepared corpus checkpoint" in str(e.value) and "prepared again" in str(e.value)
     assert positions == []
     assert start_or_resume(cfg, ckpt, data_iter, identity={"corpus": "sha256:old"}, **kw).step == 1
@@ -144,3 +145,34 @@ def test_eval_of_a_run_whose_tokenizer_changed_says_so(small_config, tmp_path):
     _tokenizer(tok, ["def", "class", "yield"])
     with pytest.raises(CheckpointError, match=r"another tokenizer than data.tokenizer .* \(same 4 ids"):
         Trainer(cfg, tmp_path / "run", log=None, progress=False, devices=devices).restore_params()
+
+
+def test_eval_of_a_run_whose_prepared_corpus_was_prepared_again_says_so(small_config, tmp_path, capsys):
+    """A newcomer's finding: `moefast eval` of a run trained on prepared shards, after `moefast prepare
+    --force` had changed them, evaluated silently on another validation split. Now one error line,
+    before any array is read (a checkpoint holding only the embedding stands in for a trained one);
+    generation and export (restore_params() without corpus=True) do not read the data."""
+    from moefast import cli
+    from moefast.data.prepared import prepare
+
+    src, ds, run = tmp_path / "src", tmp_path / "ds", tmp_path / "run"
+    src.mkdir()
+    for i in range(20):
+        (src / f"doc{i:02d}.txt").write_text(f"document {i}: " + "def f(x): return x\n" * 20)
+    prepare(str(src), ds, val_fraction=0.2, progress=False)
+    trainer = Trainer(small_config(f"data.source={ds}", "model.num_layers=1"), run, log=None, progress=False)
+    run.mkdir()
+    write_run_config(run, trainer.cfg)
+    ckpt = Checkpointer(run / "checkpoints", async_save=False)
+    ckpt.save(1, {"params": {"embed": jnp.zeros((4, 32))}}, {"pos": 1}, trainer.cfg, identity=trainer.identity())
+    ckpt.close()
+    (src / "doc03.txt").write_text("another text altogether")
+    prepare(str(src), ds, val_fraction=0.2, force=True, progress=False)
+    assert cli.main(["eval", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data.source {ds} is not the prepared corpus checkpoint {run / 'checkpoints' / '1'} "
+                          "was trained on (its manifest.json differs: prepared again since"), err
+    assert "an evaluation would use another validation split" in err and err.count("\n") == 1
+    with pytest.raises(CheckpointError) as e:  # without the corpus check: on to the arrays (here missing)
+        Trainer(load_run_config(run), run, log=None, progress=False).restore_params()
+    assert "prepared corpus" not in str(e.value)

@@ -103,6 +103,8 @@ def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
         assert [ln for ln in lines if f"| eval loss {ev['eval_loss']:.4f} | eval mtp {ev['eval_mtp_loss']:.3f} | "
                 "eval bits/byte" in ln]
         assert a_moe_rows(second) == 2 + 1  # the MTP block's routing row after the two main MoE layers
+        assert all(r["layer_names"] == ["MoE layer 0", "MoE layer 1", "MTP module 1"]  # what those rows are
+                   for r in read_records(full, "train"))
     else:
         assert not [ln for ln in lines if "| mtp " in ln or "eval mtp" in ln]
 
