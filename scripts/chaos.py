@@ -261,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     corpus.mkdir()
     for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-c]*.py"))[:8]:
         shutil.copy(f, corpus / f.name)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # other XLA flags pass through; a virtual-device count would contradict --cpu-devices 1
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
     env["PYTHONUNBUFFERED"] = "1"
     config = [*CONFIG, f"data.source={corpus}", f"train.steps={args.steps}",
               f"train.checkpoint_every={args.checkpoint_every}", f"train.eval_every={args.eval_every}",
@@ -297,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"gave up after {args.timeout_s:.0f} s with {len(kills)} kills")
             break
         attempts += 1
+        ckpts_at_start = sorted(int(n) for n in os.listdir(chaos / "checkpoints") if n.isdigit()) \
+            if (chaos / "checkpoints").is_dir() else []
         a = Attempt(command(chaos), env, logs, attempts)
         phase = plan[len(kills)] if len(kills) < len(plan) else None
         landed = None
@@ -315,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             max_ckpt_bytes = max(max_ckpt_bytes, _dir_bytes(chaos / "checkpoints"))
         if landed is not None:
             kills.append({"phase": phase, "resumed_from": a.resumed_from(), "landed_after": landed,
-                          "seconds": round(wall, 2)})
+                          "seconds": round(wall, 2), "checkpoints_at_start": ckpts_at_start})
             print(f"kill {len(kills):>2} ({phase:>7}) after {wall:5.2f} s: {landed}", flush=True)
             continue
         if a.proc.returncode != 0:

@@ -32,10 +32,13 @@ def test_onehot_is_skipped_when_too_big():
     assert dataclasses.asdict(recs[0])["skipped"]
 
 
-def test_cache_bench_writes_the_promised_json(tmp_path, text_dir):
-    from conftest import SMALL_MODEL
+def test_cache_bench_writes_the_promised_json(tmp_path, text_dir, devices, monkeypatch):
+    from conftest import SMALL_MODEL, subprocess_env
     from moefast.bench import cache
 
+    # Its `moefast train` launches run on one CPU device, as the command does by default, instead of
+    # this session's 8 virtual ones (which take longer to compile for); the timed steps stay in here.
+    monkeypatch.setenv("XLA_FLAGS", subprocess_env()["XLA_FLAGS"])
     out = tmp_path / "cache.json"
     overrides = SMALL_MODEL + [f"data.source={text_dir}"]
     assert cache.run_cli(json_out=str(out), steps=2, pairs=1, overrides=overrides) == 0

@@ -2,7 +2,6 @@
 restoring checkpoints onto other meshes and device counts."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -11,28 +10,39 @@ import time
 import jax
 import numpy as np
 
+from conftest import subprocess_env
 from moefast.train import Checkpointer, Trainer
 
+# train.peak_tflops given: no CPU matmul probe at each start (MFU is not checked here)
 SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.head_dim=16", "model.d_ff=32",
          "model.max_seq_len=64", "moe.num_experts=8", "data.seq_len=32", "data.batch_size=8",
          "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
-         "train.eval_batches=1"]
+         "train.eval_batches=1", "train.peak_tflops=1.0"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different free ports (their sockets are bound together, so never the same one twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def launch(run_dir, *extra, cpu_devices=8, process=None, port=None, timeout_s=30):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     args = [sys.executable, "-m", "moefast", "train", "--run-dir", str(run_dir), "--no-progress",
             "--cpu-devices", str(cpu_devices), *SMALL, *extra]
     if process is not None:
         args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process),
                  "--distributed-timeout", str(timeout_s)]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
 
 
 def losses(run_dir):
@@ -41,12 +51,14 @@ def losses(run_dir):
 
 
 def test_two_processes_match_one_process(tmp_path, text_dir):
+    # The one-process run and the two-process one are independent: they run side by side (the
+    # processes' start-up and collective waits overlap).
     common = [f"data.source={text_dir}", "train.steps=3", "mesh.expert=2"]
     single = launch(tmp_path / "single", *common)
-    out, err = single.communicate(timeout=240)
-    assert single.returncode == 0, err
     port = free_port()
     procs = [launch(tmp_path / "multi", *common, cpu_devices=4, process=i, port=port) for i in range(2)]
+    out, err = single.communicate(timeout=240)
+    assert single.returncode == 0, err
     results = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0, err
@@ -57,31 +69,38 @@ def test_two_processes_match_one_process(tmp_path, text_dir):
 
     # generate and export-hf join the job too, on the run's expert axis: the same text and tensors
     # as one process with all 8 devices
-    def run(cmd, *extra, cpu_devices=8, process=None):
+    def run(cmd, *extra, cpu_devices=8, process=None, port=None):
         args = [sys.executable, "-m", "moefast", *cmd, "--run-dir", str(tmp_path / "multi"),
                 "--cpu-devices", str(cpu_devices), *extra]
         if process is not None:
             args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process)]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
 
+    # All six processes side by side (each only reads the run; the exports write their own folders):
+    # generate and export-hf in one process each, and as two two-process jobs on their own ports.
     gen = ["generate", "--prompt", "def ", "--max-new-tokens", "6", "--temperature", "0"]
-    for cmd in (gen, ["export-hf", str(tmp_path / "hf-one")]):
-        out, err = run(cmd).communicate(timeout=240)
-        assert err == "" or "error" not in err, err
-        if cmd is gen:
-            one_text = out
-    for cmd in (gen, ["export-hf", str(tmp_path / "hf-two")]):
-        port = free_port()
-        procs = [run(cmd, cpu_devices=4, process=i) for i in range(2)]
-        results = [p.communicate(timeout=240) for p in procs]
-        for p, (out, err) in zip(procs, results):
-            assert p.returncode == 0, err
-        # process 0 prints, last (gloo reports its connections on stdout first, from its own threads)
-        if cmd is gen:
-            assert one_text.startswith("def ") and results[0][0].endswith(one_text) and "def " not in results[1][0]
-        else:
-            assert "wrote" in results[0][0] and "wrote" not in results[1][0]
+    ones = [run(cmd) for cmd in (gen, ["export-hf", str(tmp_path / "hf-one")])]
+    pairs = [[run(cmd, cpu_devices=4, process=i, port=port) for i in range(2)]
+             for cmd, port in zip((gen, ["export-hf", str(tmp_path / "hf-two")]), free_ports(2))]
+    try:
+        for p in ones:
+            out, err = p.communicate(timeout=240)
+            assert err == "" or "error" not in err, err
+            if p is ones[0]:
+                one_text = out
+        for cmd, procs in zip(("generate", "export-hf"), pairs):
+            results = [p.communicate(timeout=240) for p in procs]
+            for p, (out, err) in zip(procs, results):
+                assert p.returncode == 0, err
+            # process 0 prints, last (gloo reports its connections on stdout first, from its own threads)
+            if cmd == "generate":
+                assert one_text.startswith("def ") and results[0][0].endswith(one_text) and "def " not in results[1][0]
+            else:
+                assert "wrote" in results[0][0] and "wrote" not in results[1][0]
+    finally:  # none left behind when a check fails
+        for p in [*ones, *pairs[0], *pairs[1]]:
+            if p.poll() is None:
+                p.kill()
     from safetensors.numpy import load_file
 
     one, two = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf-one", "hf-two"))
@@ -91,21 +110,21 @@ def test_two_processes_match_one_process(tmp_path, text_dir):
 def test_dead_peer_stops_the_other_process(tmp_path, text_dir):
     port = free_port()
     common = [f"data.source={text_dir}", "train.steps=100000"]
-    procs = [launch(tmp_path / "run", *common, cpu_devices=4, process=i, port=port, timeout_s=10) for i in range(2)]
+    procs = [launch(tmp_path / "run", *common, cpu_devices=4, process=i, port=port, timeout_s=5) for i in range(2)]
     try:
         deadline = time.time() + 120
         metrics = tmp_path / "run" / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # both are training
             assert time.time() < deadline, "training did not start"
             assert procs[0].poll() is None, procs[0].communicate()[1]
-            time.sleep(0.5)
+            time.sleep(0.1)
         procs[1].kill()
         t0 = time.time()
         _, err = procs[0].communicate(timeout=120)
         # What matters: the survivor stops on its own (no hang), with a failure exit and one of the two
         # documented reasons (docs/multihost.md, "When a process dies"): a collective in flight
         # fails at once on the closed connection (CPU: gloo aborts), or else JAX's coordination
-        # service stops it once the heartbeat timeout (10 s) passes. Which comes first depends on
+        # service stops it once the heartbeat timeout (5 s) passes. Which comes first depends on
         # where the survivor was when the peer died, so on how busy the machine is.
         assert procs[0].returncode not in (0, None)
         assert time.time() - t0 < 60
@@ -181,7 +200,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             assert time.time() < deadline, "training did not start"
             assert procs[0].poll() is None, procs[0].communicate()[1]
-            time.sleep(0.5)
+            time.sleep(0.1)
         procs[1].terminate()  # SIGTERM to the process that does not log
         results = [p.communicate(timeout=120) for p in procs]
     finally:

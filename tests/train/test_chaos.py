@@ -1,6 +1,8 @@
-"""The chaos soak (scripts/chaos.py): a 120-step run SIGKILLed 10 times (two per phase) at seeded moments (start-up,
-restore, steps, asynchronous saves, evaluation) and restarted each time ends bit-identical to an
-uninterrupted run, with every step's metrics once."""
+"""The chaos soak (scripts/chaos.py): a 120-step run SIGKILLed 5 times (one per phase) at seeded moments
+(start-up, restore, steps, asynchronous saves, evaluation; the kills' target steps spread over the run)
+and restarted each time ends bit-identical to an uninterrupted run, with every step's metrics once.
+Each restart costs ~4 s (imports, corpus, compilation-cache load, restore), so the kill count is the
+soak's time: one kill per phase here, ``python scripts/chaos.py --kills 20`` for the longer soak."""
 
 import json
 import os
@@ -10,20 +12,23 @@ from pathlib import Path
 
 import pytest
 
+from conftest import subprocess_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_ten_sigkills_end_bit_identical_to_an_uninterrupted_run(tmp_path):
+def test_sigkills_in_every_phase_end_bit_identical_to_an_uninterrupted_run(tmp_path):
     report = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device in the script too
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos.py"), "--work-dir", str(tmp_path / "soak"),
-                        "--kills", "10", "--seed", "0", "--json", str(report)],
-                       capture_output=True, text=True, env=env, timeout=900)
+                        "--kills", "5", "--seed", "1", "--json", str(report)],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     r = json.loads(report.read_text())
     assert r["ok"] and not r["problems"]
-    assert r["kills"] >= 10 and all(n >= 2 for n in r["kills_by_phase"].values()), r["kills_by_phase"]
+    assert r["kills"] >= 5 and all(n >= 1 for n in r["kills_by_phase"].values()), r["kills_by_phase"]
+    # the restore kill had a checkpoint to cut short (seed 1's order: step, save, eval, startup, restore)
+    assert all(k["checkpoints_at_start"] for k in r["kill_log"] if k["phase"] == "restore"), r["kill_log"]
     assert r["steps_replayed_at_least"] > 0 and r["arrays_compared_bitwise"] > 20
     # Checked again here from the files: every step's training record once, equal to the reference's.
     def records(run):
