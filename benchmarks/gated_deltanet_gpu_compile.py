@@ -1,6 +1,6 @@
 """One Gated DeltaNet layer's train-step cost as compiled for a GPU (compile-only, no GPU needed).
 
-Compiles forward + backward of :class:`moefast.model.GatedDeltaNet` at Qwen3.5-35B-A3B's shapes
+Compiles forward + backward of :class:`moefast.model.gated_deltanet.GatedDeltaNet` at Qwen3.5-35B-A3B's shapes
 (d_model 2048, 16 key heads and 32 value heads of 128, conv width 4, bfloat16) for one compile-only
 GPU, at several row lengths with the same tokens per step (default 65,536: 16 x 4k, 4 x 16k,
 1 x 64k), and prints per implementation and row length:

@@ -123,9 +123,10 @@ class ModelConfig:
       linear_conv_kernel_dim: width of Gated DeltaNet's depthwise causal convolution, in tokens.
       linear_attention_impl: how Gated DeltaNet's recurrence is computed
         (:func:`moefast.kernels.gated_delta_rule.gated_delta_rule`): ``"reference"`` (token by token),
-        ``"chunked"`` (64-token chunks, the WY/UT form), ``"pallas"`` (the fused kernel; compiled on
-        GPU, interpreted on CPU) or ``"auto"`` (``"pallas"`` when compiling for GPUs, else
-        ``"chunked"``). Decoding one token at a time uses the recurrence.
+        ``"chunked"`` (the WY/UT form in 16-token chunks; the kernel's are 64), ``"pallas"`` (the
+        fused kernel; compiled on GPU, interpreted on CPU) or ``"auto"`` (``"pallas"`` when
+        compiling for GPUs, else ``"chunked"``). Decoding one token at a time uses the recurrence.
+        All give the same model: a run may change it when it resumes.
       attention_output_gate: full-attention layers gate their output per feature with
         ``sigmoid(x W_gate)`` before the output projection (Qwen3-Next / Qwen3.5's ``q_proj``,
         twice as wide, holds the gate).
