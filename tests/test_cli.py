@@ -201,6 +201,8 @@ def test_interrupt_while_a_command_starts_is_one_line(command, tmp_path):
     run = tmp_path / "run"
     args = [command, *([] if command == "train" else [str(tmp_path)]), "--run-dir", str(run)]
     code = ("import os, signal, sys\n"
+            # a terminal's Ctrl-C: the default handler, whatever disposition this worker passes down
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "import moefast.parallel.cpu_devices as c\n"
             "c.set_cpu_devices = lambda *a: os.kill(os.getpid(), signal.SIGINT)\n"
             "from moefast.cli import main\n"
