@@ -5,32 +5,15 @@ of :mod:`moefast.interop.hf`, which documents the whole)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from moefast.config import ExperimentConfig, ModelConfig
-from moefast.interop import families
 from moefast.interop.families import FamilySpec, Transform
 from moefast.interop.hf_files import HFFormatError, _Files
-
-
-class _Architectures(Mapping[str, str]):
-    """A live view of :data:`~moefast.interop.families.REGISTRY`: ``model_type`` -> architecture."""
-
-    def __getitem__(self, model_type: str) -> str:
-        return families.REGISTRY[model_type].architecture
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(families.REGISTRY)
-
-    def __len__(self) -> int:
-        return len(families.REGISTRY)
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
 
 
 # --------------------------------------------------------------------------------- tensor mapping
