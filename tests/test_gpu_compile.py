@@ -58,6 +58,9 @@ CASES = {
                     "model.mtp_depth=1"],
     # dropless with an expert axis: the routed rows travel by ragged all-to-all
     "dropless-ep": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.capacity_factor=0"],
+    # the shipped DeepSeek-V3 671B config at its widths with 4 layers (3 dense, 1 MoE) and its MTP
+    # module, on 32 hosts x 8 H100s: the expert axis (64) spans 8 hosts
+    "v3-671b-4-layers": ["--config", "configs/deepseek_v3_671b.yaml", "--devices", "32x8", "model.num_layers=4"],
 }
 _compiled: dict[str, tuple[dict, str]] = {}
 
@@ -159,6 +162,12 @@ def test_expert_dispatches_overlap_compute(compiled):
     for case, forward in (("ep-chunks2", 4), ("ep-chunks2-scan", 4)):
         d = compiled(case)[0]["dispatches"]
         assert d["forward"] == forward and d["overlapped"] >= forward // 2, (case, d)
+
+
+def test_deepseek_v3_671b_config_compiles_across_hosts(compiled):
+    r, _ = compiled("v3-671b-4-layers")
+    assert (r["hosts"], r["gpus_per_host"], r["mesh"]) == (32, 8, {"data": 4, "fsdp": 1, "expert": 64})
+    assert r["tokens_per_step"] == 256 * 4096 and r["custom_calls"].get("kernel moe_routing")
 
 
 def test_cpu_mesh_stays_on_cpu_paths(devices):
