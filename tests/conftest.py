@@ -56,6 +56,22 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(autouse=True)
+def _signal_dispositions_restored(request):
+    """SIGINT and SIGTERM as a test found them: a disposition a test leaves behind (SIG_IGN is
+    inherited by every later subprocess of this worker, whose own Ctrl-C then does nothing) is put
+    back, with a warning naming the test."""
+    import signal
+    import warnings
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            warnings.warn(f"{request.node.nodeid} left {sig.name} at {signal.getsignal(sig)!r}; put back")
+            signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="session")
 def devices():
     devs = jax.devices()

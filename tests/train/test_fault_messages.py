@@ -53,6 +53,7 @@ def test_every_checkpoint_corrupt_is_one_error_line(text_dir, tmp_path):
 
 CHILD = textwrap.dedent("""
     import os, signal, sys, threading
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, whatever was inherited
     from orbax.checkpoint._src.checkpointers import async_checkpointer
     from moefast import cli
     from moefast.train import checkpoint, timing
