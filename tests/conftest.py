@@ -57,19 +57,25 @@ def subprocess_env() -> dict[str, str]:
 
 
 @pytest.fixture(autouse=True)
-def _signal_dispositions_restored(request):
-    """SIGINT and SIGTERM as a test found them: a disposition a test leaves behind (SIG_IGN is
-    inherited by every later subprocess of this worker, whose own Ctrl-C then does nothing) is put
-    back, with a warning naming the test."""
+def _no_ignored_signals(request):
+    """No test starts or ends with SIGINT or SIGTERM ignored: SIG_IGN is inherited by every later
+    subprocess of this worker, whose own Ctrl-C or SIGTERM then does nothing (twice a test's
+    subprocess ran to its timeout that way). Found before or after a test, the default is put back
+    with a warning naming the test."""
     import signal
     import warnings
 
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+    def mend(when):
+        for sig, default in defaults.items():
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                warnings.warn(f"{sig.name} was ignored {when} {request.node.nodeid}; the default put back")
+                signal.signal(sig, default)
+
+    mend("before")
     yield
-    for sig, handler in before.items():
-        if signal.getsignal(sig) is not handler and handler is not None:
-            warnings.warn(f"{request.node.nodeid} left {sig.name} at {signal.getsignal(sig)!r}; put back")
-            signal.signal(sig, handler)
+    mend("after")
 
 
 @pytest.fixture(scope="session")
