@@ -63,6 +63,8 @@ _logger = logging.getLogger(__name__)
 # Where orbax (0.12) writes a step before renaming it to <step> on completion.
 _TMP_SUFFIX = ocp.utils.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
 _LEFTOVER = re.compile(r"^\d+" + re.escape(_TMP_SUFFIX))
+# Every name a run's checkpoints/ holds: steps, orbax's unfinished writes, steps moved aside (<step>.corrupt-<n>).
+STEP_ENTRY = re.compile(r"\d+(\.corrupt-\d+|" + re.escape(_TMP_SUFFIX) + r".*)?")
 _barriers = itertools.count()  # orbax barrier names must be unique per process lifetime
 
 

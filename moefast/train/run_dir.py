@@ -8,13 +8,12 @@ belong to one invocation and are not kept in it).
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import yaml
 
 from moefast.config import ConfigError, ExperimentConfig, without_invocation_keys
-from moefast.train.checkpoint import CheckpointError, complete_steps
+from moefast.train.checkpoint import STEP_ENTRY, CheckpointError, complete_steps
 
 __all__ = ["absolute_data_paths", "check_run_dir", "check_writable", "load_run_config", "write_error",
            "write_run_config"]
@@ -58,8 +57,6 @@ def check_run_dir(run_dir: Path) -> None:
 # What a run, import-hf, export-hf and plot write into a run dir (hidden entries are never counted).
 _RUN_ENTRIES = frozenset({_CONFIG, "checkpoints", "metrics.jsonl", "tensorboard", "profile", "tokenizer", "plots",
                           "imported_from.json"})
-# What a run's checkpoints/ holds: step directories, orbax's unfinished writes, steps moved aside.
-_STEP_ENTRY = re.compile(r"\d+(\.corrupt-\d+|\.orbax-checkpoint-tmp.*)?")
 
 
 def _foreign_entries(run_dir: Path) -> list[str]:
@@ -72,7 +69,7 @@ def _foreign_entries(run_dir: Path) -> list[str]:
             return []
         checkpoints = run_dir / "checkpoints"
         inside = sorted(f"checkpoints/{e.name}" for e in checkpoints.iterdir()
-                        if not e.name.startswith(".") and not _STEP_ENTRY.fullmatch(e.name)) \
+                        if not e.name.startswith(".") and not STEP_ENTRY.fullmatch(e.name)) \
             if checkpoints.is_dir() else []
         if checkpoints.is_dir() and not inside:
             return []  # a run's checkpoints
