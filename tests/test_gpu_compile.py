@@ -31,6 +31,8 @@ def _gpu_compile(tmp_path, name, *args, expect_rc=0):
         "does: pip install -c constraints.txt --no-deps --target .venv/gpu-compile jax-cuda12-pjrt jax-cuda12-plugin")
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # one compilation per case (the program as compiled), except where the costing twin is tested
+    args = [a for a in args if a != "--twin"] if "--twin" in args else [*args, "--no-twin"]
     proc = subprocess.run([sys.executable, "-m", "moefast", "bench", "gpu-compile", "--json", str(out), *args],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == expect_rc, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -60,7 +62,12 @@ CASES = {
     "dropless-ep": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.capacity_factor=0"],
     # the shipped DeepSeek-V3 671B config at its widths with 4 layers (3 dense, 1 MoE) and its MTP
     # module, on 32 hosts x 8 H100s: the expert axis (64) spans 8 hosts
-    "v3-671b-4-layers": ["--config", "configs/deepseek_v3_671b.yaml", "--devices", "32x8", "model.num_layers=4"],
+    "v3-671b-4-layers": ["--config", "configs/deepseek_v3_671b.yaml", "--devices", "32x8", "model.num_layers=4",
+                         "--network", "dgx-h100", "--twin"],
+    # 6 scanned layers on 2 hosts x 4 GPUs: the expert axis inside a host, the data axis between
+    # hosts; XLA's while-loop double buffering runs the scan as 2 trips of 2 layers plus 2 peeled
+    "scan-2-hosts": [*TINY, "model.num_layers=6", "model.scan_layers=true", "mesh.data=2", "mesh.expert=4",
+                     "--devices", "2x4", "--network", "dgx-h100"],
 }
 _compiled: dict[str, tuple[dict, str]] = {}
 
@@ -165,9 +172,59 @@ def test_expert_dispatches_overlap_compute(compiled):
 
 
 def test_deepseek_v3_671b_config_compiles_across_hosts(compiled):
-    r, _ = compiled("v3-671b-4-layers")
+    """The 4-layer DeepSeek-V3 on 32 x 8 H100s under the dgx-h100 network: the expert axis (64)
+    spans 8 hosts, so every collective crosses hosts; XLA's speed-of-light estimate is in
+    microseconds, on the costing twin, whose GEMMs XLA costs from its measured table (hundreds of
+    TFLOP/s) where the program as compiled has bf16 -> f32 GEMMs costed near 12 TFLOP/s."""
+    r, md = compiled("v3-671b-4-layers")
     assert (r["hosts"], r["gpus_per_host"], r["mesh"]) == (32, 8, {"data": 4, "fsdp": 1, "expert": 64})
     assert r["tokens_per_step"] == 256 * 4096 and r["custom_calls"].get("kernel moe_routing")
+    e = r["estimate"]
+    assert e["unit"] == "µs" and e["twin"] and r["network"] == "dgx-h100"
+    assert 0 < e["exposed"] < e["step"] and set(e["exposed_by_tier"]) == {"between hosts"}
+    assert e["bytes_by_tier"]["between hosts"] > 2**30 and not e["bytes_by_tier"].get("inside a host")
+    twin = {g["kind"]: g for g in e["gemms"]}
+    compiled_gemms = {g["kind"]: g for g in r["estimate_as_compiled"]["gemms"]}
+    assert twin["bf16 x bf16 -> bf16"]["median_tflops"] > 500 and "bf16 x bf16 -> f32" not in twin
+    assert compiled_gemms["bf16 x bf16 -> f32"]["median_tflops"] < 50
+    assert r["estimate_as_compiled"]["step"] > 2 * e["step"]
+    assert "step time (estimate)" in md and "TFLOP/s per GPU (estimate" in md and "MFU (estimate" in md
+
+
+def test_estimate_weights_loop_bodies_by_trip_count_and_splits_tiers(compiled):
+    """6 scanned layers on 2 hosts x 4: the scan body (2 layers, double-buffered) runs 2 trips and
+    counts twice in the step; the expert exchange stays inside a host, the data-parallel gradient
+    reduction crosses hosts; the step is the trip-weighted sum of the scheduled computations."""
+    r, md = compiled("scan-2-hosts")
+    e = r["estimate"]
+    trips = sorted(c["trips"] for c in e["computations"])
+    assert max(trips) == 2 and not e["unknown_trips"], e["computations"]
+    assert abs(e["step"] - sum(c["length"] * c["trips"] for c in e["computations"])) < 1e-6 * e["step"]
+    assert e["bytes_by_tier"]["inside a host"] > 0 and e["bytes_by_tier"]["between hosts"] > 0
+    assert not e["twin"] and "the program as compiled" in md
+    assert r["estimate"]["exposed"] == pytest.approx(sum(e["exposed_by_kind"].values()))
+
+
+def test_replica_group_forms():
+    from moefast.bench.gpu_schedule import _groups
+
+    assert _groups("replica_groups={{0,1},{2,3}}, dimensions={0}", 4) == [[0, 1], [2, 3]]
+    assert _groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _groups("channel_id=1", 8) is None
+
+
+def test_network_option_errors(tmp_path):
+    from moefast.bench.gpu_schedule import network_flag, network_options
+
+    assert network_options("dgx-h100")["nic_speed_gbps"] == "50"
+    assert network_flag("dgx-h100").startswith("--xla_gpu_analytical_latency_estimator_options=gpus_per_node=8,")
+    with pytest.raises(ValueError, match="known networks"):
+        network_options("infiniband")
+    bad = tmp_path / "net"
+    bad.write_text("nic_speed_gbps = fast\n")
+    with pytest.raises(ValueError, match="line 1"):
+        network_options(str(bad))
 
 
 def test_cpu_mesh_stays_on_cpu_paths(devices):

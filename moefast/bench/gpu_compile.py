@@ -21,10 +21,14 @@ The report, per device:
 * every collective (kind, dtype, bytes, asynchronous or synchronous, compute scheduled between
   start and done), summarised by kind and dtype;
 * custom calls (cuBLAS/cuDNN GEMMs, Triton kernels, ...);
-* XLA's latency-hiding-scheduler estimate of the step and of what collectives leave exposed, in
-  the units of XLA's latency estimator (not a time). These are **estimates** of XLA's cost model:
-  deviceless compilation does no autotuning (every Triton GEMM gets a default tile), so compare
-  variants, not absolute values.
+* XLA's latency-hiding-scheduler estimate of the step (:mod:`moefast.bench.gpu_schedule`): its
+  speed-of-light estimator's microseconds, each loop body weighted by its trip count, the
+  collectives the compute stream waits on, split by kind and by network tier (inside a host,
+  between hosts, under the ``--network`` model), and from it an estimated step time, tokens/s,
+  TFLOP/s per GPU and MFU. These are **estimates** of XLA's cost model, taken on a costing twin of
+  the step (:func:`moefast.parallel.precision.costing_twin`: XLA's table mis-costs the float32
+  weight-gradient GEMMs) without autotuning; ``scripts/gpu_check.py`` puts a measured step beside
+  the estimate when a GPU is lent.
 
 Needs the CUDA PJRT plugin (``jax-cuda12-pjrt`` and ``jax-cuda12-plugin`` of the installed jax's
 version) and ``JAX_PLATFORMS=cpu`` set before JAX starts (the CLI sets it). On a machine without an
@@ -83,18 +87,35 @@ def plugin_path() -> str | None:
     return path if os.path.isdir(os.path.join(path, "jax_plugins")) else None
 
 
-def prepare_process() -> None:
-    """Before JAX starts: ``JAX_PLATFORMS=cpu`` (the CUDA plugin must not try to open a GPU) and
-    :func:`plugin_path` on ``sys.path`` so that JAX discovers the plugin. The CLI calls this; in a
-    script, call it before importing jax.
+_NETWORK: list[str | None] = [None]  # the network model XLA_FLAGS carries in this process
+
+
+def prepare_process(network: str | None = None) -> None:
+    """Before JAX starts: ``JAX_PLATFORMS=cpu`` (the CUDA plugin must not try to open a GPU),
+    :func:`plugin_path` on ``sys.path`` so that JAX discovers the plugin, and the cluster model
+    ``network`` (a key of :data:`~moefast.bench.gpu_schedule.NETWORKS`; ``None``: XLA's defaults)
+    in ``XLA_FLAGS``, the only place XLA reads it from. The CLI calls this; in a script, call it
+    before importing jax.
 
     Raises:
-      RuntimeError: JAX's backends have already started (too late to add the plugin).
+      RuntimeError: JAX's backends have already started (too late to add the plugin), or
+        ``XLA_FLAGS`` already sets the estimator's options.
+      ValueError: an unknown ``network``.
     """
+    from moefast.bench.gpu_schedule import network_flag
+
     xb = sys.modules.get("jax._src.xla_bridge")
     if xb is not None and xb.backends_are_initialized():
         raise RuntimeError("moefast bench gpu-compile must set up JAX before it starts: run it in a fresh "
                            "process (the CLI does), or call prepare_process() before any JAX computation")
+    if network is not None:
+        flag = network_flag(network)
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_gpu_analytical_latency_estimator_options" in flags:
+            raise RuntimeError("XLA_FLAGS already sets --xla_gpu_analytical_latency_estimator_options: give the "
+                               "cluster model either there or with --network, not both")
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    _NETWORK[0] = network
     os.environ["JAX_PLATFORMS"] = "cpu"
     path = plugin_path()
     if path and path not in sys.path:
@@ -224,10 +245,17 @@ class GpuCompileResult:
     jax: str
     date: str
     flags_note: str = ""
-    # which latency estimator produced ``schedule``: "analytical" (asked for), "speed-of-light" (XLA's
-    # default for H100/H200) or "fixed costs" (XLA's fallback: its speed-of-light estimator takes only
-    # modules whose collectives it supports, and a ragged-all-to-all is not one), whose units differ
+    # which latency estimator produced ``schedule``: "speed-of-light" (XLA's default for H100/H200,
+    # microseconds) or "fixed costs" (XLA's fallback: its speed-of-light estimator takes only modules
+    # whose collectives it supports, and a ragged-all-to-all is not one), whose units differ
     estimator: str = ""
+    network: str = ""  # the cluster model (--network), "" for XLA's defaults
+    # the trip-weighted estimate of the costing twin (gpu_schedule.ScheduleEstimate as a dict), and of
+    # the program as compiled (its step and GEMM rates: what XLA's table makes of the float32 GEMMs)
+    estimate: dict | None = None
+    estimate_as_compiled: dict | None = None
+    model_flops_per_step: float = 0.0  # moefast.model.flops.model_flops_per_token x tokens
+    peak_tflops: float | None = None  # dense bf16 per GPU (moefast.train.mfu.PEAK_TFLOPS)
 
 
 def scheduler_estimate(dump_dir: str) -> dict[str, float]:
@@ -360,8 +388,8 @@ def _flops(compiled) -> float | None:
 
 
 def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *, gpu: str = "h100",
-                devices: str = "8", autotune: str | None = None, analytical: bool = False,
-                log: Callable[[str], None] | None = None) -> GpuCompileResult:
+                devices: str = "8", autotune: str | None = None, network: str | None = None,
+                twin: bool = True, log: Callable[[str], None] | None = None) -> GpuCompileResult:
     """Compiles ``config`` + ``overrides``'s train step for ``devices`` GPUs of kind ``gpu`` and reads
     the compiled program (module docstring).
 
@@ -373,21 +401,33 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
       autotune: XLA autotuning results dumped on a real GPU (``scripts/gpu_check.py`` saves them;
         ``xla_gpu_load_autotune_results_from``): the GEMM tiles a GPU chose replace the defaults
         where the same fusions appear, which makes the scheduler's estimate closer to a GPU's.
+      network: the cluster model (:data:`~moefast.bench.gpu_schedule.NETWORKS`); it must be the one
+        :func:`prepare_process` put in ``XLA_FLAGS`` (XLA reads it once per process).
+      twin: take XLA's estimate on the costing twin (a second compilation; see
+        :func:`~moefast.parallel.precision.costing_twin`); False: on the program as compiled, whose
+        float32-result GEMMs XLA's table mis-costs (one compilation).
 
     Raises:
-      ValueError: bad ``gpu`` / ``devices``.
+      ValueError: bad ``gpu`` / ``devices``, or ``network`` not the one this process was prepared with.
       moefast.config.ConfigError: the config does not fit the mesh of these devices.
       RuntimeError: the CUDA PJRT plugin is missing (:func:`compile_only_devices`).
     """
     import jax
     import numpy as np
 
+    from moefast.bench.gpu_schedule import read_estimate
     from moefast.config import ConfigError, load_config
+    from moefast.model.flops import model_flops_per_token
     from moefast.parallel.hlo import HloModule
+    from moefast.parallel.precision import costing_twin
     from moefast.train import Trainer
+    from moefast.train.mfu import PEAK_TFLOPS
 
     log = log or (lambda s: None)
     target_config(gpu)  # a bad --gpu fails before anything is compiled
+    if (network or None) != _NETWORK[0]:
+        raise ValueError(f"network {network!r}: this process was prepared for {_NETWORK[0]!r}; XLA reads the cluster "
+                         "model once per process (prepare_process(network=...) before JAX starts)")
     hosts, per_host = parse_devices(devices)
     if autotune is not None and not os.path.isfile(autotune):
         raise ValueError(f"--autotune {autotune}: no such file")
@@ -404,33 +444,32 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         options = dict(trainer.compiler_options())
         if autotune:
             options["xla_gpu_load_autotune_results_from"] = os.path.abspath(autotune)
-        if analytical:
-            options["xla_gpu_enable_analytical_latency_estimator"] = True
-        dump = os.path.join(tmp, "dump")
-        lowered = trainer.lower_train_step()
         log(f"compiling the train step of {cfg.name} for {hosts * per_host} x {gpu} "
             f"(mesh {dict(trainer.mesh.shape)}) ...")
-        try:
-            # XLA's own log lines (memory-limit and rematerialisation notes for a GPU it cannot see)
-            # are left out: the report says what they would
-            with _quiet_native_stderr():
-                compiled = lowered.compile({**options, "xla_dump_to": dump, "xla_dump_hlo_as_text": True,
-                                            "xla_dump_latency_hiding_schedule": True})
-        except Exception as e:
-            if autotune and "autotun" in str(e).lower():
-                raise ValueError(f"--autotune {autotune}: XLA cannot use it ({str(e).splitlines()[0]}); give the "
-                                 "autotune_results.txtpb that scripts/gpu_check.py saves") from None
-            raise
+        dump = os.path.join(tmp, "dump")
+        compiled = _compile(trainer.lower_train_step(), options, dump, autotune)
         compile_s = time.perf_counter() - t0
         schedule = scheduler_estimate(dump)
         abstract = trainer.abstract_state()
+        text = compiled.as_text()
+        module = HloModule(text)
+        ragged = any(i.opcode.startswith("ragged-all-to-all") for i in module.instrs.values())
+        hosts_of = [d.process_index for d in trainer.mesh.devices.flat]
+        as_compiled = read_estimate(dump, text, hosts_of, time_unit=not ragged)
+        estimated = as_compiled
+        if twin:
+            log("compiling its costing twin for XLA's estimate (weight-gradient GEMMs with bf16 results) ...")
+            with costing_twin():  # a fresh Trainer: a fresh trace under the twin's switch
+                twin_trainer = Trainer(cfg, Path(tmp) / "twin", log=None, progress=False, devices=devs)
+                lowered = twin_trainer.lower_train_step()
+            twin_dump = os.path.join(tmp, "twin-dump")
+            twin_text = _compile(lowered, options, twin_dump, autotune).as_text()
+            estimated = read_estimate(twin_dump, twin_text, hosts_of, time_unit=not ragged)
 
     def shard_bytes(tree):
         return int(sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
 
     ma = compiled.memory_analysis()
-    text = compiled.as_text()
-    module = HloModule(text)
     peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
     total = device_memory_bytes(gpu)
     limit = int(total * PREALLOCATED_FRACTION)
@@ -451,8 +490,28 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         compiler_options={k: str(v) for k, v in options.items()}, jax=jax.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         flags_note="" if options or not cfg.overlap.xla_flags else "GPU overlap flags all set by XLA_FLAGS",
-        estimator="analytical" if analytical else "fixed costs" if any(
-            i.opcode.startswith("ragged-all-to-all") for i in module.instrs.values()) else "speed-of-light")
+        estimator="fixed costs" if ragged else "speed-of-light", network=network or "",
+        estimate=None if estimated is None else {**dataclasses.asdict(estimated), "twin": twin},
+        estimate_as_compiled=None if as_compiled is None or not twin else {
+            "step": as_compiled.step, "gemms": [dataclasses.asdict(g) for g in as_compiled.gemms]},
+        model_flops_per_step=model_flops_per_token(cfg) * cfg.data.batch_size * cfg.data.seq_len,
+        peak_tflops=next((t for key, t, _ in PEAK_TFLOPS if key.lower() in devs[0].device_kind.lower()), None))
+
+
+def _compile(lowered, options: dict, dump: str, autotune: str | None):
+    """``lowered`` compiled with ``options``, XLA dumping the optimized module and the scheduler's
+    schedule into ``dump``."""
+    try:
+        # XLA's own log lines (memory-limit and rematerialisation notes for a GPU it cannot see)
+        # are left out: the report says what they would
+        with _quiet_native_stderr():
+            return lowered.compile({**options, "xla_dump_to": dump, "xla_dump_hlo_as_text": True,
+                                    "xla_dump_latency_hiding_schedule": True})
+    except Exception as e:
+        if autotune and "autotun" in str(e).lower():
+            raise ValueError(f"--autotune {autotune}: XLA cannot use it ({str(e).splitlines()[0]}); give the "
+                             "autotune_results.txtpb that scripts/gpu_check.py saves") from None
+        raise
 
 
 def _gib(b: float) -> str:
@@ -485,18 +544,6 @@ def format_report(r: GpuCompileResult) -> str:
         lines.append(f"| grouped GEMM kernels' FLOPs (not in XLA's count): launch grids / their buffers' rows (the "
                      f"real rows without an expert axis; with one, the worst-case receive buffer) | "
                      f"{g['bound']:.4g} / {g['exact']:.4g} ({g['bound'] / g['exact']:.3f}x) |")
-    s = r.schedule
-    if s.get("total_cycles"):
-        units = {"fixed costs": "XLA's fixed per-operation costs, as its speed-of-light estimator takes no module "
-                                "with a ragged-all-to-all: not comparable with the others",
-                 "analytical": "the analytical estimator's"}.get(r.estimator, "its cost-model")
-        lines.append(f"| XLA scheduler's estimate, in {units} units (not a time; "
-                     f"{'autotuned GEMMs' if r.autotuned else 'no autotuning'}: compare variants): step / "
-                     f"collectives left exposed | {s['total_cycles']:,.0f} / {s.get('total_wasted_cycles', 0):,.0f} "
-                     f"({s.get('total_wasted_cycles', 0) / s['total_cycles']:.1%}) |")
-        for key in sorted(k for k in s if k.endswith("_wasted_cycles") and k != "total_wasted_cycles"):
-            lines.append(f"| &nbsp; exposed {key[:-len('_wasted_cycles')].replace('_', '-')} (estimate) | "
-                         f"{s[key]:,.0f} |")
     if r.dispatches.get("forward"):
         lines.append(f"| expert exchange: forward dispatches with compute scheduled inside (loop bodies once) | "
                      f"{r.dispatches['overlapped']} of {r.dispatches['forward']} |")
@@ -511,6 +558,12 @@ def format_report(r: GpuCompileResult) -> str:
         lines.append("| (none) | | | | | |")
     lines += ["", "custom calls and Triton fusions: "
               + (", ".join(f"`{k}` x{v}" for k, v in r.custom_calls.items()) or "none")]
+    if r.estimate:
+        from moefast.bench.gpu_schedule import format_estimate
+
+        lines += format_estimate(r.estimate, tokens=r.tokens_per_step, gpus=r.hosts * r.gpus_per_host,
+                                 model_flops=r.model_flops_per_step, peak_tflops=r.peak_tflops, network=r.network,
+                                 as_compiled=r.estimate_as_compiled)
     return "\n".join(lines)
 
 
@@ -580,7 +633,8 @@ def format_ablation(rows: list[dict]) -> str:
 
 
 def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | None, gpu: str,
-            devices: str, autotune: str | None = None, ablation: bool = False) -> int:
+            devices: str, autotune: str | None = None, ablation: bool = False, network: str | None = None,
+            twin: bool = True) -> int:
     if ablation:
         import jax
 
@@ -596,7 +650,8 @@ def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | 
 
             write_results(json_out, {"rows": rows, "gpu": gpu, "devices": devices}, f"{header}\n\n{table}\n")
         return 0
-    r = gpu_compile(config, overrides, gpu=gpu, devices=devices, autotune=autotune, log=print)
+    r = gpu_compile(config, overrides, gpu=gpu, devices=devices, autotune=autotune, network=network, twin=twin,
+                    log=print)
     header = (f"GPU compile check (compiled for compile-only devices, nothing run), jax {r.jax}, {r.date}; "
               f"{r.tokens_per_step:,} tokens/step; XLA options: "
               + (" ".join(f"{k}={v}" for k, v in r.compiler_options.items()) or "none"))

@@ -130,8 +130,9 @@ def _main(argv: list[str] | None, signals: _ImportSignals) -> int:
         from moefast.bench import gpu_compile
 
         try:
-            gpu_compile.prepare_process()  # before JAX starts: JAX_PLATFORMS=cpu and the CUDA plugin's path
-        except RuntimeError as e:
+            # before JAX starts: JAX_PLATFORMS=cpu, the CUDA plugin's path and the cluster model
+            gpu_compile.prepare_process(args.network)
+        except (RuntimeError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     cfg = None

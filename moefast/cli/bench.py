@@ -49,6 +49,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="gpu-compile: XLA autotuning results from a real GPU (scripts/gpu_check.py saves them)")
     b.add_argument("--devices", default="8", metavar="N|HOSTSxN",
                    help="gpu-compile: GPUs to compile for, N on one host or HOSTSxN (default 8)")
+    b.add_argument("--network", default=None, metavar="dgx-h100|dgx-h200|FILE",
+                   help="gpu-compile: the cluster XLA's cost model assumes between hosts (default: XLA's own, 25 GB/s per "
+                        "GPU); dgx-h100 / dgx-h200: 8 GPUs per host on NVLink, 400 Gb/s InfiniBand per GPU "
+                        "(moefast/bench/gpu_targets/*.network), or a file of such key=value lines")
+    b.add_argument("--no-twin", dest="twin", action="store_false",
+                   help="gpu-compile: take XLA's estimate on the program as compiled (one compilation) instead of its "
+                        "costing twin, whose weight-gradient GEMMs return bf16 (XLA's table costs bf16 -> f32 GEMMs "
+                        "about 60x too slow: moefast/bench/gpu_schedule.py)")
     b.add_argument("--device-gib", type=float, default=None, metavar="GIB",
                    help="memory: memory of one device in GiB; adds a column saying whether each variant fits "
                         "(default on a GPU: its own limit)")
@@ -95,7 +103,7 @@ BENCH_OPTIONS = {
     "cache": {"json", "steps", "pairs", "cpu_devices"},
     "malloc": {"overrides", "config", "json", "steps", "rounds"},
     "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
-    "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate"},
+    "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "network", "twin"},
     "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
 }
 
@@ -189,7 +197,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             return gpu_compile.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
                                        gpu=args.gpu, devices=args.devices, autotune=args.autotune,
-                                       ablation=args.ablate)
+                                       ablation=args.ablate, network=args.network, twin=args.twin)
         except (ValueError, RuntimeError) as e:  # bad --devices; the CUDA plugin missing
             if isinstance(e, ConfigError):
                 raise

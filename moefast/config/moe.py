@@ -47,6 +47,13 @@ class MoEConfig:
         experts' compute. The capacity is rounded up to a multiple of n. At the same capacity,
         routing and losses are bitwise those of n = 1, outputs and gradients equal to float
         rounding (``moefast.parallel.expert.exchange_experts``).
+      dispatch_dtype: what the expert exchange's dispatch moves (expert axis > 1, with a capacity):
+        ``"compute"`` (the model's compute dtype) or ``"float8_e4m3fn"`` (FP8 dispatch, DeepSeek-V3
+        sec. 3.3: e4m3 with a float32 scale per 128 channels of each row, about half the bytes of
+        bfloat16; the experts get the dequantized rows, so their input is rounded to e4m3's 3
+        mantissa bits relative to each tile's max-abs; the return and the backward exchanges stay in
+        the compute dtype). Needs ``model.d_model`` divisible by 128 and, on GPUs, FP8 hardware
+        (compute capability 8.9 or later: Ada, Hopper, Blackwell).
       overlap_chain: tie chunk i's dispatch to chunk i-2's expert output
         (``jax.lax.optimization_barrier``), so at most two chunks' buffers are in flight.
       min_capacity: lower bound of the capacity, in slots.
@@ -120,6 +127,7 @@ class MoEConfig:
     dispatch: Literal["slot", "onehot"] = "slot"
     overlap_chunks: int = 1
     overlap_chain: bool = False
+    dispatch_dtype: Literal["compute", "float8_e4m3fn"] = "compute"
     routing_policy: Literal["position", "priority"] = "position"
     routing_impl: Literal["auto", "reference", "pallas", "triton"] = "auto"
     capacity_mode: Literal["static", "dynamic"] = "static"
@@ -157,6 +165,9 @@ class MoEConfig:
         _require(self.dispatch == "slot" or not self.dropless, "moe.dispatch",
                  "'onehot' needs a capacity (its tensors are [tokens, experts, capacity]); dropless routing "
                  "(moe.capacity_factor=0) dispatches by slot: use moe.dispatch=slot or a capacity_factor > 0")
+        _require(self.dispatch_dtype == "compute" or not self.dropless, "moe.dispatch_dtype",
+                 "FP8 dispatch quantizes the capacity buffers of the expert exchange; dropless routing "
+                 "(moe.capacity_factor=0) moves ragged rows: use moe.dispatch_dtype=compute or a capacity_factor > 0")
         if self.capacity_mode == "dynamic":
             _require(not self.dropless, "moe.capacity_mode",
                      "dynamic capacity needs a capacity (moe.capacity_factor > 0); dropless has none")

@@ -22,6 +22,8 @@ Each is exact in float32 (``dtype=float32``: the same values and gradients as th
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -30,7 +32,34 @@ from jax.sharding import PartitionSpec as P
 
 from moefast.parallel.mesh import state_spec
 
-__all__ = ["dense", "embed_lookup", "expert_weights"]
+__all__ = ["costing_twin", "dense", "embed_lookup", "expert_weights"]
+
+
+_COSTING_TWIN = contextvars.ContextVar("moefast_costing_twin", default=False)
+
+
+@contextlib.contextmanager
+def costing_twin():
+    """Inside: :func:`dense` traces its weight-gradient GEMM with a result in the compute dtype
+    (then cast to float32) instead of a float32 result, and the experts' weight gradients (bf16
+    GEMMs whose float32 cast XLA fuses into them) are kept apart from that cast by an
+    optimization barrier. For cost estimates only, never for
+    training: XLA's speed-of-light estimator (jaxlib 0.10.2) costs a bf16 x bf16 -> f32 GEMM by a
+    fallback interpolator at about 12 TFLOP/s on H100, 60x below the rate its measured table gives
+    the same GEMM with a bf16 result, which is near what the GPU runs either kind at
+    (:mod:`moefast.bench.gpu_schedule`). Same FLOPs, same collectives; the float32 result's extra
+    bytes are not in the twin."""
+    token = _COSTING_TWIN.set(True)
+    try:
+        yield
+    finally:
+        _COSTING_TWIN.reset(token)
+
+
+def _unfused(x: jax.Array) -> jax.Array:
+    """The costing twin's GEMM result kept apart from the float32 cast that follows it (XLA fuses
+    the cast into the GEMM, whose float32 result its table mis-costs the same way)."""
+    return jax.lax.optimization_barrier(x)
 
 
 def _multi_device() -> bool:
@@ -64,7 +93,10 @@ def _dense_bwd(dtype, names, transposed, w_dtype, res, g):
     lead = "".join(chr(ord("a") + i) for i in range(x.ndim - 1))  # the token dimensions
     w_spec = "oi" if transposed else "io"
     dx = jnp.einsum(f"{lead}o,{w_spec}->{lead}i", g, wc)
-    dw = jnp.einsum(f"{lead}i,{lead}o->{w_spec}", x, g, preferred_element_type=jnp.float32)
+    if _COSTING_TWIN.get():
+        dw = _unfused(jnp.einsum(f"{lead}i,{lead}o->{w_spec}", x, g))
+    else:
+        dw = jnp.einsum(f"{lead}i,{lead}o->{w_spec}", x, g, preferred_element_type=jnp.float32)
     return dx, dw.astype(w_dtype)
 
 
@@ -160,7 +192,7 @@ def _expert_weights_fwd(w, dtype, gathers, sum_axes, token_axes, w_dtype):
 
 
 def _expert_weights_bwd(dtype, gathers, sum_axes, token_axes, w_dtype, _, g):
-    g = g.astype(jnp.float32)
+    g = (_unfused(g) if _COSTING_TWIN.get() else g).astype(jnp.float32)
     if sum_axes:
         g = jax.lax.psum(g, sum_axes)
     for dim, axis in reversed(gathers):

@@ -87,7 +87,8 @@ _FIXED_SECTIONS = ("model", "moe", "data")
 # ``model.scan_layers`` changes where the parameters live, not what they are: a checkpoint of the
 # other layout is converted on restore (:func:`moefast.model.layout.to_layout`).
 _FREE_KEYS = {"model": {"remat", "scan_layers", "attention_impl", "linear_attention_impl"},
-              "moe": {"grouped_matmul", "routing_impl", "dispatch", "overlap_chunks", "overlap_chain"},
+              "moe": {"grouped_matmul", "routing_impl", "dispatch", "overlap_chunks", "overlap_chain",
+                      "dispatch_dtype"},
               "data": {"prefetch"}}
 
 

@@ -199,6 +199,11 @@ class Trainer:
                               f"inside the expert-parallel shard_map over {self.mesh.size} devices; use "
                               "'reference' or 'auto' here, or a mesh of one CPU device (devices=jax.devices()[:1]; "
                               "--cpu-devices 1 on the command line)")
+        cc = getattr(self.mesh.devices.flat[0], "compute_capability", None) if self.platform == "gpu" else None
+        if cfg.moe.dispatch_dtype == "float8_e4m3fn" and cc is not None and float(cc) < 8.9:
+            raise ConfigError(f"moe.dispatch_dtype: float8_e4m3fn needs FP8 hardware (compute capability 8.9 or later: "
+                              f"Ada, Hopper, Blackwell); these {self.mesh.devices.flat[0].device_kind} GPUs are {cc}: "
+                              "use moe.dispatch_dtype=compute")
         if cfg.moe.routing_impl == "triton":
             from moefast.kernels.routing import triton as triton_kernel
 

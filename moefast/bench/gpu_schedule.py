@@ -1,0 +1,407 @@
+"""XLA's estimate of a compiled GPU step, read from the latency-hiding scheduler's dump: per
+computation, weighted by loop trip counts, split by network tier (inside a host, between hosts).
+
+What XLA's scheduler does (XLA at the commit jaxlib 0.10.2 pins, ``5a9e73cb``; checked against
+the CUDA plugin's strings and by compiling probes):
+
+* For an H100 or H200 target its latency estimator is the speed-of-light one
+  (``SolLatencyEstimator``, ``xla/service/gpu/model/sol_latency_estimator.cc``) whenever the
+  module has only the collectives it models (all-gather, all-reduce, reduce-scatter, all-to-all,
+  collective-permute): costs in **microseconds**. GEMMs are costed from a table of GEMMs measured
+  on H100 (``matmul_interpolator_data.h``, key ``sm_90``), other fusions by a roofline of
+  ``GpuPerformanceModel``, collectives inside a node from measured NCCL throughputs
+  (``collective_interpolator_data.h``) and collectives between nodes by a NIC model
+  (``SolGPUCostModel``: per-GPU NIC speed in GB/s, round-trip time, launch and chunk costs, GPUs
+  per node), the options of :data:`NETWORKS`. A module with a ``ragged-all-to-all`` (dropless
+  expert exchange) falls back to fixed per-operation costs (``GpuLatencyEstimator``: 1, 1,000 or
+  5,000 per operation): not a time.
+* The scheduler orders each computation that holds an asynchronous collective; a ``while`` loop's
+  body is a computation of its own, and the loop itself costs 0.01 in its parent: nothing
+  multiplies a body by its trip count. Its ``scheduler_statistics`` describe the order *before*
+  scheduling; the per-instruction timestamps (``start_timestamp_cycles``, ``end_timestamp_cycles``)
+  are the schedule it chose. ``cycles_per_microsecond`` is 1.
+
+So :func:`read_estimate` reads the timestamps: a computation's length is its last end; a gap
+between one instruction's end and the next one's start is time the compute stream idles, and the
+part of it during which an asynchronous collective is in flight (between its start and its done)
+is that collective left exposed (split between collectives in flight together; the rest is the
+estimator's 1 µs per dependency edge). Each computation counts ``trips`` times: the product of the
+``known_trip_count`` of the loops around it (1 for the entry). Computations the scheduler left out
+(no asynchronous collective inside) are listed, not estimated.
+
+One defect of the estimator to know: its GEMM table holds bf16 x bf16 -> bf16, f32 and fp8 GEMMs,
+not bf16 x bf16 -> f32, and a fallback interpolator costs those (the weight gradients moefast
+accumulates in float32, and any bf16 GEMM whose float32 cast XLA fuses into it: the key is the
+fusion's result type) at about 12 TFLOP/s, some 60x below what the same table gives the same
+shapes with a bf16 result. :class:`GemmRates` shows it in every report; ``moefast bench
+gpu-compile`` estimates the step on a costing twin whose weight-gradient GEMMs return bfloat16
+(:func:`moefast.parallel.precision.costing_twin`) for that reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import os
+import re
+import statistics
+from pathlib import Path
+
+__all__ = ["NETWORKS", "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
+           "read_estimate"]
+
+# --network name -> file in moefast/bench/gpu_targets/ (key=value lines of XLA's
+# xla_gpu_analytical_latency_estimator_options, with their sources in comments)
+NETWORKS = {"dgx-h100": "dgx_h100.network", "dgx-h200": "dgx_h200.network"}
+_XLA_FLAG = "--xla_gpu_analytical_latency_estimator_options"
+_KEYS = ("nccl_op_launch_us", "nic_speed_gbps", "chunk_prep_us", "rtt_us", "gpus_per_node", "chunk_size_bytes",
+         "partition_size")
+INSIDE, BETWEEN = "inside a host", "between hosts"
+
+
+def network_options(network: str) -> dict[str, str]:
+    """The options of ``network`` (a key of :data:`NETWORKS` or a file of ``key=value`` lines).
+
+    Raises:
+      ValueError: an unknown network, an unknown key or a value that is not a positive number.
+    """
+    path = Path(__file__).parent / "gpu_targets" / NETWORKS[network] if network in NETWORKS else Path(network)
+    if network not in NETWORKS and not path.is_file():
+        raise ValueError(f"--network {network!r}: known networks are {sorted(NETWORKS)}, or give a file of "
+                         f"key=value lines ({', '.join(_KEYS)})")
+    out = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, _, value = (s.strip() for s in line.partition("="))
+        try:
+            ok = key in _KEYS and float(value) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"--network {network}: line {n} {line!r}: expected key=positive number with a key of "
+                             f"{', '.join(_KEYS)} (XLA's xla_gpu_analytical_latency_estimator_options)")
+        out[key] = value
+    return out
+
+
+def network_flag(network: str) -> str:
+    """The ``XLA_FLAGS`` entry that hands ``network`` to XLA's speed-of-light estimator. A map
+    option: XLA reads it from ``XLA_FLAGS`` only (the per-compilation options take scalars)."""
+    return _XLA_FLAG + "=" + ",".join(f"{k}={v}" for k, v in network_options(network).items())
+
+
+@dataclasses.dataclass
+class ComputationEstimate:
+    name: str
+    trips: int  # times one step runs it (product of the enclosing loops' trip counts)
+    length: float  # its schedule, once
+    exposed: float  # of which the compute stream waits on collectives, once
+    exposed_by_kind: dict[str, float]
+    loop_body: bool
+    label: str = ""  # what runs in it (from the JAX operations it holds): "forward layer", ...
+
+
+@dataclasses.dataclass
+class GemmRate:
+    """How the estimator costs one kind of GEMM: FLOPs per estimated second, trip-weighted."""
+
+    kind: str  # "bf16 x bf16 -> f32", ...
+    count: int
+    flops: float
+    time: float  # estimator units (µs under the speed-of-light estimator)
+    median_tflops: float  # of the GEMMs' own rates (µs units)
+
+
+@dataclasses.dataclass
+class ScheduleEstimate:
+    unit: str  # "µs" (a time) or "fixed costs" (XLA's per-operation constants, not a time)
+    step: float  # trip-weighted
+    exposed: float
+    exposed_by_kind: dict[str, float]
+    exposed_by_tier: dict[str, float]
+    bytes_by_tier: dict[str, float]  # collective results, per device and step, trip-weighted
+    computations: list[ComputationEstimate]
+    unscheduled_loops: list[str]  # loop bodies without an asynchronous collective: not in the estimate
+    unknown_trips: list[str]  # loops whose trip count XLA did not know (counted once)
+    gemms: list[GemmRate]
+    once: dict[str, float]  # the scheduler's own statistics summed with every computation once (pre-schedule)
+
+    @property
+    def is_time(self) -> bool:
+        return self.unit == "µs"
+
+
+def _proto_index(text: str):
+    """From the dump's ``hlo_module``: instruction id -> name; the scheduler's blocks."""
+    head, _, rest = text.partition("\ncomputation_schedules {")
+    names = {}
+    for m in re.finditer(r'\n    instructions \{\n      name: "([^"]+)"\n', head):
+        idm = re.compile(r"\n      id: (\d+)\n").search(head, m.end())
+        if idm:
+            names[int(idm.group(1))] = m.group(1)
+    blocks = ("computation_schedules {" + rest).split("\ncomputation_schedules {")
+    return names, blocks
+
+
+def _timeline(block: str, names: dict[int, str]) -> list[tuple[str, float, float]]:
+    out = []
+    for m in re.finditer(r"instructions \{\n    id: (\d+)\n((?:    \w+: [^\n]*\n)*)  \}", block):
+        fields = dict(re.findall(r"    (\w+): ([^\n]*)", m.group(2)))
+        out.append((names.get(int(m.group(1)), ""), float(fields.get("start_timestamp_cycles", 0)),
+                    float(fields.get("end_timestamp_cycles", 0))))
+    return out
+
+
+def _groups(attrs: str, n: int) -> list[list[int]] | None:
+    """Replica groups of a collective's attribute text: ``{{0,1},{2,3}}`` or the iota form
+    ``[G,S]<=[d0,d1,...]T(perm)`` (ids 0..n-1 reshaped, transposed, then cut into G groups of S)."""
+    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
+    if m:
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if not m:
+        return None
+    import numpy as np
+
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+        ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+
+
+_DOT = re.compile(r"= (\w+)\[([\d,]*)\][^\n]*? dot\(%([\w.\-]+), %([\w.\-]+)\)[^\n]*?lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def _gemm(result: str, body: str) -> tuple[str, float] | None:
+    """(kind, FLOPs) of a GEMM fusion (``result``: its result type, which XLA's estimator keys its
+    table on) from its body's HLO text."""
+    m = _DOT.search(body)
+    if not m:
+        return None
+    lhs = re.search(r"%" + re.escape(m.group(3)) + r" = (\w+)\[([\d,]*)\]", body)
+    rhs = re.search(r"%" + re.escape(m.group(4)) + r" = (\w+)\[([\d,]*)\]", body)
+    if not lhs or not rhs:
+        return None
+    dims = [int(x) for x in lhs.group(2).split(",") if x]
+    k = 1
+    for c in filter(None, m.group(5).split(",")):
+        k *= dims[int(c)]
+    out = 1
+    for x in filter(None, m.group(2).split(",")):
+        out *= int(x)
+    return f"{lhs.group(1)} x {rhs.group(1)} -> {result.split('[')[0].lstrip('(') or m.group(1)}", 2.0 * out * k
+
+
+def _label(ops: list[str]) -> str:
+    backward = sum("transpose(" in o for o in ops)
+    return "backward" if backward > len(ops) / 2 else "forward"
+
+
+def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *, time_unit: bool) -> ScheduleEstimate | None:
+    """The trip-weighted estimate of the train step from a compilation's dump.
+
+    Args:
+      dump_dir: where XLA dumped (``xla_dump_to`` with ``xla_dump_latency_hiding_schedule``).
+      hlo_text: the optimized module (``compiled.as_text()``).
+      hosts_of_partition: the host of each SPMD partition (``mesh.devices.flat[p].process_index``).
+      time_unit: whether the estimator's costs are microseconds (the speed-of-light estimator) or
+        XLA's fixed per-operation costs.
+
+    Returns:
+      ``None`` when XLA wrote no schedule (its scheduler did not run).
+    """
+    from moefast.parallel.hlo import HloModule, shape_bytes
+
+    files = [f for f in glob.glob(os.path.join(dump_dir, "*schedule.txt")) if "train" in os.path.basename(f)
+             or "counted_step" in os.path.basename(f)] or glob.glob(os.path.join(dump_dir, "*schedule.txt"))
+    if not files:
+        return None
+    text = Path(files[0]).read_text()
+    names, blocks = _proto_index(text)
+    module = HloModule(hlo_text)
+    raw = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=", line)
+        if m:
+            raw[m.group(1)] = line
+    bodies = {}  # computation text for GEMM fusions
+    for m in re.finditer(r"\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo_text, re.S):
+        bodies[m.group(1)] = m.group(2)
+
+    # trip weights: the entry 1, a loop body its parent's times its known trip count
+    loops = collections.defaultdict(list)  # parent computation -> [(body, trips or None)]
+    for name, ins in module.instrs.items():
+        if ins.opcode == "while":
+            line = raw.get(name, "")
+            body = re.search(r"body=%?([\w.\-]+)", line)
+            n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            if body:
+                loops[ins.computation].append((body.group(1), int(n.group(1)) if n else None))
+    weight, unknown, stack = {module.entry: 1}, [], [module.entry]
+    while stack:
+        c = stack.pop()
+        for body, n in loops.get(c, []):
+            if n is None:
+                unknown.append(body)
+            weight[body] = weight.get(body, 0) + weight[c] * (n or 1)
+            stack.append(body)
+        for nm in module.computations.get(c, []):
+            for callee in module.instrs[nm].calls:  # calls / to_apply (async wrappers, called computations)
+                if callee not in weight and module.instrs[nm].opcode in ("call", "async-start", "conditional"):
+                    weight[callee] = weight[c]
+                    stack.append(callee)
+    loop_bodies = {b for v in loops.values() for b, _ in v}
+
+    def tier(start_name: str) -> str:
+        ins = module.instrs.get(start_name)
+        attrs = raw.get(start_name, "")
+        if ins is not None and ins.opcode == "async-start":
+            for comp in ins.calls:
+                for nm in module.computations.get(comp, []):
+                    if module.instrs[nm].opcode in ("all-to-all", "reduce-scatter", "all-gather", "all-reduce",
+                                                    "collective-permute", "ragged-all-to-all"):
+                        attrs = raw.get(nm, attrs)
+        if "source_target_pairs" in attrs:
+            pairs = re.findall(r"\{(\d+),(\d+)\}", attrs.split("source_target_pairs=", 1)[1])
+            cross = any(hosts_of_partition[int(a)] != hosts_of_partition[int(b)] for a, b in pairs)
+            return BETWEEN if cross else INSIDE
+        groups = _groups(attrs, len(hosts_of_partition))
+        if groups is None:  # one group of every partition
+            return BETWEEN if len(set(hosts_of_partition)) > 1 else INSIDE
+        cross = any(len({hosts_of_partition[i] for i in g}) > 1 for g in groups)
+        return BETWEEN if cross else INSIDE
+
+    comps, once = [], collections.Counter()
+    step = exposed = 0.0
+    by_kind, by_tier, bytes_tier = collections.Counter(), collections.Counter(), collections.Counter()
+    gemm_acc = collections.defaultdict(lambda: [0, 0.0, 0.0, []])
+    for block in blocks:
+        st = re.search(r"scheduler_statistics \{([^}]*)\}", block)
+        if st:
+            for key, value in re.findall(r"(\w+):\s*([-\d.eE+]+)", st.group(1)):
+                once[key] += float(value)
+        timeline = _timeline(block, names)
+        named = [t for t in timeline if t[0] in module.instrs]
+        if not named:
+            continue
+        comp = module.instrs[named[0][0]].computation
+        w = weight.get(comp, 1)
+        ordered = sorted(timeline, key=lambda t: (t[1], t[2]))
+        at = {name: (s, e) for name, s, e in ordered}
+        flight = []  # (from, to, kind, tier): an asynchronous collective in flight
+        for name, s, e in ordered:
+            done = module._users_of_async.get(name)
+            kind = module._wrapped_kind(module.instrs[name]) if name in module.instrs else None
+            if kind and done in at:
+                flight.append((e, at[done][0], kind, tier(name)))
+        length, prev, gap_kind, ex = 0.0, 0.0, collections.Counter(), 0.0
+        for name, s, e in ordered:
+            if s - prev > 1e-9:  # the compute stream idles: on what is in flight then
+                hits = [(min(s, b) - max(prev, a), k, t) for a, b, k, t in flight if min(s, b) > max(prev, a)]
+                if hits:
+                    share = min(s - prev, max(h for h, _, _ in hits)) / sum(h for h, _, _ in hits)
+                    for h, k, t in hits:
+                        gap_kind[k] += h * share
+                        ex += h * share
+                        by_tier[t] += h * share * w
+            prev = max(prev, e)
+            length = max(length, e)
+            ins = module.instrs.get(name)
+            if ins is not None and ins.opcode == "fusion" and ins.calls and e > s:
+                g = _gemm(ins.shape, bodies.get(ins.calls[0], ""))
+                if g:
+                    acc = gemm_acc[g[0]]
+                    acc[0] += w
+                    acc[1] += g[1] * w
+                    acc[2] += (e - s) * w
+                    acc[3].append(g[1] / (e - s) / 1e6)
+        for nm in module.computations.get(comp, []):  # bytes by tier
+            ins = module.instrs[nm]
+            kind = module._wrapped_kind(ins)
+            if kind and (ins.opcode.endswith("-start") or ins.opcode in ("all-to-all", "all-gather", "all-reduce",
+                                                                            "reduce-scatter", "collective-permute")):
+                done = module._users_of_async.get(nm)
+                shape = module.instrs[done].shape if done else ins.shape
+                bytes_tier[tier(nm)] += shape_bytes(shape) * w
+        ops = [module.instrs[n].op_name for n, _, _ in named if module.instrs[n].op_name]
+        label = _label(ops) + " loop body" if comp in loop_bodies else "outside loops" if comp == module.entry \
+            else "called"
+        comps.append(ComputationEstimate(comp, w, length, ex, {k: v for k, v in gap_kind.items() if k != "other"},
+                                         comp in loop_bodies, label))
+        step += length * w
+        exposed += ex * w
+        for k, v in gap_kind.items():
+            if k != "other":
+                by_kind[k] += v * w
+    scheduled = {c.name for c in comps}
+    gemms = [GemmRate(k, a[0], a[1], a[2], statistics.median(a[3])) for k, a in sorted(gemm_acc.items())]
+    return ScheduleEstimate(
+        unit="µs" if time_unit else "fixed costs", step=step, exposed=exposed, exposed_by_kind=dict(by_kind),
+        exposed_by_tier=dict(by_tier), bytes_by_tier=dict(bytes_tier),
+        computations=sorted(comps, key=lambda c: -c.length * c.trips),
+        unscheduled_loops=sorted(b for b in loop_bodies if b not in scheduled), unknown_trips=sorted(set(unknown)),
+        gemms=gemms, once=dict(once))
+
+
+def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, peak_tflops: float | None,
+                    network: str, as_compiled: dict | None) -> list[str]:
+    """Markdown lines of a trip-weighted estimate (:func:`read_estimate` as a dict): the step and
+    what it implies, exposed collectives by kind and tier, each scheduled computation, and how the
+    estimator costs GEMMs."""
+    unit, step = est["unit"], est["step"]
+    timed = unit == "µs"
+    net = f"network {network}" if network else "XLA's default network (25 GB/s per GPU between hosts)"
+    on = ("costing twin" if est.get("twin") else "the program as compiled (--no-twin: its float32-result GEMMs "
+          "mis-costed)")
+    lines = ["", f"**Estimate** (XLA's {'speed-of-light' if timed else 'fixed-cost'} latency estimator, "
+             f"{'microseconds' if timed else 'its per-operation constants, not a time: not comparable with µs'}; "
+             f"{net}; each loop body x its trip count; {on}; no autotuning: compiled, not run)", "",
+             "| estimate | value |", "|---|---:|"]
+    if timed:
+        s = step / 1e6
+        tflops = model_flops / s / gpus / 1e12
+        lines += [f"| step time (estimate) | {s:,.3f} s |",
+                  f"| tokens/s (estimate) | {tokens / s:,.0f} |",
+                  f"| model TFLOP/s per GPU (estimate; 6 N_active + attention, moefast.model.flops) | {tflops:,.1f} |"]
+        if peak_tflops:
+            lines.append(f"| MFU (estimate, of {peak_tflops:,.1f} dense bf16 TFLOP/s) | {tflops / peak_tflops:.1%} |")
+    else:
+        lines.append(f"| step ({unit}) | {step:,.0f} |")
+    ex = est["exposed"]
+    lines.append(f"| collectives the compute stream waits on (exposed) | {ex:,.0f} {unit} ({ex / step:.1%}) |")
+    for k, v in sorted(est["exposed_by_kind"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| &nbsp; {k} | {v:,.0f} ({v / step:.1%}) |")
+    for t in (INSIDE, BETWEEN):
+        v = est["exposed_by_tier"].get(t, 0.0)
+        b = est["bytes_by_tier"].get(t, 0.0)
+        lines.append(f"| &nbsp; {t}: exposed / collective bytes per GPU and step | {v:,.0f} ({v / step:.1%}) / "
+                     f"{b / 2**30:,.2f} GiB |")
+    if as_compiled and as_compiled.get("step"):
+        lines.append(f"| the program as compiled (float32 weight-gradient GEMMs costed by XLA's fallback) | "
+                     f"{as_compiled['step']:,.0f} {unit} ({as_compiled['step'] / step:.2f}x the twin) |")
+    lines += ["", f"| scheduled computation | trips | length ({unit}, once) | x trips | exposed | share of step |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for c in est["computations"]:
+        share = c["length"] * c["trips"] / step
+        if share < 0.005 and c["exposed"] / max(c["length"], 1e-9) < 0.25:
+            continue
+        lines.append(f"| {c['label']} `{c['name']}` | {c['trips']} | {c['length']:,.0f} | {c['length'] * c['trips']:,.0f} | "
+                     f"{c['exposed'] / max(c['length'], 1e-9):.1%} | {share:.1%} |")
+    if est["unscheduled_loops"]:
+        lines.append(f"| loop bodies without an asynchronous collective (not scheduled, not in the estimate) | "
+                     f"{len(est['unscheduled_loops'])} | | | | |")
+    if est["unknown_trips"]:
+        lines.append(f"| loops of unknown trip count (counted once) | {len(est['unknown_trips'])} | | | | |")
+    if timed:
+        lines += ["", "| GEMMs as the estimator costs them | count x trips | TFLOP | estimated time | TFLOP/s (all) | "
+                  "median TFLOP/s |", "|---|---:|---:|---:|---:|---:|"]
+        gemms = [("twin" if est.get("twin") else "as compiled", g) for g in est["gemms"]] + [("as compiled", g) for g in (as_compiled or {}).get("gemms", [])
+                                                       if "f32" in g["kind"].split("->")[-1]]
+        for which, g in gemms:
+            lines.append(f"| {g['kind']} ({which}) | {g['count']} | {g['flops'] / 1e12:,.1f} | {g['time'] / 1e6:,.3f} s | "
+                         f"{g['flops'] / g['time'] / 1e6:,.1f} | {g['median_tflops']:,.1f} |")
+    return lines
