@@ -54,6 +54,17 @@ class MoEConfig:
         mantissa bits relative to each tile's max-abs; the return and the backward exchanges stay in
         the compute dtype). Needs ``model.d_model`` divisible by 128 and, on GPUs, FP8 hardware
         (compute capability 8.9 or later: Ada, Hopper, Blackwell).
+      exchange: how the expert exchange crosses hosts (expert axis > 1, with a capacity): ``"flat"``
+        (one ``all_to_all`` over the whole expert axis each way, a capacity buffer per expert) or
+        ``"hierarchical"`` (node-limited routing's two hops, DeepSeek-V3 sec. 2.1.2 and 3.2.2: each
+        token once to every host it routes to, then over NVLink to its experts' GPUs; the combine
+        summed inside the host before going back; :mod:`moefast.parallel.hierarchical`). Needs an
+        expert axis of several whole hosts of ``gpus_per_host``, and with group-limited routing
+        groups aligned with hosts (``num_groups`` a multiple of the hosts), so a token reaches at most
+        ``topk_groups`` hosts. Each hop has its own capacity from ``capacity_factor``: with nothing
+        dropped the output equals the flat exchange's up to float rounding.
+      gpus_per_host: G, GPUs per host along the expert axis (consecutive expert ranks h·G .. h·G+G-1
+        share host h), for ``exchange: hierarchical``; on GPUs it must match the devices' hosts.
       overlap_chain: tie chunk i's dispatch to chunk i-2's expert output
         (``jax.lax.optimization_barrier``), so at most two chunks' buffers are in flight.
       min_capacity: lower bound of the capacity, in slots.
@@ -128,6 +139,8 @@ class MoEConfig:
     overlap_chunks: int = 1
     overlap_chain: bool = False
     dispatch_dtype: Literal["compute", "float8_e4m3fn"] = "compute"
+    exchange: Literal["flat", "hierarchical"] = "flat"
+    gpus_per_host: int = 8
     routing_policy: Literal["position", "priority"] = "position"
     routing_impl: Literal["auto", "reference", "pallas", "triton"] = "auto"
     capacity_mode: Literal["static", "dynamic"] = "static"
@@ -168,6 +181,12 @@ class MoEConfig:
         _require(self.dispatch_dtype == "compute" or not self.dropless, "moe.dispatch_dtype",
                  "FP8 dispatch quantizes the capacity buffers of the expert exchange; dropless routing "
                  "(moe.capacity_factor=0) moves ragged rows: use moe.dispatch_dtype=compute or a capacity_factor > 0")
+        _require(self.gpus_per_host >= 1, "moe.gpus_per_host", f"must be >= 1, got {self.gpus_per_host}")
+        if self.exchange == "hierarchical":
+            _require(not self.dropless and self.dispatch == "slot" and self.overlap_chunks == 1
+                     and self.capacity_mode == "static", "moe.exchange",
+                     "hierarchical has its own two capacities: it needs a capacity_factor > 0 with moe.dispatch=slot, "
+                     "moe.overlap_chunks=1 and moe.capacity_mode=static; change those or use moe.exchange=flat")
         if self.capacity_mode == "dynamic":
             _require(not self.dropless, "moe.capacity_mode",
                      "dynamic capacity needs a capacity (moe.capacity_factor > 0); dropless has none")

@@ -247,9 +247,20 @@ class OverlapConfig:
         collectives and collective combining (:data:`moefast.parallel.xla_flags.GPU_FLAGS`) to
         ``XLA_FLAGS`` before JAX starts, never replacing a flag already set there; printed at start.
         No effect on CPU/TPU, or once JAX's backend has started (a note says so).
+      collectives_in_flight: how many asynchronous collectives XLA's latency-hiding scheduler may
+        keep in flight at once on GPU (``xla_gpu_experimental_parallel_collective_overlap_limit``,
+        a per-compilation option; XLA's default 1 runs the expert exchange and the ZeRO
+        all-gathers one after another). Peers training with ragged all-to-alls (dropless with an
+        expert axis) report gradients not repeatable run to run above 1; moefast has not run it
+        on GPUs.
     """
 
     xla_flags: bool = True
+    collectives_in_flight: int = 1
+
+    def __post_init__(self):
+        _require(1 <= self.collectives_in_flight <= 16, "overlap.collectives_in_flight",
+                 f"must be in [1, 16] (1: XLA's default, one at a time), got {self.collectives_in_flight}")
 
 
 @dataclasses.dataclass(frozen=True)

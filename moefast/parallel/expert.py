@@ -49,7 +49,7 @@ from moefast.kernels.vma import vary_together
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map, state_spec
 from moefast.parallel.precision import expert_weights
 
-__all__ = ["FP8_BLOCK", "EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "exchange_capacity", "exchange_experts", "expert_ffn",
+__all__ = ["FP8_BLOCK", "EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "check_hierarchical", "exchange_capacity", "exchange_experts", "expert_ffn",
            "fp8_dequantize", "fp8_quantize", "moe_ffn"]
 
 EXPERT_AXIS = "expert"
@@ -220,6 +220,26 @@ def exchange_experts(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array
     return outs[0] if chunks == 1 else jnp.concatenate(outs, axis=1)
 
 
+def check_hierarchical(moe: MoEConfig, ep: int) -> None:
+    """``moe.exchange=hierarchical`` on an expert axis of ``ep``: it spans whole hosts of
+    ``moe.gpus_per_host`` and, with group-limited routing, each group's experts sit on one host.
+
+    Raises:
+      ValueError: what to change.
+    """
+    g = moe.gpus_per_host
+    if ep <= g or ep % g:
+        raise ValueError(f"moe.exchange=hierarchical: the expert axis ({ep}) must span several whole hosts of "
+                         f"moe.gpus_per_host={g} GPUs (a multiple of {g}, more than {g}); with the expert axis inside "
+                         "one host use moe.exchange=flat, or set moe.gpus_per_host to the GPUs per host")
+    hosts = ep // g
+    if moe.num_groups > 1 and moe.num_groups % hosts:
+        raise ValueError(f"moe.exchange=hierarchical with group-limited routing: moe.num_groups={moe.num_groups} "
+                         f"groups are not aligned with the {hosts} hosts of the expert axis (each group's experts must "
+                         f"sit on one host: num_groups a multiple of {hosts}), so a token could reach more than "
+                         f"moe.topk_groups={moe.topk_groups} hosts; set moe.num_groups to a multiple of {hosts}")
+
+
 def _shard_index(axes: tuple[str, ...]) -> jax.Array:
     """This device's linear index over the mesh ``axes`` (inside ``shard_map``)."""
     idx = jnp.zeros((), jnp.int32)
@@ -371,6 +391,9 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
     chunks = moe.overlap_chunks if ep > 1 else 1  # no exchange, nothing to overlap
     capacity, limit = _capacity(moe, b * t, load_ema_e, drop_tokens)
+    hierarchical = moe.exchange == "hierarchical" and ep > 1 and drop_tokens
+    if hierarchical:  # the two hops have their own capacities: the routing itself drops nothing
+        capacity, limit = b * t, None
     if chunks > capacity:
         raise ValueError(f"moe.overlap_chunks={chunks} is more than the capacity ({capacity} slots per expert "
                          "on a device): every chunk would hold at most one slot; use fewer chunks")
@@ -384,7 +407,14 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
                       routed_scaling_factor=moe.routed_scaling_factor)
     r = jax.tree.map(lambda a: checkpoint_name(a, ROUTING), r)
 
-    if moe.dropless and ep == 1:
+    num_dropped = r.num_dropped
+    if hierarchical:
+        from moefast.parallel.hierarchical import hierarchical_exchange
+
+        y_td, num_dropped = hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, ep=ep,
+                                                  per_host=moe.gpus_per_host, expert_ffn=expert_ffn,
+                                                  checkpoint=checkpoint_name)
+    elif moe.dropless and ep == 1:
         y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul)
     elif moe.dropless:
         y_td = _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul, ep)
@@ -405,7 +435,7 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
 
     logp_te = jax.nn.log_softmax(jax.lax.stop_gradient(logits_te), axis=-1)
     entropy_sum = jnp.sum(jnp.where(mask_t, -jnp.sum(jnp.exp(logp_te) * logp_te, axis=-1), 0.0))
-    sums = (r.tokens_per_expert, r.prob_sum, r.z_sum, r.num_tokens, r.num_dropped, entropy_sum)
+    sums = (r.tokens_per_expert, r.prob_sum, r.z_sum, r.num_tokens, num_dropped, entropy_sum)
     if reduce_axes:
         sums = jax.lax.psum(sums, reduce_axes)
     tokens_per_expert, prob_sum, z_sum, n, dropped, entropy_sum = sums
@@ -476,6 +506,8 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
     ep = mesh.shape.get(EXPERT_AXIS, 1)
     if num_experts % ep:
         raise ValueError(f"the expert axis ({ep}) must divide num_experts={num_experts}")
+    if moe.exchange == "hierarchical":
+        check_hierarchical(moe, ep)
     shards = 1
     for a in token_axes:
         shards *= mesh.shape[a]

@@ -59,7 +59,10 @@ def merge_flags(existing: str, flags: dict[str, str]) -> tuple[str, list[str]]:
     return " ".join([existing.strip(), *added]).strip(), added
 
 
-def compile_options(enabled: bool, platform: str) -> dict[str, bool | int | str]:
+PARALLEL_COLLECTIVES = "xla_gpu_experimental_parallel_collective_overlap_limit"
+
+
+def compile_options(enabled: bool, platform: str, collectives_in_flight: int = 1) -> dict[str, bool | int | str]:
     """:data:`GPU_FLAGS` as per-compilation options (``Lowered.compile(options)``) for a step compiled
     for ``platform`` (the mesh's, :func:`moefast.parallel.platform`): the flags then apply to a
     GPU step also when ``XLA_FLAGS`` could not carry them (JAX already started, or compiling for
@@ -68,12 +71,19 @@ def compile_options(enabled: bool, platform: str) -> dict[str, bool | int | str]
     Args:
       enabled: ``overlap.xla_flags``.
       platform: ``"gpu"`` gets the flags; any other platform none.
+      collectives_in_flight: ``overlap.collectives_in_flight``: above 1, XLA's scheduler may keep
+        that many asynchronous collectives in flight at once
+        (``xla_gpu_experimental_parallel_collective_overlap_limit``; XLA's default 1 runs them one
+        after another), also with ``enabled`` False.
     """
-    if not enabled or platform != "gpu":
+    if platform != "gpu":
         return {}
     present = set(re.findall(r"--([A-Za-z0-9_]+)", os.environ.get("XLA_FLAGS", "")))
     typed = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
-    return {k: typed(v) for k, v in GPU_FLAGS.items() if k not in present}
+    out = {k: typed(v) for k, v in GPU_FLAGS.items() if k not in present} if enabled else {}
+    if collectives_in_flight > 1 and PARALLEL_COLLECTIVES not in present:
+        out[PARALLEL_COLLECTIVES] = collectives_in_flight
+    return out
 
 
 def _jax_started() -> bool:

@@ -88,7 +88,7 @@ _FIXED_SECTIONS = ("model", "moe", "data")
 # other layout is converted on restore (:func:`moefast.model.layout.to_layout`).
 _FREE_KEYS = {"model": {"remat", "scan_layers", "attention_impl", "linear_attention_impl"},
               "moe": {"grouped_matmul", "routing_impl", "dispatch", "overlap_chunks", "overlap_chain",
-                      "dispatch_dtype"},
+                      "dispatch_dtype", "exchange", "gpus_per_host"},
               "data": {"prefetch"}}
 
 

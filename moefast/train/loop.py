@@ -204,6 +204,8 @@ class Trainer:
             raise ConfigError(f"moe.dispatch_dtype: float8_e4m3fn needs FP8 hardware (compute capability 8.9 or later: "
                               f"Ada, Hopper, Blackwell); these {self.mesh.devices.flat[0].device_kind} GPUs are {cc}: "
                               "use moe.dispatch_dtype=compute")
+        if cfg.moe.exchange == "hierarchical":
+            self._check_hierarchical(cfg)
         if cfg.moe.routing_impl == "triton":
             from moefast.kernels.routing import triton as triton_kernel
 
@@ -300,6 +302,25 @@ class Trainer:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.model_def.abstract_state(), self.state_sharding)
 
+    def _check_hierarchical(self, cfg) -> None:
+        """``moe.exchange=hierarchical`` fits this mesh: the expert axis spans whole hosts of
+        ``moe.gpus_per_host`` and, on GPUs, each block of that many consecutive expert ranks is one
+        host's (one process's) devices."""
+        from moefast.parallel.expert import check_hierarchical
+
+        ep, g = self.mesh.shape.get("expert", 1), cfg.moe.gpus_per_host
+        try:
+            check_hierarchical(cfg.moe, ep)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.platform == "gpu":
+            procs = np.vectorize(lambda d: d.process_index)(self.mesh.devices)
+            blocks = procs.reshape(*procs.shape[:-1], ep // g, g)
+            if not (blocks == blocks[..., :1]).all() or len(np.unique(blocks[..., 0])) < ep // g:
+                raise ConfigError(f"moe.exchange=hierarchical: the expert axis's ranks in blocks of moe.gpus_per_host={g} "
+                                  "are not each one host's GPUs on this mesh; set moe.gpus_per_host to the GPUs per "
+                                  "host, with the expert axis innermost (mesh order data, fsdp, expert)")
+
     def lower_train_step(self) -> jax.stages.Lowered:
         """The train step lowered for this run's exact shapes and shardings (nothing runs; works for
         compile-only devices too)."""
@@ -315,7 +336,7 @@ class Trainer:
         """XLA options the train step is compiled with: the collective-overlap flags
         (:data:`~moefast.parallel.xla_flags.GPU_FLAGS`) when the mesh is on GPUs and
         ``overlap.xla_flags`` is on, except those ``XLA_FLAGS`` sets itself."""
-        return xla_flags.compile_options(self.cfg.overlap.xla_flags, self.platform)
+        return xla_flags.compile_options(self.cfg.overlap.xla_flags, self.platform, self.cfg.overlap.collectives_in_flight)
 
     def compiled_train_step(self):
         """The train step compiled ahead of time for this run's exact shapes and shardings (traced
