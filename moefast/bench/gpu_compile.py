@@ -567,89 +567,14 @@ def format_report(r: GpuCompileResult) -> str:
     return "\n".join(lines)
 
 
-# The levers of the seed's table, each a switch of its own (the baseline has them all off).
-ABLATION_BASELINE = ["cache.tables=false", "moe.dispatch=onehot", "moe.routing_impl=reference",
-                     "model.attention_impl=blocked", "moe.overlap_chunks=1"]
-ABLATION_LEVERS = {
-    "+caching (positional tables and mask once per step)": ["cache.tables=true"],
-    "+slot dispatch (vs GShard one-hot einsums)": ["moe.dispatch=slot"],
-    "+fused routing kernel (vs reference routing)": ["moe.routing_impl=auto"],
-    "+fused attention (vs block-causal einsums)": ["model.attention_impl=auto"],
-    "+overlap (expert exchange in 2 chunks)": ["moe.overlap_chunks=2"],
-    "+overlap (expert exchange in 4 chunks)": ["moe.overlap_chunks=4"],
-}
-
-
-def ablate(config: str | None, overrides: list[str] | None, *, gpu: str = "h100", devices: str = "8",
-           log: Callable[[str], None] | None = None) -> list[dict]:
-    """The lever table estimated for ``gpu``: the baseline (:data:`ABLATION_BASELINE`), each lever
-    of :data:`ABLATION_LEVERS` alone, and all levers, each compiled with the analytical latency
-    estimator (:func:`gpu_compile` ``analytical=True``; no autotuning) and compared by the
-    scheduler's step estimate. The overlap rows only with an expert axis > 1; "all levers" has the
-    2-chunk exchange (the defaults, ``moe.overlap_chunks=1``, are all levers without it).
-
-    Raises:
-      ConfigError: the config is dropless (``moe.capacity_factor=0``): the baseline's one-hot
-        dispatch needs a capacity.
-
-    Returns:
-      One dict per row: ``name``, ``overrides``, ``step`` (estimate, the estimator's units),
-      ``speedup`` (baseline / row), ``exposed_all_to_all``, ``peak_bytes``, ``fits``.
-    """
-    from moefast.config import ConfigError, load_config
-
-    cfg = load_config(config, list(overrides or []))
-    if cfg.moe.dropless:
-        raise ConfigError("moe.capacity_factor: --ablate compares against GShard's one-hot dispatch, which needs a "
-                          "capacity; dropless (0) has none: compile it without --ablate, or set a capacity_factor > 0")
-    hosts, per_host = parse_devices(devices)
-    from moefast.parallel import mesh_shape
-
-    ep = mesh_shape(cfg, hosts * per_host)["expert"]
-    rows = [("baseline", [])] + [(k, v) for k, v in ABLATION_LEVERS.items() if ep > 1 or "overlap" not in k]
-    on = [o for name, v in rows for o in v if "4 chunks" not in name]  # all levers: 2 chunks
-    rows.append(("all levers", on))
-    out = []
-    for name, extra in rows:
-        if log:
-            log(f"[{name}]")
-        r = gpu_compile(config, [*(overrides or []), *ABLATION_BASELINE, *extra], gpu=gpu, devices=devices,
-                        analytical=True)
-        out.append({"name": name, "overrides": extra, "step": r.schedule.get("total_cycles", 0.0),
-                    "exposed_all_to_all": r.schedule.get("all_to_all_wasted_cycles", 0.0),
-                    "peak_bytes": r.peak_bytes, "fits": r.fits})
-    for row in out:
-        row["speedup"] = out[0]["step"] / row["step"] if row["step"] else float("nan")
-    return out
-
-
-def format_ablation(rows: list[dict]) -> str:
-    lines = ["| variant | estimated step (estimator units) | speed-up vs baseline (estimate) | exposed all-to-all "
-             "(estimate) | peak GiB per GPU | overrides |", "|---|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['name']} | {r['step']:,.0f} | {r['speedup']:.2f}x | {r['exposed_all_to_all']:,.0f} | "
-                     f"{r['peak_bytes'] / 2**30:.2f} | {' '.join(r['overrides']) or '(' + ' '.join(ABLATION_BASELINE) + ')'} |")
-    return "\n".join(lines)
-
-
 def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | None, gpu: str,
-            devices: str, autotune: str | None = None, ablation: bool = False, network: str | None = None,
+            devices: str, autotune: str | None = None, ablation: str | None = None, network: str | None = None,
             twin: bool = True) -> int:
     if ablation:
-        import jax
+        from moefast.bench.gpu_ablate import run_ablation
 
-        rows = ablate(config, overrides, gpu=gpu, devices=devices, log=print)
-        header = (f"Lever table estimated for {devices} x {gpu} (compiled, nothing run; XLA's analytical latency "
-                  f"estimator, no autotuning: an estimate, not a measurement), jax {jax.__version__}, "
-                  f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%MZ')}; config "
-                  f"{config or 'configs/tiny.yaml'} {' '.join(overrides or [])}")
-        table = format_ablation(rows)
-        print(f"\n{header}\n\n{table}")
-        if json_out:
-            from moefast.bench.process import write_results
-
-            write_results(json_out, {"rows": rows, "gpu": gpu, "devices": devices}, f"{header}\n\n{table}\n")
-        return 0
+        return run_ablation(ablation, json_out=json_out, config=config, overrides=overrides, gpu=gpu, devices=devices,
+                            network=network)
     r = gpu_compile(config, overrides, gpu=gpu, devices=devices, autotune=autotune, network=network, twin=twin,
                     log=print)
     header = (f"GPU compile check (compiled for compile-only devices, nothing run), jax {r.jax}, {r.date}; "

@@ -62,8 +62,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(default on a GPU: its own limit)")
     b.add_argument("--ablate", action="store_true",
                    help="train: the lever table (baseline, +caching, +overlap, +slot dispatch, +fused routing kernel on GPU, all "
-                        "levers); gpu-compile: "
-                        "the lever table estimated from XLA's schedule for the GPUs compiled for")
+                        "levers); gpu-compile: that table estimated from XLA's schedule for the GPUs compiled for")
+    b.add_argument("--ablate-exchange", action="store_true",
+                   help="gpu-compile: the expert exchange's levers across hosts (hierarchical exchange, FP8 dispatch, "
+                        "collectives in flight), each added to the config as given, and all together")
     b.add_argument("--quick", action="store_true",
                    help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
@@ -103,7 +105,8 @@ BENCH_OPTIONS = {
     "cache": {"json", "steps", "pairs", "cpu_devices"},
     "malloc": {"overrides", "config", "json", "steps", "rounds"},
     "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
-    "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "network", "twin"},
+    "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "ablate_exchange", "network",
+                    "twin"},
     "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
 }
 
@@ -197,7 +200,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             return gpu_compile.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
                                        gpu=args.gpu, devices=args.devices, autotune=args.autotune,
-                                       ablation=args.ablate, network=args.network, twin=args.twin)
+                                       ablation="exchange" if args.ablate_exchange else "levers" if args.ablate else None,
+                                       network=args.network, twin=args.twin)
         except (ValueError, RuntimeError) as e:  # bad --devices; the CUDA plugin missing
             if isinstance(e, ConfigError):
                 raise

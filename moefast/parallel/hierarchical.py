@@ -16,7 +16,8 @@ hosts whatever the routing. Here, per device and layer:
 1. **Between hosts** (``all_to_all`` over the H ranks with this GPU's local index, one per host):
    each token's row once per host it routes to, in position order, at most Ch =
    ``ceil(capacity_factor * T * M / H)`` per host (a token over it loses that host's experts),
-   with its K expert indices within that host (-1: elsewhere) and gates.
+   with its K expert indices within that host (-1: elsewhere) and gates (one small collective of
+   both, the indices' bits carried as float32).
 2. **Inside the host** (``all_to_all`` over the G ranks of this host): the received H x Ch rows
    dispatched to the host's Eh experts by slot, C2 = ``ceil(capacity_factor * T * K / Eh)`` per
    expert (an assignment over it is dropped); the El experts of each GPU run on G x C2 rows.
@@ -28,7 +29,8 @@ E x C: for DeepSeek-V3 on 8 hosts, 20,480 instead of 40,960. When nothing is dro
 output equals the flat exchange's up to the order of the float sums (each host's partial sum is
 rounded to the compute dtype once); with drops the two hops drop differently from one capacity
 per expert. With ``moe.dispatch_dtype=float8_e4m3fn`` rows are quantized once at the source
-(:func:`~moefast.parallel.expert.fp8_quantize`) and travel both hops as e4m3 with their scales;
+(:func:`~moefast.parallel.expert.fp8_quantize`) and travel both hops as e4m3 with their scales
+packed into the same row (:func:`~moefast.parallel.expert.fp8_pack`);
 gradients pass straight through the rounding, in the compute dtype.
 """
 
@@ -106,12 +108,10 @@ def _move(x, table1, table2, between, inside, hosts, per_host):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _move_fp8(x, table1, table2, between, inside, hosts, per_host, dtype):
-    from moefast.parallel.expert import fp8_dequantize, fp8_quantize
+    from moefast.parallel.expert import fp8_dequantize, fp8_pack, fp8_quantize, fp8_unpack
 
-    q, scale = fp8_quantize(x)
-    mv = functools.partial(_move, table1=table1, table2=table2, between=between, inside=inside, hosts=hosts,
-                           per_host=per_host)
-    return fp8_dequantize(mv(q), mv(scale), dtype)
+    moved = _move(fp8_pack(*fp8_quantize(x)), table1, table2, between, inside, hosts, per_host)
+    return fp8_dequantize(*fp8_unpack(moved, x.shape[-1]), dtype)
 
 
 def _move_fp8_fwd(x, table1, table2, between, inside, hosts, per_host, dtype):
@@ -177,8 +177,12 @@ def hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, *, ep: int, 
     meta_e = _pad(local_thk)[table1, rows]  # [H, Ch, K]
     meta_e = jnp.where((table1 < t)[..., None], meta_e, -1)
     meta_g = _pad(gate_thk)[table1, rows]  # [H, Ch, K] float32
-    got_e = _a2a(meta_e, between).reshape(hosts * ch, k)  # rows received, by source host
-    got_g = _a2a(meta_g, between).reshape(hosts * ch, k)
+    # one collective for both (the indices' bits carried as float32): a small all-to-all between
+    # hosts costs its launch and round trips whatever its size
+    meta = jnp.concatenate([jax.lax.bitcast_convert_type(meta_e, jnp.float32), meta_g], axis=-1)
+    got = _a2a(meta, between).reshape(hosts * ch, 2 * k)  # rows received, by source host
+    got_e = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(got[:, :k]), jnp.int32)
+    got_g = got[:, k:]
     dropped1 = jnp.sum(jnp.where(to_th & ~kept_th, jnp.sum(here_thk, axis=2), 0))
 
     # hop 2: the received assignments by expert of this host, position order over (row, choice)

@@ -1,0 +1,132 @@
+"""``moefast bench gpu-compile --ablate``: lever tables estimated for GPUs (compiled, nothing run).
+
+Each row compiles the train step for compile-only GPUs (:func:`moefast.bench.gpu_compile.gpu_compile`)
+and reads XLA's trip-weighted estimate of its costing twin (:mod:`moefast.bench.gpu_schedule`):
+estimated step, its exposed collectives, the worst loop body's exposed share, the estimated model
+TFLOP/s per GPU, and the program's own peak memory. Two tables:
+
+* ``levers`` (``--ablate``): the seed's levers, each alone against a baseline with all of them off
+  (:data:`SEED_BASELINE`), and all together;
+* ``exchange`` (``--ablate exchange``): the expert exchange's levers (:data:`EXCHANGE_LEVERS`), each
+  alone added to the config as given (the baseline), and all together; for expert-parallel
+  configs across hosts (``--network``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Callable
+
+__all__ = ["EXCHANGE_LEVERS", "SEED_BASELINE", "SEED_LEVERS", "ablate", "format_ablation", "run_ablation"]
+
+# The levers of the seed's table, each a switch of its own (the baseline has them all off).
+SEED_BASELINE = ["cache.tables=false", "moe.dispatch=onehot", "moe.routing_impl=reference",
+                 "model.attention_impl=blocked", "moe.overlap_chunks=1"]
+SEED_LEVERS = {
+    "+caching (positional tables and mask once per step)": ["cache.tables=true"],
+    "+slot dispatch (vs GShard one-hot einsums)": ["moe.dispatch=slot"],
+    "+fused routing kernel (vs reference routing)": ["moe.routing_impl=auto"],
+    "+fused attention (vs block-causal einsums)": ["model.attention_impl=auto"],
+    "+overlap (expert exchange in 2 chunks)": ["moe.overlap_chunks=2"],
+    "+overlap (expert exchange in 4 chunks)": ["moe.overlap_chunks=4"],
+}
+# The expert exchange's levers across hosts, each added to the config as given.
+EXCHANGE_LEVERS = {
+    "+hierarchical exchange (node-limited: once per host, then NVLink)": ["moe.exchange=hierarchical"],
+    "+FP8 dispatch (e4m3, a scale per 128 channels)": ["moe.dispatch_dtype=float8_e4m3fn"],
+    "+4 collectives in flight (XLA's parallel collective overlap limit)": ["overlap.collectives_in_flight=4"],
+}
+TABLES = ("levers", "exchange")
+
+
+def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: str = "h100", devices: str = "8",
+           network: str | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
+    """The rows of lever table ``table`` (module docstring).
+
+    Raises:
+      ValueError: an unknown ``table``.
+      ConfigError: ``levers`` on a dropless config (the baseline's one-hot dispatch needs a
+        capacity); ``exchange`` on a config without an expert axis across hosts.
+
+    Returns:
+      One dict per row: ``name``, ``overrides``, ``step`` (estimate; µs under XLA's speed-of-light
+      estimator), ``speedup`` (baseline / row), ``exposed`` and ``exposed_all_to_all`` (shares of the
+      row's step), ``worst_body`` (the largest exposed share of a loop body), ``tflops`` (estimated
+      model TFLOP/s per GPU), ``unit``, ``peak_bytes``, ``fits``.
+    """
+    from moefast.bench.gpu_compile import gpu_compile, parse_devices
+    from moefast.config import ConfigError, load_config
+    from moefast.parallel import mesh_shape
+
+    if table not in TABLES:
+        raise ValueError(f"--ablate {table!r}: the tables are {', '.join(TABLES)}")
+    cfg = load_config(config, list(overrides or []))
+    hosts, per_host = parse_devices(devices)
+    ep = mesh_shape(cfg, hosts * per_host)["expert"]
+    if table == "levers":
+        if cfg.moe.dropless:
+            raise ConfigError("moe.capacity_factor: --ablate compares against GShard's one-hot dispatch, which needs a "
+                              "capacity; dropless (0) has none: compile it without --ablate, or set a capacity_factor > 0")
+        base = SEED_BASELINE
+        rows = [("baseline", [])] + [(k, v) for k, v in SEED_LEVERS.items() if ep > 1 or "overlap" not in k]
+        rows.append(("all levers", [o for name, v in rows for o in v if "4 chunks" not in name]))  # 2 chunks
+    else:
+        if ep <= per_host or hosts == 1:
+            raise ConfigError(f"--ablate exchange compares ways of crossing hosts: the expert axis ({ep}) must span "
+                              f"several hosts of --devices {devices}")
+        base = []
+        rows = [("baseline (the config as given)", [])] + list(EXCHANGE_LEVERS.items())
+        rows.append(("all levers", [o for _, v in EXCHANGE_LEVERS.items() for o in v]))
+    out = []
+    for name, extra in rows:
+        if log:
+            log(f"[{name}]")
+        r = gpu_compile(config, [*(overrides or []), *base, *extra], gpu=gpu, devices=devices, network=network)
+        e = r.estimate or {}
+        step = e.get("step", 0.0)
+        gpus = hosts * per_host
+        bodies = [c["exposed"] / c["length"] for c in e.get("computations", []) if c["loop_body"] and c["length"]]
+        out.append({"name": name, "overrides": extra, "step": step, "unit": e.get("unit", ""),
+                    "exposed": e.get("exposed", 0.0) / step if step else 0.0,
+                    "exposed_all_to_all": e.get("exposed_by_kind", {}).get("all-to-all", 0.0) / step if step else 0.0,
+                    "worst_body": max(bodies, default=0.0),
+                    "tflops": r.model_flops_per_step / (step / 1e6) / gpus / 1e12 if step and e.get("unit") == "µs"
+                    else None,
+                    "peak_bytes": r.peak_bytes, "fits": r.fits, "baseline": base})
+    for row in out:
+        row["speedup"] = out[0]["step"] / row["step"] if row["step"] else float("nan")
+    return out
+
+
+def format_ablation(rows: list[dict]) -> str:
+    unit = rows[0]["unit"] if rows else ""
+    lines = [f"| variant | estimated step ({unit}) | speed-up vs baseline | exposed collectives | exposed all-to-all | "
+             "worst loop body exposed | model TFLOP/s per GPU | peak GiB per GPU | overrides |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        tf = "n/a" if r["tflops"] is None else f"{r['tflops']:,.0f}"
+        over = " ".join(r["overrides"]) or ("(" + " ".join(r["baseline"]) + ")" if r["baseline"] else "")
+        lines.append(f"| {r['name']} | {r['step']:,.0f} | {r['speedup']:.2f}x | {r['exposed']:.1%} | "
+                     f"{r['exposed_all_to_all']:.1%} | {r['worst_body']:.1%} | {tf} | {r['peak_bytes'] / 2**30:.2f}"
+                     f"{'' if r['fits'] else ' (does not fit)'} | {over} |")
+    return "\n".join(lines)
+
+
+def run_ablation(table: str, *, json_out: str | None, config: str | None, overrides: list[str] | None, gpu: str,
+                 devices: str, network: str | None) -> int:
+    import jax
+
+    rows = ablate(table, config, overrides, gpu=gpu, devices=devices, network=network, log=print)
+    header = (f"Lever table '{table}' estimated for {devices} x {gpu} (compiled, nothing run; XLA's speed-of-light "
+              f"latency estimator on each row's costing twin, loop bodies x trip counts, "
+              f"{'network ' + network if network else 'XLA default network'}, no autotuning: an estimate, not a "
+              f"measurement), jax {jax.__version__}, {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%MZ')}; "
+              f"config {config or 'configs/tiny.yaml'} {' '.join(overrides or [])}")
+    text = format_ablation(rows)
+    print(f"\n{header}\n\n{text}")
+    if json_out:
+        from moefast.bench.process import write_results
+
+        write_results(json_out, {"table": table, "rows": rows, "gpu": gpu, "devices": devices, "network": network},
+                      f"{header}\n\n{text}\n")
+    return 0
