@@ -128,6 +128,9 @@ class ScheduleEstimate:
     unknown_trips: list[str]  # loops whose trip count XLA did not know (counted once)
     gemms: list[GemmRate]
     once: dict[str, float]  # the scheduler's own statistics summed with every computation once (pre-schedule)
+    # collectives between hosts XLA's speed-of-light model cannot cost (charged its fixed 5,000):
+    # {"count": trip-weighted, "bytes": per device and step, "exposed": the step's wait on them}
+    fallback: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def is_time(self) -> bool:
@@ -201,7 +204,8 @@ def _label(ops: list[str]) -> str:
     return "backward" if backward > len(ops) / 2 else "forward"
 
 
-def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *, time_unit: bool) -> ScheduleEstimate | None:
+def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *, time_unit: bool,
+                  gpus_per_node: int = 8) -> ScheduleEstimate | None:
     """The trip-weighted estimate of the train step from a compilation's dump.
 
     Args:
@@ -210,6 +214,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
       hosts_of_partition: the host of each SPMD partition (``mesh.devices.flat[p].process_index``).
       time_unit: whether the estimator's costs are microseconds (the speed-of-light estimator) or
         XLA's fixed per-operation costs.
+      gpus_per_node: the network model's (``gpus_per_node``; XLA's default 8).
 
     Returns:
       ``None`` when XLA wrote no schedule (its scheduler did not run).
@@ -275,9 +280,23 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         cross = any(len({hosts_of_partition[i] for i in g}) > 1 for g in groups)
         return BETWEEN if cross else INSIDE
 
+    def uncosted(start_name: str) -> bool:
+        """XLA's speed-of-light model cannot cost a collective between hosts whose replica groups
+        do not divide its GPUs per node (SolGPUCostModel::NumGpusPerComm returns an error): the
+        scheduler then charges the fixed-cost estimator's 5,000 as microseconds."""
+        if not time_unit or tier(start_name) != BETWEEN:
+            return False
+        attrs = raw.get(start_name, "")
+        ins = module.instrs.get(start_name)
+        if ins is not None and ins.opcode == "async-start":
+            attrs = " ".join(raw.get(nm, "") for comp in ins.calls for nm in module.computations.get(comp, []))
+        groups = _groups(attrs, len(hosts_of_partition))
+        return groups is not None and gpus_per_node % len(groups) != 0
+
     comps, once = [], collections.Counter()
     step = exposed = 0.0
     by_kind, by_tier, bytes_tier = collections.Counter(), collections.Counter(), collections.Counter()
+    fallback = {"count": 0, "bytes": 0, "exposed": 0.0}
     gemm_acc = collections.defaultdict(lambda: [0, 0.0, 0.0, []])
     for block in blocks:
         st = re.search(r"scheduler_statistics \{([^}]*)\}", block)
@@ -297,17 +316,19 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
             done = module._users_of_async.get(name)
             kind = module._wrapped_kind(module.instrs[name]) if name in module.instrs else None
             if kind and done in at:
-                flight.append((e, at[done][0], kind, tier(name)))
+                flight.append((e, at[done][0], kind, tier(name), uncosted(name)))
         length, prev, gap_kind, ex = 0.0, 0.0, collections.Counter(), 0.0
         for name, s, e in ordered:
             if s - prev > 1e-9:  # the compute stream idles: on what is in flight then
-                hits = [(min(s, b) - max(prev, a), k, t) for a, b, k, t in flight if min(s, b) > max(prev, a)]
+                hits = [(min(s, b) - max(prev, a), k, t, u) for a, b, k, t, u in flight if min(s, b) > max(prev, a)]
                 if hits:
-                    share = min(s - prev, max(h for h, _, _ in hits)) / sum(h for h, _, _ in hits)
-                    for h, k, t in hits:
+                    share = min(s - prev, max(h[0] for h in hits)) / sum(h[0] for h in hits)
+                    for h, k, t, u in hits:
                         gap_kind[k] += h * share
                         ex += h * share
                         by_tier[t] += h * share * w
+                        if u:
+                            fallback["exposed"] += h * share * w
             prev = max(prev, e)
             length = max(length, e)
             ins = module.instrs.get(name)
@@ -327,6 +348,9 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
                 done = module._users_of_async.get(nm)
                 shape = module.instrs[done].shape if done else ins.shape
                 bytes_tier[tier(nm)] += shape_bytes(shape) * w
+                if uncosted(nm):
+                    fallback["count"] += w
+                    fallback["bytes"] += shape_bytes(shape) * w
         ops = [module.instrs[n].op_name for n, _, _ in named if module.instrs[n].op_name]
         label = _label(ops) + " loop body" if comp in loop_bodies else "outside loops" if comp == module.entry \
             else "called"
@@ -344,7 +368,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         exposed_by_tier=dict(by_tier), bytes_by_tier=dict(bytes_tier),
         computations=sorted(comps, key=lambda c: -c.length * c.trips),
         unscheduled_loops=sorted(b for b in loop_bodies if b not in scheduled), unknown_trips=sorted(set(unknown)),
-        gemms=gemms, once=dict(once))
+        gemms=gemms, once=dict(once), fallback=fallback)
 
 
 def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, peak_tflops: float | None,
@@ -380,6 +404,11 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
         b = est["bytes_by_tier"].get(t, 0.0)
         lines.append(f"| &nbsp; {t}: exposed / collective bytes per GPU and step | {v:,.0f} ({v / step:.1%}) / "
                      f"{b / 2**30:,.2f} GiB |")
+    fb = est.get("fallback") or {}
+    if fb.get("count"):
+        lines.append(f"| collectives between hosts XLA's model cannot cost (more replica groups than GPUs per node: each "
+                     f"charged its fixed 5,000 µs): count / bytes / exposed | {fb['count']:,} / {fb['bytes'] / 2**30:,.2f} "
+                     f"GiB / {fb.get('exposed', 0):,.0f} ({fb.get('exposed', 0) / step:.1%}) |")
     if as_compiled and as_compiled.get("step"):
         lines.append(f"| the program as compiled (float32 weight-gradient GEMMs costed by XLA's fallback) | "
                      f"{as_compiled['step']:,.0f} {unit} ({as_compiled['step'] / step:.2f}x the twin) |")
