@@ -9,7 +9,7 @@ and on a CPU, tiny and in the Pallas interpreter, to check the script itself::
 
     python scripts/gpu_check.py --cpu-smoke --out /tmp/gpu_check_smoke.json
 
-One file on purpose (~750 lines): the project keeps ONE script that checks and times every GPU path, copied
+One file on purpose (~800 lines): the project keeps ONE script that checks and times every GPU path, copied
 as it is to a lent GPU machine whose time is short. Checks, in order (each a function registered with
 :func:`register_check`; add checks the same way):
 
@@ -47,6 +47,9 @@ as it is to a lent GPU machine whose time is short. Checks, in order (each a fun
    ``--train-reserve-s`` of the budget, ``memory`` ``--memory-reserve-s``: each check's deadline
    leaves the reserves of the checks after it, and a check that would not fit says "skipped
    (budget ...)"; ``--only train_step`` gives it the whole budget.
+8. ``estimate`` — calibration of ``moefast bench gpu-compile``'s estimate: the "all levers" step of
+   ``train_step`` compiled for a compile-only copy of this GPU (``target``'s files), XLA's estimated
+   step (speed-of-light estimator, costing twin) next to the measured one, and their ratio.
 
 Every row goes into one markdown table per check on stdout and into the JSON file (``--out``).
 Timings are medians of ``--runs`` runs (train steps: ``--train-runs``) after a warm-up, each ended
@@ -621,6 +624,7 @@ def check_train_step(ctx: Context) -> list[dict]:
                  *([f"train.peak_tflops={ctx.args.peak_tflops}"] if ctx.args.peak_tflops else [])]
     r = bench_train(config, overrides, steps=ctx.args.train_runs, rounds=2, ablate=True)
     base, every = r.records[0].tokens_per_s, r.records[-1].tokens_per_s
+    ctx.shared["train_step_ms"] = r.records[-1].step_ms  # all levers: the config as it trains (estimate check)
     rows = [{"variant": "config", "status": "ok", "config": r.config, "overrides": " ".join(overrides),
              "tokens_per_step": r.tokens_per_step, "model_flops_per_token": r.model_flops_per_token,
              "peak_tflops": r.peak_tflops, "peak_source": r.peak_source, "mesh": r.mesh}]
@@ -631,6 +635,43 @@ def check_train_step(ctx: Context) -> list[dict]:
                      "memory_GiB": None if v.memory_bytes is None else v.memory_bytes / 2**30,
                      "compile_s": v.compile_s, "settings": " ".join(v.settings)})
     return rows
+
+
+@register_check("estimate")
+def check_estimate(ctx: Context) -> list[dict]:
+    """Calibration of ``moefast bench gpu-compile``'s estimate: the same step as ``train_step``'s
+    "all levers" row (``configs/h200_1b.yaml`` with :data:`TRAIN_GPU_OVERRIDES`, one GPU) compiled
+    for a compile-only copy of this GPU (the target description and autotuning results the
+    ``target`` check saved) in a subprocess, its estimated step (XLA's speed-of-light estimator,
+    costing twin) next to the step measured by ``train_step``, and their ratio."""
+    import subprocess
+    import tempfile
+
+    if ctx.args.cpu_smoke:
+        return [{"status": "skipped (CPU: nothing measured to calibrate against)"}]
+    measured = ctx.shared.get("train_step_ms")
+    out = os.path.splitext(os.path.abspath(ctx.args.out))[0] + "_xla"
+    target, autotune = os.path.join(out, "gpu_target_config.txtpb"), os.path.join(out, "autotune_results.txtpb")
+    if measured is None or not os.path.isfile(target):
+        return [{"status": "skipped (needs the train_step and target checks' results)"}]
+    if ctx.time_left() < 90:
+        return [{"status": f"skipped (budget: {ctx.time_left():.0f} s left, needs ~90 s)"}]
+    with tempfile.TemporaryDirectory() as tmp:
+        js = os.path.join(tmp, "estimate.json")
+        cmd = [sys.executable, "-m", "moefast", "bench", "gpu-compile", "--config",
+               os.path.join(REPO, "configs", "h200_1b.yaml"), "--gpu", target, "--devices", "1", "--json", js,
+               *(["--autotune", autotune] if os.path.isfile(autotune) else []), *TRAIN_GPU_OVERRIDES,
+               *ctx.args.train_override]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, int(ctx.time_left())))
+        if proc.returncode != 0 or not os.path.isfile(js):
+            return [error_row(status="error", stderr=proc.stderr[-2000:])]
+        with open(js) as f:
+            est = json.load(f)["estimate"] or {}
+    step = est.get("step")
+    if not step or est.get("unit") != "µs":
+        return [{"status": "error", "why": f"no estimate in microseconds ({est.get('unit')})"}]
+    return [{"status": "ok", "estimated_step_ms": step / 1e3, "measured_step_ms": measured,
+             "measured_over_estimate": measured / (step / 1e3), "estimated_exposed": est["exposed"] / step}]
 
 
 # --- Driver -----------------------------------------------------------------------------------------

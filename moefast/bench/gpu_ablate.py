@@ -86,7 +86,13 @@ def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: 
         step = e.get("step", 0.0)
         gpus = hosts * per_host
         bodies = [c["exposed"] / c["length"] for c in e.get("computations", []) if c["loop_body"] and c["length"]]
+        rc = e.get("recosted") or {}
+        rbodies = [c["recosted_exposed"] / c["recosted_length"] for c in e.get("computations", [])
+                   if c["loop_body"] and c.get("recosted_length")]
         out.append({"name": name, "overrides": extra, "step": step, "unit": e.get("unit", ""),
+                    "recosted_step": rc.get("step", 0.0),
+                    "recosted_exposed": rc["exposed"] / rc["step"] if rc.get("step") else 0.0,
+                    "recosted_worst_body": max(rbodies, default=0.0),
                     "exposed": e.get("exposed", 0.0) / step if step else 0.0,
                     "exposed_all_to_all": e.get("exposed_by_kind", {}).get("all-to-all", 0.0) / step if step else 0.0,
                     "worst_body": max(bodies, default=0.0),
@@ -95,20 +101,33 @@ def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: 
                     "peak_bytes": r.peak_bytes, "fits": r.fits, "baseline": base})
     for row in out:
         row["speedup"] = out[0]["step"] / row["step"] if row["step"] else float("nan")
+        row["recosted_speedup"] = out[0]["recosted_step"] / row["recosted_step"] if row["recosted_step"] else float("nan")
+        row["recosted_tflops"] = (row["tflops"] * row["step"] / row["recosted_step"]
+                                  if row["tflops"] and row["recosted_step"] else None)
     return out
 
 
 def format_ablation(rows: list[dict]) -> str:
+    """Two column groups per row: XLA's estimate, then the same schedule replayed with the
+    collectives between hosts re-costed (:mod:`moefast.bench.gpu_schedule`)."""
     unit = rows[0]["unit"] if rows else ""
-    lines = [f"| variant | estimated step ({unit}) | speed-up vs baseline | exposed collectives | exposed all-to-all | "
-             "worst loop body exposed | model TFLOP/s per GPU | peak GiB per GPU | overrides |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    recost = any(r.get("recosted_step") for r in rows)
+    head = (f"| variant | XLA: step ({unit}) | speed-up | exposed | exposed all-to-all | worst loop body exposed | "
+            "model TFLOP/s per GPU |")
+    rule = "|---|---:|---:|---:|---:|---:|---:|"
+    if recost:
+        head += " re-costed: step (µs) | speed-up | exposed | worst loop body exposed | model TFLOP/s per GPU |"
+        rule += "---:|---:|---:|---:|---:|"
+    lines = [head + " peak GiB per GPU | overrides |", rule + "---:|---|"]
+    num = lambda v: "n/a" if v is None else f"{v:,.0f}"
     for r in rows:
-        tf = "n/a" if r["tflops"] is None else f"{r['tflops']:,.0f}"
         over = " ".join(r["overrides"]) or ("(" + " ".join(r["baseline"]) + ")" if r["baseline"] else "")
-        lines.append(f"| {r['name']} | {r['step']:,.0f} | {r['speedup']:.2f}x | {r['exposed']:.1%} | "
-                     f"{r['exposed_all_to_all']:.1%} | {r['worst_body']:.1%} | {tf} | {r['peak_bytes'] / 2**30:.2f}"
-                     f"{'' if r['fits'] else ' (does not fit)'} | {over} |")
+        line = (f"| {r['name']} | {r['step']:,.0f} | {r['speedup']:.2f}x | {r['exposed']:.1%} | "
+                f"{r['exposed_all_to_all']:.1%} | {r['worst_body']:.1%} | {num(r['tflops'])} |")
+        if recost:
+            line += (f" {r['recosted_step']:,.0f} | {r['recosted_speedup']:.2f}x | {r['recosted_exposed']:.1%} | "
+                     f"{r['recosted_worst_body']:.1%} | {num(r['recosted_tflops'])} |")
+        lines.append(line + f" {r['peak_bytes'] / 2**30:.2f}{'' if r['fits'] else ' (does not fit)'} | {over} |")
     return "\n".join(lines)
 
 

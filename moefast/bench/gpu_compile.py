@@ -455,8 +455,8 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         module = HloModule(text)
         ragged = any(i.opcode.startswith("ragged-all-to-all") for i in module.instrs.values())
         hosts_of = [d.process_index for d in trainer.mesh.devices.flat]
-        per_node = int(network_options(network).get("gpus_per_node", 8)) if network else 8
-        as_compiled = read_estimate(dump, text, hosts_of, time_unit=not ragged, gpus_per_node=per_node)
+        net = network_options(network) if network else None
+        as_compiled = read_estimate(dump, text, hosts_of, time_unit=not ragged, network=net)
         estimated = as_compiled
         if twin:
             log("compiling its costing twin for XLA's estimate (weight-gradient GEMMs with bf16 results) ...")
@@ -465,7 +465,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
                 lowered = twin_trainer.lower_train_step()
             twin_dump = os.path.join(tmp, "twin-dump")
             twin_text = _compile(lowered, options, twin_dump, autotune).as_text()
-            estimated = read_estimate(twin_dump, twin_text, hosts_of, time_unit=not ragged, gpus_per_node=per_node)
+            estimated = read_estimate(twin_dump, twin_text, hosts_of, time_unit=not ragged, network=net)
 
     def shard_bytes(tree):
         return int(sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree)))

@@ -29,7 +29,16 @@ estimator's 1 µs per dependency edge). Each computation counts ``trips`` times:
 ``known_trip_count`` of the loops around it (1 for the entry). Computations the scheduler left out
 (no asynchronous collective inside) are listed, not estimated.
 
-One defect of the estimator to know: its GEMM table holds bf16 x bf16 -> bf16, f32 and fp8 GEMMs,
+XLA's speed-of-light model also mis-costs collectives between hosts on meshes with several groups
+per collective (data x expert): ``SolGPUCostModel::NumGpusPerComm`` divides the GPUs per node by
+the number of replica groups, which fails when they do not divide it (the scheduler then charges the
+fixed-cost estimator's 5,000, read as microseconds), and the call takes a group's size as its
+number of hosts. :func:`read_estimate` therefore also replays each computation's schedule with
+every collective between hosts costed by XLA's own formulas on the group's real shape
+(:func:`between_hosts_us`), the others keeping the time XLA's schedule gave them; replayed with
+XLA's own times, the replay reproduces XLA's length to 0.1 %.
+
+Another defect of the estimator to know: its GEMM table holds bf16 x bf16 -> bf16, f32 and fp8 GEMMs,
 not bf16 x bf16 -> f32, and a fallback interpolator costs those (the weight gradients moefast
 accumulates in float32, and any bf16 GEMM whose float32 cast XLA fuses into it: the key is the
 fusion's result type) at about 12 TFLOP/s, some 60x below what the same table gives the same
@@ -45,6 +54,7 @@ import dataclasses
 import glob
 import os
 import re
+import math
 import statistics
 from pathlib import Path
 
@@ -93,6 +103,60 @@ def network_flag(network: str) -> str:
     return _XLA_FLAG + "=" + ",".join(f"{k}={v}" for k, v in network_options(network).items())
 
 
+# XLA's SolGPUCostModel values for "NVIDIA H100 80GB HBM3" (sol_gpu_cost_model.cc), where a
+# network file leaves a key out
+_XLA_H100 = {"nccl_op_launch_us": 45.0, "nic_speed_gbps": 25.0, "chunk_prep_us": 6.0, "rtt_us": 31.0,
+             "gpus_per_node": 8.0, "chunk_size_bytes": 4194304.0}
+_HEADER_OVERHEAD = 0.025  # SolGPUCostModel's kHeaderOverhead on every transfer
+
+
+def between_hosts_us(kind: str, nbytes: float, group: int, per_host: int, net: dict[str, str] | None) -> float:
+    """A collective between hosts costed with XLA's own speed-of-light formulas
+    (``SolGPUCostModel::AllToAllLatency`` and ``RingLatency``) and the network's options, with the
+    group's real shape: ``group`` members, ``per_host`` of them on each host. XLA's own call takes
+    the group size as the number of hosts and divides the GPUs per node by the number of groups,
+    which fails (a fixed 5,000 µs) or treats every peer as remote on data x expert meshes.
+
+    Args:
+      kind: ``all-to-all``, ``all-gather``, ``reduce-scatter`` or ``all-reduce``.
+      nbytes: bytes per device XLA's cost analysis moves (an all-to-all's or all-gather's result, a
+        reduce-scatter's operand, an all-reduce's result).
+
+    Returns:
+      Microseconds.
+    """
+    o = {**_XLA_H100, **{k: float(v) for k, v in (net or {}).items()}}
+
+    def hop(b: float) -> float:  # one message: its transfer over the NIC, its chunks' preparation and a round trip
+        return (b / (o["nic_speed_gbps"] * 1e3)) * (1 + _HEADER_OVERHEAD) + \
+            math.ceil(b / o["chunk_size_bytes"]) * o["chunk_prep_us"] + o["rtt_us"]
+
+    n = max(group, 2)
+    if kind == "all-to-all":
+        return (n - per_host) * hop(nbytes / (n - 1)) + o["nccl_op_launch_us"]
+    rounds = 2 if kind == "all-reduce" else 1
+    return hop(nbytes / n) * (n - 1) / per_host * rounds + o["nccl_op_launch_us"]
+
+
+def _replay(ordered, pairs: dict[str, str], latency: dict[str, float]):
+    """XLA's schedule of one computation replayed with other collective latencies: the
+    instructions in its order, each for its own estimated time, a ``*-done`` waiting until its start
+    plus ``latency[start]``. Returns (length, {start: wait})."""
+    t, started, waits = 0.0, {}, collections.Counter()
+    done_of = {d: st for st, d in pairs.items()}
+    for name, s, e in ordered:
+        st = done_of.get(name)
+        if st is not None and st in started:
+            ready = started[st] + latency[st]
+            if ready > t:
+                waits[st] += ready - t
+                t = ready
+        t += e - s
+        if name in pairs:
+            started[name] = t
+    return t, waits
+
+
 @dataclasses.dataclass
 class ComputationEstimate:
     name: str
@@ -102,6 +166,8 @@ class ComputationEstimate:
     exposed_by_kind: dict[str, float]
     loop_body: bool
     label: str = ""  # what runs in it (from the JAX operations it holds): "forward layer", ...
+    recosted_length: float = 0.0  # replayed with the collectives between hosts re-costed (once)
+    recosted_exposed: float = 0.0
 
 
 @dataclasses.dataclass
@@ -131,6 +197,10 @@ class ScheduleEstimate:
     # collectives between hosts XLA's speed-of-light model cannot cost (charged its fixed 5,000):
     # {"count": trip-weighted, "bytes": per device and step, "exposed": the step's wait on them}
     fallback: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the same schedule replayed with every collective between hosts costed by XLA's formulas on the
+    # group's real shape (between_hosts_us), the others keeping the time XLA's schedule gave them:
+    # {"step", "exposed", "exposed_by_kind", "exposed_by_tier"}
+    recosted: dict = dataclasses.field(default_factory=dict)
 
     @property
     def is_time(self) -> bool:
@@ -205,7 +275,7 @@ def _label(ops: list[str]) -> str:
 
 
 def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *, time_unit: bool,
-                  gpus_per_node: int = 8) -> ScheduleEstimate | None:
+                  network: dict[str, str] | None = None) -> ScheduleEstimate | None:
     """The trip-weighted estimate of the train step from a compilation's dump.
 
     Args:
@@ -214,12 +284,14 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
       hosts_of_partition: the host of each SPMD partition (``mesh.devices.flat[p].process_index``).
       time_unit: whether the estimator's costs are microseconds (the speed-of-light estimator) or
         XLA's fixed per-operation costs.
-      gpus_per_node: the network model's (``gpus_per_node``; XLA's default 8).
+      network: the network model's options (:func:`network_options`; ``None``: XLA's defaults).
 
     Returns:
       ``None`` when XLA wrote no schedule (its scheduler did not run).
     """
     from moefast.parallel.hlo import HloModule, shape_bytes
+
+    gpus_per_node = int(float((network or {}).get("gpus_per_node", 8)))
 
     files = [f for f in glob.glob(os.path.join(dump_dir, "*schedule.txt")) if "train" in os.path.basename(f)
              or "counted_step" in os.path.basename(f)] or glob.glob(os.path.join(dump_dir, "*schedule.txt"))
@@ -280,23 +352,35 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         cross = any(len({hosts_of_partition[i] for i in g}) > 1 for g in groups)
         return BETWEEN if cross else INSIDE
 
+    def attrs_of(start_name: str) -> str:
+        ins = module.instrs.get(start_name)
+        if ins is not None and ins.opcode == "async-start":
+            return " ".join(raw.get(nm, "") for comp in ins.calls for nm in module.computations.get(comp, []))
+        return raw.get(start_name, "")
+
+    def group_shape(start_name: str) -> tuple[int, int] | None:
+        """(members of each replica group, members per host) of a collective whose groups all
+        have that shape; ``None`` otherwise."""
+        groups = _groups(attrs_of(start_name), len(hosts_of_partition))
+        if groups is None:
+            groups = [list(range(len(hosts_of_partition)))]
+        shapes = {(len(g), max(collections.Counter(hosts_of_partition[i] for i in g).values())) for g in groups}
+        return shapes.pop() if len(shapes) == 1 else None
+
     def uncosted(start_name: str) -> bool:
         """XLA's speed-of-light model cannot cost a collective between hosts whose replica groups
         do not divide its GPUs per node (SolGPUCostModel::NumGpusPerComm returns an error): the
         scheduler then charges the fixed-cost estimator's 5,000 as microseconds."""
         if not time_unit or tier(start_name) != BETWEEN:
             return False
-        attrs = raw.get(start_name, "")
-        ins = module.instrs.get(start_name)
-        if ins is not None and ins.opcode == "async-start":
-            attrs = " ".join(raw.get(nm, "") for comp in ins.calls for nm in module.computations.get(comp, []))
-        groups = _groups(attrs, len(hosts_of_partition))
+        groups = _groups(attrs_of(start_name), len(hosts_of_partition))
         return groups is not None and gpus_per_node % len(groups) != 0
 
     comps, once = [], collections.Counter()
     step = exposed = 0.0
     by_kind, by_tier, bytes_tier = collections.Counter(), collections.Counter(), collections.Counter()
     fallback = {"count": 0, "bytes": 0, "exposed": 0.0}
+    recost = {"step": 0.0, "exposed": 0.0, "by_kind": collections.Counter(), "by_tier": collections.Counter()}
     gemm_acc = collections.defaultdict(lambda: [0, 0.0, 0.0, []])
     for block in blocks:
         st = re.search(r"scheduler_statistics \{([^}]*)\}", block)
@@ -312,11 +396,28 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         ordered = sorted(timeline, key=lambda t: (t[1], t[2]))
         at = {name: (s, e) for name, s, e in ordered}
         flight = []  # (from, to, kind, tier): an asynchronous collective in flight
+        pairs, latency, pair_kind = {}, {}, {}
         for name, s, e in ordered:
             done = module._users_of_async.get(name)
             kind = module._wrapped_kind(module.instrs[name]) if name in module.instrs else None
             if kind and done in at:
                 flight.append((e, at[done][0], kind, tier(name), uncosted(name)))
+                pairs[name], pair_kind[name] = done, (kind, tier(name))
+                latency[name] = at[done][0] - e  # what XLA's schedule gave it (exact where the done waited)
+                if time_unit and tier(name) == BETWEEN:
+                    shape = group_shape(name)
+                    if shape:
+                        size = shape_bytes(module.instrs[done].shape)
+                        if kind == "reduce-scatter":
+                            size *= shape[0]
+                        latency[name] = between_hosts_us(kind, size, shape[0], shape[1], network)
+        re_len, re_waits = _replay(ordered, pairs, latency)
+        re_ex = sum(re_waits.values())
+        for st, v in re_waits.items():
+            recost["by_kind"][pair_kind[st][0]] += v * w
+            recost["by_tier"][pair_kind[st][1]] += v * w
+        recost["step"] += re_len * w
+        recost["exposed"] += re_ex * w
         length, prev, gap_kind, ex = 0.0, 0.0, collections.Counter(), 0.0
         for name, s, e in ordered:
             if s - prev > 1e-9:  # the compute stream idles: on what is in flight then
@@ -355,7 +456,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         label = _label(ops) + " loop body" if comp in loop_bodies else "outside loops" if comp == module.entry \
             else "called"
         comps.append(ComputationEstimate(comp, w, length, ex, {k: v for k, v in gap_kind.items() if k != "other"},
-                                         comp in loop_bodies, label))
+                                         comp in loop_bodies, label, re_len, re_ex))
         step += length * w
         exposed += ex * w
         for k, v in gap_kind.items():
@@ -368,7 +469,9 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         exposed_by_tier=dict(by_tier), bytes_by_tier=dict(bytes_tier),
         computations=sorted(comps, key=lambda c: -c.length * c.trips),
         unscheduled_loops=sorted(b for b in loop_bodies if b not in scheduled), unknown_trips=sorted(set(unknown)),
-        gemms=gemms, once=dict(once), fallback=fallback)
+        gemms=gemms, once=dict(once), fallback=fallback,
+        recosted={"step": recost["step"], "exposed": recost["exposed"], "exposed_by_kind": dict(recost["by_kind"]),
+                  "exposed_by_tier": dict(recost["by_tier"])} if time_unit else {})
 
 
 def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, peak_tflops: float | None,
@@ -404,6 +507,18 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
         b = est["bytes_by_tier"].get(t, 0.0)
         lines.append(f"| &nbsp; {t}: exposed / collective bytes per GPU and step | {v:,.0f} ({v / step:.1%}) / "
                      f"{b / 2**30:,.2f} GiB |")
+    rc = est.get("recosted") or {}
+    if rc.get("step"):
+        rs = rc["step"]
+        lines.append(f"| **replayed with the collectives between hosts re-costed** (XLA's own formulas on each group's "
+                     f"real shape, moefast.bench.gpu_schedule.between_hosts_us; XLA's schedule and other costs kept): "
+                     f"step time (estimate) | **{rs / 1e6:,.3f} s** |")
+        tf = model_flops / (rs / 1e6) / gpus / 1e12
+        lines.append(f"| &nbsp; model TFLOP/s per GPU / MFU (estimate, re-costed) | {tf:,.1f}"
+                     + (f" / {tf / peak_tflops:.1%}" if peak_tflops else "") + " |")
+        lines.append(f"| &nbsp; exposed (re-costed) | {rc['exposed']:,.0f} µs ({rc['exposed'] / rs:.1%}): "
+                     + ", ".join(f"{k} {v / rs:.1%}" for k, v in sorted(rc["exposed_by_kind"].items(), key=lambda kv: -kv[1]))
+                     + "; " + ", ".join(f"{k} {v / rs:.1%}" for k, v in sorted(rc["exposed_by_tier"].items())) + " |")
     fb = est.get("fallback") or {}
     if fb.get("count"):
         lines.append(f"| collectives between hosts XLA's model cannot cost (more replica groups than GPUs per node: each "
@@ -412,19 +527,20 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
     if as_compiled and as_compiled.get("step"):
         lines.append(f"| the program as compiled (float32 weight-gradient GEMMs costed by XLA's fallback) | "
                      f"{as_compiled['step']:,.0f} {unit} ({as_compiled['step'] / step:.2f}x the twin) |")
-    lines += ["", f"| scheduled computation | trips | length ({unit}, once) | x trips | exposed | share of step |",
-              "|---|---:|---:|---:|---:|---:|"]
+    lines += ["", f"| scheduled computation | trips | length ({unit}, once) | x trips | exposed | share of step | "
+              "exposed, re-costed |", "|---|---:|---:|---:|---:|---:|---:|"]
     for c in est["computations"]:
         share = c["length"] * c["trips"] / step
         if share < 0.005 and c["exposed"] / max(c["length"], 1e-9) < 0.25:
             continue
+        rex = f"{c['recosted_exposed'] / c['recosted_length']:.1%}" if c.get("recosted_length") else "—"
         lines.append(f"| {c['label']} `{c['name']}` | {c['trips']} | {c['length']:,.0f} | {c['length'] * c['trips']:,.0f} | "
-                     f"{c['exposed'] / max(c['length'], 1e-9):.1%} | {share:.1%} |")
+                     f"{c['exposed'] / max(c['length'], 1e-9):.1%} | {share:.1%} | {rex} |")
     if est["unscheduled_loops"]:
         lines.append(f"| loop bodies without an asynchronous collective (not scheduled, not in the estimate) | "
-                     f"{len(est['unscheduled_loops'])} | | | | |")
+                     f"{len(est['unscheduled_loops'])} | | | | | |")
     if est["unknown_trips"]:
-        lines.append(f"| loops of unknown trip count (counted once) | {len(est['unknown_trips'])} | | | | |")
+        lines.append(f"| loops of unknown trip count (counted once) | {len(est['unknown_trips'])} | | | | | |")
     if timed:
         lines += ["", "| GEMMs as the estimator costs them | count x trips | TFLOP | estimated time | TFLOP/s (all) | "
                   "median TFLOP/s |", "|---|---:|---:|---:|---:|---:|"]
