@@ -172,22 +172,30 @@ def test_expert_dispatches_overlap_compute(compiled):
 
 
 def test_deepseek_v3_671b_config_compiles_across_hosts(compiled):
-    """The 4-layer DeepSeek-V3 on 32 x 8 H100s under the dgx-h100 network: the expert axis (64)
-    spans 8 hosts, so every collective crosses hosts; XLA's speed-of-light estimate is in
-    microseconds, on the costing twin, whose GEMMs XLA costs from its measured table (hundreds of
-    TFLOP/s) where the program as compiled has bf16 -> f32 GEMMs costed near 12 TFLOP/s."""
+    """The 4-layer DeepSeek-V3 on 32 x 8 H100s under the dgx-h100 network, with the config's
+    hierarchical exchange, FP8 dispatch and 4 collectives in flight: the expert axis (64) spans 8
+    hosts; the exchange's second hop stays inside a host, everything else crosses hosts; the
+    dispatch moves packed e4m3 rows (uint8); XLA's speed-of-light estimate is in microseconds, on
+    the costing twin, whose GEMMs XLA costs from its measured table (hundreds of TFLOP/s) where the
+    program as compiled has bf16 -> f32 GEMMs costed near 12 TFLOP/s."""
     r, md = compiled("v3-671b-4-layers")
     assert (r["hosts"], r["gpus_per_host"], r["mesh"]) == (32, 8, {"data": 4, "fsdp": 1, "expert": 64})
     assert r["tokens_per_step"] == 256 * 4096 and r["custom_calls"].get("kernel moe_routing")
     e = r["estimate"]
     assert e["unit"] == "µs" and e["twin"] and r["network"] == "dgx-h100"
-    assert 0 < e["exposed"] < e["step"] and set(e["exposed_by_tier"]) == {"between hosts"}
-    assert e["bytes_by_tier"]["between hosts"] > 2**30 and not e["bytes_by_tier"].get("inside a host")
+    assert 0 < e["exposed"] < e["step"] and e["exposed_by_tier"]["between hosts"] > 0
+    assert e["bytes_by_tier"]["between hosts"] > 2**30 and e["bytes_by_tier"]["inside a host"] > 2**28
+    assert any(c["kind"] == "all-to-all" and c["dtype"] == "u8" for c in r["collectives"])
+    assert r["compiler_options"]["xla_gpu_experimental_parallel_collective_overlap_limit"] == "4"
     twin = {g["kind"]: g for g in e["gemms"]}
     compiled_gemms = {g["kind"]: g for g in r["estimate_as_compiled"]["gemms"]}
     assert twin["bf16 x bf16 -> bf16"]["median_tflops"] > 500 and "bf16 x bf16 -> f32" not in twin
     assert compiled_gemms["bf16 x bf16 -> f32"]["median_tflops"] < 50
     assert r["estimate_as_compiled"]["step"] > 2 * e["step"]
+    # the data axis's all-gathers (64 groups of 4, one GPU per host): XLA cannot cost them; the
+    # replay re-costs every collective between hosts
+    assert e["fallback"]["count"] > 0 and e["recosted"]["step"] > 0 and e["recosted"]["exposed"] > 0
+    assert "replayed with the collectives between hosts re-costed" in md
     assert "step time (estimate)" in md and "TFLOP/s per GPU (estimate" in md and "MFU (estimate" in md
 
 
@@ -284,3 +292,24 @@ def test_a_target_file_and_a_step_that_does_not_fit(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: --gpu {tmp_path / 'bad.txtpb'}: not a GPU target description (no gpu_device_info with a "
         "device_memory_size; see moefast/bench/gpu_targets/h100_sxm.txtpb)"]
+
+
+def test_between_hosts_cost_and_replay():
+    """XLA's speed-of-light formulas on a group's real shape: an all-to-all of 8 MiB per device over
+    64 GPUs, 8 per host, at 50 GB/s: 56 remote peers each sent 8 MiB / 63 (transfer x 1.025, one 4 MiB
+    chunk prepared, one round trip), plus the launch; a ring all-gather over 4 hosts, one GPU each.
+    The replay: a done waits for its start plus the collective's latency; compute runs in order."""
+    from moefast.bench.gpu_schedule import _replay, between_hosts_us, network_options
+
+    net = network_options("dgx-h100")
+    per_peer = 8 * 2**20 / 63
+    want = 56 * (per_peer / 50e3 * 1.025 + 6 + 31) + 45
+    assert between_hosts_us("all-to-all", 8 * 2**20, 64, 8, net) == pytest.approx(want)
+    ring = 3 * (2**20 / 50e3 * 1.025 + 6 + 31) + 45  # 4 MiB gathered: 1 MiB per member, 3 steps
+    assert between_hosts_us("all-gather", 4 * 2**20, 4, 1, net) == pytest.approx(ring)
+    assert between_hosts_us("all-reduce", 4 * 2**20, 4, 1, net) == pytest.approx(2 * (ring - 45) + 45)
+    # start (1) | compute a (10) | done: ready at 1 + 25 -> waits 15 | compute b (5)
+    order = [("s", 0, 1), ("a", 1, 11), ("d", 11, 12), ("b", 12, 17)]
+    length, waits = _replay(order, {"s": "d"}, {"s": 25.0})
+    assert (length, dict(waits)) == (1 + 10 + 15 + 1 + 5, {"s": 15.0})
+    assert _replay(order, {"s": "d"}, {"s": 5.0}) == (17.0, {})
