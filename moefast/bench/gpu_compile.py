@@ -569,13 +569,7 @@ def format_report(r: GpuCompileResult) -> str:
 
 
 def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | None, gpu: str,
-            devices: str, autotune: str | None = None, ablation: str | None = None, network: str | None = None,
-            twin: bool = True) -> int:
-    if ablation:
-        from moefast.bench.gpu_ablate import run_ablation
-
-        return run_ablation(ablation, json_out=json_out, config=config, overrides=overrides, gpu=gpu, devices=devices,
-                            network=network)
+            devices: str, autotune: str | None = None, network: str | None = None, twin: bool = True) -> int:
     r = gpu_compile(config, overrides, gpu=gpu, devices=devices, autotune=autotune, network=network, twin=twin,
                     log=print)
     header = (f"GPU compile check (compiled for compile-only devices, nothing run), jax {r.jax}, {r.date}; "

@@ -195,12 +195,15 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return malloc.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
                               overrides=args.overrides)
     if args.target == "gpu-compile":
-        from moefast.bench import gpu_compile
+        from moefast.bench import gpu_ablate, gpu_compile
 
         try:
+            if args.ablate or args.ablate_exchange:
+                return gpu_ablate.run_ablation("exchange" if args.ablate_exchange else "levers", json_out=args.json,
+                                               config=args.config, overrides=args.overrides, gpu=args.gpu,
+                                               devices=args.devices, network=args.network)
             return gpu_compile.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
                                        gpu=args.gpu, devices=args.devices, autotune=args.autotune,
-                                       ablation="exchange" if args.ablate_exchange else "levers" if args.ablate else None,
                                        network=args.network, twin=args.twin)
         except (ValueError, RuntimeError) as e:  # bad --devices; the CUDA plugin missing
             if isinstance(e, ConfigError):

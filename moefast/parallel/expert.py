@@ -46,11 +46,11 @@ from moefast.config import MoEConfig
 from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.kernels.platform import target_platform
 from moefast.kernels.vma import vary_together
+from moefast.parallel.fp8 import fp8_dequantize, fp8_pack, fp8_quantize, fp8_unpack
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map, state_spec
 from moefast.parallel.precision import expert_weights
 
-__all__ = ["FP8_BLOCK", "EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "check_hierarchical", "exchange_capacity", "exchange_experts", "expert_ffn",
-           "fp8_dequantize", "fp8_pack", "fp8_quantize", "fp8_unpack", "moe_ffn"]
+__all__ = ["EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "check_hierarchical", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
 
 EXPERT_AXIS = "expert"
 # Names of the values the "minimal" remat policy keeps (``jax.ad_checkpoint.checkpoint_name``): the
@@ -99,53 +99,6 @@ def _to_experts(x_ecd: jax.Array, ep: int) -> jax.Array:
     with jax.named_scope(DISPATCH):
         x = jax.lax.all_to_all(x, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep(src), El, C, D]
     return jnp.swapaxes(x, 0, 1).reshape(e // ep, ep * c, *x_ecd.shape[2:])
-
-
-FP8_BLOCK = 128  # channels sharing one scale (DeepSeek-V3 sec. 3.3.1: 1 x 128 activation tiles)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def fp8_quantize(x_ecd: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-row, per-128-channel scaled e4m3 (DeepSeek-V3, Liu et al. 2024, sec. 3.3.1: each 1 x 128
-    tile scaled by its max-abs onto e4m3's range).
-
-    Args:
-      x_ecd: [..., D] float, D divisible by :data:`FP8_BLOCK`.
-
-    Returns:
-      ``(q, scale)``: q [..., D] float8_e4m3fn and scale [..., D / 128] float32 with
-      ``x ≈ q * scale`` per tile (relative error at most 2^-4 of a tile's max-abs per element;
-      an all-zero tile has scale 1 and stays exactly 0).
-    """
-    *lead, d = x_ecd.shape
-    t = x_ecd.astype(jnp.float32).reshape(*lead, d // FP8_BLOCK, FP8_BLOCK)
-    amax = jnp.max(jnp.abs(t), axis=-1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = (t / scale[..., None]).astype(jnp.float8_e4m3fn)
-    return q.reshape(*lead, d), scale
-
-
-def fp8_dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """Inverse of :func:`fp8_quantize`: [..., D] in ``dtype``."""
-    *lead, d = q.shape
-    t = q.astype(jnp.float32).reshape(*lead, d // FP8_BLOCK, FP8_BLOCK) * scale[..., None]
-    return t.reshape(*lead, d).astype(dtype)
-
-
-def fp8_pack(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """e4m3 values [..., D] and their float32 scales [..., D/128] as one uint8 array
-    [..., D + 4·D/128] (the bytes of both: one collective moves a row with its scales, as DeepEP
-    does, instead of a second small collective paying its own launch and round trips)."""
-    u = jax.lax.bitcast_convert_type(q, jnp.uint8)
-    us = jax.lax.bitcast_convert_type(scale, jnp.uint8)  # [..., D/128, 4]
-    return jnp.concatenate([u, us.reshape(*us.shape[:-2], -1)], axis=-1)
-
-
-def fp8_unpack(packed: jax.Array, d: int) -> tuple[jax.Array, jax.Array]:
-    """Inverse of :func:`fp8_pack` for rows of ``d`` values."""
-    q = jax.lax.bitcast_convert_type(packed[..., :d], jnp.float8_e4m3fn)
-    s = packed[..., d:].reshape(*packed.shape[:-1], d // FP8_BLOCK, 4)
-    return q, jax.lax.bitcast_convert_type(s, jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -201,10 +154,9 @@ def exchange_experts(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array
       chain: tie chunk i's dispatch to chunk i-2's expert output with
         ``jax.lax.optimization_barrier`` (at most two chunks' buffers in flight).
       fp8_dispatch: the dispatch moves e4m3 with a float32 scale per 128 channels, packed into
-        one uint8 row (:func:`fp8_quantize`, :func:`fp8_pack`; 1.03 bytes per value instead of 2
-        in bfloat16) and the experts get
-        the dequantized rows; the return and every backward exchange stay in ``x_ecd``'s dtype
-        (gradients pass straight through the rounding).
+        one uint8 row (:mod:`moefast.parallel.fp8`; 1.03 bytes per value instead of 2 in
+        bfloat16) and the experts get the dequantized rows; the return and every backward exchange
+        stay in ``x_ecd``'s dtype (gradients pass straight through the rounding).
 
     Returns:
       [E, C, D] in ``dtype``: each slot's expert output, back on this device. The exchange moves
@@ -431,7 +383,7 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
 
         y_td, num_dropped = hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, ep=ep,
                                                   per_host=moe.gpus_per_host, expert_ffn=expert_ffn,
-                                                  checkpoint=checkpoint_name)
+                                                  checkpoint=checkpoint_name, names=(EXPERT_IN, EXPERT_OUT))
     elif moe.dropless and ep == 1:
         y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul)
     elif moe.dropless:

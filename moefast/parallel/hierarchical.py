@@ -29,8 +29,8 @@ E x C: for DeepSeek-V3 on 8 hosts, 20,480 instead of 40,960. When nothing is dro
 output equals the flat exchange's up to the order of the float sums (each host's partial sum is
 rounded to the compute dtype once); with drops the two hops drop differently from one capacity
 per expert. With ``moe.dispatch_dtype=float8_e4m3fn`` rows are quantized once at the source
-(:func:`~moefast.parallel.expert.fp8_quantize`) and travel both hops as e4m3 with their scales
-packed into the same row (:func:`~moefast.parallel.expert.fp8_pack`);
+(:func:`~moefast.parallel.fp8.fp8_quantize`) and travel both hops as e4m3 with their scales
+packed into the same row (:func:`~moefast.parallel.fp8.fp8_pack`);
 gradients pass straight through the rounding, in the compute dtype.
 """
 
@@ -41,6 +41,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from moefast.parallel.fp8 import fp8_dequantize, fp8_pack, fp8_quantize, fp8_unpack
 
 __all__ = ["hierarchical_exchange", "host_capacity", "second_hop_capacity"]
 
@@ -108,8 +110,6 @@ def _move(x, table1, table2, between, inside, hosts, per_host):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _move_fp8(x, table1, table2, between, inside, hosts, per_host, dtype):
-    from moefast.parallel.expert import fp8_dequantize, fp8_pack, fp8_quantize, fp8_unpack
-
     moved = _move(fp8_pack(*fp8_quantize(x)), table1, table2, between, inside, hosts, per_host)
     return fp8_dequantize(*fp8_unpack(moved, x.shape[-1]), dtype)
 
@@ -129,7 +129,7 @@ _move_fp8.defvjp(_move_fp8_fwd, _move_fp8_bwd)
 
 
 def hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, *, ep: int, per_host: int,
-                          expert_ffn, checkpoint=lambda a, name: a):
+                          expert_ffn, checkpoint=lambda a, name: a, names: tuple[str, str] = ("", "")):
     """The routed experts' gated sum of this device's tokens by the two-hop exchange (module
     docstring), inside ``jax.shard_map`` over an ``expert`` axis of ``ep`` = H x ``per_host``.
 
@@ -144,13 +144,12 @@ def hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, *, ep: int, 
       ep, per_host: the expert axis's size and its GPUs per host (G; ep divisible by G).
       expert_ffn: ``(x_ecd, w_in, w_out, dtype) -> y_ecd``, the experts.
       checkpoint: ``(array, name) -> array`` naming the experts' input and output for remat.
+      names: those two names (the remat policies' ``EXPERT_IN`` and ``EXPERT_OUT``).
 
     Returns:
       ``(y_td, dropped)``: [T, D] in ``dtype`` and the [] int32 assignments this device dropped
       (on either hop: the first hop's on the sending device, the second's on the receiving one).
     """
-    from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT
-
     t, d = x_td.shape
     k = r.expert_index.shape[1]
     e = moe.num_experts
@@ -200,8 +199,8 @@ def hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, *, ep: int, 
     else:
         xin = _move(x, table1, table2, between, inside, hosts, per_host)
     el = eh // per_host
-    y = expert_ffn(checkpoint(xin, EXPERT_IN), w_in_edf, w_out_efd, dtype)  # [El, G·C2, D]
-    y = checkpoint(y, EXPERT_OUT)
+    y = expert_ffn(checkpoint(xin, names[0]), w_in_edf, w_out_efd, dtype)  # [El, G·C2, D]
+    y = checkpoint(y, names[1])
     # back inside the host, gated sums per received row, back between hosts, summed per token
     y = _a2a(jnp.swapaxes(y.reshape(el, per_host, c2, d), 0, 1), inside).reshape(eh * c2, d)
     row_n = jnp.where(kept_n, ex_n * c2 + slot_n, eh * c2)

@@ -388,7 +388,7 @@ def test_onehot_dispatch_needs_a_capacity():
 def test_fp8_quantize_round_trip():
     """Per-(row, 128 channels) scales: each value within 2^-4 of its tile's max-abs after the round
     trip (e4m3: 3 mantissa bits); zero tiles stay exactly zero; values at a tile's max-abs exact."""
-    from moefast.parallel.expert import fp8_dequantize, fp8_quantize
+    from moefast.parallel.fp8 import fp8_dequantize, fp8_quantize
 
     x = jax.random.normal(jax.random.key(0), (3, 5, 256)) * jnp.array([1e-3, 1.0, 1e3])[:, None, None]
     x = x.at[1, 2, :128].set(0.0)
