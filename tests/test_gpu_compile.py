@@ -313,3 +313,10 @@ def test_between_hosts_cost_and_replay():
     length, waits = _replay(order, {"s": "d"}, {"s": 25.0})
     assert (length, dict(waits)) == (1 + 10 + 15 + 1 + 5, {"s": 15.0})
     assert _replay(order, {"s": "d"}, {"s": 5.0}) == (17.0, {})
+
+
+def test_network_must_be_the_one_the_process_was_prepared_with():
+    """XLA reads the cluster model from XLA_FLAGS once per process: asking another one of
+    gpu_compile is refused before anything is compiled."""
+    with pytest.raises(ValueError, match="prepared for None"):
+        gpu_compile.gpu_compile(None, [], network="dgx-h100")
