@@ -64,10 +64,12 @@ CASES = {
     # module, on 32 hosts x 8 H100s: the expert axis (64) spans 8 hosts
     "v3-671b-4-layers": ["--config", "configs/deepseek_v3_671b.yaml", "--devices", "32x8", "model.num_layers=4",
                          "--network", "dgx-h100", "--twin"],
-    # 6 scanned layers on 2 hosts x 4 GPUs: the expert axis inside a host, the data axis between
-    # hosts; XLA's while-loop double buffering runs the scan as 2 trips of 2 layers plus 2 peeled
-    "scan-2-hosts": [*TINY, "model.num_layers=6", "model.scan_layers=true", "mesh.data=2", "mesh.expert=4",
-                     "--devices", "2x4", "--network", "dgx-h100"],
+    # 6 scanned layers on 2 hosts x 8 GPUs: the expert axis inside a host, the data axis between
+    # hosts; XLA's while-loop double buffering runs the scan as 2 trips of 2 layers plus 2 peeled;
+    # no model.vocab_size (the tokenizer's, 259, for the model FLOPs)
+    "scan-2-hosts": [*[o for o in TINY if not o.startswith("model.vocab_size")], "model.num_layers=6",
+                     "model.scan_layers=true", "mesh.data=2", "mesh.expert=8", "--devices", "2x8", "--network",
+                     "dgx-h100"],
 }
 _compiled: dict[str, tuple[dict, str]] = {}
 
@@ -200,7 +202,7 @@ def test_deepseek_v3_671b_config_compiles_across_hosts(compiled):
 
 
 def test_estimate_weights_loop_bodies_by_trip_count_and_splits_tiers(compiled):
-    """6 scanned layers on 2 hosts x 4: the scan body (2 layers, double-buffered) runs 2 trips and
+    """6 scanned layers on 2 hosts x 8: the scan body (2 layers, double-buffered) runs 2 trips and
     counts twice in the step; the expert exchange stays inside a host, the data-parallel gradient
     reduction crosses hosts; the step is the trip-weighted sum of the scheduled computations."""
     r, md = compiled("scan-2-hosts")
@@ -211,6 +213,7 @@ def test_estimate_weights_loop_bodies_by_trip_count_and_splits_tiers(compiled):
     assert e["bytes_by_tier"]["inside a host"] > 0 and e["bytes_by_tier"]["between hosts"] > 0
     assert not e["twin"] and "the program as compiled" in md
     assert r["estimate"]["exposed"] == pytest.approx(sum(e["exposed_by_kind"].values()))
+    assert r["model_flops_per_step"] > 0
 
 
 def test_replica_group_forms():
@@ -320,3 +323,9 @@ def test_network_must_be_the_one_the_process_was_prepared_with():
     gpu_compile is refused before anything is compiled."""
     with pytest.raises(ValueError, match="prepared for None"):
         gpu_compile.gpu_compile(None, [], network="dgx-h100")
+    gpu_compile._NETWORK[0] = "dgx-h100"
+    try:  # its GPUs per node must be the devices' per host
+        with pytest.raises(ValueError, match="8 GPUs in a node, --devices 2x4 4 on a host"):
+            gpu_compile.gpu_compile(None, [], network="dgx-h100", devices="2x4")
+    finally:
+        gpu_compile._NETWORK[0] = None

@@ -40,8 +40,10 @@ TABLES = ("levers", "exchange")
 
 
 def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: str = "h100", devices: str = "8",
-           network: str | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
-    """The rows of lever table ``table`` (module docstring).
+           network: str | None = None, twin: bool = True, autotune: str | None = None,
+           log: Callable[[str], None] | None = None) -> list[dict]:
+    """The rows of lever table ``table`` (module docstring); ``twin``, ``autotune`` and ``network``
+    as in :func:`~moefast.bench.gpu_compile.gpu_compile`.
 
     Raises:
       ValueError: an unknown ``table``.
@@ -72,8 +74,8 @@ def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: 
         rows.append(("all levers", [o for name, v in rows for o in v if "4 chunks" not in name]))  # 2 chunks
     else:
         if ep <= per_host or hosts == 1:
-            raise ConfigError(f"--ablate exchange compares ways of crossing hosts: the expert axis ({ep}) must span "
-                              f"several hosts of --devices {devices}")
+            raise ConfigError(f"--ablate-exchange compares ways of crossing hosts: the expert axis (mesh.expert={ep}) "
+                              f"must span several hosts of --devices {devices}")
         base = []
         rows = [("baseline (the config as given)", [])] + list(EXCHANGE_LEVERS.items())
         rows.append(("all levers", [o for _, v in EXCHANGE_LEVERS.items() for o in v]))
@@ -81,7 +83,8 @@ def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: 
     for name, extra in rows:
         if log:
             log(f"[{name}]")
-        r = gpu_compile(config, [*(overrides or []), *base, *extra], gpu=gpu, devices=devices, network=network)
+        r = gpu_compile(config, [*(overrides or []), *base, *extra], gpu=gpu, devices=devices, network=network,
+                        twin=twin, autotune=autotune)
         e = r.estimate or {}
         step = e.get("step", 0.0)
         gpus = hosts * per_host
@@ -112,14 +115,15 @@ def format_ablation(rows: list[dict]) -> str:
     collectives between hosts re-costed (:mod:`moefast.bench.gpu_schedule`)."""
     unit = rows[0]["unit"] if rows else ""
     recost = any(r.get("recosted_step") for r in rows)
-    head = (f"| variant | XLA: step ({unit}) | speed-up | exposed | exposed all-to-all | worst loop body exposed | "
-            "model TFLOP/s per GPU |")
+    head = (f"| variant (each lever alone, then all) | XLA: step ({unit}) | XLA: speed-up | XLA: exposed | XLA: exposed "
+            "all-to-all | XLA: worst loop body exposed | XLA: model TFLOP/s per GPU |")
     rule = "|---|---:|---:|---:|---:|---:|---:|"
     if recost:
-        head += " re-costed: step (µs) | speed-up | exposed | worst loop body exposed | model TFLOP/s per GPU |"
+        head += (" re-costed: step (µs) | re-costed: speed-up | re-costed: exposed | re-costed: worst loop body exposed "
+                 "| re-costed: model TFLOP/s per GPU |")
         rule += "---:|---:|---:|---:|---:|"
     lines = [head + " peak GiB per GPU | overrides |", rule + "---:|---|"]
-    num = lambda v: "n/a" if v is None else f"{v:,.0f}"
+    num = lambda v: "n/a" if v is None else f"{v:,.0f}" if v >= 10 else f"{v:.2g}"
     for r in rows:
         over = " ".join(r["overrides"]) or ("(" + " ".join(r["baseline"]) + ")" if r["baseline"] else "")
         line = (f"| {r['name']} | {r['step']:,.0f} | {r['speedup']:.2f}x | {r['exposed']:.1%} | "
@@ -132,14 +136,15 @@ def format_ablation(rows: list[dict]) -> str:
 
 
 def run_ablation(table: str, *, json_out: str | None, config: str | None, overrides: list[str] | None, gpu: str,
-                 devices: str, network: str | None) -> int:
+                 devices: str, network: str | None, twin: bool = True, autotune: str | None = None) -> int:
     import jax
 
-    rows = ablate(table, config, overrides, gpu=gpu, devices=devices, network=network, log=print)
+    rows = ablate(table, config, overrides, gpu=gpu, devices=devices, network=network, twin=twin, autotune=autotune,
+                  log=print)
+    on = "each row's costing twin" if twin else "each row's program as compiled (--no-twin)"
     header = (f"Lever table '{table}' estimated for {devices} x {gpu} (compiled, nothing run; XLA's speed-of-light "
-              f"latency estimator on each row's costing twin, loop bodies x trip counts, "
-              f"{'network ' + network if network else 'XLA default network'}, no autotuning: an estimate, not a "
-              f"measurement), jax {jax.__version__}, {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%MZ')}; "
+              f"latency estimator on {on}, loop bodies x trip counts, {'autotuned GEMMs, ' if autotune else ''}"
+              f"{'network ' + network if network else 'XLA default network'}: an estimate, not a measurement), jax {jax.__version__}, {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%MZ')}; "
               f"config {config or 'configs/tiny.yaml'} {' '.join(overrides or [])}")
     text = format_ablation(rows)
     print(f"\n{header}\n\n{text}")

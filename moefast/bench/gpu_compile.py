@@ -417,7 +417,6 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
 
     from moefast.bench.gpu_schedule import network_options, read_estimate
     from moefast.config import ConfigError, load_config
-    from moefast.model.flops import model_flops_per_token
     from moefast.parallel.hlo import HloModule
     from moefast.parallel.precision import costing_twin
     from moefast.train import Trainer
@@ -429,6 +428,13 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         raise ValueError(f"network {network!r}: this process was prepared for {_NETWORK[0]!r}; XLA reads the cluster "
                          "model once per process (prepare_process(network=...) before JAX starts)")
     hosts, per_host = parse_devices(devices)
+    if network:
+        opts = network_options(network)
+        node = int(float(opts.get("partition_size", opts.get("gpus_per_node", 8))))
+        if hosts > 1 and node != per_host:
+            raise ValueError(f"--network {network} puts {node} GPUs in a node, --devices {devices} {per_host} on a host: "
+                             f"XLA's estimate would take hosts for nodes of {node}; use --devices {hosts}x{node} or a network "
+                             f"file with gpus_per_node = partition_size = {per_host}")
     if autotune is not None and not os.path.isfile(autotune):
         raise ValueError(f"--autotune {autotune}: no such file")
     cfg = load_config(config, list(overrides or []))
@@ -495,7 +501,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         estimate=None if estimated is None else {**dataclasses.asdict(estimated), "twin": twin},
         estimate_as_compiled=None if as_compiled is None or not twin else {
             "step": as_compiled.step, "gemms": [dataclasses.asdict(g) for g in as_compiled.gemms]},
-        model_flops_per_step=model_flops_per_token(cfg) * cfg.data.batch_size * cfg.data.seq_len,
+        model_flops_per_step=trainer.flops_per_token * cfg.data.batch_size * cfg.data.seq_len,
         peak_tflops=next((t for key, t, _ in PEAK_TFLOPS if key.lower() in devs[0].device_kind.lower()), None))
 
 
@@ -559,6 +565,11 @@ def format_report(r: GpuCompileResult) -> str:
         lines.append("| (none) | | | | | |")
     lines += ["", "custom calls and Triton fusions: "
               + (", ".join(f"`{k}` x{v}" for k, v in r.custom_calls.items()) or "none")]
+    if r.estimate and not r.network and r.hosts > 1 and r.gpus_per_host != 8:
+        lines += ["", f"note: XLA's default network puts 8 GPUs in a node, these hosts have {r.gpus_per_host}: its own "
+                      "figures cost collectives between them as inside a node (the re-costed step uses the real hosts); "
+                      "give --network with a file of gpus_per_node = partition_size = "
+                      f"{r.gpus_per_host}"]
     if r.estimate:
         from moefast.bench.gpu_schedule import format_estimate
 

@@ -474,6 +474,14 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
                   "exposed_by_tier": dict(recost["by_tier"])} if time_unit else {})
 
 
+def _secs(us: float) -> str:
+    return f"{us / 1e6:,.3f} s" if us >= 1e6 else f"{us / 1e3:,.2f} ms"
+
+
+def _size(b: float) -> str:
+    return f"{b / 2**30:,.2f} GiB" if b >= 2**30 else f"{b / 2**20:,.1f} MiB"
+
+
 def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, peak_tflops: float | None,
                     network: str, as_compiled: dict | None) -> list[str]:
     """Markdown lines of a trip-weighted estimate (:func:`read_estimate` as a dict): the step and
@@ -481,7 +489,7 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
     estimator costs GEMMs."""
     unit, step = est["unit"], est["step"]
     timed = unit == "µs"
-    net = f"network {network}" if network else "XLA's default network (25 GB/s per GPU between hosts)"
+    net = f"network {network}" if network else "XLA's default network (25 GB/s per GPU between hosts, 8 GPUs per node)"
     on = ("costing twin" if est.get("twin") else "the program as compiled (--no-twin: its float32-result GEMMs "
           "mis-costed)")
     lines = ["", f"**Estimate** (XLA's {'speed-of-light' if timed else 'fixed-cost'} latency estimator, "
@@ -491,7 +499,7 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
     if timed:
         s = step / 1e6
         tflops = model_flops / s / gpus / 1e12
-        lines += [f"| step time (estimate) | {s:,.3f} s |",
+        lines += [f"| step time (estimate) | {_secs(step)} |",
                   f"| tokens/s (estimate) | {tokens / s:,.0f} |",
                   f"| model TFLOP/s per GPU (estimate; 6 N_active + attention, moefast.model.flops) | {tflops:,.1f} |"]
         if peak_tflops:
@@ -501,18 +509,18 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
     ex = est["exposed"]
     lines.append(f"| collectives the compute stream waits on (exposed) | {ex:,.0f} {unit} ({ex / step:.1%}) |")
     for k, v in sorted(est["exposed_by_kind"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"| &nbsp; {k} | {v:,.0f} ({v / step:.1%}) |")
+        lines.append(f"| &nbsp; {k} | {v:,.0f} {unit} ({v / step:.1%}) |")
     for t in (INSIDE, BETWEEN):
         v = est["exposed_by_tier"].get(t, 0.0)
         b = est["bytes_by_tier"].get(t, 0.0)
-        lines.append(f"| &nbsp; {t}: exposed / collective bytes per GPU and step | {v:,.0f} ({v / step:.1%}) / "
-                     f"{b / 2**30:,.2f} GiB |")
+        lines.append(f"| &nbsp; {t}: exposed / collective bytes per GPU and step | {v:,.0f} {unit} ({v / step:.1%}) / "
+                     f"{_size(b)} |")
     rc = est.get("recosted") or {}
     if rc.get("step"):
         rs = rc["step"]
         lines.append(f"| **replayed with the collectives between hosts re-costed** (XLA's own formulas on each group's "
                      f"real shape, moefast.bench.gpu_schedule.between_hosts_us; XLA's schedule and other costs kept): "
-                     f"step time (estimate) | **{rs / 1e6:,.3f} s** |")
+                     f"step time (estimate) | **{_secs(rs)}** |")
         tf = model_flops / (rs / 1e6) / gpus / 1e12
         lines.append(f"| &nbsp; model TFLOP/s per GPU / MFU (estimate, re-costed) | {tf:,.1f}"
                      + (f" / {tf / peak_tflops:.1%}" if peak_tflops else "") + " |")
@@ -522,8 +530,8 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
     fb = est.get("fallback") or {}
     if fb.get("count"):
         lines.append(f"| collectives between hosts XLA's model cannot cost (more replica groups than GPUs per node: each "
-                     f"charged its fixed 5,000 µs): count / bytes / exposed | {fb['count']:,} / {fb['bytes'] / 2**30:,.2f} "
-                     f"GiB / {fb.get('exposed', 0):,.0f} ({fb.get('exposed', 0) / step:.1%}) |")
+                     f"charged its fixed 5,000 µs): count / bytes / exposed | {fb['count']:,} / {_size(fb['bytes'])} / "
+                     f"{fb.get('exposed', 0):,.0f} µs ({fb.get('exposed', 0) / step:.1%}) |")
     if as_compiled and as_compiled.get("step"):
         lines.append(f"| the program as compiled (float32 weight-gradient GEMMs costed by XLA's fallback) | "
                      f"{as_compiled['step']:,.0f} {unit} ({as_compiled['step'] / step:.2f}x the twin) |")
@@ -547,6 +555,6 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
         gemms = [("twin" if est.get("twin") else "as compiled", g) for g in est["gemms"]] + [("as compiled", g) for g in (as_compiled or {}).get("gemms", [])
                                                        if "f32" in g["kind"].split("->")[-1]]
         for which, g in gemms:
-            lines.append(f"| {g['kind']} ({which}) | {g['count']} | {g['flops'] / 1e12:,.1f} | {g['time'] / 1e6:,.3f} s | "
+            lines.append(f"| {g['kind']} ({which}) | {g['count']} | {g['flops'] / 1e12:,.3g} | {_secs(g['time'])} | "
                          f"{g['flops'] / g['time'] / 1e6:,.1f} | {g['median_tflops']:,.1f} |")
     return lines

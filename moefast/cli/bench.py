@@ -198,10 +198,13 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from moefast.bench import gpu_ablate, gpu_compile
 
         try:
+            if args.ablate and args.ablate_exchange:
+                raise ConfigError("--ablate and --ablate-exchange are two tables: give one")
             if args.ablate or args.ablate_exchange:
                 return gpu_ablate.run_ablation("exchange" if args.ablate_exchange else "levers", json_out=args.json,
                                                config=args.config, overrides=args.overrides, gpu=args.gpu,
-                                               devices=args.devices, network=args.network)
+                                               devices=args.devices, network=args.network, twin=args.twin,
+                                               autotune=args.autotune)
             return gpu_compile.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
                                        gpu=args.gpu, devices=args.devices, autotune=args.autotune,
                                        network=args.network, twin=args.twin)

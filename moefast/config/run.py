@@ -247,8 +247,8 @@ class OverlapConfig:
         collectives and collective combining (:data:`moefast.parallel.xla_flags.GPU_FLAGS`) to
         ``XLA_FLAGS`` before JAX starts, never replacing a flag already set there; printed at start.
         No effect on CPU/TPU, or once JAX's backend has started (a note says so).
-      collectives_in_flight: how many asynchronous collectives XLA's latency-hiding scheduler may
-        keep in flight at once on GPU (``xla_gpu_experimental_parallel_collective_overlap_limit``,
+      collectives_in_flight: how many asynchronous collectives (1 to 16) XLA's latency-hiding
+        scheduler may keep in flight at once on GPU (``xla_gpu_experimental_parallel_collective_overlap_limit``,
         a per-compilation option; XLA's default 1 runs the expert exchange and the ZeRO
         all-gathers one after another). Peers training with ragged all-to-alls (dropless with an
         expert axis) report gradients not repeatable run to run above 1; moefast has not run it

@@ -199,7 +199,7 @@ def check_hierarchical(moe: MoEConfig, ep: int) -> None:
     """
     g = moe.gpus_per_host
     if ep <= g or ep % g:
-        raise ValueError(f"moe.exchange=hierarchical: the expert axis ({ep}) must span several whole hosts of "
+        raise ValueError(f"moe.exchange=hierarchical: the expert axis (mesh.expert={ep}) must span several whole hosts of "
                          f"moe.gpus_per_host={g} GPUs (a multiple of {g}, more than {g}); with the expert axis inside "
                          "one host use moe.exchange=flat, or set moe.gpus_per_host to the GPUs per host")
     hosts = ep // g

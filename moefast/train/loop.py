@@ -315,11 +315,14 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if self.platform == "gpu":
             procs = np.vectorize(lambda d: d.process_index)(self.mesh.devices)
-            blocks = procs.reshape(*procs.shape[:-1], ep // g, g)
-            if not (blocks == blocks[..., :1]).all() or len(np.unique(blocks[..., 0])) < ep // g:
-                raise ConfigError(f"moe.exchange=hierarchical: the expert axis's ranks in blocks of moe.gpus_per_host={g} "
-                                  "are not each one host's GPUs on this mesh; set moe.gpus_per_host to the GPUs per "
-                                  "host, with the expert axis innermost (mesh order data, fsdp, expert)")
+            lines = procs.reshape(-1, ep // g, g)  # each expert axis: its blocks of g consecutive ranks
+            whole = (lines == lines[..., :1]).all() and all(len(set(line[:, 0])) == ep // g for line in lines)
+            if not whole:
+                raise ConfigError(f"moe.exchange=hierarchical: moe.gpus_per_host={g} does not match this mesh's hosts: "
+                                  f"each block of {g} consecutive expert ranks must be one host's GPUs and the "
+                                  f"{ep // g} blocks of an expert axis on {ep // g} different hosts; set "
+                                  "moe.gpus_per_host to the GPUs per host, with the expert axis innermost (mesh order "
+                                  "data, fsdp, expert)")
 
     def lower_train_step(self) -> jax.stages.Lowered:
         """The train step lowered for this run's exact shapes and shardings (nothing runs; works for
