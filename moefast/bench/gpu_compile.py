@@ -43,7 +43,6 @@ import collections
 import contextlib
 import dataclasses
 import datetime
-import glob
 import os
 import re
 import sys
@@ -53,7 +52,7 @@ from pathlib import Path
 from typing import Callable
 
 __all__ = ["GPUS", "GpuCompileResult", "PREALLOCATED_FRACTION", "compile_only_devices", "format_report",
-           "gpu_compile", "plugin_path", "prepare_process", "scheduler_estimate", "target_config"]
+           "gpu_compile", "plugin_path", "prepare_process", "target_config"]
 
 # --gpu name -> target description file in moefast/bench/gpu_targets/
 GPUS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
@@ -239,7 +238,9 @@ class GpuCompileResult:
     # {"forward": how many, "overlapped": asynchronous with compute scheduled between start and done}
     dispatches: dict[str, int]
     loops: int  # while loops (scanned layers, accumulation): XLA's FLOP count takes their bodies once
-    schedule: dict[str, float]  # XLA's latency-hiding-scheduler estimate (its cost-model units)
+    # XLA's own scheduler_statistics of the program as compiled, every computation once and in its order
+    # before scheduling (kept for comparison; the estimate is ``estimate``)
+    schedule: dict[str, float]
     autotuned: bool  # --autotune results loaded
     compiler_options: dict[str, str]
     jax: str
@@ -256,22 +257,6 @@ class GpuCompileResult:
     estimate_as_compiled: dict | None = None
     model_flops_per_step: float = 0.0  # moefast.model.flops.model_flops_per_token x tokens
     peak_tflops: float | None = None  # dense bf16 per GPU (moefast.train.mfu.PEAK_TFLOPS)
-
-
-def scheduler_estimate(dump_dir: str) -> dict[str, float]:
-    """The latency-hiding scheduler's statistics of the train step's module (``*schedule.txt`` that
-    ``xla_dump_latency_hiding_schedule`` writes): ``total_cycles``, ``total_wasted_cycles`` and the
-    wasted (exposed) cycles per collective kind, in the units of XLA's latency estimator (fixed
-    costs per kind of operation, not a time). Empty when XLA wrote none (the scheduler off)."""
-    files = [f for f in glob.glob(os.path.join(dump_dir, "*schedule.txt")) if "train" in os.path.basename(f)] \
-        or glob.glob(os.path.join(dump_dir, "*schedule.txt"))
-    out: dict[str, float] = {}
-    for f in files:
-        text = Path(f).read_text()
-        for block in re.findall(r"scheduler_statistics\s*\{([^}]*)\}", text):
-            for key, value in re.findall(r"(\w+):\s*([-\d.eE+]+)", block):
-                out[key] = out.get(key, 0.0) + float(value)
-    return out
 
 
 def _state_copies(module, text: str) -> tuple[int, int]:
@@ -420,7 +405,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
     from moefast.parallel.hlo import HloModule
     from moefast.parallel.precision import costing_twin
     from moefast.train import Trainer
-    from moefast.train.mfu import PEAK_TFLOPS
+    from moefast.train.mfu import peak_flops
 
     log = log or (lambda s: None)
     target_config(gpu)  # a bad --gpu fails before anything is compiled
@@ -455,7 +440,6 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         dump = os.path.join(tmp, "dump")
         compiled = _compile(trainer.lower_train_step(), options, dump, autotune)
         compile_s = time.perf_counter() - t0
-        schedule = scheduler_estimate(dump)
         abstract = trainer.abstract_state()
         text = compiled.as_text()
         module = HloModule(text)
@@ -493,7 +477,8 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         state_copies=copies, state_copy_bytes=copy_bytes, collectives=_collective_rows(module),
         custom_calls=_custom_calls(text), flops=_flops(compiled), grouped_flops=_grouped_flops(text),
         dispatches=_dispatches(module),
-        loops=sum(i.opcode == "while" for i in module.instrs.values()), schedule=schedule, autotuned=bool(autotune),
+        loops=sum(i.opcode == "while" for i in module.instrs.values()),
+        schedule={} if as_compiled is None else as_compiled.once, autotuned=bool(autotune),
         compiler_options={k: str(v) for k, v in options.items()}, jax=jax.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         flags_note="" if options or not cfg.overlap.xla_flags else "GPU overlap flags all set by XLA_FLAGS",
@@ -502,7 +487,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         estimate_as_compiled=None if as_compiled is None or not twin else {
             "step": as_compiled.step, "gemms": [dataclasses.asdict(g) for g in as_compiled.gemms]},
         model_flops_per_step=trainer.flops_per_token * cfg.data.batch_size * cfg.data.seq_len,
-        peak_tflops=next((t for key, t, _ in PEAK_TFLOPS if key.lower() in devs[0].device_kind.lower()), None))
+        peak_tflops=peak_flops(devs).per_device_tflops)
 
 
 def _compile(lowered, options: dict, dump: str, autotune: str | None):
