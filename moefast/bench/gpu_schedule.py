@@ -51,10 +51,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import glob
+import math
 import os
 import re
-import math
 import statistics
 from pathlib import Path
 
@@ -202,10 +203,6 @@ class ScheduleEstimate:
     # {"step", "exposed", "exposed_by_kind", "exposed_by_tier"}
     recosted: dict = dataclasses.field(default_factory=dict)
 
-    @property
-    def is_time(self) -> bool:
-        return self.unit == "µs"
-
 
 def _proto_index(text: str):
     """From the dump's ``hlo_module``: instruction id -> name; the scheduler's blocks."""
@@ -333,15 +330,16 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
                     stack.append(callee)
     loop_bodies = {b for v in loops.values() for b, _ in v}
 
-    def tier(start_name: str) -> str:
+    def attrs_of(start_name: str) -> str:
+        """A collective's attribute text (an async-start's: its wrapped collective's)."""
         ins = module.instrs.get(start_name)
-        attrs = raw.get(start_name, "")
         if ins is not None and ins.opcode == "async-start":
-            for comp in ins.calls:
-                for nm in module.computations.get(comp, []):
-                    if module.instrs[nm].opcode in ("all-to-all", "reduce-scatter", "all-gather", "all-reduce",
-                                                    "collective-permute", "ragged-all-to-all"):
-                        attrs = raw.get(nm, attrs)
+            return " ".join(raw.get(nm, "") for comp in ins.calls for nm in module.computations.get(comp, []))
+        return raw.get(start_name, "")
+
+    @functools.cache
+    def tier(start_name: str) -> str:
+        attrs = attrs_of(start_name)
         if "source_target_pairs" in attrs:
             pairs = re.findall(r"\{(\d+),(\d+)\}", attrs.split("source_target_pairs=", 1)[1])
             cross = any(hosts_of_partition[int(a)] != hosts_of_partition[int(b)] for a, b in pairs)
@@ -352,12 +350,6 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         cross = any(len({hosts_of_partition[i] for i in g}) > 1 for g in groups)
         return BETWEEN if cross else INSIDE
 
-    def attrs_of(start_name: str) -> str:
-        ins = module.instrs.get(start_name)
-        if ins is not None and ins.opcode == "async-start":
-            return " ".join(raw.get(nm, "") for comp in ins.calls for nm in module.computations.get(comp, []))
-        return raw.get(start_name, "")
-
     def group_shape(start_name: str) -> tuple[int, int] | None:
         """(members of each replica group, members per host) of a collective whose groups all
         have that shape; ``None`` otherwise."""
@@ -367,6 +359,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         shapes = {(len(g), max(collections.Counter(hosts_of_partition[i] for i in g).values())) for g in groups}
         return shapes.pop() if len(shapes) == 1 else None
 
+    @functools.cache
     def uncosted(start_name: str) -> bool:
         """XLA's speed-of-light model cannot cost a collective between hosts whose replica groups
         do not divide its GPUs per node (SolGPUCostModel::NumGpusPerComm returns an error): the
@@ -455,13 +448,11 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         ops = [module.instrs[n].op_name for n, _, _ in named if module.instrs[n].op_name]
         label = _label(ops) + " loop body" if comp in loop_bodies else "outside loops" if comp == module.entry \
             else "called"
-        comps.append(ComputationEstimate(comp, w, length, ex, {k: v for k, v in gap_kind.items() if k != "other"},
-                                         comp in loop_bodies, label, re_len, re_ex))
+        comps.append(ComputationEstimate(comp, w, length, ex, dict(gap_kind), comp in loop_bodies, label, re_len, re_ex))
         step += length * w
         exposed += ex * w
         for k, v in gap_kind.items():
-            if k != "other":
-                by_kind[k] += v * w
+            by_kind[k] += v * w
     scheduled = {c.name for c in comps}
     gemms = [GemmRate(k, a[0], a[1], a[2], statistics.median(a[3])) for k, a in sorted(gemm_acc.items())]
     return ScheduleEstimate(

@@ -47,6 +47,7 @@ from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.kernels.platform import target_platform
 from moefast.kernels.vma import vary_together
 from moefast.parallel.fp8 import fp8_dequantize, fp8_pack, fp8_quantize, fp8_unpack
+from moefast.parallel.hierarchical import hierarchical_exchange
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map, state_spec
 from moefast.parallel.precision import expert_weights
 
@@ -115,21 +116,19 @@ def _to_experts_fp8_fwd(x_ecd, ep):
 def _to_experts_fp8_bwd(ep, _, g_lcd):
     # straight through the rounding: the gradient goes back by the exchange's transpose (a
     # permutation: its inverse), in g's dtype, as DeepSeek-V3 keeps the backward exchanges in bf16
-    el, epc, d = g_lcd.shape
-    g = jnp.swapaxes(g_lcd.reshape(el, ep, epc // ep, d), 0, 1)
-    g = jax.lax.all_to_all(g, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)
-    return (g.reshape(ep * el, epc // ep, d),)
+    return (_from_experts(g_lcd, ep, scope=DISPATCH),)
 
 
 _to_experts_fp8.defvjp(_to_experts_fp8_fwd, _to_experts_fp8_bwd)
 
 
-def _from_experts(y_lcd: jax.Array, ep: int) -> jax.Array:
-    """Inverse of :func:`_to_experts`: [El, ep·C, D] -> [E, C, D] back on the tokens' device."""
+def _from_experts(y_lcd: jax.Array, ep: int, scope: str = RETURN) -> jax.Array:
+    """Inverse of :func:`_to_experts`: [El, ep·C, D] -> [E, C, D] back on the tokens' device
+    (``scope``: the all-to-all's name scope; the dispatch's own transpose keeps ``DISPATCH``)."""
     el, epc, d = y_lcd.shape
     c = epc // ep
     y = y_lcd.reshape(el, ep, c, d).transpose(1, 0, 2, 3)  # [ep(dst), El, C, D]
-    with jax.named_scope(RETURN):
+    with jax.named_scope(scope):
         y = jax.lax.all_to_all(y, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep(owner), El, C, D]
     return y.reshape(ep * el, c, d)
 
@@ -379,8 +378,6 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
 
     num_dropped = r.num_dropped
     if hierarchical:
-        from moefast.parallel.hierarchical import hierarchical_exchange
-
         y_td, num_dropped = hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, ep=ep,
                                                   per_host=moe.gpus_per_host, expert_ffn=expert_ffn,
                                                   checkpoint=checkpoint_name, names=(EXPERT_IN, EXPERT_OUT))
