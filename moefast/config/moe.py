@@ -46,7 +46,12 @@ class MoEConfig:
         ``all_to_all`` → experts → return ``all_to_all`` chains, so communication can overlap the
         experts' compute. The capacity is rounded up to a multiple of n. At the same capacity,
         routing and losses are bitwise those of n = 1, outputs and gradients equal to float
-        rounding (``moefast.parallel.expert.exchange_experts``).
+        rounding (``moefast.parallel.expert.exchange_experts``). With ``exchange: hierarchical``
+        the device's tokens are split instead, in n slices in position order (their number must
+        divide the tokens per device), each sent on its own two hops with capacities for its
+        tokens (``moefast.parallel.hierarchical.hierarchical_exchange``): one slice's exchange runs
+        under another's experts (DeepSeek-V3's two overlapped micro-batches, sec. 3.2.1, inside a
+        layer); nothing dropped, outputs equal n = 1 to float rounding.
       dispatch_dtype: what the expert exchange's dispatch moves (expert axis > 1, with a capacity):
         ``"compute"`` (the model's compute dtype) or ``"float8_e4m3fn"`` (FP8 dispatch, DeepSeek-V3
         sec. 3.3: e4m3 with a float32 scale per 128 channels of each row, about half the bytes of
@@ -183,10 +188,9 @@ class MoEConfig:
                  "(moe.capacity_factor=0) moves ragged rows: use moe.dispatch_dtype=compute or a capacity_factor > 0")
         _require(self.gpus_per_host >= 1, "moe.gpus_per_host", f"must be >= 1, got {self.gpus_per_host}")
         if self.exchange == "hierarchical":
-            _require(not self.dropless and self.dispatch == "slot" and self.overlap_chunks == 1
-                     and self.capacity_mode == "static", "moe.exchange",
-                     "hierarchical has its own two capacities: it needs a capacity_factor > 0 with moe.dispatch=slot, "
-                     "moe.overlap_chunks=1 and moe.capacity_mode=static; change those or use moe.exchange=flat")
+            _require(not self.dropless and self.dispatch == "slot" and self.capacity_mode == "static", "moe.exchange",
+                     "hierarchical has its own two capacities: it needs a capacity_factor > 0 with moe.dispatch=slot "
+                     "and moe.capacity_mode=static; change those or use moe.exchange=flat")
         if self.capacity_mode == "dynamic":
             _require(not self.dropless, "moe.capacity_mode",
                      "dynamic capacity needs a capacity (moe.capacity_factor > 0); dropless has none")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moefast.config import MoEConfig
-from moefast.parallel.expert import MoEStats, moe_ffn
+from moefast.parallel.expert import MoEStats, RoutingSums, moe_ffn
 from moefast.parallel.mesh import check_mesh_axes
 from moefast.parallel.precision import dense
 
@@ -79,8 +79,8 @@ class MoELayer(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, mask_bt: jax.Array, *, drop_tokens: bool = True,
                  bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None,
-                 warmup_key: jax.Array | None = None, warmup_active: jax.Array | None = None
-                 ) -> tuple[jax.Array, MoEStats]:
+                 warmup_key: jax.Array | None = None, warmup_active: jax.Array | None = None,
+                 reduce_stats: bool = True) -> tuple[jax.Array, MoEStats | RoutingSums]:
         """Applies the experts.
 
         Args:
@@ -96,10 +96,12 @@ class MoELayer(nnx.Module):
             :func:`~moefast.parallel.expert.moe_ffn`); ``None``: no warm-up.
           warmup_active: [] bool, whether this step is in the warm-up (see
             :func:`~moefast.parallel.expert.moe_ffn`).
+          reduce_stats: False: per-token-shard :class:`~moefast.parallel.expert.RoutingSums`
+            instead of :class:`MoEStats` (see :func:`~moefast.parallel.expert.moe_ffn`).
 
         Returns:
           ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` — the routed experts' gated sum plus the
-          shared expert's output, if any — and :class:`MoEStats`.
+          shared expert's output, if any — and :class:`MoEStats` (or ``RoutingSums``).
 
         Raises:
           ValueError: ``x_btd`` not float [B, T, D] with this layer's D, ``mask_bt`` not [B, T], a
@@ -118,7 +120,7 @@ class MoELayer(nnx.Module):
                              f"(True for real tokens; jnp.ones(...) if every token is real), got {got}")
         y, stats = moe_ffn(x_btd, mask_bt, self.router[...], self.w_in[...], self.w_out[...], self.moe,
                            drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e,
-                           warmup_key=warmup_key, warmup_active=warmup_active)
+                           warmup_key=warmup_key, warmup_active=warmup_active, reduce_stats=reduce_stats)
         if self.moe.shared_expert_d_ff:
             x = x_btd.astype(self.dtype)
             gate, up = jnp.split(dense(x, self.shared_w_in[...], self.dtype, ("embed", "mlp")), 2, axis=-1)

@@ -48,7 +48,7 @@ from moefast.model.mla import MLA_NORM_EPS, MLAttention
 from moefast.model.moe import MoELayer, MoEStats
 from moefast.model.norm import rms_norm
 from moefast.model.positional import Yarn, check_positions, document_positions, rope_cos_sin, sinusoidal_encoding
-from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING
+from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING, RoutingSums
 from moefast.parallel.precision import dense, embed_lookup
 
 __all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "MLA_NORM_EPS", "MLAttention", "MTPModule", "ModelOutput",
@@ -132,8 +132,9 @@ class Block(nnx.Module):
         """One block; ``layer`` is its index (an int, or a traced int32 under ``scan_layers``),
         ``attn_mask`` the attention mask (or the fused kernel's segment ids), or the pair (that,
         the [B, T] segment ids that reset a Gated DeltaNet layer's states; ``None``: one document),
-        the other arguments are :meth:`Transformer.__call__`'s, per layer. Returns ``(x, stats or
-        None, new cache or None)``."""
+        the other arguments are :meth:`Transformer.__call__`'s, per layer. Returns ``(x, routing
+        sums or None, new cache or None)``; the sums are per token shard
+        (:class:`~moefast.parallel.expert.RoutingSums`), reduced by the model after its layers."""
         mask, segment_ids = attn_mask if isinstance(attn_mask, tuple) else (attn_mask, None)
         xn = self.attn_norm(x).astype(x.dtype)
         if self.linear:
@@ -147,7 +148,7 @@ class Block(nnx.Module):
             rs = routing_state or {}
             warm = step_key is not None and routing_warmup is not None
             f, stats = self.ffn(h, token_mask, drop_tokens=drop_tokens, bias_e=rs.get("bias"),
-                                load_ema_e=rs.get("load_ema"),
+                                load_ema_e=rs.get("load_ema"), reduce_stats=False,
                                 warmup_key=jax.random.fold_in(step_key, 3 * layer + 2) if warm else None,
                                 warmup_active=routing_warmup if warm else None)
         else:
@@ -298,6 +299,7 @@ class Transformer(nnx.Module):
         if not m.tie_embeddings:
             self.lm_head = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (m.d_model, vocab_size)),
                                      logical_axes=("embed", "vocab"))
+        self.top_k = cfg.moe.top_k  # reduces the routing sums into MoEStats (_moe_stats)
         self.mtp_depth = m.mtp_depth
         if m.mtp_depth:  # after every other parameter: the main model's initial values do not depend on D
             self.mtp_routing_row = sum(m.is_moe_layer(i) for i in range(m.num_layers))  # MTP rows follow the main's
@@ -402,9 +404,15 @@ class Transformer(nnx.Module):
         if self.mtp_depth and cache is None:
             mtp_logits, mtp_moe = self._mtp(x, tokens_bt, make, routing_state, **layer_args)
             if mtp_moe is not None:
-                moe = mtp_moe if moe is None else jax.tree.map(lambda *a: jnp.concatenate(a), moe, mtp_moe)
-            return ModelOutput(logits=logits, moe=moe, cache=None, mtp_logits=mtp_logits)
-        return ModelOutput(logits=logits, moe=moe, cache=new_cache)
+                moe = mtp_moe if moe is None else RoutingSums.concatenate([moe, mtp_moe])
+            return ModelOutput(logits=logits, moe=self._moe_stats(moe), cache=None, mtp_logits=mtp_logits)
+        return ModelOutput(logits=logits, moe=self._moe_stats(moe), cache=new_cache)
+
+    def _moe_stats(self, sums: RoutingSums | None) -> MoEStats | None:
+        """Every MoE layer's routing sums [L_moe, S, ...], reduced over the token shards once here
+        (one all-reduce after the layers instead of one in each layer's forward and recomputed
+        forward pass)."""
+        return None if sums is None else sums.stats(self.top_k)
 
     def _head(self, x_btd):
         """The output head (shared by the multi-token prediction modules): float32 [B, T, V]."""
@@ -536,7 +544,7 @@ class Transformer(nnx.Module):
                 x, s_i, _ = run(_block_fn(graphdef, self.remat, drop_tokens), state, x, i, rs)
                 if s_i is not None:
                     stats.append(jax.tree.map(lambda a: a[None], s_i))
-        moe = jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
+        moe = RoutingSums.concatenate(stats) if stats else None
         return x, moe
 
 

@@ -9,7 +9,8 @@ buffers of every device: [El, ep·C, D]) → SwiGLU experts → ``all_to_all`` b
 gates. Capacity and every buffer shape are static (from the config and the per-device token count),
 identical on every device and process, so collectives never see data-dependent shapes. With an
 expert axis of size 1 no collective is issued. Routing statistics are summed over every token axis,
-so the losses are those of the global batch whatever the mesh.
+so the losses are those of the global batch whatever the mesh; the model sums them once, after its
+layers (:class:`RoutingSums`), not in each layer.
 
 Dropless (``moe.capacity_factor=0``) with an expert axis moves only the routed rows: each device
 sorts its assignments by expert, sends each device exactly the rows of its experts
@@ -51,7 +52,7 @@ from moefast.parallel.hierarchical import hierarchical_exchange
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map, state_spec
 from moefast.parallel.precision import expert_weights
 
-__all__ = ["EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "check_hierarchical", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
+__all__ = ["EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "RoutingSums", "check_hierarchical", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
 
 EXPERT_AXIS = "expert"
 # Names of the values the "minimal" remat policy keeps (``jax.ad_checkpoint.checkpoint_name``): the
@@ -74,6 +75,41 @@ class MoEStats(NamedTuple):
     z_loss: jax.Array  # [] float32, ST-MoE router z-loss (before its coefficient)
     dropped_fraction: jax.Array  # [] float32, dropped assignments / routed assignments
     router_entropy: jax.Array  # [] float32, mean over tokens of the router softmax's entropy (nats)
+
+
+class RoutingSums(NamedTuple):
+    """One MoE layer's routing sums per token shard, not yet reduced over the mesh: S = the number
+    of token shards (the product of the mesh's token axes; 1 without a mesh), split over them.
+
+    The model returns these from every layer and reduces them once, after its layers
+    (:meth:`stats`), so no all-reduce sits in a layer's forward or backward pass (a loop body when
+    the layers are scanned). Leading dimensions (layers) are allowed before S.
+    """
+
+    tokens_per_expert: jax.Array  # [..., S, E] int32, assignments per expert before capacity
+    prob_sum: jax.Array  # [..., S, E] float32, summed probabilities (carries the aux loss's gradient)
+    z_sum: jax.Array  # [..., S] float32, summed squared logsumexp of the router logits
+    num_tokens: jax.Array  # [..., S] float32, unmasked tokens
+    dropped: jax.Array  # [..., S] int32, dropped assignments
+    entropy_sum: jax.Array  # [..., S] float32, summed router entropy (nats)
+
+    def stats(self, top_k: int) -> MoEStats:
+        """:class:`MoEStats` over the global batch: the sums over S, then the losses (leading
+        dimensions kept: fields [..., E] / [...])."""
+        def one(s: RoutingSums) -> MoEStats:
+            tpe, prob, z, n, dropped, ent = (jnp.sum(a, axis=0) for a in s)
+            return MoEStats(tokens_per_expert=tpe, aux_loss=routing.load_balancing_loss(tpe, prob, n, top_k),
+                            z_loss=routing.router_z_loss(z, n),
+                            dropped_fraction=dropped.astype(jnp.float32) / jnp.maximum(n * top_k, 1.0),
+                            router_entropy=ent / jnp.maximum(n, 1.0))
+        for _ in range(self.z_sum.ndim - 1):
+            one = jax.vmap(one)
+        return one(self)
+
+    @staticmethod
+    def concatenate(parts: list[RoutingSums]) -> RoutingSums:
+        """Layers' sums [L_i, S, ...] joined along the layer axis in order."""
+        return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
 def expert_ffn(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, dtype) -> jax.Array:
@@ -350,7 +386,7 @@ def _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, impl: str, ep: int):
 
 
 def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, *warmup, moe: MoEConfig,
-               drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...], w_specs: tuple = ()):
+               drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...], w_specs: tuple = (), reduce_stats=True):
     b, t, d = x_btd.shape
     if w_specs:  # this device's shards -> its experts' whole weights, in the compute dtype
         keep = EXPERT_AXIS if ep > 1 else None
@@ -366,7 +402,8 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     if chunks > capacity:
         raise ValueError(f"moe.overlap_chunks={chunks} is more than the capacity ({capacity} slots per expert "
                          "on a device): every chunk would hold at most one slot; use fewer chunks")
-    capacity = exchange_capacity(capacity, chunks)  # the buffer splits evenly (a dynamic limit stays below it)
+    if not hierarchical:  # the buffer splits evenly (a dynamic limit stays below it); hierarchical splits tokens
+        capacity = exchange_capacity(capacity, chunks)
     logits_te = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
     if warmup:  # (key, active)
         logits_te = _warmup_logits(logits_te, *warmup, moe, reduce_axes)
@@ -380,7 +417,8 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     if hierarchical:
         y_td, num_dropped = hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, ep=ep,
                                                   per_host=moe.gpus_per_host, expert_ffn=expert_ffn,
-                                                  checkpoint=checkpoint_name, names=(EXPERT_IN, EXPERT_OUT))
+                                                  checkpoint=checkpoint_name, names=(EXPERT_IN, EXPERT_OUT),
+                                                  chunks=chunks)
     elif moe.dropless and ep == 1:
         y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul)
     elif moe.dropless:
@@ -402,25 +440,21 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
 
     logp_te = jax.nn.log_softmax(jax.lax.stop_gradient(logits_te), axis=-1)
     entropy_sum = jnp.sum(jnp.where(mask_t, -jnp.sum(jnp.exp(logp_te) * logp_te, axis=-1), 0.0))
-    sums = (r.tokens_per_expert, r.prob_sum, r.z_sum, r.num_tokens, num_dropped, entropy_sum)
-    if reduce_axes:
-        sums = jax.lax.psum(sums, reduce_axes)
-    tokens_per_expert, prob_sum, z_sum, n, dropped, entropy_sum = sums
-    stats = MoEStats(
-        tokens_per_expert=tokens_per_expert,
-        aux_loss=routing.load_balancing_loss(tokens_per_expert, prob_sum, n, moe.top_k),
-        z_loss=routing.router_z_loss(z_sum, n),
-        dropped_fraction=dropped.astype(jnp.float32) / jnp.maximum(n * moe.top_k, 1.0),
-        router_entropy=entropy_sum / jnp.maximum(n, 1.0),
-    )
-    return y_td.reshape(b, t, d).astype(x_btd.dtype), stats
+    sums = RoutingSums(tokens_per_expert=r.tokens_per_expert, prob_sum=r.prob_sum, z_sum=r.z_sum,
+                       num_tokens=r.num_tokens, dropped=num_dropped, entropy_sum=entropy_sum)
+    sums = jax.tree.map(lambda a: a[None], sums)  # this shard's row of [S, ...]
+    if reduce_stats:
+        if reduce_axes:
+            sums = jax.lax.psum(sums, reduce_axes)
+        return y_td.reshape(b, t, d).astype(x_btd.dtype), sums.stats(moe.top_k)
+    return y_td.reshape(b, t, d).astype(x_btd.dtype), sums
 
 
 def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf: jax.Array,
             w_out_efd: jax.Array, moe: MoEConfig, *, drop_tokens: bool = True, dtype=jnp.float32,
             bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None,
-            warmup_key: jax.Array | None = None, warmup_active: jax.Array | None = None
-            ) -> tuple[jax.Array, MoEStats]:
+            warmup_key: jax.Array | None = None, warmup_active: jax.Array | None = None,
+            reduce_stats: bool = True) -> tuple[jax.Array, MoEStats | RoutingSums]:
     """Routed SwiGLU experts, expert-parallel when a mesh is set (``jax.set_mesh``).
 
     Args:
@@ -439,10 +473,14 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         ``None``: no warm-up.
       warmup_active: [] bool, whether this step is in the warm-up (traced, so one compiled step
         serves the whole run).
+      reduce_stats: True: the statistics over the global batch (an all-reduce over the token
+        axes in this call). False: :class:`RoutingSums` per token shard, reduced later by
+        :meth:`RoutingSums.stats` (the model reduces all its layers' at once, after them).
 
     Returns:
       ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` (exactly 0 for dropped/masked tokens) and
-      :class:`MoEStats` over the global batch.
+      :class:`MoEStats` over the global batch, or with ``reduce_stats=False`` :class:`RoutingSums`
+      [S, ...] (S token shards).
 
     Raises:
       ValueError: the expert axis does not divide E, or the batch is not divisible by the token
@@ -461,7 +499,7 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         bias_e = jnp.zeros((num_experts,), jnp.float32)
     if load_ema_e is None:
         load_ema_e = jnp.full((num_experts,), 1.0 / num_experts, jnp.float32)
-    kw = dict(moe=moe, drop_tokens=drop_tokens, dtype=dtype)
+    kw = dict(moe=moe, drop_tokens=drop_tokens, dtype=dtype, reduce_stats=reduce_stats)
     args = (x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e)
     if warmup_key is not None:
         args += (warmup_key, jnp.asarray(True if warmup_active is None else warmup_active))
@@ -486,4 +524,5 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
                state_spec(("expert", "mlp", "embed"), w_out_efd.shape, mesh))
     fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=token_axes, w_specs=w_specs, **kw)
     in_specs = (P(token_axes), P(token_axes), P(), *w_specs, P(), P()) + (P(),) * (len(args) - 7)
-    return jax.shard_map(fn, in_specs=in_specs, out_specs=(P(token_axes), P()))(*reshard_for_shard_map(args, in_specs))
+    out_specs = (P(token_axes), P() if reduce_stats else P(token_axes))
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs)(*reshard_for_shard_map(args, in_specs))

@@ -129,7 +129,8 @@ _move_fp8.defvjp(_move_fp8_fwd, _move_fp8_bwd)
 
 
 def hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, *, ep: int, per_host: int,
-                          expert_ffn, checkpoint=lambda a, name: a, names: tuple[str, str] = ("", "")):
+                          expert_ffn, checkpoint=lambda a, name: a, names: tuple[str, str] = ("", ""),
+                          chunks: int = 1):
     """The routed experts' gated sum of this device's tokens by the two-hop exchange (module
     docstring), inside ``jax.shard_map`` over an ``expert`` axis of ``ep`` = H x ``per_host``.
 
@@ -145,13 +146,46 @@ def hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, *, ep: int, 
       expert_ffn: ``(x_ecd, w_in, w_out, dtype) -> y_ecd``, the experts.
       checkpoint: ``(array, name) -> array`` naming the experts' input and output for remat.
       names: those two names (the remat policies' ``EXPERT_IN`` and ``EXPERT_OUT``).
+      chunks: n, the tokens in n slices in position order, each exchanged on its own two hops with
+        capacities for T/n tokens, slice i's experts ordered after slice i-1's
+        (``jax.lax.optimization_barrier``: unordered, XLA:GPU's dot merger joins them into one dot
+        that waits for every dispatch). Independent chains, so XLA's scheduler can run one slice's
+        exchange while another's experts compute (``moe.overlap_chunks``; the two micro-batches of
+        DeepSeek-V3's overlap, sec. 3.2.1, inside one layer). Nothing dropped: equal to n = 1 to
+        float rounding.
+
+    Raises:
+      ValueError: T not divisible by ``chunks``.
 
     Returns:
       ``(y_td, dropped)``: [T, D] in ``dtype`` and the [] int32 assignments this device dropped
       (on either hop: the first hop's on the sending device, the second's on the receiving one).
     """
+    t = x_td.shape[0]
+    if chunks < 1 or t % chunks:
+        raise ValueError(f"moe.overlap_chunks={chunks} with moe.exchange=hierarchical splits each device's {t} tokens "
+                         f"into equal slices: use a number of chunks that divides {t}")
+    tn = t // chunks
+    ys, dropped, prev = [], jnp.zeros((), jnp.int32), None
+    for i in range(chunks):
+        def ffn(x, w_in, w_out, dt, prev=prev):
+            if prev is not None:  # this slice's experts after the previous slice's (docstring)
+                x, _ = jax.lax.optimization_barrier((x, prev))
+            return expert_ffn(x, w_in, w_out, dt)
+        part = slice(i * tn, (i + 1) * tn)
+        y_td, dropped_i, prev = _two_hops(x_td[part], r.slot[part], r.expert_index[part], r.gates[part], w_in_edf,
+                                          w_out_efd, dtype, moe, ep=ep, per_host=per_host, expert_ffn=ffn,
+                                          checkpoint=checkpoint, names=names)
+        ys.append(y_td)
+        dropped = dropped + dropped_i
+    return (ys[0] if chunks == 1 else jnp.concatenate(ys)), dropped
+
+
+def _two_hops(x_td, slot_tk, expert_index_tk, gates_tk, w_in_edf, w_out_efd, dtype, moe, *, ep, per_host, expert_ffn,
+              checkpoint, names):
+    """:func:`hierarchical_exchange` of one slice of tokens: ``(y_td, dropped, the experts' output)``."""
     t, d = x_td.shape
-    k = r.expert_index.shape[1]
+    k = expert_index_tk.shape[1]
     e = moe.num_experts
     hosts = ep // per_host
     eh = e // hosts
@@ -160,8 +194,8 @@ def hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, *, ep: int, 
     between, inside = _groups(hosts, per_host)
 
     # hop 1: each token's row once per destination host, in position order
-    valid_tk = r.slot >= 0
-    host_tk = r.expert_index // eh
+    valid_tk = slot_tk >= 0
+    host_tk = expert_index_tk // eh
     to_th = jnp.any((host_tk[:, :, None] == jnp.arange(hosts)[None, None]) & valid_tk[..., None], axis=1)
     pos_th = jnp.cumsum(to_th, axis=0) - 1
     kept_th = to_th & (pos_th < ch)
@@ -170,8 +204,8 @@ def hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, *, ep: int, 
         jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], (t, hosts)), mode="drop")
     # each host-row's experts within that host (-1: elsewhere or masked) and gates
     here_thk = (host_tk[:, None, :] == jnp.arange(hosts)[None, :, None]) & valid_tk[:, None, :]
-    local_thk = jnp.where(here_thk, r.expert_index[:, None, :] - jnp.arange(hosts)[None, :, None] * eh, -1)
-    gate_thk = jnp.where(here_thk, r.gates[:, None, :], 0.0)
+    local_thk = jnp.where(here_thk, expert_index_tk[:, None, :] - jnp.arange(hosts)[None, :, None] * eh, -1)
+    gate_thk = jnp.where(here_thk, gates_tk[:, None, :], 0.0)
     rows = jnp.arange(hosts)[:, None]
     meta_e = _pad(local_thk)[table1, rows]  # [H, Ch, K]
     meta_e = jnp.where((table1 < t)[..., None], meta_e, -1)
@@ -209,4 +243,4 @@ def hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, *, ep: int, 
     back = _a2a(y_rows.reshape(hosts, ch, d), between)  # [H(dest host), Ch, D]
     y_th = _pad(back.reshape(hosts * ch, d))[jnp.where(kept_th, jnp.arange(hosts)[None] * ch + pos_th, hosts * ch)]
     y_td = jnp.sum(jnp.where(kept_th[..., None], y_th.astype(jnp.float32), 0.0), axis=1)
-    return y_td.astype(dtype), (dropped1 + dropped2).astype(jnp.int32)
+    return y_td.astype(dtype), (dropped1 + dropped2).astype(jnp.int32), y

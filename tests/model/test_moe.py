@@ -85,6 +85,7 @@ def test_block_output_equals_residual_for_dropped_tokens():
                           step_key=None, drop_tokens=True)
     attn, _ = block.attn(block.attn_norm(x), rope, mask, None, 0)
     residual = x + attn
+    stats = stats.stats(cfg.moe.top_k)  # the block returns routing sums per token shard
     assert int(stats.tokens_per_expert[0]) == 8
     np.testing.assert_array_equal(np.asarray(out[0, 1:]), np.asarray(residual[0, 1:]))
     assert not np.array_equal(np.asarray(out[0, 0]), np.asarray(residual[0, 0]))

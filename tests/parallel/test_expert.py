@@ -147,6 +147,27 @@ def test_model_loss_and_gradients_equal_single_device(shape, devices):
         load_config(None, SMALL + [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.expert={expert}"]))
 
 
+def test_routing_statistics_are_reduced_after_the_scanned_layers(devices):
+    """The layers return per-shard routing sums; the model reduces them once, after its loop, so
+    the scanned layers' loop body holds no all-reduce (it held two per layer: int and float sums)."""
+    import re
+    cfg = load_config(None, SMALL + ["model.scan_layers=true", "mesh.data=2", "mesh.expert=4"])
+    md = ModelDef(cfg, 259)
+    from moefast.parallel import param_specs, shardings
+    mesh = make_mesh(cfg)
+    params = jax.device_put(md.init_params(0), shardings(mesh, param_specs(md.abstract_model_state, mesh)))
+    tokens = jax.device_put(jnp.zeros((8, 16), jnp.int32), NamedSharding(mesh, P(("data", "fsdp", "expert"))))
+    with jax.set_mesh(mesh):
+        text = jax.jit(lambda p, t: md.module(p)(t).moe.aux_loss).lower(params, tokens).compile().as_text()
+    hlo = HloModule(text)
+    bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", text))
+    assert bodies, "the scanned layers must compile to a while loop"
+    in_bodies = [hlo.instrs[n].opcode for b in bodies for n in hlo.computations[b]]
+    assert "all-to-all" in in_bodies or "all-to-all-start" in in_bodies, "the exchange runs in the loop"
+    assert not [o for o in in_bodies if o.startswith("all-reduce")], "routing sums all-reduced inside the loop"
+    assert any(c.kind == "all-reduce" for c in collectives(text)), "the sums are reduced once, after the loop"
+
+
 def test_deepseek_v3_loss_and_gradients_equal_single_device(devices):
     """configs/tiny_deepseek_v3.yaml, shrunk, on data 2 x fsdp 2 x expert 2: MLA (fsdp-split
     low-rank projections), sigmoid routing in 2 of 4 groups with a non-zero selection bias, the

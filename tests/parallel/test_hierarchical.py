@@ -41,23 +41,27 @@ def run(mesh, x, mask, w, dtype=jnp.float32, hlo=False, **moe):
         return (out, f.lower(x, *w).as_text(dialect="hlo")) if hlo else out
 
 
-# (data, expert, gpus_per_host, routing): 2 hosts x 2 GPUs with one group per host and one host
-# per token (node-limited, sigmoid, DeepSeek-V3's group score); 4 hosts x 2 with 4 groups, 2 per token
-CASES = [(2, 4, 2, dict(num_groups=2, topk_groups=1, score_func="sigmoid")),
-         (1, 8, 2, dict(num_groups=4, topk_groups=2))]
+# (data, expert, gpus_per_host, chunks, routing): 2 hosts x 2 GPUs with one group per host and one
+# host per token (node-limited, sigmoid, DeepSeek-V3's group score), the tokens in two slices
+# (moe.overlap_chunks=2); 4 hosts x 2 with 4 groups, 2 per token, one slice
+CASES = [(2, 4, 2, 2, dict(num_groups=2, topk_groups=1, score_func="sigmoid")),
+         (1, 8, 2, 1, dict(num_groups=4, topk_groups=2))]
 
 
-@pytest.mark.parametrize("data, expert, per_host, routing", CASES, ids=["2x2-hosts", "4x2-hosts"])
-def test_equals_the_flat_exchange_when_nothing_drops(data, expert, per_host, routing, devices):
+@pytest.mark.parametrize("data, expert, per_host, chunks, routing", CASES, ids=["2x2-hosts-2-slices", "4x2-hosts"])
+def test_equals_the_flat_exchange_when_nothing_drops(data, expert, per_host, chunks, routing, devices):
     """Capacity factor 8 (no hop drops anything): routing statistics and losses bitwise those of
     the flat exchange (same routing), outputs and gradients to float rounding (each host's partial
-    sum is taken first: a different order of float32 sums). The exchange's all-to-alls run over
-    groups of the ranks sharing a GPU index (between hosts) and of each host's ranks."""
+    sum is taken first: a different order of float32 sums), with the tokens in one slice or two.
+    The exchange's all-to-alls run over groups of the ranks sharing a GPU index (between hosts) and
+    of each host's ranks, each slice its own."""
     x, mask, w = case()
     mesh = mesh_of(data, expert)
     (ref_loss, (ref_y, ref_s)), ref_g = run(mesh, x, mask, w, capacity_factor=8.0, **routing)
     ((loss, (y, s)), g), hlo = run(mesh, x, mask, w, hlo=True, capacity_factor=8.0, exchange="hierarchical",
-                                   gpus_per_host=per_host, **routing)
+                                   gpus_per_host=per_host, overlap_chunks=chunks, **routing)
+    # per slice 5 forward (metadata, rows and their return on each hop) and their 5 transposes
+    assert len(re.findall(r"all-to-all\(", hlo)) == 10 * chunks
     assert float(s.dropped_fraction) == 0.0 == float(ref_s.dropped_fraction)
     for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(ref_s)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -110,14 +114,14 @@ def test_bad_input(devices):
     x, mask, w = case()
     for overrides, match in (
             (["moe.exchange=hierarchical", "moe.capacity_factor=0"], "own two capacities"),
-            (["moe.exchange=hierarchical", "moe.overlap_chunks=2"], "own two capacities"),
             (["moe.gpus_per_host=0"], "moe.gpus_per_host")):
         with pytest.raises(ConfigError, match=match):
             load_config(None, overrides)
     for mesh, moe, match in (
             (mesh_of(2, 4), dict(gpus_per_host=4), "span several whole hosts"),  # one host
             (mesh_of(2, 4), dict(gpus_per_host=3), "span several whole hosts"),  # 4 not a multiple of 3
-            (mesh_of(1, 8), dict(gpus_per_host=2, num_groups=2, topk_groups=1), "not aligned with the 4 hosts")):
+            (mesh_of(1, 8), dict(gpus_per_host=2, num_groups=2, topk_groups=1), "not aligned with the 4 hosts"),
+            (mesh_of(2, 4), dict(gpus_per_host=2, overlap_chunks=3), "a number of chunks that divides 16")):
         spec = MoEConfig(num_experts=E, top_k=K, exchange="hierarchical", **moe)
         with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
             jax.eval_shape(lambda x, w: moe_ffn(x, mask, *w, spec)[0], x, w)
