@@ -198,6 +198,10 @@ def test_deepseek_v3_671b_config_compiles_across_hosts(compiled):
     # replay re-costs every collective between hosts
     assert e["fallback"]["count"] > 0 and e["recosted"]["step"] > 0 and e["recosted"]["exposed"] > 0
     assert "replayed with the collectives between hosts re-costed" in md
+    # the NIC's floor: positive, and no computation's re-costed floor-bounded length below it
+    nf = e["network_floor"]
+    assert 0 < nf["step"] <= nf["bounded"] and nf["bounded"] >= e["recosted"]["step"] and nf["gbps"] == 50
+    assert "the NIC's floor" in md
     assert "step time (estimate)" in md and "TFLOP/s per GPU (estimate" in md and "MFU (estimate" in md
 
 
@@ -302,7 +306,7 @@ def test_between_hosts_cost_and_replay():
     64 GPUs, 8 per host, at 50 GB/s: 56 remote peers each sent 8 MiB / 63 (transfer x 1.025, one 4 MiB
     chunk prepared, one round trip), plus the launch; a ring all-gather over 4 hosts, one GPU each.
     The replay: a done waits for its start plus the collective's latency; compute runs in order."""
-    from moefast.bench.gpu_schedule import _replay, between_hosts_us, network_options
+    from moefast.bench.gpu_schedule import _replay, between_hosts_us, network_options, nic_bytes
 
     net = network_options("dgx-h100")
     per_peer = 8 * 2**20 / 63
@@ -311,6 +315,11 @@ def test_between_hosts_cost_and_replay():
     ring = 3 * (2**20 / 50e3 * 1.025 + 6 + 31) + 45  # 4 MiB gathered: 1 MiB per member, 3 steps
     assert between_hosts_us("all-gather", 4 * 2**20, 4, 1, net) == pytest.approx(ring)
     assert between_hosts_us("all-reduce", 4 * 2**20, 4, 1, net) == pytest.approx(2 * (ring - 45) + 45)
+    # what one NIC sends: an all-to-all's rows for the 56 remote peers of 64; a ring's (n - 1) / n
+    # of the data over each link, the host-crossing links spread over the 8 GPUs' NICs
+    assert nic_bytes("all-to-all", 64.0, 64, 8) == 56.0
+    assert nic_bytes("all-gather", 64.0, 4, 1) == 48.0 and nic_bytes("all-reduce", 64.0, 4, 1) == 96.0
+    assert nic_bytes("reduce-scatter", 64.0, 64, 8) == pytest.approx(64 * 63 / 64 / 8)
     # start (1) | compute a (10) | done: ready at 1 + 25 -> waits 15 | compute b (5)
     order = [("s", 0, 1), ("a", 1, 11), ("d", 11, 12), ("b", 12, 17)]
     length, waits = _replay(order, {"s": "d"}, {"s": 25.0})

@@ -60,7 +60,7 @@ import statistics
 from pathlib import Path
 
 __all__ = ["NETWORKS", "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
-           "read_estimate"]
+           "nic_bytes", "read_estimate"]
 
 # --network name -> file in moefast/bench/gpu_targets/ (key=value lines of XLA's
 # xla_gpu_analytical_latency_estimator_options, with their sources in comments)
@@ -169,6 +169,7 @@ class ComputationEstimate:
     label: str = ""  # what runs in it (from the JAX operations it holds): "forward layer", ...
     recosted_length: float = 0.0  # replayed with the collectives between hosts re-costed (once)
     recosted_exposed: float = 0.0
+    network_floor: float = 0.0  # its bytes between hosts at the NIC's rate (once): it cannot be shorter
 
 
 @dataclasses.dataclass
@@ -202,6 +203,9 @@ class ScheduleEstimate:
     # group's real shape (between_hosts_us), the others keeping the time XLA's schedule gave them:
     # {"step", "exposed", "exposed_by_kind", "exposed_by_tier"}
     recosted: dict = dataclasses.field(default_factory=dict)
+    # the NIC's floor: {"step": every computation's bytes between hosts per GPU at the NIC's rate,
+    # trip-weighted; "bounded": the re-costed step with each computation at least its floor; "gbps"}
+    network_floor: dict = dataclasses.field(default_factory=dict)
 
 
 def _proto_index(text: str):
@@ -289,6 +293,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
     from moefast.parallel.hlo import HloModule, shape_bytes
 
     gpus_per_node = int(float((network or {}).get("gpus_per_node", 8)))
+    nic_rate = float((network or {}).get("nic_speed_gbps", _XLA_H100["nic_speed_gbps"])) * 1e3  # bytes per µs
 
     files = [f for f in glob.glob(os.path.join(dump_dir, "*schedule.txt")) if "train" in os.path.basename(f)
              or "counted_step" in os.path.basename(f)] or glob.glob(os.path.join(dump_dir, "*schedule.txt"))
@@ -373,7 +378,8 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
     step = exposed = 0.0
     by_kind, by_tier, bytes_tier = collections.Counter(), collections.Counter(), collections.Counter()
     fallback = {"count": 0, "bytes": 0, "exposed": 0.0}
-    recost = {"step": 0.0, "exposed": 0.0, "by_kind": collections.Counter(), "by_tier": collections.Counter()}
+    recost = {"step": 0.0, "exposed": 0.0, "by_kind": collections.Counter(), "by_tier": collections.Counter(),
+              "floor": 0.0, "bounded": 0.0}
     gemm_acc = collections.defaultdict(lambda: [0, 0.0, 0.0, []])
     for block in blocks:
         st = re.search(r"scheduler_statistics \{([^}]*)\}", block)
@@ -404,6 +410,18 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
                         if kind == "reduce-scatter":
                             size *= shape[0]
                         latency[name] = between_hosts_us(kind, size, shape[0], shape[1], network)
+        floor = 0.0  # µs the NIC needs for this computation's bytes between hosts
+        for name, _, _ in ordered:
+            ins = module.instrs.get(name)
+            kind = module._wrapped_kind(ins) if ins is not None else None
+            if not kind or not time_unit or tier(name) != BETWEEN or not (
+                    ins.opcode.endswith("-start") or ins.opcode == kind):
+                continue
+            shape = group_shape(name)
+            done = module._users_of_async.get(name)
+            size = shape_bytes(module.instrs[done].shape if done else ins.shape)
+            if shape:
+                floor += nic_bytes(kind, size * (shape[0] if kind == "reduce-scatter" else 1), *shape) / nic_rate
         re_len, re_waits = _replay(ordered, pairs, latency)
         re_ex = sum(re_waits.values())
         for st, v in re_waits.items():
@@ -411,6 +429,8 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
             recost["by_tier"][pair_kind[st][1]] += v * w
         recost["step"] += re_len * w
         recost["exposed"] += re_ex * w
+        recost["floor"] += floor * w
+        recost["bounded"] += max(re_len, floor) * w
         length, prev, gap_kind, ex = 0.0, 0.0, collections.Counter(), 0.0
         for name, s, e in ordered:
             if s - prev > 1e-9:  # the compute stream idles: on what is in flight then
@@ -448,7 +468,8 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         ops = [module.instrs[n].op_name for n, _, _ in named if module.instrs[n].op_name]
         label = _label(ops) + " loop body" if comp in loop_bodies else "outside loops" if comp == module.entry \
             else "called"
-        comps.append(ComputationEstimate(comp, w, length, ex, dict(gap_kind), comp in loop_bodies, label, re_len, re_ex))
+        comps.append(ComputationEstimate(comp, w, length, ex, dict(gap_kind), comp in loop_bodies, label, re_len, re_ex,
+                                         floor))
         step += length * w
         exposed += ex * w
         for k, v in gap_kind.items():
@@ -462,7 +483,9 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         unscheduled_loops=sorted(b for b in loop_bodies if b not in scheduled), unknown_trips=sorted(set(unknown)),
         gemms=gemms, once=dict(once), fallback=fallback,
         recosted={"step": recost["step"], "exposed": recost["exposed"], "exposed_by_kind": dict(recost["by_kind"]),
-                  "exposed_by_tier": dict(recost["by_tier"])} if time_unit else {})
+                  "exposed_by_tier": dict(recost["by_tier"])} if time_unit else {},
+        network_floor={"step": recost["floor"], "bounded": recost["bounded"], "gbps": nic_rate / 1e3}
+        if time_unit else {})
 
 
 def _secs(us: float) -> str:
@@ -471,6 +494,22 @@ def _secs(us: float) -> str:
 
 def _size(b: float) -> str:
     return f"{b / 2**30:,.2f} GiB" if b >= 2**30 else f"{b / 2**20:,.1f} MiB"
+
+
+def nic_bytes(kind: str, nbytes: float, group: int, per_host: int) -> float:
+    """Bytes one GPU's NIC sends for a collective between hosts, ``group`` members of which
+    ``per_host`` on each host, one NIC per GPU: an all-to-all sends the share of its rows bound
+    for other hosts, ``nbytes (n - m) / n``; a ring (all-gather, reduce-scatter; all-reduce twice)
+    moves ``nbytes (n - 1) / n`` over every link, and its host-crossing links spread over the m
+    GPUs' NICs, ``/ m`` (the same traffic XLA's ``RingLatency`` charges).
+
+    Args:
+      nbytes: as in :func:`between_hosts_us` (a reduce-scatter's operand, the others' result).
+    """
+    n, m = max(group, 1), max(per_host, 1)
+    if kind in ("all-to-all", "collective-permute"):
+        return nbytes * max(n - m, 0) / n if kind == "all-to-all" else nbytes
+    return nbytes * (n - 1) / n / m * (2 if kind == "all-reduce" else 1)
 
 
 def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, peak_tflops: float | None,
@@ -518,6 +557,14 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
         lines.append(f"| &nbsp; exposed (re-costed) | {rc['exposed']:,.0f} µs ({rc['exposed'] / rs:.1%}): "
                      + ", ".join(f"{k} {v / rs:.1%}" for k, v in sorted(rc["exposed_by_kind"].items(), key=lambda kv: -kv[1]))
                      + "; " + ", ".join(f"{k} {v / rs:.1%}" for k, v in sorted(rc["exposed_by_tier"].items())) + " |")
+    nf = est.get("network_floor") or {}
+    if nf.get("step") and rc.get("step"):
+        lines.append(f"| **the NIC's floor**: each computation's bytes between hosts per GPU at {nf['gbps']:g} GB/s "
+                     f"(gpu_schedule.nic_bytes; no schedule can be shorter; the estimators cost each collective "
+                     f"alone, so transfers in flight together share no bandwidth there) | {_secs(nf['step'])} "
+                     f"({nf['step'] / rc['step']:.0%} of the re-costed step) |")
+        lines.append(f"| &nbsp; re-costed step with each computation at least its floor (estimate) | "
+                     f"{_secs(nf['bounded'])} |")
     fb = est.get("fallback") or {}
     if fb.get("count"):
         lines.append(f"| collectives between hosts XLA's model cannot cost (more replica groups than GPUs per node: each "
