@@ -202,6 +202,11 @@ def test_deepseek_v3_671b_config_compiles_across_hosts(compiled):
     nf = e["network_floor"]
     assert 0 < nf["step"] <= nf["bounded"] and nf["bounded"] >= e["recosted"]["step"] and nf["gbps"] == 50
     assert "the NIC's floor" in md
+    # the twin scheduled a second time with the replay's costs as XLA's profile (PGLE): XLA's own
+    # estimate then agrees with the replay's, and the attention kernels were re-costed
+    assert e["profiled"] and e["unprofiled"]["step"] > 0 and e["recosted"]["kernels"] > 0
+    assert e["step"] == pytest.approx(e["recosted"]["step"], rel=0.02)
+    assert "profile (PGLE)" in md
     assert "step time (estimate)" in md and "TFLOP/s per GPU (estimate" in md and "MFU (estimate" in md
 
 
@@ -305,8 +310,9 @@ def test_between_hosts_cost_and_replay():
     """XLA's speed-of-light formulas on a group's real shape: an all-to-all of 8 MiB per device over
     64 GPUs, 8 per host, at 50 GB/s: 56 remote peers each sent 8 MiB / 63 (transfer x 1.025, one 4 MiB
     chunk prepared, one round trip), plus the launch; a ring all-gather over 4 hosts, one GPU each.
-    The replay: a done waits for its start plus the collective's latency; compute runs in order."""
-    from moefast.bench.gpu_schedule import _replay, between_hosts_us, network_options, nic_bytes
+    The replay: a done waits for its start plus the collective's latency; compute runs in order, a
+    re-costed kernel for its new time. The fused attention kernels' FLOPs from the queries' shape."""
+    from moefast.bench.gpu_schedule import _replay, attention_kernel_flops, between_hosts_us, network_options, nic_bytes
 
     net = network_options("dgx-h100")
     per_peer = 8 * 2**20 / 63
@@ -325,6 +331,14 @@ def test_between_hosts_cost_and_replay():
     length, waits = _replay(order, {"s": "d"}, {"s": 25.0})
     assert (length, dict(waits)) == (1 + 10 + 15 + 1 + 5, {"s": 15.0})
     assert _replay(order, {"s": "d"}, {"s": 5.0}) == (17.0, {})
+    # a kernel re-costed (a: 30 instead of 10) hides the collective: no wait, 1 + 30 + 1 + 5
+    assert _replay(order, {"s": "d"}, {"s": 25.0}, {"a": 30.0}) == (37.0, {})
+    # the fused causal attention: 2 B H T^2 D forward (two matmuls over the causal half), 2.5x backward
+    q = "bf16[1,4096,128,192]{3,2,1,0}"
+    fwd = 2.0 * 128 * 4096 * 4096 * 192
+    assert attention_kernel_flops("jit(step)/checkpoint/jit(mha)/mha_forward/pallas_call", q) == fwd
+    assert attention_kernel_flops("jit(step)/transpose(jvp())/mha_backward/pallas_call", q) == 2.5 * fwd
+    assert attention_kernel_flops("jit(step)/moe_routing/pallas_call", q) == 0.0
 
 
 def test_network_must_be_the_one_the_process_was_prepared_with():

@@ -400,7 +400,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
     import jax
     import numpy as np
 
-    from moefast.bench.gpu_schedule import network_options, read_estimate
+    from moefast.bench.gpu_schedule import network_options, pgle_profile, read_estimate
     from moefast.config import ConfigError, load_config
     from moefast.parallel.hlo import HloModule
     from moefast.parallel.precision import costing_twin
@@ -446,8 +446,9 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         ragged = any(i.opcode.startswith("ragged-all-to-all") for i in module.instrs.values())
         hosts_of = [d.process_index for d in trainer.mesh.devices.flat]
         net = network_options(network) if network else None
-        as_compiled = read_estimate(dump, text, hosts_of, time_unit=not ragged, network=net)
-        estimated = as_compiled
+        peak_tflops = peak_flops(devs).per_device_tflops
+        as_compiled = read_estimate(dump, text, hosts_of, time_unit=not ragged, network=net, peak_tflops=peak_tflops)
+        estimated, unprofiled = as_compiled, None
         if twin:
             log("compiling its costing twin for XLA's estimate (weight-gradient GEMMs with bf16 results) ...")
             with costing_twin():  # a fresh Trainer: a fresh trace under the twin's switch
@@ -455,7 +456,21 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
                 lowered = twin_trainer.lower_train_step()
             twin_dump = os.path.join(tmp, "twin-dump")
             twin_text = _compile(lowered, options, twin_dump, autotune).as_text()
-            estimated = read_estimate(twin_dump, twin_text, hosts_of, time_unit=not ragged, network=net)
+            estimated = read_estimate(twin_dump, twin_text, hosts_of, time_unit=not ragged, network=net,
+                                      peak_tflops=peak_tflops)
+            if net and estimated is not None and estimated.profile:
+                # XLA scheduled the twin believing its own costs (a flat 10 µs per attention kernel, a
+                # fixed 5,000 µs per collective it cannot cost): once more, with the replay's costs as
+                # its profile (what JAX's PGLE would hand it from a run on GPUs)
+                log("recompiling the twin with those costs as XLA's profile (PGLE) ...")
+                unprofiled = estimated
+                profile_path = os.path.join(tmp, "pgle.pbtxt")
+                Path(profile_path).write_text(pgle_profile(estimated))
+                pgle_dump = os.path.join(tmp, "pgle-dump")
+                pgle_text = _compile(lowered, {**options, "xla_gpu_pgle_profile_file_or_directory_path": profile_path},
+                                     pgle_dump, autotune).as_text()
+                estimated = read_estimate(pgle_dump, pgle_text, hosts_of, time_unit=not ragged, network=net,
+                                          peak_tflops=peak_tflops)
 
     def shard_bytes(tree):
         return int(sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
@@ -483,11 +498,15 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         flags_note="" if options or not cfg.overlap.xla_flags else "GPU overlap flags all set by XLA_FLAGS",
         estimator="fixed costs" if ragged else "speed-of-light", network=network or "",
-        estimate=None if estimated is None else {**dataclasses.asdict(estimated), "twin": twin},
+        estimate=None if estimated is None else {
+            **{k: v for k, v in dataclasses.asdict(estimated).items() if k != "profile"}, "twin": twin,
+            "profiled": unprofiled is not None,
+            "unprofiled": None if unprofiled is None else {"step": unprofiled.step, "exposed": unprofiled.exposed,
+                                                           "recosted": unprofiled.recosted}},
         estimate_as_compiled=None if as_compiled is None or not twin else {
             "step": as_compiled.step, "gemms": [dataclasses.asdict(g) for g in as_compiled.gemms]},
         model_flops_per_step=trainer.flops_per_token * cfg.data.batch_size * cfg.data.seq_len,
-        peak_tflops=peak_flops(devs).per_device_tflops)
+        peak_tflops=peak_tflops)
 
 
 def _compile(lowered, options: dict, dump: str, autotune: str | None):

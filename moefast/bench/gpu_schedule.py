@@ -59,8 +59,9 @@ import re
 import statistics
 from pathlib import Path
 
-__all__ = ["NETWORKS", "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
-           "nic_bytes", "read_estimate"]
+__all__ = ["ATTENTION_KERNEL_UTILIZATION", "NETWORKS", "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
+           "attention_kernel_flops", "nic_bytes", "pgle_profile",
+           "read_estimate"]
 
 # --network name -> file in moefast/bench/gpu_targets/ (key=value lines of XLA's
 # xla_gpu_analytical_latency_estimator_options, with their sources in comments)
@@ -139,10 +140,11 @@ def between_hosts_us(kind: str, nbytes: float, group: int, per_host: int, net: d
     return hop(nbytes / n) * (n - 1) / per_host * rounds + o["nccl_op_launch_us"]
 
 
-def _replay(ordered, pairs: dict[str, str], latency: dict[str, float]):
+def _replay(ordered, pairs: dict[str, str], latency: dict[str, float], cost: dict[str, float] | None = None):
     """XLA's schedule of one computation replayed with other collective latencies: the
-    instructions in its order, each for its own estimated time, a ``*-done`` waiting until its start
-    plus ``latency[start]``. Returns (length, {start: wait})."""
+    instructions in its order, each for its own estimated time (``cost[name]`` where given), a
+    ``*-done`` waiting until its start plus ``latency[start]``. Returns (length, {start: wait})."""
+    cost = cost or {}
     t, started, waits = 0.0, {}, collections.Counter()
     done_of = {d: st for st, d in pairs.items()}
     for name, s, e in ordered:
@@ -152,7 +154,7 @@ def _replay(ordered, pairs: dict[str, str], latency: dict[str, float]):
             if ready > t:
                 waits[st] += ready - t
                 t = ready
-        t += e - s
+        t += cost.get(name, e - s)
         if name in pairs:
             started[name] = t
     return t, waits
@@ -206,6 +208,23 @@ class ScheduleEstimate:
     # the NIC's floor: {"step": every computation's bytes between hosts per GPU at the NIC's rate,
     # trip-weighted; "bounded": the re-costed step with each computation at least its floor; "gbps"}
     network_floor: dict = dataclasses.field(default_factory=dict)
+    # the replay's own costs (µs) by instruction name, and the module's fingerprint_before_lhs:
+    # handed back to XLA as a profile (pgle_profile) so its scheduler plans with them
+    profile: dict = dataclasses.field(default_factory=dict)
+    fingerprint: str = ""
+
+
+def pgle_profile(est: ScheduleEstimate) -> str:
+    """The replay's costs as XLA's profile-guided latency estimator reads them
+    (``tensorflow.profiler.ProfiledInstructionsProto`` in text form, for
+    ``xla_gpu_pgle_profile_file_or_directory_path``): each collective between hosts at
+    :func:`between_hosts_us` and each fused attention kernel at its FLOPs' time, keyed
+    ``fingerprint::name`` so that only the same module (the same ``fingerprint_before_lhs``) uses
+    them; everything else XLA keeps costing itself. What a profile measured on GPUs (JAX's PGLE)
+    would tell XLA, from the model instead of a run.
+    """
+    return "".join(f'costs {{ name: "{est.fingerprint}::{n}" cost_us: {c:.3f} }}\n'
+                   for n, c in sorted(est.profile.items()))
 
 
 def _proto_index(text: str):
@@ -276,7 +295,7 @@ def _label(ops: list[str]) -> str:
 
 
 def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *, time_unit: bool,
-                  network: dict[str, str] | None = None) -> ScheduleEstimate | None:
+                  network: dict[str, str] | None = None, peak_tflops: float | None = None) -> ScheduleEstimate | None:
     """The trip-weighted estimate of the train step from a compilation's dump.
 
     Args:
@@ -286,6 +305,9 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
       time_unit: whether the estimator's costs are microseconds (the speed-of-light estimator) or
         XLA's fixed per-operation costs.
       network: the network model's options (:func:`network_options`; ``None``: XLA's defaults).
+      peak_tflops: the GPU's dense bf16 peak; given, the replay also costs the fused attention
+        kernels from their FLOPs (:func:`attention_kernel_flops`) at
+        :data:`ATTENTION_KERNEL_UTILIZATION` of it.
 
     Returns:
       ``None`` when XLA wrote no schedule (its scheduler did not run).
@@ -375,11 +397,12 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         return groups is not None and gpus_per_node % len(groups) != 0
 
     comps, once = [], collections.Counter()
+    profile = {}  # instruction -> µs: what the replay re-costs, as a PGLE profile (pgle_profile)
     step = exposed = 0.0
     by_kind, by_tier, bytes_tier = collections.Counter(), collections.Counter(), collections.Counter()
     fallback = {"count": 0, "bytes": 0, "exposed": 0.0}
     recost = {"step": 0.0, "exposed": 0.0, "by_kind": collections.Counter(), "by_tier": collections.Counter(),
-              "floor": 0.0, "bounded": 0.0}
+              "floor": 0.0, "bounded": 0.0, "kernels": 0}
     gemm_acc = collections.defaultdict(lambda: [0, 0.0, 0.0, []])
     for block in blocks:
         st = re.search(r"scheduler_statistics \{([^}]*)\}", block)
@@ -410,6 +433,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
                         if kind == "reduce-scatter":
                             size *= shape[0]
                         latency[name] = between_hosts_us(kind, size, shape[0], shape[1], network)
+                        profile[name] = latency[name]
         floor = 0.0  # µs the NIC needs for this computation's bytes between hosts
         for name, _, _ in ordered:
             ins = module.instrs.get(name)
@@ -422,11 +446,21 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
             size = shape_bytes(module.instrs[done].shape if done else ins.shape)
             if shape:
                 floor += nic_bytes(kind, size * (shape[0] if kind == "reduce-scatter" else 1), *shape) / nic_rate
-        re_len, re_waits = _replay(ordered, pairs, latency)
+        kernel_us = {}
+        if time_unit and peak_tflops:
+            for name, _, _ in ordered:
+                ins = module.instrs.get(name)
+                if ins is not None and ins.opcode == "custom-call":
+                    f = attention_kernel_flops(ins.op_name, raw.get(name, "").split("custom-call(", 1)[-1])
+                    if f:
+                        kernel_us[name] = f / (ATTENTION_KERNEL_UTILIZATION * peak_tflops * 1e6)
+        profile.update(kernel_us)
+        re_len, re_waits = _replay(ordered, pairs, latency, kernel_us)
         re_ex = sum(re_waits.values())
         for st, v in re_waits.items():
             recost["by_kind"][pair_kind[st][0]] += v * w
             recost["by_tier"][pair_kind[st][1]] += v * w
+        recost["kernels"] += len(kernel_us) * w
         recost["step"] += re_len * w
         recost["exposed"] += re_ex * w
         recost["floor"] += floor * w
@@ -483,9 +517,11 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         unscheduled_loops=sorted(b for b in loop_bodies if b not in scheduled), unknown_trips=sorted(set(unknown)),
         gemms=gemms, once=dict(once), fallback=fallback,
         recosted={"step": recost["step"], "exposed": recost["exposed"], "exposed_by_kind": dict(recost["by_kind"]),
-                  "exposed_by_tier": dict(recost["by_tier"])} if time_unit else {},
+                  "exposed_by_tier": dict(recost["by_tier"]), "kernels": recost["kernels"]} if time_unit else {},
         network_floor={"step": recost["floor"], "bounded": recost["bounded"], "gbps": nic_rate / 1e3}
-        if time_unit else {})
+        if time_unit else {},
+        profile=profile if time_unit else {},
+        fingerprint=(re.search(r'fingerprint_before_lhs="([^"]*)"', hlo_text) or [None, ""])[1])
 
 
 def _secs(us: float) -> str:
@@ -494,6 +530,31 @@ def _secs(us: float) -> str:
 
 def _size(b: float) -> str:
     return f"{b / 2**30:,.2f} GiB" if b >= 2**30 else f"{b / 2**20:,.1f} MiB"
+
+
+# The fused attention kernels' share of the GPU's dense bf16 peak where the replay costs them:
+# FlashAttention-2 reaches 35 % on an H100 (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608,
+# abstract); XLA's estimator charges any custom call a flat 10 µs whatever its work.
+ATTENTION_KERNEL_UTILIZATION = 0.35
+# FlashAttention-2's backward does 5 matmuls of the forward's size where the forward does 2 (Dao
+# 2023, arXiv 2307.08691, sec. 3.1.2), all of them over the causal half
+_BACKWARD_FLOPS = 2.5
+
+
+def attention_kernel_flops(op_name: str, shape: str) -> float:
+    """FLOPs of a fused causal attention kernel (``kernels/attention``: JAX's Pallas ``mha``) from
+    its first operand, the queries [B, T, H, D] (D padded as the kernel runs it): the forward's
+    two [T, T] x D matmuls per head over the causal half, ``2 B H T^2 D``; the backward 2.5 times
+    that. 0 for any other instruction.
+    """
+    kind = "mha_backward/pallas_call" if "mha_backward/pallas_call" in op_name else \
+        "mha_forward/pallas_call" if "mha_forward/pallas_call" in op_name else None
+    m = re.search(r"\w+\[(\d+),(\d+),(\d+),(\d+)\]", shape) if kind else None
+    if not m:
+        return 0.0
+    b, t, h, d = (int(v) for v in m.groups())
+    forward = 2.0 * b * h * t * t * d
+    return forward * (_BACKWARD_FLOPS if kind.startswith("mha_backward") else 1.0)
 
 
 def nic_bytes(kind: str, nbytes: float, group: int, per_host: int) -> float:
@@ -522,6 +583,9 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
     net = f"network {network}" if network else "XLA's default network (25 GB/s per GPU between hosts, 8 GPUs per node)"
     on = ("costing twin" if est.get("twin") else "the program as compiled (--no-twin: its float32-result GEMMs "
           "mis-costed)")
+    if est.get("profiled"):
+        on += (", scheduled by XLA with the re-costed collectives between hosts and attention kernels below as its "
+               "profile (PGLE)")
     lines = ["", f"**Estimate** (XLA's {'speed-of-light' if timed else 'fixed-cost'} latency estimator, "
              f"{'microseconds' if timed else 'its per-operation constants, not a time: not comparable with µs'}; "
              f"{net}; each loop body x its trip count; {on}; no autotuning: compiled, not run)", "",
@@ -548,9 +612,12 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
     rc = est.get("recosted") or {}
     if rc.get("step"):
         rs = rc["step"]
+        kern = (f"; the fused attention kernels, which XLA charges a flat 10 µs, costed from their FLOPs at "
+                f"{ATTENTION_KERNEL_UTILIZATION:.0%} of peak (FlashAttention-2 on H100; attention_kernel_flops)"
+                if rc.get("kernels") else "")
         lines.append(f"| **replayed with the collectives between hosts re-costed** (XLA's own formulas on each group's "
-                     f"real shape, moefast.bench.gpu_schedule.between_hosts_us; XLA's schedule and other costs kept): "
-                     f"step time (estimate) | **{_secs(rs)}** |")
+                     f"real shape, moefast.bench.gpu_schedule.between_hosts_us{kern}; XLA's schedule and other costs "
+                     f"kept): step time (estimate) | **{_secs(rs)}** |")
         tf = model_flops / (rs / 1e6) / gpus / 1e12
         lines.append(f"| &nbsp; model TFLOP/s per GPU / MFU (estimate, re-costed) | {tf:,.1f}"
                      + (f" / {tf / peak_tflops:.1%}" if peak_tflops else "") + " |")
@@ -567,9 +634,15 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
                      f"{_secs(nf['bounded'])} |")
     fb = est.get("fallback") or {}
     if fb.get("count"):
-        lines.append(f"| collectives between hosts XLA's model cannot cost (more replica groups than GPUs per node: each "
-                     f"charged its fixed 5,000 µs): count / bytes / exposed | {fb['count']:,} / {_size(fb['bytes'])} / "
+        how = "costed by the profile here" if est.get("profiled") else "each charged its fixed 5,000 µs"
+        lines.append(f"| collectives between hosts XLA's model cannot cost (more replica groups than GPUs per node: "
+                     f"{how}): count / bytes / exposed | {fb['count']:,} / {_size(fb['bytes'])} / "
                      f"{fb.get('exposed', 0):,.0f} µs ({fb.get('exposed', 0) / step:.1%}) |")
+    up = est.get("unprofiled")
+    if up and up.get("step"):
+        urs = (up.get("recosted") or {}).get("step")
+        lines.append(f"| the twin as XLA scheduled it on its own costs, before the profile: step (XLA / re-costed) | "
+                     f"{_secs(up['step'])} / {_secs(urs) if urs else '—'} |")
     if as_compiled and as_compiled.get("step"):
         lines.append(f"| the program as compiled (float32 weight-gradient GEMMs costed by XLA's fallback) | "
                      f"{as_compiled['step']:,.0f} {unit} ({as_compiled['step'] / step:.2f}x the twin) |")
