@@ -42,8 +42,7 @@ def _gpu_compile(tmp_path, name, *args, expect_rc=0):
 # name -> the compile's overrides and options (each compiled once per session, on first use)
 CASES = {
     # data 2 x expert 4 with the fused routing kernel (compiled, not interpreted: the mesh is on
-    # GPUs), the expert exchange in 1 or 2 chunks (moe.overlap_chunks)
-    "ep-chunks1": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=1"],
+    # GPUs), the expert exchange in 2 chunks (moe.overlap_chunks)
     "ep-chunks2": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=2"],
     "ep-chunks2-scan": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.overlap_chunks=2", "model.scan_layers=true"],
     # data 4 x fsdp 2 on H200s: parameters and optimizer state split over both (ZeRO + FSDP)
@@ -92,7 +91,7 @@ def test_no_host_sync_and_no_state_copy(case, compiled):
 
 
 def test_memory_figures_are_xla_buffer_assignment(compiled):
-    for r, gib, kind in ((compiled("ep-chunks1")[0], 79.14, "NVIDIA H100 80GB HBM3"),
+    for r, gib, kind in ((compiled("ep-chunks2")[0], 79.14, "NVIDIA H100 80GB HBM3"),
                          (compiled("zero")[0], 140.40, "NVIDIA H200")):
         assert r["device_kind"] == kind
         assert abs(r["device_memory_bytes"] / 2**30 - gib) < 0.01
@@ -131,7 +130,7 @@ def test_backend_choices_follow_the_mesh_not_the_host(compiled):
     """The host's default backend is the CPU; the step is compiled for GPUs, so the routing kernel is
     the compiled Triton kernel (a CPU choice would interpret it, which the Trainer refuses on a mesh),
     and the overlap flags are passed to the GPU compile."""
-    r, _ = compiled("ep-chunks1")
+    r, _ = compiled("ep-chunks2")
     assert r["custom_calls"].get("__gpu$xla.gpu.triton", 0) >= 1
     assert r["compiler_options"]["xla_gpu_enable_latency_hiding_scheduler"] == "True"
     kinds = {c["kind"] for c in r["collectives"]}
@@ -160,7 +159,7 @@ def test_dropless_exchange_is_ragged_and_the_estimate_says_its_units(compiled):
     ragged = [c for c in r["collectives"] if c["kind"] == "ragged-all-to-all"]
     assert ragged and sum(c["count"] for c in ragged) == 8, r["collectives"]
     assert r["estimator"] == "fixed costs" and "not comparable" in md
-    assert compiled("ep-chunks1")[0]["estimator"] == "speed-of-light"
+    assert compiled("ep-chunks2")[0]["estimator"] == "speed-of-light"
 
 
 def test_expert_dispatches_overlap_compute(compiled):
