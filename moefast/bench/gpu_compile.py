@@ -458,7 +458,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
             twin_text = _compile(lowered, options, twin_dump, autotune).as_text()
             estimated = read_estimate(twin_dump, twin_text, hosts_of, time_unit=not ragged, network=net,
                                       peak_tflops=peak_tflops)
-            if net and estimated is not None and estimated.profile:
+            if net and estimated is not None and estimated.profile and estimated.fingerprint:
                 # XLA scheduled the twin believing its own costs (a flat 10 µs per attention kernel, a
                 # fixed 5,000 µs per collective it cannot cost): once more, with the replay's costs as
                 # its profile (what JAX's PGLE would hand it from a run on GPUs)
