@@ -313,6 +313,11 @@ class Trainer:
             check_hierarchical(cfg.moe, ep)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        n = cfg.moe.overlap_chunks
+        tokens = cfg.data.batch_size // cfg.train.grad_accum_steps * cfg.data.seq_len // self.mesh.size
+        if tokens % n:
+            raise ConfigError(f"moe.overlap_chunks={n} with moe.exchange=hierarchical splits each device's {tokens} "
+                              f"tokens per micro-batch into equal slices: use a number of chunks that divides {tokens}")
         if self.platform == "gpu":
             procs = np.vectorize(lambda d: d.process_index)(self.mesh.devices)
             lines = procs.reshape(-1, ep // g, g)  # each expert axis: its blocks of g consecutive ranks

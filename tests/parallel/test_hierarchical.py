@@ -125,3 +125,18 @@ def test_bad_input(devices):
         spec = MoEConfig(num_experts=E, top_k=K, exchange="hierarchical", **moe)
         with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
             jax.eval_shape(lambda x, w: moe_ffn(x, mask, *w, spec)[0], x, w)
+
+
+def test_trainer_refuses_slices_that_do_not_divide_the_tokens(tmp_path, devices):
+    """moe.overlap_chunks with the hierarchical exchange must divide each device's tokens per
+    micro-batch (8 rows x 16 tokens over 8 devices: 16): the Trainer says so before compiling or
+    writing anything."""
+    from moefast.train import Trainer
+
+    cfg = load_config(None, ["model.d_model=32", "model.num_heads=2", "model.head_dim=16", "model.d_ff=32",
+                             "moe.num_experts=8", "data.seq_len=16", "data.batch_size=8", "mesh.data=2",
+                             "mesh.expert=4", "moe.exchange=hierarchical", "moe.gpus_per_host=2",
+                             "moe.overlap_chunks=3"])
+    with pytest.raises(ConfigError, match="use a number of chunks that divides 16"):
+        Trainer(cfg, tmp_path / "run", log=None, progress=False, devices=jax.devices()[:8])
+    assert not (tmp_path / "run").exists()
