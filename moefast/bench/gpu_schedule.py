@@ -80,8 +80,8 @@ def network_options(network: str) -> dict[str, str]:
     """
     path = Path(__file__).parent / "gpu_targets" / NETWORKS[network] if network in NETWORKS else Path(network)
     if network not in NETWORKS and not path.is_file():
-        raise ValueError(f"--network {network!r}: known networks are {sorted(NETWORKS)}, or give a file of "
-                         f"key=value lines ({', '.join(_KEYS)})")
+        raise ValueError(f"--network {network!r}: no such network and no such file; known networks are "
+                         f"{sorted(NETWORKS)}, or give a file of key=value lines ({', '.join(_KEYS)})")
     out = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -593,7 +593,8 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
     if timed:
         s = step / 1e6
         tflops = model_flops / s / gpus / 1e12
-        lines += [f"| step time (estimate) | {_secs(step)} |",
+        head = f"**{_secs(step)}**" if est.get("profiled") else _secs(step)  # with the profile XLA's is the headline
+        lines += [f"| step time (estimate) | {head} |",
                   f"| tokens/s (estimate) | {tokens / s:,.0f} |",
                   f"| model TFLOP/s per GPU (estimate; 6 N_active + attention, moefast.model.flops) | {tflops:,.1f} |"]
         if peak_tflops:
@@ -617,7 +618,7 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
                 if rc.get("kernels") else "")
         lines.append(f"| **replayed with the collectives between hosts re-costed** (XLA's own formulas on each group's "
                      f"real shape, moefast.bench.gpu_schedule.between_hosts_us{kern}; XLA's schedule and other costs "
-                     f"kept): step time (estimate) | **{_secs(rs)}** |")
+                     f"kept): step time (estimate) | {_secs(rs) if est.get('profiled') else f'**{_secs(rs)}**'} |")
         tf = model_flops / (rs / 1e6) / gpus / 1e12
         lines.append(f"| &nbsp; model TFLOP/s per GPU / MFU (estimate, re-costed) | {tf:,.1f}"
                      + (f" / {tf / peak_tflops:.1%}" if peak_tflops else "") + " |")
@@ -635,7 +636,8 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
     fb = est.get("fallback") or {}
     if fb.get("count"):
         how = "costed by the profile here" if est.get("profiled") else "each charged its fixed 5,000 µs"
-        lines.append(f"| collectives between hosts XLA's model cannot cost (more replica groups than GPUs per node: "
+        lines.append(f"| collectives between hosts XLA's model cannot cost (replica groups whose number does not divide "
+                     f"the GPUs per node: "
                      f"{how}): count / bytes / exposed | {fb['count']:,} / {_size(fb['bytes'])} / "
                      f"{fb.get('exposed', 0):,.0f} µs ({fb.get('exposed', 0) / step:.1%}) |")
     up = est.get("unprofiled")

@@ -51,7 +51,8 @@ class MoEConfig:
         divide the tokens per device), each sent on its own two hops with capacities for its
         tokens (``moefast.parallel.hierarchical.hierarchical_exchange``): one slice's exchange runs
         under another's experts (DeepSeek-V3's two overlapped micro-batches, sec. 3.2.1, inside a
-        layer); nothing dropped, outputs equal n = 1 to float rounding.
+        layer). When no hop drops anything, outputs equal n = 1 to float rounding; with drops
+        each slice's capacities drop differently from one slice's.
       dispatch_dtype: what the expert exchange's dispatch moves (expert axis > 1, with a capacity):
         ``"compute"`` (the model's compute dtype) or ``"float8_e4m3fn"`` (FP8 dispatch, DeepSeek-V3
         sec. 3.3: e4m3 with a float32 scale per 128 channels of each row, about half the bytes of

@@ -486,7 +486,10 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
       ValueError: the expert axis does not divide E, or the batch is not divisible by the token
         shards, or the router's E is not ``moe.num_experts``, or ``x_btd`` is not a float array, or
         the mesh has an axis longer than 1 that is not ``data``, ``fsdp`` or ``expert``
-        (:func:`~moefast.parallel.mesh.check_mesh_axes`).
+        (:func:`~moefast.parallel.mesh.check_mesh_axes`), or ``moe.overlap_chunks`` is more than
+        the capacity; with ``moe.exchange=hierarchical``: the expert axis not whole hosts of
+        ``moe.gpus_per_host``, groups not aligned with hosts (:func:`check_hierarchical`), or
+        ``moe.overlap_chunks`` not dividing the tokens per device.
     """
     if not jnp.issubdtype(x_btd.dtype, jnp.floating):
         raise ValueError(f"moe_ffn: x_btd must be float hidden states (e.g. float32 or bfloat16), got {x_btd.dtype}; "
