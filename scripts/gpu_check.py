@@ -643,7 +643,9 @@ def check_estimate(ctx: Context) -> list[dict]:
     "all levers" row (``configs/h200_1b.yaml`` with :data:`TRAIN_GPU_OVERRIDES`, one GPU) compiled
     for a compile-only copy of this GPU (the target description and autotuning results the
     ``target`` check saved) in a subprocess, its estimated step (XLA's speed-of-light estimator,
-    costing twin) next to the step measured by ``train_step``, and their ratio."""
+    costing twin) and its replay with the fused attention kernels costed from their FLOPs next to
+    the step measured by ``train_step``, and their ratios (which calibrate the kernels' assumed
+    utilization)."""
     import subprocess
     import tempfile
 
@@ -670,8 +672,12 @@ def check_estimate(ctx: Context) -> list[dict]:
     step = est.get("step")
     if not step or est.get("unit") != "µs":
         return [{"status": "error", "why": f"no estimate in microseconds ({est.get('unit')})"}]
-    return [{"status": "ok", "estimated_step_ms": step / 1e3, "measured_step_ms": measured,
-             "measured_over_estimate": measured / (step / 1e3), "estimated_exposed": est["exposed"] / step}]
+    row = {"status": "ok", "estimated_step_ms": step / 1e3, "measured_step_ms": measured,
+           "measured_over_estimate": measured / (step / 1e3), "estimated_exposed": est["exposed"] / step}
+    recosted = (est.get("recosted") or {}).get("step")
+    if recosted:  # the replay's fused attention kernels at moefast.bench.gpu_schedule.ATTENTION_KERNEL_UTILIZATION
+        row.update(recosted_step_ms=recosted / 1e3, measured_over_recosted=measured / (recosted / 1e3))
+    return [row]
 
 
 # --- Driver -----------------------------------------------------------------------------------------
