@@ -426,26 +426,22 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
                 flight.append((e, at[done][0], kind, tier(name), uncosted(name)))
                 pairs[name], pair_kind[name] = done, (kind, tier(name))
                 latency[name] = at[done][0] - e  # what XLA's schedule gave it (exact where the done waited)
-                if time_unit and tier(name) == BETWEEN:
-                    shape = group_shape(name)
-                    if shape:
-                        size = shape_bytes(module.instrs[done].shape)
-                        if kind == "reduce-scatter":
-                            size *= shape[0]
-                        latency[name] = between_hosts_us(kind, size, shape[0], shape[1], network)
-                        profile[name] = latency[name]
         floor = 0.0  # µs the NIC needs for this computation's bytes between hosts
-        for name, _, _ in ordered:
+        for name, _, _ in ordered:  # every collective between hosts, asynchronous or not
             ins = module.instrs.get(name)
             kind = module._wrapped_kind(ins) if ins is not None else None
             if not kind or not time_unit or tier(name) != BETWEEN or not (
                     ins.opcode.endswith("-start") or ins.opcode == kind):
                 continue
             shape = group_shape(name)
+            if not shape:
+                continue
             done = module._users_of_async.get(name)
             size = shape_bytes(module.instrs[done].shape if done else ins.shape)
-            if shape:
-                floor += nic_bytes(kind, size * (shape[0] if kind == "reduce-scatter" else 1), *shape) / nic_rate
+            size *= shape[0] if kind == "reduce-scatter" else 1  # the operand: what the formulas take
+            floor += nic_bytes(kind, size, *shape) / nic_rate
+            if name in pairs:  # an asynchronous one: the replay's latency (and the profile's)
+                latency[name] = profile[name] = between_hosts_us(kind, size, shape[0], shape[1], network)
         kernel_us = {}
         if time_unit and peak_tflops:
             for name, _, _ in ordered:
