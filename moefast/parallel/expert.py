@@ -225,9 +225,10 @@ def exchange_experts(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array
     return outs[0] if chunks == 1 else jnp.concatenate(outs, axis=1)
 
 
-def check_hierarchical(moe: MoEConfig, ep: int) -> None:
+def check_hierarchical(moe: MoEConfig, ep: int, tokens: int | None = None) -> None:
     """``moe.exchange=hierarchical`` on an expert axis of ``ep``: it spans whole hosts of
-    ``moe.gpus_per_host`` and, with group-limited routing, each group's experts sit on one host.
+    ``moe.gpus_per_host``, with group-limited routing each group's experts sit on one host, and
+    (given ``tokens``, a device's tokens per call) ``moe.overlap_chunks`` slices divide them.
 
     Raises:
       ValueError: what to change.
@@ -243,6 +244,9 @@ def check_hierarchical(moe: MoEConfig, ep: int) -> None:
                          f"groups are not aligned with the {hosts} hosts of the expert axis (each group's experts must "
                          f"sit on one host: num_groups a multiple of {hosts}), so a token could reach more than "
                          f"moe.topk_groups={moe.topk_groups} hosts; set moe.num_groups to a multiple of {hosts}")
+    if tokens is not None and tokens % moe.overlap_chunks:
+        raise ValueError(f"moe.overlap_chunks={moe.overlap_chunks} with moe.exchange=hierarchical splits each device's "
+                         f"{tokens} tokens into equal slices: use a number of chunks that divides {tokens}")
 
 
 def _shard_index(axes: tuple[str, ...]) -> jax.Array:
@@ -514,13 +518,13 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
     ep = mesh.shape.get(EXPERT_AXIS, 1)
     if num_experts % ep:
         raise ValueError(f"the expert axis ({ep}) must divide num_experts={num_experts}")
-    if moe.exchange == "hierarchical":
-        check_hierarchical(moe, ep)
     shards = 1
     for a in token_axes:
         shards *= mesh.shape[a]
     if x_btd.shape[0] % shards:
         raise ValueError(f"batch {x_btd.shape[0]} is not divisible by the {shards} token shards {token_axes}")
+    if moe.exchange == "hierarchical":  # without dropping (evaluation) the exchange is flat: any token count
+        check_hierarchical(moe, ep, x_btd.shape[0] // shards * x_btd.shape[1] if drop_tokens else None)
     # The expert weights enter as the train state holds them (float32 shards, split over expert,
     # fsdp and data) and are gathered inside in the compute dtype (moefast.parallel.precision).
     w_specs = (state_spec(("expert", "embed", "mlp"), w_in_edf.shape, mesh),

@@ -162,9 +162,8 @@ def hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, *, ep: int, 
       (on either hop: the first hop's on the sending device, the second's on the receiving one).
     """
     t = x_td.shape[0]
-    if chunks < 1 or t % chunks:
-        raise ValueError(f"moe.overlap_chunks={chunks} with moe.exchange=hierarchical splits each device's {t} tokens "
-                         f"into equal slices: use a number of chunks that divides {t}")
+    if chunks < 1 or t % chunks:  # moe_ffn and the Trainer check it first (expert.check_hierarchical)
+        raise ValueError(f"{chunks} slices do not divide {t} tokens")
     tn = t // chunks
     ys, dropped, prev = [], jnp.zeros((), jnp.int32), None
     for i in range(chunks):

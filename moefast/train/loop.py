@@ -303,21 +303,17 @@ class Trainer:
                             self.model_def.abstract_state(), self.state_sharding)
 
     def _check_hierarchical(self, cfg) -> None:
-        """``moe.exchange=hierarchical`` fits this mesh: the expert axis spans whole hosts of
-        ``moe.gpus_per_host`` and, on GPUs, each block of that many consecutive expert ranks is one
-        host's (one process's) devices."""
+        """``moe.exchange=hierarchical`` fits this mesh (:func:`~moefast.parallel.expert.check_hierarchical`,
+        with each device's tokens per micro-batch) and, on GPUs, each block of ``moe.gpus_per_host``
+        consecutive expert ranks is one host's (one process's) devices."""
         from moefast.parallel.expert import check_hierarchical
 
         ep, g = self.mesh.shape.get("expert", 1), cfg.moe.gpus_per_host
+        tokens = cfg.data.batch_size // cfg.train.grad_accum_steps * cfg.data.seq_len // self.mesh.size  # per micro-batch
         try:
-            check_hierarchical(cfg.moe, ep)
+            check_hierarchical(cfg.moe, ep, tokens)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        n = cfg.moe.overlap_chunks
-        tokens = cfg.data.batch_size // cfg.train.grad_accum_steps * cfg.data.seq_len // self.mesh.size
-        if tokens % n:
-            raise ConfigError(f"moe.overlap_chunks={n} with moe.exchange=hierarchical splits each device's {tokens} "
-                              f"tokens per micro-batch into equal slices: use a number of chunks that divides {tokens}")
         if self.platform == "gpu":
             procs = np.vectorize(lambda d: d.process_index)(self.mesh.devices)
             lines = procs.reshape(-1, ep // g, g)  # each expert axis: its blocks of g consecutive ranks
