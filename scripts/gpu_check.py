@@ -459,12 +459,16 @@ def _against_reference(ctx: Context, row: dict, impls: dict, args: tuple, cotang
 
 @register_check("attention")
 def check_attention(ctx: Context) -> list[dict]:
-    """Fused attention (``moefast.kernels.attention.flash_attention``, JAX's Pallas Triton kernel)
-    against the model's blocked einsums and the dense reference: forward + backward time and the
-    largest difference from the reference, packed documents, grouped-query heads, bfloat16."""
+    """Fused attention (``moefast.kernels.attention.flash_attention``, moefast's Pallas Triton
+    kernel) against JAX's own Pallas kernel (``jax.experimental.pallas.ops.gpu.attention.mha``, the
+    one moefast used before: keys repeated per query head), the model's blocked einsums and the
+    dense reference: forward + backward time and the largest difference from the reference,
+    packed documents, grouped-query heads, bfloat16; and the second half of a row's queries against
+    the whole row (``q_offset``: the model's second sequence slice)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from jax.experimental.pallas.ops.gpu import attention as jax_attention
 
     from moefast.kernels.attention import attention_reference, flash_attention
     from moefast.model.transformer import causal_attention
@@ -478,12 +482,24 @@ def check_attention(ctx: Context) -> list[dict]:
         ct = jnp.asarray(rng.normal(size=(b, t, h, hd)), jnp.float32)
         causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
         mask = ((seg[:, :, None] == seg[:, None, :]) & causal[None])[:, None]
+        rep = lambda x: jnp.repeat(x, h // g, axis=2)  # noqa: E731
         impls = {"flash": lambda q, k, v: flash_attention(q, k, v, seg, interpret=ctx.interpret),
+                 "jax_mha": lambda q, k, v: jax_attention.mha(q, rep(k), rep(v), seg, sm_scale=hd ** -0.5,
+                                                              causal=True, interpret=ctx.interpret),
                  "blocked": lambda q, k, v: causal_attention(q, k, v, mask, causal=True),
                  "reference": lambda q, k, v: attention_reference(q, k, v, seg)}
+        if t < 128:  # JAX's kernel needs T a multiple of its 128-row block
+            del impls["jax_mha"]
         if t > 4096:  # the dense reference's [T, T] float32 scores: compared up to 4k tokens
             del impls["reference"]
         rows += _against_reference(ctx, {"shape": f"B{b} T{t} H{h} G{g} Hd{hd}"}, impls, (q, k, v), ct)
+        if t <= 4096:  # the row's second half of queries against all its keys
+            half = t // 2
+            kw = dict(kv_segment_ids_bs=seg, q_offset=t - half)
+            sliced = {"flash": lambda q, k, v: flash_attention(q, k, v, seg[:, half:], interpret=ctx.interpret, **kw),
+                      "reference": lambda q, k, v: attention_reference(q, k, v, seg[:, half:], **kw)}
+            rows += _against_reference(ctx, {"shape": f"B{b} T{half} of S{t} H{h} G{g} Hd{hd}"}, sliced,
+                                        (q[:, half:], k, v), ct[:, half:])
     return rows
 
 

@@ -103,7 +103,8 @@ def test_triton_routing_kernel_assembles_with_the_cuda12_ptxas(user_ptxas, tmp_p
 
 def test_mla_flash_attention_lowers_for_cuda(small_config, monkeypatch):
     """MLA on the fused path as a GPU step runs it (kernel compiled, not interpreted): values of
-    ``v_head_dim`` padded to the 12 query/key features, forward and gradients."""
+    ``v_head_dim`` (6) narrower than the 12 query/key features, each in its own block, forward and
+    gradients."""
     from flax import nnx
 
     from moefast.model import attention, build_model
@@ -120,4 +121,4 @@ def test_mla_flash_attention_lowers_for_cuda(small_config, monkeypatch):
         return nnx.merge(graphdef, params)(tokens, None, jnp.ones_like(tokens)).logits.sum()
 
     text = _lower_for_cuda(jax.grad(loss), params, tokens)
-    assert text.count(TRITON_CALL) == 3  # the forward kernel; the backward's preprocessing and its dq/dk/dv kernel
+    assert text.count(TRITON_CALL) == 3  # the forward kernel, the backward's dK/dV and dQ kernels

@@ -143,7 +143,7 @@ def test_gpu_kernels_are_in_the_step(compiled):
     real rows' work (XLA:GPU's ragged_dot would do num_experts = 8 times)."""
     for case in ("zero", "dropless-v3"):
         calls = compiled(case)[0]["custom_calls"]
-        assert {"kernel mha_forward", "kernel mha_backward", "kernel moe_routing"} <= set(calls), calls
+        assert {f"kernel moefast_flash_{k}" for k in ("forward", "dkdv", "dq")} | {"kernel moe_routing"} <= set(calls), calls
     r = compiled("dropless-v3")[0]
     assert any(k.startswith("kernel grouped_matmul_m") for k in r["custom_calls"])
     assert any(k.startswith("kernel grouped_matmul_dw_") for k in r["custom_calls"])
@@ -333,11 +333,15 @@ def test_between_hosts_cost_and_replay():
     # a kernel re-costed (a: 30 instead of 10) hides the collective: no wait, 1 + 30 + 1 + 5
     assert _replay(order, {"s": "d"}, {"s": 25.0}, {"a": 30.0}) == (37.0, {})
     # the fused causal attention: 2 B H T^2 D forward (two matmuls over the causal half), 2.5x backward
-    q = "bf16[1,4096,128,192]{3,2,1,0}"
-    fwd = 2.0 * 128 * 4096 * 4096 * 192
-    assert attention_kernel_flops("jit(step)/checkpoint/jit(mha)/mha_forward/pallas_call", q) == fwd
-    assert attention_kernel_flops("jit(step)/transpose(jvp())/mha_backward/pallas_call", q) == 2.5 * fwd
-    assert attention_kernel_flops("jit(step)/moe_routing/pallas_call", q) == 0.0
+    # the flash kernels (moefast.kernels.attention): 2 B H T K w per matmul, K = S - T + T / 2 keys seen
+    # per query, w the width (192 runs as 256); forward QK^T and PV, dK/dV 2 + 2, dQ 2 + 1
+    q, k, v = "bf16[1,2048,128,192]{3,2,1,0}", "bf16[1,4096,128,192]{3,2,1,0}", "bf16[1,4096,128,128]{3,2,1,0}"
+    ops = f"{q} %q, {k} %k, {v} %v, s32[1,2048]{{1,0}} %seg"
+    pairs = 2.0 * 128 * 2048 * (2048 + 1024)
+    assert attention_kernel_flops("jit(step)/checkpoint/moefast_flash_forward/pallas_call", ops) == pairs * (256 + 128)
+    assert attention_kernel_flops("jit(step)/transpose(jvp(moefast_flash_dkdv))/pallas_call", ops) == pairs * 768
+    assert attention_kernel_flops("jit(step)/transpose(jvp(moefast_flash_dq))/pallas_call", ops) == pairs * 640
+    assert attention_kernel_flops("jit(step)/moe_routing/pallas_call", ops) == 0.0
 
 
 def test_network_must_be_the_one_the_process_was_prepared_with():

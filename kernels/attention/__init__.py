@@ -3,8 +3,9 @@
 Query t of a row sees key s <= t of the same document (q [B, T, H, Hd], k and v [B, T, G, Hd],
 segment_ids [B, T]). Two functions of one contract:
 
-* :func:`.flash.flash_attention` — :mod:`.flash`: JAX's Pallas Triton flash-attention kernel (forward and backward),
-  memory linear in T. Compiled on GPU; the Pallas interpreter on CPU (tests only).
+* :func:`.flash.flash_attention` — :mod:`.flash`: moefast's Pallas Triton flash-attention kernels (forward and backward),
+  memory linear in T; queries may be a later slice of the keys' row (``q_offset``) and the
+  log-sum-exp is a differentiable output. Compiled on GPU; the Pallas interpreter on CPU (tests only).
 * :func:`.reference.attention_reference` — :mod:`.reference`: the full [T, T] matrix in float32 (the truth).
 
 Callers that run on CPU keep their own XLA path (moefast's block-causal einsums); this package is

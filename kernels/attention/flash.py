@@ -1,39 +1,50 @@
-"""Fused (flash) causal attention over packed documents: JAX's Pallas Triton kernel, fitted to moefast's
-shapes.
+"""Fused (flash) causal attention over packed documents: moefast's Pallas Triton kernel, forward and
+backward, with queries that may start past the first key and a differentiable log-sum-exp.
 
-Dimension letters: B batch, T tokens, H query heads, G key/value heads, Hd head dimension of queries
-and keys, Hv of values.
+Dimension letters: B batch, T queries, S keys, H query heads, G key/value heads, Hd head dimension
+of queries and keys, Hv of values.
 
-The kernel is :func:`jax.experimental.pallas.ops.gpu.attention.mha` (online softmax over key blocks,
-Dao et al. 2022, FlashAttention, Algorithm 1; causal key blocks past the query block skipped; a
-fused backward kernel recomputing the probabilities from the saved log-sum-exp). Its memory is
-linear in T: nothing of size T × T is ever stored. It needs equal head counts for queries and keys
-and T a multiple of its block, so this wrapper
+Online softmax over key blocks (Dao et al. 2022, FlashAttention, Algorithm 1; the backward of Dao
+2023, FlashAttention-2, Algorithm 2, recomputing the probabilities from the saved log-sum-exp). Its
+memory is linear in T and S: nothing of size T × S is ever stored. Beyond a plain causal kernel:
 
-* repeats each key/value head for its H / G query heads (grouped-query attention; AD sums the
-  repeated heads' gradients back into their key/value head);
-* pads T at the end up to a multiple of the block. The padded keys come after every real query, so
-  the causal mask hides them; the padded queries attend to themselves only and are cut off (their
-  cotangent is 0, so they add nothing to the gradients).
-* pads the narrower of the query/key and value widths with zero features when they differ (MLA:
-  Hd = 192 against Hv = 128 in DeepSeek-V3): zero query/key features add nothing to a logit (the
-  scale stays that of the real Hd), zero value features are cut off the output.
+* **a query offset**: query t sits at position ``q_offset + t`` of the keys' sequence, so a slice of
+  a row's queries attends to the whole row's keys (moefast carries two sequence slices through the
+  layers: the second slice's queries start at ``q_offset = T``);
+* **the log-sum-exp as an output**, differentiable: two attentions over disjoint key sets merge
+  exactly (``o = Σ_i exp(lse_i − lse) · o_i`` with ``lse = logsumexp_i lse_i``). Its cotangent
+  enters the backward as ``dS = P ∘ (dP − D + dlse)``, ``D = rowsum(dO ∘ O)`` (FlashAttention-2,
+  Algorithm 2, line 19, with the extra term of ``∂lse/∂S = P``);
+* **grouped-query heads natively**: query head h reads key/value head ``h // (H / G)`` (no repeated
+  keys in memory); the key/value gradients of a group's query heads are summed after the kernel;
+* **key and value widths of their own** (MLA: Hd = 192 against Hv = 128 in DeepSeek-V3): each is
+  loaded in a block of the next power of two, masked, nothing padded in memory;
+* rows whose every key is masked give zeros (and a log-sum-exp of −inf), not NaN.
 
-On GPU the kernel is compiled by Triton; on CPU it runs in the Pallas interpreter (slow: for tests).
+On GPU the kernels are compiled by Triton; on CPU they run in the Pallas interpreter (slow: tests).
+Written after reading (not copying) JAX's ``jax.experimental.pallas.ops.gpu.attention``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from ..platform import target_platform
 from .reference import validate
 
 __all__ = ["flash_attention", "padded_length"]
 
-BLOCK = 128  # query and key rows per forward block (the kernel's default)
+BLOCK = 128  # query and key rows per forward block
+BACKWARD_BLOCK = 32  # query and key rows per backward block (two accumulators of a block live in registers)
+_LOG2E = math.log2(math.e)
 
 
 def padded_length(t: int, block: int = BLOCK) -> tuple[int, int]:
@@ -43,61 +54,290 @@ def padded_length(t: int, block: int = BLOCK) -> tuple[int, int]:
     return rows, -(-t // rows) * rows
 
 
-def flash_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, segment_ids_bt: jax.Array, *,
-                    sm_scale: float | None = None, block: int = BLOCK, interpret: bool | None = None) -> jax.Array:
-    """Causal grouped-query attention inside each packed document, without a [T, T] matrix.
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _logits(q, k, q_seg, k_seg, q_start, k_start, *, scale: float, q_offset: int, kv_len: int):
+    """Masked base-2 logits of a [bq, Hd] query block against a [bk, Hd] key block, and the mask
+    (causal, same document, and not a padded key: position < ``kv_len``)."""
+    s = plgpu.dot(q, k.T) * (scale * _LOG2E)
+    q_pos = q_offset + q_start + jnp.arange(q.shape[0])
+    k_pos = k_start + jnp.arange(k.shape[0])
+    mask = (q_pos[:, None] >= k_pos[None, :]) & (k_pos < kv_len)[None, :] & (q_seg[:, None] == k_seg[None, :])
+    return jnp.where(mask, s, -jnp.inf), mask
+
+
+def _key_blocks_seen(q_block, block_q: int, block_k: int, q_offset: int, n_k: int):
+    """Key blocks [0, bound) that query block ``q_block`` may see (causal: up to its last position)."""
+    last = q_offset + (q_block + 1) * block_q  # one past the block's last query position
+    return jnp.minimum(lax.div(last + block_k - 1, block_k), n_k)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, scale, q_offset, kv_len, block_k, hd, hv):
+    block_q = q_ref.shape[0]
+    i = pl.program_id(0)
+    qmask = (jnp.arange(q_ref.shape[-1]) < hd)[None, :]
+    vmask = (jnp.arange(v_ref.shape[-1]) < hv)[None, :]
+    q = plgpu.load(q_ref, mask=qmask, other=0.0)
+    q_seg = qseg_ref[...]
+
+    def body(j, carry):
+        o, m, l = carry
+        keys = pl.ds(j * block_k, block_k)
+        k = plgpu.load(k_ref.at[keys, :], mask=qmask, other=0.0)
+        s, mask = _logits(q, k, q_seg, kseg_ref[keys], i * block_q, j * block_k, scale=scale, q_offset=q_offset, kv_len=kv_len)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row masked so far: exp2 of -inf, not NaN
+        p = jnp.where(mask, jnp.exp2(s - m_safe[:, None]), 0.0)
+        correction = jnp.exp2(m - m_safe)
+        v = plgpu.load(v_ref.at[keys, :], mask=vmask, other=0.0)
+        o = correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
+        return o, m_new, correction * l + p.sum(axis=-1)
+
+    n_k = k_ref.shape[0] // block_k
+    carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    o, m, l = lax.fori_loop(0, _key_blocks_seen(i, block_q, block_k, q_offset, n_k), body, carry)
+    seen = l > 0
+    o = jnp.where(seen[:, None], o / jnp.where(seen, l, 1.0)[:, None], 0.0)
+    lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)  # base 2
+    plgpu.store(o_ref, o.astype(o_ref.dtype), mask=vmask)
+
+
+def _probabilities(q, k, q_seg, k_seg, lse2, q_start, k_start, *, scale, q_offset, kv_len):
+    s, mask = _logits(q, k, q_seg, k_seg, q_start, k_start, scale=scale, q_offset=q_offset, kv_len=kv_len)
+    return jnp.where(mask, jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None]), 0.0)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                 scale, q_offset, kv_len, block_q, hd, hv):
+    block_k = k_ref.shape[0]
+    j = pl.program_id(2)
+    qmask = (jnp.arange(k_ref.shape[-1]) < hd)[None, :]
+    vmask = (jnp.arange(v_ref.shape[-1]) < hv)[None, :]
+    k = plgpu.load(k_ref, mask=qmask, other=0.0)
+    v = plgpu.load(v_ref, mask=vmask, other=0.0)
+    k_seg = kseg_ref[...]
+
+    def body(i, carry):
+        dk, dv = carry
+        rows = pl.ds(i * block_q, block_q)
+        q = plgpu.load(q_ref.at[rows, :], mask=qmask, other=0.0)
+        do = plgpu.load(do_ref.at[rows, :], mask=vmask, other=0.0)
+        p = _probabilities(q, k, qseg_ref[rows], k_seg, lse_ref[rows], i * block_q, j * block_k, scale=scale,
+                           q_offset=q_offset, kv_len=kv_len)
+        dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
+        ds = p * (plgpu.dot(do, v.T) - delta_ref[rows][:, None])
+        dk = dk + plgpu.dot(ds.astype(q.dtype).T, q)
+        return dk, dv
+
+    # causal: the first query block whose last position reaches this key block's first key
+    first = lax.div(jnp.maximum(j * block_k - q_offset, 0), block_q)
+    dk, dv = lax.fori_loop(first, q_ref.shape[0] // block_q, body,
+                           (jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32),
+                            jnp.zeros((block_k, v_ref.shape[-1]), jnp.float32)))
+    plgpu.store(dk_ref, (dk * scale).astype(dk_ref.dtype), mask=qmask)
+    plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=vmask)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+               scale, q_offset, kv_len, block_k, hd, hv):
+    block_q = q_ref.shape[0]
+    i = pl.program_id(2)
+    qmask = (jnp.arange(q_ref.shape[-1]) < hd)[None, :]
+    vmask = (jnp.arange(v_ref.shape[-1]) < hv)[None, :]
+    q = plgpu.load(q_ref, mask=qmask, other=0.0)
+    do = plgpu.load(do_ref, mask=vmask, other=0.0)
+    q_seg, lse2, delta = qseg_ref[...], lse_ref[...], delta_ref[...]
+
+    def body(j, dq):
+        keys = pl.ds(j * block_k, block_k)
+        k = plgpu.load(k_ref.at[keys, :], mask=qmask, other=0.0)
+        v = plgpu.load(v_ref.at[keys, :], mask=vmask, other=0.0)
+        p = _probabilities(q, k, q_seg, kseg_ref[keys], lse2, i * block_q, j * block_k, scale=scale,
+                           q_offset=q_offset, kv_len=kv_len)
+        ds = p * (plgpu.dot(do, v.T) - delta[:, None])
+        return dq + plgpu.dot(ds.astype(k.dtype), k)
+
+    n_k = k_ref.shape[0] // block_k
+    dq = lax.fori_loop(0, _key_blocks_seen(i, block_q, block_k, q_offset, n_k), body,
+                       jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32))
+    plgpu.store(dq_ref, (dq * scale).astype(dq_ref.dtype), mask=qmask)
+
+
+def _params(block_a: int, block_b: int, width: int):
+    return plgpu.CompilerParams(num_warps=4 if block_a * block_b < 128 * 128 or width <= 64 else 8, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The kernels' static parameters (hashable: one non-differentiable argument)."""
+    scale: float
+    q_offset: int
+    kv_len: int  # real keys; those past it are padding
+    block_q: int
+    block_k: int
+    bwd_q: int
+    bwd_k: int
+    interpret: bool
+
+
+def _forward(q, k, v, qseg, kseg, c: _Static):
+    b, t, h, hd = q.shape
+    s, g, hv = k.shape[1], k.shape[2], v.shape[-1]
+    rep, wq, wv = h // g, _pow2(hd), _pow2(hv)
+    kernel = functools.partial(_forward_kernel, scale=c.scale, q_offset=c.q_offset, kv_len=c.kv_len,
+                               block_k=c.block_k, hd=hd, hv=hv)
+    bq = c.block_q
+    return pl.pallas_call(
+        kernel,
+        grid=(t // bq, b, h),
+        in_specs=[pl.BlockSpec((None, bq, None, wq), lambda i, bi, hi: (bi, i, hi, 0)),
+                  pl.BlockSpec((None, s, None, wq), lambda i, bi, hi: (bi, 0, hi // rep, 0)),
+                  pl.BlockSpec((None, s, None, wv), lambda i, bi, hi: (bi, 0, hi // rep, 0)),
+                  pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, i)),
+                  pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0))],
+        out_specs=[pl.BlockSpec((None, bq, None, wv), lambda i, bi, hi: (bi, i, hi, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))],
+        out_shape=[jax.ShapeDtypeStruct((b, t, h, hv), q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+        compiler_params=_params(bq, c.block_k, max(wq, wv)),
+        interpret=c.interpret, name="moefast_flash_forward",
+    )(q, k, v, qseg, kseg)
+
+
+def _backward(q, k, v, qseg, kseg, o, lse2, do, dlse, c: _Static):
+    b, t, h, hd = q.shape
+    s, g, hv = k.shape[1], k.shape[2], v.shape[-1]
+    rep, wq, wv = h // g, _pow2(hd), _pow2(hv)
+    bq, bk = c.bwd_q, c.bwd_k
+    # D = rowsum(dO ∘ O) less the natural log-sum-exp's cotangent
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32)) - dlse
+    common = dict(scale=c.scale, q_offset=c.q_offset, kv_len=c.kv_len, hd=hd, hv=hv)
+    rows_t = pl.BlockSpec((None, None, t), lambda bi, hi, _: (bi, hi, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, block_q=bq, **common),
+        grid=(b, h, s // bk),
+        in_specs=[pl.BlockSpec((None, t, None, wq), lambda bi, hi, _: (bi, 0, hi, 0)),
+                  pl.BlockSpec((None, bk, None, wq), lambda bi, hi, j: (bi, j, hi // rep, 0)),
+                  pl.BlockSpec((None, bk, None, wv), lambda bi, hi, j: (bi, j, hi // rep, 0)),
+                  pl.BlockSpec((None, t), lambda bi, hi, _: (bi, 0)),
+                  pl.BlockSpec((None, bk), lambda bi, hi, j: (bi, j)),
+                  pl.BlockSpec((None, t, None, wv), lambda bi, hi, _: (bi, 0, hi, 0)),
+                  rows_t, rows_t],
+        out_specs=[pl.BlockSpec((None, bk, None, wq), lambda bi, hi, j: (bi, j, hi, 0)),
+                   pl.BlockSpec((None, bk, None, wv), lambda bi, hi, j: (bi, j, hi, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, s, h, hd), k.dtype), jax.ShapeDtypeStruct((b, s, h, hv), v.dtype)],
+        compiler_params=_params(bq, bk, max(wq, wv)),
+        interpret=c.interpret, name="moefast_flash_dkdv",
+    )(q, k, v, qseg, kseg, do, lse2, delta)
+    rows_q = pl.BlockSpec((None, None, bq), lambda bi, hi, i: (bi, hi, i))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, block_k=bk, **common),
+        grid=(b, h, t // bq),
+        in_specs=[pl.BlockSpec((None, bq, None, wq), lambda bi, hi, i: (bi, i, hi, 0)),
+                  pl.BlockSpec((None, s, None, wq), lambda bi, hi, _: (bi, 0, hi // rep, 0)),
+                  pl.BlockSpec((None, s, None, wv), lambda bi, hi, _: (bi, 0, hi // rep, 0)),
+                  pl.BlockSpec((None, bq), lambda bi, hi, i: (bi, i)),
+                  pl.BlockSpec((None, s), lambda bi, hi, _: (bi, 0)),
+                  pl.BlockSpec((None, bq, None, wv), lambda bi, hi, i: (bi, i, hi, 0)),
+                  rows_q, rows_q],
+        out_specs=pl.BlockSpec((None, bq, None, wq), lambda bi, hi, i: (bi, i, hi, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_params(bq, bk, max(wq, wv)),
+        interpret=c.interpret, name="moefast_flash_dq",
+    )(q, k, v, qseg, kseg, do, lse2, delta)
+    if rep > 1:  # a key/value head's gradient: the sum over its query heads
+        dk = dk.reshape(b, s, g, rep, hd).sum(3, dtype=jnp.float32).astype(k.dtype)
+        dv = dv.reshape(b, s, g, rep, hv).sum(3, dtype=jnp.float32).astype(v.dtype)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, qseg, kseg, c: _Static):
+    o, lse2 = _forward(q, k, v, qseg, kseg, c)
+    return o, lse2 * math.log(2.0)
+
+
+def _flash_fwd(q, k, v, qseg, kseg, c: _Static):
+    o, lse2 = _forward(q, k, v, qseg, kseg, c)
+    return (o, lse2 * math.log(2.0)), (q, k, v, qseg, kseg, o, lse2)
+
+
+def _flash_bwd(c: _Static, res, cotangents):
+    q, k, v, qseg, kseg, o, lse2 = res
+    do, dlse = cotangents
+    dq, dk, dv = _backward(q, k, v, qseg, kseg, o, lse2, do, dlse.astype(jnp.float32), c)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array, *,
+                    kv_segment_ids_bs: jax.Array | None = None, q_offset: int = 0, return_lse: bool = False,
+                    sm_scale: float | None = None, block: int = BLOCK,
+                    interpret: bool | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Causal grouped-query attention inside each packed document, without a [T, S] matrix.
 
     Args:
       q_bthd: [B, T, H, Hd] queries, float16/bfloat16/float32.
-      k_btgd: [B, T, G, Hd] keys, v_btgd: [B, T, G, Hv] values, in the queries' dtype (H divisible
-        by G; Hv may differ from Hd: MLA).
-      segment_ids_bt: [B, T] int document ids: query t sees key s <= t of the same id.
+      k_bsgd: [B, S, G, Hd] keys, v_bsgd: [B, S, G, Hv] values, in the queries' dtype (H divisible
+        by G; Hv may differ from Hd: MLA). S = T unless ``kv_segment_ids_bs`` is given.
+      segment_ids_bt: [B, T] int document ids of the queries: query t sees key s when
+        ``s <= q_offset + t`` and the two ids are equal.
+      kv_segment_ids_bs: [B, S] int document ids of the keys; ``None``: ``segment_ids_bt`` (S = T).
+      q_offset: static int >= 0, the keys' position of query 0 (a later slice of a row's queries
+        against the row's keys: ``q_offset = S - T``).
+      return_lse: also return the [B, H, T] float32 natural log-sum-exp of each query's scaled
+        logits (−inf where a query sees no key), differentiable: two attentions over disjoint keys
+        merge exactly through it.
       sm_scale: logit scale; ``None``: ``Hd ** -0.5``.
-      block: rows of the forward kernel's query and key blocks (a power of two); at most 64 for
-        head widths above 128 (shared memory).
+      block: rows of the forward kernel's query and key blocks (a power of two >= 16); at most 64
+        for head widths above 128 (shared memory).
       interpret: run in the Pallas interpreter; ``None``: when compiling for CPU
         (:func:`~moefast.kernels.platform.target_platform`).
 
     Returns:
-      [B, T, H, Hv] in the queries' dtype; differentiable (``jax.grad``/``jax.vjp``; not
-      ``jax.jvp``) with respect to q, k and v. Equals :func:`.reference.attention_reference` to
-      float rounding.
+      [B, T, H, Hv] in the queries' dtype (and the log-sum-exp when ``return_lse``);
+      differentiable (``jax.grad``/``jax.vjp``; not ``jax.jvp``) with respect to q, k and v. Equals
+      :func:`.reference.attention_reference` to float rounding; queries that see no key give 0.
 
     Raises:
-      ValueError: bad shapes (:func:`.reference.validate`), q/k/v not of one float dtype, T = 0, or
-        ``block`` not a power of two >= 16.
+      ValueError: bad shapes (:func:`.reference.validate`), q/k/v not of one float dtype, T or S = 0,
+        ``block`` not a power of two >= 16, or a negative ``q_offset``.
     """
-    validate(q_bthd, k_btgd, v_btgd, segment_ids_bt)
-    if not jnp.issubdtype(q_bthd.dtype, jnp.floating) or not q_bthd.dtype == k_btgd.dtype == v_btgd.dtype:
-        raise ValueError(f"q, k and v must share one float dtype, got {q_bthd.dtype}, {k_btgd.dtype}, {v_btgd.dtype}")
-    if q_bthd.shape[1] < 1 or block < 16 or block & (block - 1):
-        raise ValueError(f"flash attention needs T >= 1 and a power-of-two block >= 16; got T={q_bthd.shape[1]}, "
-                         f"block={block}")
+    validate(q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_segment_ids_bs)
+    if not jnp.issubdtype(q_bthd.dtype, jnp.floating) or not q_bthd.dtype == k_bsgd.dtype == v_bsgd.dtype:
+        raise ValueError(f"q, k and v must share one float dtype, got {q_bthd.dtype}, {k_bsgd.dtype}, {v_bsgd.dtype}")
     b, t, h, hd = q_bthd.shape
-    g = k_btgd.shape[2]
+    s, hv = k_bsgd.shape[1], v_bsgd.shape[-1]
+    if t < 1 or s < 1 or block < 16 or block & (block - 1) or q_offset < 0:
+        raise ValueError(f"flash attention needs T, S >= 1, a power-of-two block >= 16 and q_offset >= 0; got "
+                         f"T={t}, S={s}, block={block}, q_offset={q_offset}")
     if interpret is None:
         interpret = target_platform() == "cpu"
-    if max(hd, v_btgd.shape[-1]) > 128:
+    if max(hd, hv) > 128:
         # Triton keeps a query block and two pipeline stages of key and value blocks in shared memory
-        # (227 KiB per block on H100/H200): 128 rows of width 256 (MLA's 192, padded) need 320 KiB.
+        # (227 KiB per block on H100/H200): 128 rows of width 256 (MLA's 192, in a block of 256) need 320 KiB.
         block = min(block, 64)
-    rows, tp = padded_length(t, block)
-    k = jnp.repeat(k_btgd, h // g, axis=2) if g != h else k_btgd
-    v = jnp.repeat(v_btgd, h // g, axis=2) if g != h else v_btgd
-    q, seg = q_bthd, segment_ids_bt.astype(jnp.int32)
-    hv = v.shape[-1]
-    if hv != hd:  # one width for the kernel: zero features change no logit and are cut off the output
-        width = max(hd, hv)
-        feat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - x.shape[-1])))
-        q, k, v = feat(q), feat(k), feat(v)
+    block_q, tp = padded_length(t, block)
+    block_k, sp = padded_length(s, block)
+    bwd_q, bwd_k = min(BACKWARD_BLOCK, block_q), min(BACKWARD_BLOCK, block_k)
+    qseg = segment_ids_bt.astype(jnp.int32)
+    kseg = qseg if kv_segment_ids_bs is None else kv_segment_ids_bs.astype(jnp.int32)
+    q, k, v = q_bthd, k_bsgd, v_bsgd
+    # Padding comes after every real query and key: the kernels mask padded keys by position (past
+    # S); padded queries are cut off (their cotangent is 0: they add nothing to the gradients).
     if tp != t:
-        pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
-        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-        seg = jnp.pad(seg, ((0, 0), (0, tp - t)), constant_values=-1)
-    sizes = pallas_attention.BlockSizes(block_q=rows, block_k=rows, block_q_dkv=min(32, rows),
-                                        block_kv_dkv=min(32, rows), block_q_dq=min(32, rows),
-                                        block_kv_dq=min(32, rows))
-    o = pallas_attention.mha(q, k, v, seg, sm_scale=hd ** -0.5 if sm_scale is None else sm_scale, causal=True,
-                             block_sizes=sizes, interpret=interpret)
-    o = o[:, :t] if tp != t else o
-    return o[..., :hv] if hv != hd else o
+        q = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+        qseg = jnp.pad(qseg, ((0, 0), (0, tp - t)), constant_values=-2)
+    if sp != s:
+        k, v = (jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0))) for x in (k, v))
+        kseg = jnp.pad(kseg, ((0, 0), (0, sp - s)), constant_values=-1)
+    scale = hd ** -0.5 if sm_scale is None else float(sm_scale)
+    static = _Static(scale, int(q_offset), s, block_q, block_k, bwd_q, bwd_k, bool(interpret))
+    o, lse = _flash(q, k, v, qseg, kseg, static)
+    if tp != t:
+        o, lse = o[:, :t], lse[..., :t]
+    return (o, lse) if return_lse else o

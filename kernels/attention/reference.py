@@ -1,10 +1,11 @@
 """Dense reference of causal attention over packed documents: the truth the kernels are tested against.
 
-Dimension letters: B batch, T tokens, H query heads, G key/value heads (H divisible by G), Hd head
-dimension of queries and keys, Hv of values (equal to Hd but in MLA).
+Dimension letters: B batch, T queries, S keys (S = T but for a query slice), H query heads, G
+key/value heads (H divisible by G), Hd head dimension of queries and keys, Hv of values (equal to
+Hd but in MLA).
 
-Query t of row b attends to key s when ``s <= t`` and ``segment_ids[b, s] == segment_ids[b, t]``
-(documents packed into one row never see each other; padding, any id shared by the padding
+Query t of row b attends to key s when ``s <= q_offset + t`` and the two tokens' segment ids are
+equal (documents packed into one row never see each other; padding, any id shared by the padding
 tokens, attends only to padding). Scaled dot-product attention, Vaswani et al. 2017, eq. 1.
 """
 
@@ -16,48 +17,61 @@ import jax.numpy as jnp
 __all__ = ["attention_reference", "validate"]
 
 
-def validate(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, segment_ids_bt: jax.Array) -> None:
+def validate(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array,
+             kv_segment_ids_bs: jax.Array | None = None) -> None:
     """Checks shapes at trace time.
 
     Raises:
-      ValueError: q not [B, T, H, Hd], k not [B, T, G, Hd] and v not [B, T, G, Hv] with H divisible
-        by G, or segment ids not an integer [B, T].
+      ValueError: q not [B, T, H, Hd], k not [B, S, G, Hd] and v not [B, S, G, Hv] with H divisible
+        by G, segment ids not an integer [B, T] (queries) and [B, S] (keys; S = T when the keys'
+        ids are not given).
     """
-    if q_bthd.ndim != 4 or k_btgd.shape[:3] != v_btgd.shape[:3] or k_btgd.ndim != 4 or v_btgd.ndim != 4:
-        raise ValueError(f"q must be [batch, tokens, heads, head_dim], k [batch, tokens, kv_heads, head_dim] and v "
-                         f"[batch, tokens, kv_heads, v_head_dim]; got q {q_bthd.shape}, k {k_btgd.shape}, v {v_btgd.shape}")
+    if q_bthd.ndim != 4 or k_bsgd.shape[:3] != v_bsgd.shape[:3] or k_bsgd.ndim != 4 or v_bsgd.ndim != 4:
+        raise ValueError(f"q must be [batch, tokens, heads, head_dim], k [batch, keys, kv_heads, head_dim] and v "
+                         f"[batch, keys, kv_heads, v_head_dim]; got q {q_bthd.shape}, k {k_bsgd.shape}, v {v_bsgd.shape}")
     b, t, h, hd = q_bthd.shape
-    if k_btgd.shape[:2] != (b, t) or k_btgd.shape[3] != hd or h % k_btgd.shape[2]:
-        raise ValueError(f"k and v must be [batch={b}, tokens={t}, kv_heads dividing {h}, head_dim={hd}], "
-                         f"got {k_btgd.shape}")
-    if segment_ids_bt.shape != (b, t) or not jnp.issubdtype(segment_ids_bt.dtype, jnp.integer):
-        raise ValueError(f"segment_ids must be an integer [batch, tokens] = {(b, t)} array, got "
-                         f"{segment_ids_bt.dtype}{list(segment_ids_bt.shape)}")
+    s = t if kv_segment_ids_bs is None else k_bsgd.shape[1]
+    if k_bsgd.shape[:2] != (b, s) or k_bsgd.shape[3] != hd or h % k_bsgd.shape[2]:
+        raise ValueError(f"k and v must be [batch={b}, keys={s}, kv_heads dividing {h}, head_dim={hd}], "
+                         f"got {k_bsgd.shape}")
+    for name, ids, shape in (("segment_ids", segment_ids_bt, (b, t)), ("kv_segment_ids", kv_segment_ids_bs, (b, s))):
+        if ids is not None and (ids.shape != shape or not jnp.issubdtype(ids.dtype, jnp.integer)):
+            raise ValueError(f"{name} must be an integer [batch, tokens] = {shape} array, got "
+                             f"{ids.dtype}{list(ids.shape)}")
 
 
-def attention_reference(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, segment_ids_bt: jax.Array,
-                        *, sm_scale: float | None = None) -> jax.Array:
-    """Causal grouped-query attention inside each packed document, on the full [T, T] matrix.
+def attention_reference(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array,
+                        *, kv_segment_ids_bs: jax.Array | None = None, q_offset: int = 0, return_lse: bool = False,
+                        sm_scale: float | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Causal grouped-query attention inside each packed document, on the full [T, S] matrix.
 
     Args:
       q_bthd: [B, T, H, Hd] queries.
-      k_btgd: [B, T, G, Hd] keys; v_btgd: [B, T, G, Hv] values (Hv may differ from Hd: MLA), the
+      k_bsgd: [B, S, G, Hd] keys; v_bsgd: [B, S, G, Hv] values (Hv may differ from Hd: MLA), the
         queries' dtype.
-      segment_ids_bt: [B, T] int document ids.
+      segment_ids_bt: [B, T] int document ids of the queries.
+      kv_segment_ids_bs: [B, S] int document ids of the keys; ``None``: the queries' (S = T).
+      q_offset: the keys' position of query 0.
+      return_lse: also return the [B, H, T] float32 natural log-sum-exp of the scaled logits (−inf
+        for a query that sees no key).
       sm_scale: logit scale; ``None``: ``Hd ** -0.5``.
 
     Returns:
-      [B, T, H, Hv] in the queries' dtype (logits, softmax and the weighted sum in float32).
+      [B, T, H, Hv] in the queries' dtype (logits, softmax and the weighted sum in float32; 0 for a
+      query that sees no key), and the log-sum-exp when ``return_lse``.
     """
-    validate(q_bthd, k_btgd, v_btgd, segment_ids_bt)
+    validate(q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_segment_ids_bs)
     b, t, h, hd = q_bthd.shape
-    g = k_btgd.shape[2]
+    s_len, g = k_bsgd.shape[1], k_bsgd.shape[2]
+    kv_ids = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
     scale = hd ** -0.5 if sm_scale is None else sm_scale
     q = q_bthd.astype(jnp.float32).reshape(b, t, g, h // g, hd) * scale
-    s = jnp.einsum("btgrd,bsgd->bgrts", q, k_btgd.astype(jnp.float32))
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-    s = jnp.where((causal[None] & same)[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bgrts,bsgd->btgrd", p, v_btgd.astype(jnp.float32))
-    return o.reshape(b, t, h, v_btgd.shape[-1]).astype(q_bthd.dtype)
+    s = jnp.einsum("btgrd,bsgd->bgrts", q, k_bsgd.astype(jnp.float32))
+    causal = q_offset + jnp.arange(t)[:, None] >= jnp.arange(s_len)[None, :]
+    same = segment_ids_bt[:, :, None] == kv_ids[:, None, :]
+    mask = (causal[None] & same)[:, None, None]
+    lse = jax.nn.logsumexp(jnp.where(mask, s, -jnp.inf), axis=-1)  # [B, G, R, T]
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    o = jnp.einsum("bgrts,bsgd->btgrd", p, v_bsgd.astype(jnp.float32))
+    o = o.reshape(b, t, h, v_bsgd.shape[-1]).astype(q_bthd.dtype)
+    return (o, lse.reshape(b, h, t)) if return_lse else o

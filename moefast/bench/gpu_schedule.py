@@ -532,25 +532,31 @@ def _size(b: float) -> str:
 # FlashAttention-2 reaches 35 % on an H100 (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608,
 # abstract); XLA's estimator charges any custom call a flat 10 µs whatever its work.
 ATTENTION_KERNEL_UTILIZATION = 0.35
-# FlashAttention-2's backward does 5 matmuls of the forward's size where the forward does 2 (Dao
-# 2023, arXiv 2307.08691, sec. 3.1.2), all of them over the causal half
-_BACKWARD_FLOPS = 2.5
+# Matmuls per (query, seen key) pair of moefast's flash kernels (kernels/attention/flash.py), as
+# (of the query/key width, of the value width): the forward S = QK^T and PV; the key/value kernel
+# recomputes S, then dP = dO V^T, dV += P^T dO and dK += dS^T Q; the query kernel recomputes S and
+# dP, then dQ += dS K (FlashAttention-2's backward, Dao 2023, arXiv 2307.08691, Algorithm 2, split
+# into two kernels: 7 matmuls where the fused one does 5)
+_ATTENTION_MATMULS = {"moefast_flash_forward": (1, 1), "moefast_flash_dkdv": (2, 2), "moefast_flash_dq": (2, 1)}
 
 
-def attention_kernel_flops(op_name: str, shape: str) -> float:
-    """FLOPs of a fused causal attention kernel (``kernels/attention``: JAX's Pallas ``mha``) from
-    its first operand, the queries [B, T, H, D] (D padded as the kernel runs it): the forward's
-    two [T, T] x D matmuls per head over the causal half, ``2 B H T^2 D``; the backward 2.5 times
-    that. 0 for any other instruction.
+def attention_kernel_flops(op_name: str, operands: str) -> float:
+    """FLOPs of one of moefast's fused causal attention kernels (``kernels/attention``), named in
+    ``op_name``, from its first three operands: queries [B, T, H, Hd], keys [B, S, G, Hd], values
+    [B, S, G, Hv], each width rounded up to a power of two as the kernel's blocks run it. Each
+    matmul is ``2 B H T K w`` with K = S - T + T / 2 keys seen per query on average (the queries
+    are the last T of the S positions, causal), w the width it contracts or produces; the number
+    of matmuls per kernel is in ``_ATTENTION_MATMULS``. 0 for any other instruction.
     """
-    kind = "mha_backward/pallas_call" if "mha_backward/pallas_call" in op_name else \
-        "mha_forward/pallas_call" if "mha_forward/pallas_call" in op_name else None
-    m = re.search(r"\w+\[(\d+),(\d+),(\d+),(\d+)\]", shape) if kind else None
-    if not m:
+    m = re.search(r"(moefast_flash_\w+?)\)*/pallas_call", op_name)  # e.g. transpose(jvp(moefast_flash_dq))/pallas_call
+    kind = m.group(1) if m and m.group(1) in _ATTENTION_MATMULS else None
+    dims = re.findall(r"\w+\[(\d+),(\d+),(\d+),(\d+)\]", operands)[:3] if kind else []
+    if len(dims) < 3:
         return 0.0
-    b, t, h, d = (int(v) for v in m.groups())
-    forward = 2.0 * b * h * t * t * d
-    return forward * (_BACKWARD_FLOPS if kind.startswith("mha_backward") else 1.0)
+    (b, t, h, hd), (_, s, _, _), (_, _, _, hv) = ([int(v) for v in d] for d in dims)
+    pow2 = lambda n: 1 << max(0, n - 1).bit_length()  # noqa: E731
+    n_d, n_v = _ATTENTION_MATMULS[kind]
+    return 2.0 * b * h * t * (s - t + t / 2) * (n_d * pow2(hd) + n_v * pow2(hv))
 
 
 def nic_bytes(kind: str, nbytes: float, group: int, per_host: int) -> float:

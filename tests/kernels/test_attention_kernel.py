@@ -9,48 +9,73 @@ import pytest
 from moefast.kernels.attention import attention_reference, flash_attention, padded_length
 
 
-def _inputs(t, b=2, h=4, g=2, hd=16, seed=0, dtype=jnp.float32):
+def _inputs(t, b=2, h=4, g=2, hd=16, seed=0, dtype=jnp.float32, s=None, hv=None):
+    """q [B, T, H, Hd], k [B, S, G, Hd], v [B, S, G, Hv], the queries' ids (the last T of the keys')
+    and the keys' ids: two packed documents per row, the last row ending in padding (id 0)."""
+    s = t if s is None else s
     rng = np.random.default_rng(seed)
-    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, hd)), dtype) for n in (h, g, g))
-    cut = rng.integers(1, t + 1, size=b)
-    seg = np.stack([np.where(np.arange(t) < c, 1, 2) for c in cut])  # two packed documents
-    seg[-1, t - t // 4:] = 0  # trailing padding attends only to padding
-    return q, k, v, jnp.asarray(seg, jnp.int32)
+    q = jnp.asarray(rng.normal(size=(b, t, h, hd)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, s, g, hd)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, s, g, hv or hd)), dtype)
+    cut = rng.integers(1, s + 1, size=b)
+    seg = np.stack([np.where(np.arange(s) < c, 1, 2) for c in cut])
+    seg[-1, s - s // 4:] = 0  # trailing padding attends only to padding
+    return q, k, v, jnp.asarray(seg[:, s - t:], jnp.int32), jnp.asarray(seg, jnp.int32)
+
+
+def _check(fns, args, weights, rtol=1e-4):
+    """Both functions' outputs and their gradients (of the outputs weighted by ``weights``) equal."""
+    outs = [jax.tree.leaves(jax.jit(fn)(*args)) for fn in fns]
+    for a, e in zip(*outs):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+    loss = lambda fn: lambda *a: sum((o * w).sum() for o, w in zip(jax.tree.leaves(fn(*a)), weights))  # noqa: E731
+    # jitted: each function compiled as one program (the kernel still in the Pallas interpreter), not
+    # dispatched op by op (CI time)
+    grads = [jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(*args) for fn in fns]
+    for a, e in zip(*grads):
+        assert a.shape == e.shape
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-5)
 
 
 @pytest.mark.parametrize("t", [1, 37, 130])  # one token; one block not a power of two; two blocks, padded
 def test_flash_equals_reference_forward_and_gradients(t):
-    q, k, v, seg = _inputs(t)
+    q, k, v, seg, _ = _inputs(t)
     w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
-    # jitted: each function compiled as one program (the kernel still in the Pallas interpreter), not
-    # dispatched op by op (CI time)
-    np.testing.assert_allclose(jax.jit(flash_attention)(q, k, v, seg), jax.jit(attention_reference)(q, k, v, seg),
-                               rtol=1e-5, atol=1e-5)
-    grads = [jax.jit(jax.grad(lambda *a, fn=fn: (fn(*a, seg) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
-             for fn in (flash_attention, attention_reference)]
-    for a, e in zip(*grads):
-        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
+    _check([lambda q, k, v, fn=fn: fn(q, k, v, seg) for fn in (flash_attention, attention_reference)], (q, k, v), [w])
 
 
-@pytest.mark.parametrize("hv", [6, 24], ids=["values-narrower", "values-wider"])
-def test_flash_with_value_width_unlike_the_key_width(hv):
-    """MLA's shapes (values of ``v_head_dim`` features, queries/keys of ``qk_nope + qk_rope``): the
-    narrower side is padded with zero features inside the wrapper; an explicit scale is kept."""
-    q, k, _, seg = _inputs(20, h=2, g=2, hd=12)
-    v = jnp.asarray(np.random.default_rng(2).normal(size=(*k.shape[:3], hv)), jnp.float32)
-    w = jnp.asarray(np.random.default_rng(3).normal(size=(*q.shape[:3], hv)), jnp.float32)
-    fns = [lambda q, k, v, fn=fn: fn(q, k, v, seg, sm_scale=0.4) for fn in (flash_attention, attention_reference)]
-    outs = [jax.jit(fn)(q, k, v) for fn in fns]
-    assert outs[0].shape == (*q.shape[:3], hv)
-    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-    grads = [jax.jit(jax.grad(lambda *a, fn=fn: (fn(*a) * w).sum(), argnums=(0, 1, 2)))(q, k, v) for fn in fns]
-    for a, e in zip(*grads):
-        assert a.shape == e.shape
-        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
+@pytest.mark.parametrize("t, s, hd, hv", [(20, 50, 12, 24), (64, 160, 16, 6)],
+                         ids=["values-wider", "values-narrower-blocks"])
+def test_flash_query_slice_with_its_log_sum_exp(t, s, hd, hv):
+    """The last T queries of a row against its S keys (``q_offset = S - T``: the model's second
+    sequence slice), keys and values of their own widths (MLA), grouped heads, an explicit scale,
+    and the log-sum-exp an output whose cotangent reaches q and k."""
+    q, k, v, qs, ks = _inputs(t, s=s, hd=hd, hv=hv, h=6, g=2)
+    rng = np.random.default_rng(2)
+    w = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((*q.shape[:3], hv), (2, 6, t))]
+    kw = dict(kv_segment_ids_bs=ks, q_offset=s - t, return_lse=True, sm_scale=0.4)
+    _check([lambda q, k, v, fn=fn: fn(q, k, v, qs, **kw) for fn in (flash_attention, attention_reference)],
+           (q, k, v), w)
+
+
+def test_two_key_ranges_merge_through_the_log_sum_exp():
+    """Attention over keys [0, S) equals the merge of attention over [0, S1) (no causal constraint
+    left: every query is past them) and over [S1, S) (causal, offset), weighted by their
+    log-sum-exps; queries that see no key in a range give 0 and -inf, not NaN."""
+    q, k, v, qs, ks = _inputs(24, s=72, g=4)
+    whole = flash_attention(q, k, v, qs, kv_segment_ids_bs=ks, q_offset=48)
+    s1 = 40
+    o1, l1 = flash_attention(q, k[:, :s1], v[:, :s1], qs, kv_segment_ids_bs=ks[:, :s1], q_offset=48, return_lse=True)
+    o2, l2 = flash_attention(q, k[:, s1:], v[:, s1:], qs, kv_segment_ids_bs=ks[:, s1:], q_offset=48 - s1,
+                             return_lse=True)
+    assert np.isneginf(np.asarray(l1)).any() and not np.isnan(np.asarray(o1)).any()  # the second document
+    lse = jnp.logaddexp(l1, l2)
+    merged = sum(o * jnp.exp(l - lse).transpose(0, 2, 1)[..., None] for o, l in ((o1, l1), (o2, l2)))
+    np.testing.assert_allclose(merged, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_flash_bfloat16_and_shapes():
-    q, k, v, seg = _inputs(40, dtype=jnp.bfloat16)
+    q, k, v, seg, _ = _inputs(40, dtype=jnp.bfloat16)
     out = flash_attention(q, k, v, seg)
     assert out.dtype == jnp.bfloat16 and out.shape == q.shape
     ref = attention_reference(*(a.astype(jnp.float32) for a in (q, k, v)), seg)
@@ -64,6 +89,10 @@ def test_flash_bfloat16_and_shapes():
         flash_attention(q, k.astype(jnp.float32), v, seg)
     with pytest.raises(ValueError, match="power-of-two block"):
         flash_attention(q, k, v, seg, block=100)
+    with pytest.raises(ValueError, match="q_offset >= 0"):
+        flash_attention(q, k, v, seg, q_offset=-1)
+    with pytest.raises(ValueError, match="kv_segment_ids"):
+        flash_attention(q, k, v, seg, kv_segment_ids_bs=seg[:, :5])
 
 
 def test_model_attention_paths_agree_on_a_mesh(small_config, devices):
