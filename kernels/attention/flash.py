@@ -19,6 +19,13 @@ memory is linear in T and S: nothing of size T × S is ever stored. Beyond a pla
   keys in memory); the key/value gradients of a group's query heads are summed after the kernel;
 * **key and value widths of their own** (MLA: Hd = 192 against Hv = 128 in DeepSeek-V3): each is
   loaded in a block of the next power of two, masked, nothing padded in memory;
+* **a sliding window** (gpt-oss, Gemma, MiniMax): query t sees only its W latest keys; key blocks
+  wholly outside the window are skipped by each kernel's loop bounds, so its work grows linearly
+  in T;
+* **attention sinks** (gpt-oss): a learned logit per head joins the denominator of every softmax
+  in the forward's last step. The backward kernels need nothing new (the saved log-sum-exp holds
+  the sink); the sink's gradient, ``dσ_h = Σ_t exp(σ_h − lse_t) (dlse_t − D_t)``, is a sum over
+  the saved rows outside the kernels: no second pass over the keys;
 * rows whose every key is masked give zeros (and a log-sum-exp of −inf), not NaN.
 
 On GPU the kernels are compiled by Triton; on CPU they run in the Pallas interpreter (slow: tests).
@@ -58,23 +65,49 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _logits(q, k, q_seg, k_seg, q_start, k_start, *, scale: float, q_offset: int, kv_len: int):
-    """Masked base-2 logits of a [bq, Hd] query block against a [bk, Hd] key block, and the mask
-    (causal, same document, and not a padded key: position < ``kv_len``)."""
-    s = plgpu.dot(q, k.T) * (scale * _LOG2E)
-    q_pos = q_offset + q_start + jnp.arange(q.shape[0])
-    k_pos = k_start + jnp.arange(k.shape[0])
-    mask = (q_pos[:, None] >= k_pos[None, :]) & (k_pos < kv_len)[None, :] & (q_seg[:, None] == k_seg[None, :])
-    return jnp.where(mask, s, -jnp.inf), mask
+@dataclasses.dataclass(frozen=True)
+class _Mask:
+    """Who sees whom, static: query t sits at key position ``q_offset + t`` and sees key s when
+    ``s <= q_offset + t`` (causal), ``s < kv_len`` (not padding), the two segment ids are equal
+    and, with a ``window`` W > 0, ``q_offset + t - s < W`` (the W latest keys, itself included)."""
+    q_offset: int
+    kv_len: int
+    window: int = 0
+
+    def logits(self, q, k, q_seg, k_seg, q_start, k_start, scale: float):
+        """Masked base-2 logits of a [bq, Hd] query block against a [bk, Hd] key block, and the mask."""
+        s = plgpu.dot(q, k.T) * (scale * _LOG2E)
+        q_pos = self.q_offset + q_start + jnp.arange(q.shape[0])
+        k_pos = k_start + jnp.arange(k.shape[0])
+        mask = (q_pos[:, None] >= k_pos[None, :]) & (k_pos < self.kv_len)[None, :] & (q_seg[:, None] == k_seg[None, :])
+        if self.window:
+            mask &= q_pos[:, None] - k_pos[None, :] < self.window
+        return jnp.where(mask, s, -jnp.inf), mask
+
+    def key_blocks(self, q_block, block_q: int, block_k: int, n_k: int):
+        """Key blocks [lo, hi) that query block ``q_block`` may see: causal up to its last
+        position; with a window, from the first key its first query still sees (blocks wholly
+        outside are skipped, not masked)."""
+        first_q = self.q_offset + q_block * block_q
+        hi = jnp.minimum(lax.div(first_q + block_q + block_k - 1, block_k), n_k)
+        lo = lax.div(jnp.maximum(first_q - self.window + 1, 0), block_k) if self.window else 0
+        return lo, hi
+
+    def query_blocks(self, k_block, block_q: int, block_k: int, n_q: int):
+        """Query blocks [lo, hi) that see some key of ``k_block`` (the transpose of :meth:`key_blocks`)."""
+        lo = lax.div(jnp.maximum(k_block * block_k - self.q_offset, 0), block_q)
+        if not self.window:
+            return lo, n_q
+        last_q = (k_block + 1) * block_k - 1 + self.window - 1 - self.q_offset  # the last query index seeing it
+        return lo, jnp.clip(lax.div(jnp.maximum(last_q, -1) + block_q, block_q), lo, n_q)
+
+    def probabilities(self, q, k, q_seg, k_seg, lse2, q_start, k_start, scale: float):
+        s, mask = self.logits(q, k, q_seg, k_seg, q_start, k_start, scale)
+        return jnp.where(mask, jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None]), 0.0)
 
 
-def _key_blocks_seen(q_block, block_q: int, block_k: int, q_offset: int, n_k: int):
-    """Key blocks [0, bound) that query block ``q_block`` may see (causal: up to its last position)."""
-    last = q_offset + (q_block + 1) * block_q  # one past the block's last query position
-    return jnp.minimum(lax.div(last + block_k - 1, block_k), n_k)
-
-
-def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, scale, q_offset, kv_len, block_k, hd, hv):
+def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sink_ref, o_ref, lse_ref, *, scale, mask: _Mask,
+                    block_k, hd, hv):
     block_q = q_ref.shape[0]
     i = pl.program_id(0)
     qmask = (jnp.arange(q_ref.shape[-1]) < hd)[None, :]
@@ -86,32 +119,31 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
         o, m, l = carry
         keys = pl.ds(j * block_k, block_k)
         k = plgpu.load(k_ref.at[keys, :], mask=qmask, other=0.0)
-        s, mask = _logits(q, k, q_seg, kseg_ref[keys], i * block_q, j * block_k, scale=scale, q_offset=q_offset, kv_len=kv_len)
+        s, seen = mask.logits(q, k, q_seg, kseg_ref[keys], i * block_q, j * block_k, scale)
         m_new = jnp.maximum(m, s.max(axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row masked so far: exp2 of -inf, not NaN
-        p = jnp.where(mask, jnp.exp2(s - m_safe[:, None]), 0.0)
+        p = jnp.where(seen, jnp.exp2(s - m_safe[:, None]), 0.0)
         correction = jnp.exp2(m - m_safe)
         v = plgpu.load(v_ref.at[keys, :], mask=vmask, other=0.0)
         o = correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
         return o, m_new, correction * l + p.sum(axis=-1)
 
-    n_k = k_ref.shape[0] // block_k
     carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    o, m, l = lax.fori_loop(0, _key_blocks_seen(i, block_q, block_k, q_offset, n_k), body, carry)
+    o, m, l = lax.fori_loop(*mask.key_blocks(i, block_q, block_k, k_ref.shape[0] // block_k), body, carry)
+    if sink_ref is not None:  # the head's sink logit joins the denominator (no value: it adds nothing to o)
+        sink2 = sink_ref[...].astype(jnp.float32) * _LOG2E  # [1], not scaled: a logit as it is
+        m_new = jnp.maximum(m, sink2)
+        correction = jnp.exp2(m - m_new)
+        o, m, l = correction[:, None] * o, m_new, correction * l + jnp.exp2(sink2 - m_new)
     seen = l > 0
     o = jnp.where(seen[:, None], o / jnp.where(seen, l, 1.0)[:, None], 0.0)
     lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)  # base 2
     plgpu.store(o_ref, o.astype(o_ref.dtype), mask=vmask)
 
 
-def _probabilities(q, k, q_seg, k_seg, lse2, q_start, k_start, *, scale, q_offset, kv_len):
-    s, mask = _logits(q, k, q_seg, k_seg, q_start, k_start, scale=scale, q_offset=q_offset, kv_len=kv_len)
-    return jnp.where(mask, jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None]), 0.0)
-
-
 def _dkdv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                 scale, q_offset, kv_len, block_q, hd, hv):
+                 scale, mask: _Mask, block_q, hd, hv):
     block_k = k_ref.shape[0]
     j = pl.program_id(2)
     qmask = (jnp.arange(k_ref.shape[-1]) < hd)[None, :]
@@ -125,16 +157,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta
         rows = pl.ds(i * block_q, block_q)
         q = plgpu.load(q_ref.at[rows, :], mask=qmask, other=0.0)
         do = plgpu.load(do_ref.at[rows, :], mask=vmask, other=0.0)
-        p = _probabilities(q, k, qseg_ref[rows], k_seg, lse_ref[rows], i * block_q, j * block_k, scale=scale,
-                           q_offset=q_offset, kv_len=kv_len)
+        p = mask.probabilities(q, k, qseg_ref[rows], k_seg, lse_ref[rows], i * block_q, j * block_k, scale)
         dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
         ds = p * (plgpu.dot(do, v.T) - delta_ref[rows][:, None])
         dk = dk + plgpu.dot(ds.astype(q.dtype).T, q)
         return dk, dv
 
-    # causal: the first query block whose last position reaches this key block's first key
-    first = lax.div(jnp.maximum(j * block_k - q_offset, 0), block_q)
-    dk, dv = lax.fori_loop(first, q_ref.shape[0] // block_q, body,
+    dk, dv = lax.fori_loop(*mask.query_blocks(j, block_q, block_k, q_ref.shape[0] // block_q), body,
                            (jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32),
                             jnp.zeros((block_k, v_ref.shape[-1]), jnp.float32)))
     plgpu.store(dk_ref, (dk * scale).astype(dk_ref.dtype), mask=qmask)
@@ -142,7 +171,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               scale, q_offset, kv_len, block_k, hd, hv):
+               scale, mask: _Mask, block_k, hd, hv):
     block_q = q_ref.shape[0]
     i = pl.program_id(2)
     qmask = (jnp.arange(q_ref.shape[-1]) < hd)[None, :]
@@ -155,13 +184,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
         keys = pl.ds(j * block_k, block_k)
         k = plgpu.load(k_ref.at[keys, :], mask=qmask, other=0.0)
         v = plgpu.load(v_ref.at[keys, :], mask=vmask, other=0.0)
-        p = _probabilities(q, k, q_seg, kseg_ref[keys], lse2, i * block_q, j * block_k, scale=scale,
-                           q_offset=q_offset, kv_len=kv_len)
+        p = mask.probabilities(q, k, q_seg, kseg_ref[keys], lse2, i * block_q, j * block_k, scale)
         ds = p * (plgpu.dot(do, v.T) - delta[:, None])
         return dq + plgpu.dot(ds.astype(k.dtype), k)
 
-    n_k = k_ref.shape[0] // block_k
-    dq = lax.fori_loop(0, _key_blocks_seen(i, block_q, block_k, q_offset, n_k), body,
+    dq = lax.fori_loop(*mask.key_blocks(i, block_q, block_k, k_ref.shape[0] // block_k), body,
                        jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32))
     plgpu.store(dq_ref, (dq * scale).astype(dq_ref.dtype), mask=qmask)
 
@@ -174,8 +201,8 @@ def _params(block_a: int, block_b: int, width: int):
 class _Static:
     """The kernels' static parameters (hashable: one non-differentiable argument)."""
     scale: float
-    q_offset: int
-    kv_len: int  # real keys; those past it are padding
+    mask: _Mask
+    sinks: bool  # the forward reads a sink logit per head
     block_q: int
     block_k: int
     bwd_q: int
@@ -183,13 +210,13 @@ class _Static:
     interpret: bool
 
 
-def _forward(q, k, v, qseg, kseg, c: _Static):
+def _forward(q, k, v, qseg, kseg, sinks, c: _Static):
     b, t, h, hd = q.shape
     s, g, hv = k.shape[1], k.shape[2], v.shape[-1]
     rep, wq, wv = h // g, _pow2(hd), _pow2(hv)
-    kernel = functools.partial(_forward_kernel, scale=c.scale, q_offset=c.q_offset, kv_len=c.kv_len,
-                               block_k=c.block_k, hd=hd, hv=hv)
+    kernel = functools.partial(_forward_kernel, scale=c.scale, mask=c.mask, block_k=c.block_k, hd=hd, hv=hv)
     bq = c.block_q
+    sink_spec = pl.BlockSpec((1,), lambda i, bi, hi: (hi,)) if c.sinks else None
     return pl.pallas_call(
         kernel,
         grid=(t // bq, b, h),
@@ -197,23 +224,24 @@ def _forward(q, k, v, qseg, kseg, c: _Static):
                   pl.BlockSpec((None, s, None, wq), lambda i, bi, hi: (bi, 0, hi // rep, 0)),
                   pl.BlockSpec((None, s, None, wv), lambda i, bi, hi: (bi, 0, hi // rep, 0)),
                   pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, i)),
-                  pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0))],
+                  pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
+                  sink_spec],
         out_specs=[pl.BlockSpec((None, bq, None, wv), lambda i, bi, hi: (bi, i, hi, 0)),
                    pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))],
         out_shape=[jax.ShapeDtypeStruct((b, t, h, hv), q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
         compiler_params=_params(bq, c.block_k, max(wq, wv)),
         interpret=c.interpret, name="moefast_flash_forward",
-    )(q, k, v, qseg, kseg)
+    )(q, k, v, qseg, kseg, sinks if c.sinks else None)
 
 
-def _backward(q, k, v, qseg, kseg, o, lse2, do, dlse, c: _Static):
+def _backward(q, k, v, qseg, kseg, sinks, o, lse2, do, dlse, c: _Static):
     b, t, h, hd = q.shape
     s, g, hv = k.shape[1], k.shape[2], v.shape[-1]
     rep, wq, wv = h // g, _pow2(hd), _pow2(hv)
     bq, bk = c.bwd_q, c.bwd_k
     # D = rowsum(dO ∘ O) less the natural log-sum-exp's cotangent
     delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32)) - dlse
-    common = dict(scale=c.scale, q_offset=c.q_offset, kv_len=c.kv_len, hd=hd, hv=hv)
+    common = dict(scale=c.scale, mask=c.mask, hd=hd, hv=hv)
     rows_t = pl.BlockSpec((None, None, t), lambda bi, hi, _: (bi, hi, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, block_q=bq, **common),
@@ -250,34 +278,38 @@ def _backward(q, k, v, qseg, kseg, o, lse2, do, dlse, c: _Static):
     if rep > 1:  # a key/value head's gradient: the sum over its query heads
         dk = dk.reshape(b, s, g, rep, hd).sum(3, dtype=jnp.float32).astype(k.dtype)
         dv = dv.reshape(b, s, g, rep, hv).sum(3, dtype=jnp.float32).astype(v.dtype)
-    return dq, dk, dv
+    dsinks = None
+    if c.sinks:  # the sink enters only through the log-sum-exp: dσ_h = Σ_bt exp(σ_h - lse_bht) (dlse - D)
+        p_sink = jnp.exp2(sinks.astype(jnp.float32)[None, :, None] * _LOG2E - lse2)
+        dsinks = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
+    return dq, dk, dv, dsinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, qseg, kseg, c: _Static):
-    o, lse2 = _forward(q, k, v, qseg, kseg, c)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, qseg, kseg, sinks, c: _Static):
+    o, lse2 = _forward(q, k, v, qseg, kseg, sinks, c)
     return o, lse2 * math.log(2.0)
 
 
-def _flash_fwd(q, k, v, qseg, kseg, c: _Static):
-    o, lse2 = _forward(q, k, v, qseg, kseg, c)
-    return (o, lse2 * math.log(2.0)), (q, k, v, qseg, kseg, o, lse2)
+def _flash_fwd(q, k, v, qseg, kseg, sinks, c: _Static):
+    o, lse2 = _forward(q, k, v, qseg, kseg, sinks, c)
+    return (o, lse2 * math.log(2.0)), (q, k, v, qseg, kseg, sinks, o, lse2)
 
 
 def _flash_bwd(c: _Static, res, cotangents):
-    q, k, v, qseg, kseg, o, lse2 = res
+    q, k, v, qseg, kseg, sinks, o, lse2 = res
     do, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, qseg, kseg, o, lse2, do, dlse.astype(jnp.float32), c)
-    return dq, dk, dv, None, None
+    dq, dk, dv, dsinks = _backward(q, k, v, qseg, kseg, sinks, o, lse2, do, dlse.astype(jnp.float32), c)
+    return dq, dk, dv, None, None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array, *,
-                    kv_segment_ids_bs: jax.Array | None = None, q_offset: int = 0, return_lse: bool = False,
-                    sm_scale: float | None = None, block: int = BLOCK,
-                    interpret: bool | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    kv_segment_ids_bs: jax.Array | None = None, q_offset: int = 0, window: int | None = None,
+                    sinks_h: jax.Array | None = None, return_lse: bool = False, sm_scale: float | None = None,
+                    block: int = BLOCK, interpret: bool | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal grouped-query attention inside each packed document, without a [T, S] matrix.
 
     Args:
@@ -289,9 +321,15 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
       kv_segment_ids_bs: [B, S] int document ids of the keys; ``None``: ``segment_ids_bt`` (S = T).
       q_offset: static int >= 0, the keys' position of query 0 (a later slice of a row's queries
         against the row's keys: ``q_offset = S - T``).
+      window: static int W >= 1: a sliding window, query t sees only keys s with
+        ``q_offset + t - s < W`` (the W latest positions, itself included: Hugging Face's
+        ``sliding_window``); key blocks wholly outside it are skipped, not masked. ``None``: all.
+      sinks_h: [H] learned sink logits (gpt-oss; Xiao et al. 2023, "attention sinks"): each head's
+        logit joins every softmax's denominator, unscaled, with no value (a query may attend to
+        "nothing"); differentiable. ``None``: none.
       return_lse: also return the [B, H, T] float32 natural log-sum-exp of each query's scaled
-        logits (−inf where a query sees no key), differentiable: two attentions over disjoint keys
-        merge exactly through it.
+        logits (the sink's included; −inf where a query sees no key and there is no sink),
+        differentiable: two attentions over disjoint keys merge exactly through it.
       sm_scale: logit scale; ``None``: ``Hd ** -0.5``.
       block: rows of the forward kernel's query and key blocks (a power of two >= 16); at most 64
         for head widths above 128 (shared memory).
@@ -300,21 +338,25 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
 
     Returns:
       [B, T, H, Hv] in the queries' dtype (and the log-sum-exp when ``return_lse``);
-      differentiable (``jax.grad``/``jax.vjp``; not ``jax.jvp``) with respect to q, k and v. Equals
+      differentiable (``jax.grad``/``jax.vjp``; not ``jax.jvp``) with respect to q, k, v and the
+      sinks. Equals
       :func:`.reference.attention_reference` to float rounding; queries that see no key give 0.
 
     Raises:
       ValueError: bad shapes (:func:`.reference.validate`), q/k/v not of one float dtype, T or S = 0,
-        ``block`` not a power of two >= 16, or a negative ``q_offset``.
+        ``block`` not a power of two >= 16, a negative ``q_offset``, a window below 1, or sinks not
+        of shape [H].
     """
     validate(q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_segment_ids_bs)
     if not jnp.issubdtype(q_bthd.dtype, jnp.floating) or not q_bthd.dtype == k_bsgd.dtype == v_bsgd.dtype:
         raise ValueError(f"q, k and v must share one float dtype, got {q_bthd.dtype}, {k_bsgd.dtype}, {v_bsgd.dtype}")
     b, t, h, hd = q_bthd.shape
     s, hv = k_bsgd.shape[1], v_bsgd.shape[-1]
-    if t < 1 or s < 1 or block < 16 or block & (block - 1) or q_offset < 0:
-        raise ValueError(f"flash attention needs T, S >= 1, a power-of-two block >= 16 and q_offset >= 0; got "
-                         f"T={t}, S={s}, block={block}, q_offset={q_offset}")
+    if t < 1 or s < 1 or block < 16 or block & (block - 1) or q_offset < 0 or (window is not None and window < 1):
+        raise ValueError(f"flash attention needs T, S >= 1, a power-of-two block >= 16, q_offset >= 0 and a window "
+                         f">= 1 or None; got T={t}, S={s}, block={block}, q_offset={q_offset}, window={window}")
+    if sinks_h is not None and sinks_h.shape != (h,):
+        raise ValueError(f"sinks must be one logit per query head, [{h}]; got {list(sinks_h.shape)}")
     if interpret is None:
         interpret = target_platform() == "cpu"
     if max(hd, hv) > 128:
@@ -336,8 +378,10 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
         k, v = (jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0))) for x in (k, v))
         kseg = jnp.pad(kseg, ((0, 0), (0, sp - s)), constant_values=-1)
     scale = hd ** -0.5 if sm_scale is None else float(sm_scale)
-    static = _Static(scale, int(q_offset), s, block_q, block_k, bwd_q, bwd_k, bool(interpret))
-    o, lse = _flash(q, k, v, qseg, kseg, static)
+    static = _Static(scale, _Mask(int(q_offset), s, int(window or 0)), sinks_h is not None, block_q, block_k, bwd_q,
+                     bwd_k, bool(interpret))
+    sink_arr = jnp.zeros((h,), jnp.float32) if sinks_h is None else sinks_h
+    o, lse = _flash(q, k, v, qseg, kseg, sink_arr, static)
     if tp != t:
         o, lse = o[:, :t], lse[..., :t]
     return (o, lse) if return_lse else o

@@ -6,7 +6,10 @@ Hd but in MLA).
 
 Query t of row b attends to key s when ``s <= q_offset + t`` and the two tokens' segment ids are
 equal (documents packed into one row never see each other; padding, any id shared by the padding
-tokens, attends only to padding). Scaled dot-product attention, Vaswani et al. 2017, eq. 1.
+tokens, attends only to padding), and, in a sliding window of W, ``q_offset + t - s < W``. Scaled
+dot-product attention, Vaswani et al. 2017, eq. 1; with sinks, a learned logit per head joins each
+softmax's denominator (gpt-oss: the softmax over the logits and the sink, the sink's column then
+dropped).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def validate(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_id
 
 
 def attention_reference(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array,
-                        *, kv_segment_ids_bs: jax.Array | None = None, q_offset: int = 0, return_lse: bool = False,
+                        *, kv_segment_ids_bs: jax.Array | None = None, q_offset: int = 0, window: int | None = None,
+                        sinks_h: jax.Array | None = None, return_lse: bool = False,
                         sm_scale: float | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal grouped-query attention inside each packed document, on the full [T, S] matrix.
 
@@ -52,8 +56,10 @@ def attention_reference(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array,
       segment_ids_bt: [B, T] int document ids of the queries.
       kv_segment_ids_bs: [B, S] int document ids of the keys; ``None``: the queries' (S = T).
       q_offset: the keys' position of query 0.
-      return_lse: also return the [B, H, T] float32 natural log-sum-exp of the scaled logits (−inf
-        for a query that sees no key).
+      window: W, the sliding window (the W latest keys); ``None``: all.
+      sinks_h: [H] sink logits (unscaled), or ``None``.
+      return_lse: also return the [B, H, T] float32 natural log-sum-exp of the scaled logits and
+        the sink (−inf for a query that sees no key and has no sink).
       sm_scale: logit scale; ``None``: ``Hd ** -0.5``.
 
     Returns:
@@ -67,10 +73,13 @@ def attention_reference(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array,
     scale = hd ** -0.5 if sm_scale is None else sm_scale
     q = q_bthd.astype(jnp.float32).reshape(b, t, g, h // g, hd) * scale
     s = jnp.einsum("btgrd,bsgd->bgrts", q, k_bsgd.astype(jnp.float32))
-    causal = q_offset + jnp.arange(t)[:, None] >= jnp.arange(s_len)[None, :]
+    dist = q_offset + jnp.arange(t)[:, None] - jnp.arange(s_len)[None, :]
+    causal = (dist >= 0) & (dist < window) if window else dist >= 0
     same = segment_ids_bt[:, :, None] == kv_ids[:, None, :]
     mask = (causal[None] & same)[:, None, None]
     lse = jax.nn.logsumexp(jnp.where(mask, s, -jnp.inf), axis=-1)  # [B, G, R, T]
+    if sinks_h is not None:
+        lse = jnp.logaddexp(lse, sinks_h.astype(jnp.float32).reshape(g, h // g)[None, :, :, None])
     p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     o = jnp.einsum("bgrts,bsgd->btgrd", p, v_bsgd.astype(jnp.float32))
     o = o.reshape(b, t, h, v_bsgd.shape[-1]).astype(q_bthd.dtype)

@@ -58,6 +58,36 @@ def test_flash_query_slice_with_its_log_sum_exp(t, s, hd, hv):
            (q, k, v), w)
 
 
+@pytest.mark.parametrize("window, sinks, offset", [(20, False, 0), (20, True, 30), (1, True, 0)],
+                         ids=["window", "window-sinks-slice", "window-of-one-sinks"])
+def test_flash_sliding_window_and_sinks(window, sinks, offset):
+    """A sliding window over 16-row blocks (key blocks outside it skipped by the loops' bounds, the
+    forward's and both backward kernels'), with learned sinks per head (gpt-oss) and a later slice
+    of the queries: outputs, log-sum-exp and the gradients of q, k, v and the sinks equal the
+    reference's."""
+    t = 70
+    q, k, v, qs, ks = _inputs(t, s=t + offset, h=4, g=2)
+    rng = np.random.default_rng(5)
+    sink = jnp.asarray(rng.normal(size=4), jnp.float32) if sinks else None
+    w = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in (q.shape, (2, 4, t))]
+    kw = dict(kv_segment_ids_bs=ks, q_offset=offset, window=window, return_lse=True)
+
+    def fns(fn, **extra):
+        if sink is None:
+            return lambda q, k, v: fn(q, k, v, qs, **kw, **extra)
+        return lambda q, k, v, s: fn(q, k, v, qs, sinks_h=s, **kw, **extra)
+
+    args = (q, k, v) if sink is None else (q, k, v, sink)
+    outs = [jax.jit(f)(*args) for f in (fns(flash_attention, block=16), fns(attention_reference))]
+    for a, e in zip(*outs):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda *a: sum((o * x).sum() for o, x in zip(f(*a), w))  # noqa: E731
+    grads = [jax.jit(jax.grad(loss(f), argnums=tuple(range(len(args)))))(*args)
+             for f in (fns(flash_attention, block=16), fns(attention_reference))]
+    for a, e in zip(*grads):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
+
+
 def test_two_key_ranges_merge_through_the_log_sum_exp():
     """Attention over keys [0, S) equals the merge of attention over [0, S1) (no causal constraint
     left: every query is past them) and over [S1, S) (causal, offset), weighted by their
@@ -91,6 +121,10 @@ def test_flash_bfloat16_and_shapes():
         flash_attention(q, k, v, seg, block=100)
     with pytest.raises(ValueError, match="q_offset >= 0"):
         flash_attention(q, k, v, seg, q_offset=-1)
+    with pytest.raises(ValueError, match="window"):
+        flash_attention(q, k, v, seg, window=0)
+    with pytest.raises(ValueError, match=r"one logit per query head, \[4\]"):
+        flash_attention(q, k, v, seg, sinks_h=jnp.zeros((2,)))
     with pytest.raises(ValueError, match="kv_segment_ids"):
         flash_attention(q, k, v, seg, kv_segment_ids_bs=seg[:, :5])
 
