@@ -254,6 +254,9 @@ def test_cpu_mesh_stays_on_cpu_paths(devices):
     assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True and isinstance(
         opts["xla_gpu_all_gather_combine_threshold_bytes"], int)
     assert xla_flags.compile_options(False, "gpu") == {} and cfg.overlap.xla_flags
+    # sequence slices: the slices' identical weight gathers merged by XLA's collective CSE
+    assert xla_flags.compile_options(False, "gpu", dedupe_collectives=True) == {
+        xla_flags.COLLECTIVE_CSE: xla_flags.COLLECTIVE_CSE_DISTANCE}
 
 
 def test_shipped_gpu_configs_start_on_their_gpu_counts():

@@ -36,6 +36,8 @@ EXCHANGE_LEVERS = {
     "+FP8 dispatch (e4m3, a scale per 128 channels)": ["moe.dispatch_dtype=float8_e4m3fn"],
     "+4 collectives in flight (XLA's parallel collective overlap limit)": ["overlap.collectives_in_flight=4"],
     "+exchange in 2 independent chunks (hierarchical: token slices; flat: capacity slices)": ["moe.overlap_chunks=2"],
+    "+2 sequence slices through the layers (one slice's exchange under the other's compute)":
+        ["model.sequence_slices=2"],
 }
 TABLES = ("levers", "exchange")
 

@@ -455,7 +455,11 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
                 twin_trainer = Trainer(cfg, Path(tmp) / "twin", log=None, progress=False, devices=devs)
                 lowered = twin_trainer.lower_train_step()
             twin_dump = os.path.join(tmp, "twin-dump")
-            twin_text = _compile(lowered, options, twin_dump, autotune).as_text()
+            # XLA's split-K rewrite turns a GEMM with a long contraction and few rows (a sequence
+            # slice's) into partial products with float32 results, which its estimator mis-costs
+            # as the twin exists to avoid: the twin keeps each GEMM whole
+            twin_options = {**options, "xla_gpu_experimental_force_split_k": 1}
+            twin_text = _compile(lowered, twin_options, twin_dump, autotune).as_text()
             estimated = read_estimate(twin_dump, twin_text, hosts_of, time_unit=not ragged, network=net,
                                       peak_tflops=peak_tflops)
             if net and estimated is not None and estimated.profile and estimated.fingerprint:
@@ -467,7 +471,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
                 profile_path = os.path.join(tmp, "pgle.pbtxt")
                 Path(profile_path).write_text(pgle_profile(estimated))
                 pgle_dump = os.path.join(tmp, "pgle-dump")
-                pgle_text = _compile(lowered, {**options, "xla_gpu_pgle_profile_file_or_directory_path": profile_path},
+                pgle_text = _compile(lowered, {**twin_options, "xla_gpu_pgle_profile_file_or_directory_path": profile_path},
                                      pgle_dump, autotune).as_text()
                 estimated = read_estimate(pgle_dump, pgle_text, hosts_of, time_unit=not ragged, network=net,
                                           peak_tflops=peak_tflops)

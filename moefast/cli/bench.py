@@ -65,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "levers); gpu-compile: that table estimated from XLA's schedule for the GPUs compiled for")
     b.add_argument("--ablate-exchange", action="store_true",
                    help="gpu-compile: the expert exchange's levers across hosts (hierarchical exchange, FP8 dispatch, "
-                        "collectives in flight, the exchange in 2 chunks), each added to the config as given, and all together")
+                        "collectives in flight, the exchange in 2 chunks, 2 sequence slices through the layers), each added to the config as given, and all together")
     b.add_argument("--quick", action="store_true",
                    help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")

@@ -102,6 +102,9 @@ class ExperimentConfig:
         _require(self.model.mtp_depth < self.data.seq_len, "model.mtp_depth",
                  f"{self.model.mtp_depth} leaves no target inside a row of data.seq_len={self.data.seq_len} "
                  "tokens; lower model.mtp_depth")
+        _require(self.data.seq_len % self.model.sequence_slices == 0, "model.sequence_slices",
+                 f"{self.model.sequence_slices} must divide data.seq_len={self.data.seq_len} (equal slices of "
+                 "each row)")
         _require(self.moe.dispatch_dtype == "compute" or self.model.d_model % 128 == 0, "moe.dispatch_dtype",
                  f"FP8 dispatch scales each 128 channels of a row; model.d_model={self.model.d_model} is not a "
                  "multiple of 128: use moe.dispatch_dtype=compute")

@@ -109,13 +109,35 @@ class ModelConfig:
         embedding and output head after its own RMSNorm (:class:`moefast.model.MTPModule`). Its
         loss is weighted by ``train.mtp_loss_coef``; generation never runs the modules. Must be
         below ``data.seq_len``.
+      sequence_slices: n, slices of each row carried separately through the layers (the overlap
+        lever of the expert exchange across layers; DeepSeek's DualPipe idea without pipeline
+        stages, as MaxText's batch-split schedule, but split along the sequence, since a device
+        may hold a single row). Slice i attends to its own keys and those of the slices before
+        it (the fused kernel's query offset, :func:`moefast.kernels.attention.flash_attention`),
+        and its MoE layer routes its own tokens, so one slice's expert exchange can run under
+        another's attention and experts, also across layers. The same function as n = 1 when no
+        token is dropped (capacity is per slice, as for ``moe.overlap_chunks``), up to float
+        rounding (attention sums in another order); dropout and expert warm-up noise draw from
+        the step key folded with the slice. 1 (the default): one slice. Must divide
+        ``data.seq_len``; not with Gated DeltaNet layers (``layer_types``: their state would have
+        to pass between slices) nor generation (a KV cache: one slice).
       layer_types: each block's token mixer, one entry per layer (Hugging Face's ``layer_types``):
-        ``"full_attention"`` (the ``attention`` block above) or ``"linear_attention"``: Gated
-        DeltaNet (Yang et al. 2024, arXiv:2412.06464; Qwen3-Next, Qwen3.5 / Qwen3.6 MoE;
-        :mod:`moefast.model.gated_deltanet`), whose state resets at every packed document's start.
+        ``"full_attention"`` (the ``attention`` block above), ``"sliding_attention"`` (the same
+        block over the ``sliding_window`` latest keys only; gpt-oss, Gemma, MiniMax) or
+        ``"linear_attention"``: Gated DeltaNet (Yang et al. 2024, arXiv:2412.06464; Qwen3-Next,
+        Qwen3.5 / Qwen3.6 MoE; :mod:`moefast.model.gated_deltanet`), whose state resets at every
+        packed document's start.
         ``None``: every layer ``"full_attention"``. With ``scan_layers`` the repeating period of
         (token mixer, MoE or dense) is scanned (:mod:`moefast.model.layout`). Multi-token
         prediction blocks use full attention.
+      sliding_window: W, the keys a ``"sliding_attention"`` layer's query sees: its W latest
+        positions, itself included (Hugging Face's ``sliding_window``: key s when ``t - s < W``).
+        Required by such layers, below ``max_seq_len`` (a window that covers the context is full
+        attention); the fused kernel skips key blocks outside it. ``None``: no sliding layers.
+      attention_sinks: each attention head learns a sink logit that joins every softmax's
+        denominator, unscaled, with no value (gpt-oss; Xiao et al. 2023, arXiv 2309.17453), the
+        ``sinks`` parameter [H] (HF ``self_attn.sinks``), in the fused kernel and the einsum path.
+        GQA attention only.
       linear_num_key_heads, linear_num_value_heads: Gated DeltaNet query/key heads Hk and value
         heads Hv (a multiple of Hk: each key head serves Hv / Hk value heads); HF's names, as are
         the next three.
@@ -172,7 +194,10 @@ class ModelConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     mtp_depth: int = 0
-    layer_types: tuple[Literal["full_attention", "linear_attention"], ...] | None = None
+    sequence_slices: int = 1
+    layer_types: tuple[Literal["full_attention", "sliding_attention", "linear_attention"], ...] | None = None
+    sliding_window: int | None = None
+    attention_sinks: bool = False
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     linear_key_head_dim: int = 128
@@ -202,20 +227,34 @@ class ModelConfig:
                  f"must be even for sinusoidal position encodings, got {self.d_model}")
         _require(self.mtp_depth >= 0, "model.mtp_depth",
                  f"must be >= 0 (0 = no multi-token prediction), got {self.mtp_depth}")
+        _require(self.sequence_slices >= 1, "model.sequence_slices",
+                 f"must be >= 1 (1: each row through the layers whole), got {self.sequence_slices}")
+        _require(not self.attention_sinks or self.attention == "gqa", "model.attention_sinks",
+                 "sinks are per head of GQA attention (model.attention=gqa), not MLA")
         self._check_attention()
         self._check_rope()
         self._check_layer_types()
+        _require(self.sequence_slices == 1 or "linear_attention" not in (self.layer_types or ()),
+                 "model.sequence_slices", f"{self.sequence_slices} slices with Gated DeltaNet layers "
+                 "(model.layer_types): their recurrent state does not pass between slices; use 1")
 
     def _check_layer_types(self):
         if self.layer_types is None:
             return
         if isinstance(self.layer_types, list):  # built in code with a list: keep the config hashable
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        kinds = ("full_attention", "linear_attention")
+        kinds = ("full_attention", "sliding_attention", "linear_attention")
         bad = [f"{i}: {k!r}" for i, k in enumerate(self.layer_types) if k not in kinds]
         _require(not bad, "model.layer_types", f"entries must be one of {list(kinds)}; got {', '.join(bad)}")
         _require(len(self.layer_types) == self.num_layers, "model.layer_types",
                  f"needs one entry per layer: {len(self.layer_types)} entries for model.num_layers={self.num_layers}")
+        if "sliding_attention" in self.layer_types:
+            w = self.sliding_window
+            _require(w is not None and 1 <= w < self.max_seq_len, "model.sliding_window",
+                     f"sliding_attention layers need a window of 1 to model.max_seq_len - 1 = {self.max_seq_len - 1} "
+                     f"keys (a window covering the context is full attention: use full_attention), got {w}")
+            _require(self.attention == "gqa", "model.layer_types",
+                     "sliding_attention layers are GQA attention (model.attention=gqa), not MLA")
         if "linear_attention" not in self.layer_types:
             return
         for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -226,8 +265,9 @@ class ModelConfig:
                  f"serves the same number of value heads), got {self.linear_num_value_heads}")
 
     def layer_type(self, layer: int) -> str:
-        """Block ``layer``'s token mixer: ``"full_attention"`` or ``"linear_attention"`` (blocks past
-        ``num_layers``, the multi-token prediction blocks, use full attention)."""
+        """Block ``layer``'s token mixer: ``"full_attention"``, ``"sliding_attention"`` or
+        ``"linear_attention"`` (blocks past ``num_layers``, the multi-token prediction blocks, use
+        full attention)."""
         if self.layer_types is None or layer >= self.num_layers:
             return "full_attention"
         return self.layer_types[layer]

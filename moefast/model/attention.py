@@ -25,23 +25,29 @@ from moefast.model.positional import apply_rope
 from moefast.parallel.mesh import on_own_rows, token_shards
 from moefast.parallel.precision import dense
 
-__all__ = ["ATTENTION_BLOCK", "Attention", "attention_impl", "causal_attention", "fused_attention"]
+__all__ = ["ATTENTION_BLOCK", "Attention", "attend", "attention_impl", "causal_attention", "fused_attention"]
 
 
 ATTENTION_BLOCK = 128  # query rows per block of :func:`causal_attention` (chosen by measurement: docs/perf.md)
 
 
-def _attend(q_btghd, k_bsgd, v_bsgd, mask_b11ts):
+def _attend(q_btghd, k_bsgd, v_bsgd, mask_b11ts, sinks_gr=None):
     """Softmax attention of one query block: [B, T, G, R, Hd] queries (already scaled), [B, S, G, Hd]
-    keys and values, bool mask broadcastable to [B, G, R, T, S]; logits and softmax in float32."""
+    keys and values, bool mask broadcastable to [B, G, R, T, S], optional [G, R] sink logits (a
+    column of the softmax, dropped after it); logits and softmax in float32."""
     s = jnp.einsum("btgrd,bsgd->bgrts", q_btghd, k_bsgd, preferred_element_type=jnp.float32)
     s = jnp.where(mask_b11ts, s, jnp.finfo(jnp.float32).min)  # finite: a fully masked row stays finite
-    p = jax.nn.softmax(s, axis=-1).astype(v_bsgd.dtype)
+    if sinks_gr is not None:
+        sink = jnp.broadcast_to(sinks_gr.astype(jnp.float32)[None, :, :, None, None], (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1].astype(v_bsgd.dtype)
+    else:
+        p = jax.nn.softmax(s, axis=-1).astype(v_bsgd.dtype)
     return jnp.einsum("bgrts,bsgd->btgrd", p, v_bsgd, preferred_element_type=jnp.float32).astype(q_btghd.dtype)
 
 
 def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask_b1ts: jax.Array, *,
-                     causal: bool, block: int = ATTENTION_BLOCK, scale: float | None = None) -> jax.Array:
+                     causal: bool, block: int = ATTENTION_BLOCK, scale: float | None = None,
+                     sinks_h: jax.Array | None = None) -> jax.Array:
     """Scaled dot-product attention (Vaswani et al. 2017, eq. 1) with grouped-query heads, computing
     only the key blocks a causal mask can reach.
 
@@ -61,6 +67,7 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
       causal: the mask is causal over T == S (query t never sees key s > t).
       block: query rows per block (static).
       scale: logit scale, a dimensionless multiplier; ``None``: ``Hd ** -0.5``.
+      sinks_h: [H] sink logits joining each softmax's denominator, unscaled (gpt-oss), or ``None``.
 
     Returns:
       [B, T, H, Hv] in the queries' dtype; logits and softmax are computed in float32.
@@ -81,12 +88,13 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
         seen_bs = jnp.any(mask_b1ts[:, 0], axis=1)  # [B or 1, S]
         v_bsgd = jnp.where(seen_bs[:, :, None, None], v_bsgd, jnp.zeros((), v_bsgd.dtype))
     mask = mask_b1ts[:, :, None]  # [B, 1, 1, T, S]
+    sinks = None if sinks_h is None else sinks_h.reshape(g, h // g)
     if not causal or t <= block:
-        o = _attend(q, k_bsgd, v_bsgd, mask)
+        o = _attend(q, k_bsgd, v_bsgd, mask, sinks)
     else:
         o = jnp.concatenate([
             _attend(q[:, i: i + block], k_bsgd[:, : i + block], v_bsgd[:, : i + block],
-                    mask[..., i: i + block, : i + block])
+                    mask[..., i: i + block, : i + block], sinks)
             for i in range(0, t, block)], axis=1)
     return o.reshape(b, t, h, v_bsgd.shape[-1])
 
@@ -109,8 +117,9 @@ def attention_impl(impl: str, batch: int) -> str:
     return impl
 
 
-def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, segment_ids_bt: jax.Array, *,
-                    scale: float | None = None) -> jax.Array:
+def fused_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array, *,
+                    kv_segment_ids_bs: jax.Array | None = None, scale: float | None = None,
+                    window: int | None = None, sinks_h: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention inside packed documents with the fused kernel
     (:func:`moefast.kernels.attention.flash_attention`), each device on its own rows.
 
@@ -118,17 +127,53 @@ def fused_attention(q_bthd: jax.Array, k_btgd: jax.Array, v_btgd: jax.Array, seg
     partitioning rule: left to the partitioner, every device would gather the whole batch).
 
     Args:
-      q_bthd: [B, T, H, Hd] queries (unscaled); k_btgd: [B, T, G, Hd] keys, v_btgd: [B, T, G, Hv]
-        values (Hv = Hd but in MLA), in their dtype.
-      segment_ids_bt: [B, T] int document ids (query t sees keys s <= t of its own id).
+      q_bthd: [B, T, H, Hd] queries (unscaled); k_bsgd: [B, S, G, Hd] keys, v_bsgd: [B, S, G, Hv]
+        values (Hv = Hd but in MLA), in their dtype. S = T, or, with ``kv_segment_ids_bs``, S >= T
+        and the queries are the last T of the S positions (a later sequence slice:
+        ``model.sequence_slices``).
+      segment_ids_bt: [B, T] int document ids of the queries (query t sees keys s <= S - T + t of
+        its own id); kv_segment_ids_bs: [B, S] those of the keys (``None``: the queries').
       scale: logit scale; ``None``: ``Hd ** -0.5``.
+      window: a sliding window of that many keys (:func:`~moefast.kernels.attention.flash_attention`).
+      sinks_h: [H] sink logits, or ``None``.
 
     Returns:
       [B, T, H, Hv] in the queries' dtype.
     """
     interpret = target_platform() == "cpu"
-    run = lambda q, k, v, seg: flash_attention(q, k, v, seg, sm_scale=scale, interpret=interpret)  # noqa: E731
-    return on_own_rows(run, q_bthd, k_btgd, v_btgd, segment_ids_bt, where="attention")
+    kw = dict(q_offset=k_bsgd.shape[1] - q_bthd.shape[1], window=window, sm_scale=scale, interpret=interpret)
+    kv_ids = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
+    arrays = [q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_ids]
+    if sinks_h is not None:  # as rows, so that every operand is split over the token axes: device i's
+        # gradient lands in its first row, and the broadcast's transpose sums the rows
+        arrays.append(jnp.broadcast_to(sinks_h, (q_bthd.shape[0], *sinks_h.shape)))
+
+    def run(q, k, v, seg, kv_seg, *sinks_bh):
+        return flash_attention(q, k, v, seg, kv_segment_ids_bs=kv_seg, sinks_h=sinks_bh[0][0] if sinks_bh else None,
+                               **kw)
+
+    return on_own_rows(run, *arrays, where="attention")
+
+
+def attend(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask, *, scale: float | None = None,
+           causal: bool = True, window: int | None = None, sinks_h: jax.Array | None = None,
+           q_start: jax.Array | int | None = None) -> jax.Array:
+    """The attention of a block over the mask the model passes: the fused kernel for segment ids
+    (an int [B, T] array, or the pair ([B, T] queries' ids, [B, S] keys' ids) of a later sequence
+    slice), else :func:`causal_attention` over a bool [B or 1, 1, T, S] mask (its causal key
+    blocks skipped when ``causal`` and S = T), narrowed to a sliding ``window`` of keys, query t
+    at key position ``q_start + t`` (``None``: S - T; a KV cache: the cache index). Other
+    arguments and the result as :func:`fused_attention`."""
+    if isinstance(mask, tuple):
+        return fused_attention(q_bthd, k_bsgd, v_bsgd, mask[0], kv_segment_ids_bs=mask[1], scale=scale,
+                               window=window, sinks_h=sinks_h)
+    if mask.ndim == 2:
+        return fused_attention(q_bthd, k_bsgd, v_bsgd, mask, scale=scale, window=window, sinks_h=sinks_h)
+    t, s_len = q_bthd.shape[1], k_bsgd.shape[1]
+    if window:
+        start = s_len - t if q_start is None else q_start
+        mask = mask & ((start + jnp.arange(t)[:, None] - jnp.arange(s_len)[None, :]) < window)[None, None]
+    return causal_attention(q_bthd, k_bsgd, v_bsgd, mask, causal=causal and t == s_len, scale=scale, sinks_h=sinks_h)
 
 
 class Attention(nnx.Module):
@@ -141,14 +186,18 @@ class Attention(nnx.Module):
     head's query and key normalised, Qwen3) or of [H·Hd] and [G·Hd] (``"full"``: the whole query
     and key projections, OLMoE), applied before RoPE (``zero_centered``: scales applied as ``1 + w``).
     ``output_gate`` (``model.attention_output_gate``; Qwen3-Next, Qwen3.5): ``gate`` [D, H·Hd]
-    (embed, heads), the output multiplied by ``sigmoid(x gate)`` before ``out``.
+    (embed, heads), the output multiplied by ``sigmoid(x gate)`` before ``out``. ``window``
+    (``"sliding_attention"`` layers, ``model.sliding_window``): each query sees its ``window``
+    latest keys. ``sinks`` (``model.attention_sinks``; gpt-oss): ``sinks`` [H] (heads), a learned
+    logit per head joining each softmax's denominator.
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  dtype, init_std: float, out_std: float, bias: str = "none", qk_norm: str = "none",
                  norm_eps: float = 1e-6, output_gate: bool = False, zero_centered: bool = False,
-                 rngs: nnx.Rngs):
+                 window: int | None = None, sinks: bool = False, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window, self.has_sinks = window, sinks
         self.dtype, self.bias, self.qk_norm, self.output_gate = dtype, bias, qk_norm, output_gate
         init = jax.nn.initializers.normal(init_std)
         width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -157,6 +206,8 @@ class Attention(nnx.Module):
             self.gate = nnx.Param(init(rngs.params(), (d_model, num_heads * head_dim)), logical_axes=("embed", "heads"))
         self.out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * head_dim, d_model)),
                              logical_axes=("heads", "embed"))
+        if sinks:
+            self.sinks = nnx.Param(init(rngs.params(), (num_heads,)), logical_axes=("heads",))
         if bias != "none":
             self.qkv_bias = nnx.Param(jnp.zeros((width,), jnp.float32), logical_axes=("heads",))
         if bias == "all":
@@ -167,11 +218,17 @@ class Attention(nnx.Module):
             self.q_norm = rms_norm(q_dim, norm_eps, dtype, rngs, zero_centered=zero_centered)
             self.k_norm = rms_norm(k_dim, norm_eps, dtype, rngs, zero_centered=zero_centered)
 
-    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
+    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None):
         """``rope``: ``(cos, sin)`` float32 [B, T, 1, Hd/2] from :func:`rope_cos_sin`, or ``None``
         (no rotation: sinusoidal encodings were added to the embeddings); ``mask_b1ts``: bool
         [B or 1, 1, T, S], True where a query may attend to a key (:func:`causal_attention`), or
-        the int [B, T] segment ids of the packed documents (no cache: :func:`fused_attention`)."""
+        the int [B, T] segment ids of the packed documents (no cache: :func:`fused_attention`), or
+        a sequence slice's pair of ids (:func:`attend`).
+
+        ``kv_prefix`` (a sequence slice, ``model.sequence_slices``; no cache): ``()`` for the first
+        slice, else the earlier slices' ``(keys [B, S0, G, Hd], values)``, which these queries
+        attend to before their own. Returns ``(out [B, T, D], new cache or None)``, or with a
+        ``kv_prefix`` ``(out, (keys, values) of the prefix and this slice)`` for the next slice."""
         b, t, _ = x_btd.shape
         h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = dense(x_btd, self.qkv[...], self.dtype, ("embed", "heads"))
@@ -190,15 +247,16 @@ class Attention(nnx.Module):
             k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1)
             new_cache = {"k": k, "v": v}
-        if mask_b1ts.ndim == 2:  # segment ids: the fused kernel
-            o = fused_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts)
-        else:
-            o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_b1ts, causal=cache is None)
-        o = o.reshape(b, t, h * hd)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+        if kv_prefix:
+            k, v = (jnp.concatenate([p, a], axis=1) for p, a in zip(kv_prefix, (k, v)))
+        sinks = self.sinks[...] if self.has_sinks else None
+        o = attend(q, k, v, mask_b1ts, causal=cache is None, window=self.window, sinks_h=sinks,
+                   q_start=None if cache is None else cache_index).reshape(b, t, h * hd)
         if self.output_gate:
             g = dense(x_btd, self.gate[...], self.dtype, ("embed", "heads"))
             o = (o * jax.nn.sigmoid(g.astype(jnp.float32)).astype(o.dtype)).astype(self.dtype)
         o = dense(o, self.out[...], self.dtype, ("heads", "embed"))
         if self.bias == "all":
             o = (o.astype(jnp.float32) + self.out_bias[...][None, None]).astype(self.dtype)
-        return o, new_cache
+        return o, ((k, v) if kv_prefix is not None else new_cache)

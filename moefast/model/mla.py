@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moefast.model.attention import causal_attention, fused_attention
+from moefast.model.attention import attend, causal_attention
 from moefast.model.norm import rms_norm
 from moefast.model.positional import apply_rope
 from moefast.parallel.precision import dense
@@ -75,10 +75,12 @@ class MLAttention(nnx.Module):
         self.o_proj = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * v_head_dim, d_model)),
                                 logical_axes=("heads", "embed"))
 
-    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index):
+    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None):
         """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin);
         ``cache``: ``{"kv": [B, S, C], "k_rope": [B, S, R]}`` (:func:`init_cache`) or ``None``.
-        Returns ``([B, T, D] in the compute dtype, the updated cache or None)``."""
+        Returns ``([B, T, D] in the compute dtype, the updated cache or None)``; with a
+        ``kv_prefix`` (a sequence slice), the per-head keys [B, S, H, N + R] and values [B, S, H,
+        Hv] of the prefix and this slice in place of the cache."""
         b, t, _ = x_btd.shape
         h, n, r, c, hv = self.num_heads, self.nope, self.rope, self.kv_lora_rank, self.v_head_dim
         if self.q_lora_rank:
@@ -95,11 +97,10 @@ class MLAttention(nnx.Module):
             kv = dense(c_kv, self.kv_b_proj[...], self.dtype, ("lora", "heads")).reshape(b, t, h, n + hv)
             k = jnp.concatenate([kv[..., :n], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, r))], axis=-1)
             q, v = jnp.concatenate([q_nope, q_rope], axis=-1), kv[..., n:]
-            if mask_b1ts.ndim == 2:  # segment ids: the fused kernel
-                o = fused_attention(q, k, v, mask_b1ts, scale=self.scale)
-            else:
-                o = causal_attention(q, k, v, mask_b1ts, causal=True, scale=self.scale)
-            new_cache = None
+            if kv_prefix:
+                k, v = (jnp.concatenate([p, a], axis=1) for p, a in zip(kv_prefix, (k, v)))
+            o = attend(q, k, v, mask_b1ts, scale=self.scale)
+            new_cache = (k, v) if kv_prefix is not None else None
         else:
             c_kv = jax.lax.dynamic_update_slice_in_dim(cache["kv"], c_kv.astype(cache["kv"].dtype), cache_index, axis=1)
             k_rope = jax.lax.dynamic_update_slice_in_dim(cache["k_rope"], k_rope.astype(cache["k_rope"].dtype),

@@ -93,6 +93,11 @@ class DenseMLP(nnx.Module):
         return dense(jax.nn.silu(gate) * up, self.w_out[...], self.dtype, ("mlp", "embed"))
 
 
+SLICE_SITE = 1 << 30
+"""Sequence slice i's random draws use ``fold_in(step_key, SLICE_SITE + i)`` as their step key
+(``model.sequence_slices`` > 1); far above any ``3 * layer + site``."""
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ExperimentConfig, layer: int, *, rngs: nnx.Rngs, is_moe: bool | None = None):
         m = cfg.model
@@ -118,7 +123,8 @@ class Block(nnx.Module):
             self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, dtype=dtype,
                                   init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
                                   norm_eps=m.norm_eps, output_gate=m.attention_output_gate, zero_centered=zc,
-                                  rngs=rngs)
+                                  window=m.sliding_window if m.layer_type(layer) == "sliding_attention" else None,
+                                  sinks=m.attention_sinks, rngs=rngs)
         self.ffn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
         self.is_moe = m.is_moe_layer(layer) if is_moe is None else is_moe
         if self.is_moe:
@@ -134,13 +140,37 @@ class Block(nnx.Module):
         the [B, T] segment ids that reset a Gated DeltaNet layer's states; ``None``: one document),
         the other arguments are :meth:`Transformer.__call__`'s, per layer. Returns ``(x, routing
         sums or None, new cache or None)``; the sums are per token shard
-        (:class:`~moefast.parallel.expert.RoutingSums`), reduced by the model after its layers."""
+        (:class:`~moefast.parallel.expert.RoutingSums`), reduced by the model after its layers.
+
+        Sequence slices (``model.sequence_slices`` = n > 1, no cache): ``x``, ``rope``, the mask
+        (the first of the pair) and ``token_mask`` are n-tuples, one entry per slice in order;
+        slice i attends to the keys of slices 0..i (each slice's keys and values computed once, in
+        its own attention) and routes its own tokens; its random draws use ``step_key`` folded with
+        ``SLICE_SITE + i``. Returns the n-tuple of slices and the sums over them."""
+        if not isinstance(x, tuple):
+            return self._forward(x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
+                                 routing_warmup, drop_tokens, None)
+        masks, segment_ids = attn_mask
+        out, sums, prefix = [], None, ()
+        for i, x_i in enumerate(x):
+            key_i = None if step_key is None else jax.random.fold_in(step_key, SLICE_SITE + i)
+            x_i, s_i, prefix = self._forward(x_i, layer, rope[i] if rope is not None else None,
+                                             (masks[i], segment_ids), token_mask[i], None, cache_index, key_i,
+                                             routing_state, routing_warmup, drop_tokens, prefix)
+            out.append(x_i)
+            sums = s_i if sums is None else jax.tree.map(jnp.add, sums, s_i)  # every field is a sum
+        return tuple(out), sums, None
+
+    def _forward(self, x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
+                 routing_warmup, drop_tokens, kv_prefix):
+        """One block on one [B, T, D] slice (:meth:`__call__`); with a ``kv_prefix`` (a sequence
+        slice) the third result is the keys and values for the next slice."""
         mask, segment_ids = attn_mask if isinstance(attn_mask, tuple) else (attn_mask, None)
         xn = self.attn_norm(x).astype(x.dtype)
         if self.linear:
             a, new_cache = self.attn(xn, segment_ids, cache)
         else:
-            a, new_cache = self.attn(xn, rope, mask, cache, cache_index)
+            a, new_cache = self.attn(xn, rope, mask, cache, cache_index, kv_prefix)
         x = x + _dropout(a, self.dropout, step_key, 3 * layer)
         h = self.ffn_norm(x).astype(x.dtype)
         stats = None
@@ -155,6 +185,28 @@ class Block(nnx.Module):
             f = self.ffn(h)
         x = x + _dropout(f, self.dropout, step_key, 3 * layer + 1)
         return x, stats, new_cache
+
+
+def _slices(a_bt: jax.Array, n: int) -> tuple[jax.Array, ...]:
+    """[B, T, ...] -> n arrays [B, T / n, ...], in sequence order."""
+    return tuple(jnp.split(a_bt, n, axis=1))
+
+
+def _sliced_tables(attn_mask, rope, n: int):
+    """The layers' tables for n sequence slices (:meth:`Block.__call__`): slice i's mask over the
+    keys of slices 0..i — the [B, 1, T/n, (i+1) T/n] rows of a bool mask, or the segment ids of its
+    queries ([B, T/n]; for i > 0 paired with the [B, (i+1) T/n] ids of its keys: the fused
+    kernel's query offset) — and its rows of the rotary tables."""
+    mask, segment_ids = attn_mask
+    t = mask.shape[-1] if mask.ndim == 2 else mask.shape[-2]
+    ts = t // n
+    if mask.ndim == 2:
+        masks = tuple(mask[:, :ts] if i == 0 else (mask[:, i * ts:(i + 1) * ts], mask[:, :(i + 1) * ts])
+                      for i in range(n))
+    else:
+        masks = tuple(mask[..., i * ts:(i + 1) * ts, :(i + 1) * ts] for i in range(n))
+    ropes = None if rope is None else tuple(tuple(r[:, i * ts:(i + 1) * ts] for r in rope) for i in range(n))
+    return (masks, segment_ids), ropes
 
 
 def shift_left(a_bt: jax.Array, k: int, fill=0) -> jax.Array:
@@ -284,6 +336,7 @@ class Transformer(nnx.Module):
                                logical_axes=("vocab", "embed"))
         self.num_layers, self.num_kv_heads = m.num_layers, m.kv_heads
         self.remat, self.scan_layers = m.remat, m.scan_layers
+        self.sequence_slices = m.sequence_slices
         blocks = [Block(cfg, i, rngs=rngs) for i in range(m.num_layers)]  # one init order for both layouts
         if not m.scan_layers:
             self.blocks = nnx.List(blocks)
@@ -394,11 +447,20 @@ class Transformer(nnx.Module):
             make = lambda: (make_mask(), make_rope())
         else:
             make = lambda: (attn_mask, rope)
+        n = self.sequence_slices if cache is None else 1
+        if n > 1:  # the layers carry the rows as n sequence slices (Block.__call__)
+            x, layer_make = _slices(x, n), lambda: _sliced_tables(*make(), n)
+            layer_args = {**layer_args, "token_mask": _slices(token_mask, n)}
+        else:
+            layer_make = make
         if self.scan_layers and cache is None:
-            x, moe = self._scanned(x, make, routing_state, **layer_args)
+            x, moe = self._scanned(x, layer_make, routing_state, **layer_args)
             new_cache = None
         else:
-            x, moe, new_cache = self._unrolled(x, make, routing_state, cache, **layer_args)
+            x, moe, new_cache = self._unrolled(x, layer_make, routing_state, cache, **layer_args)
+        if n > 1:
+            x = jnp.concatenate(x, axis=1)
+            layer_args["token_mask"] = token_mask  # the MTP modules run on whole rows
         x = self.final_norm(x).astype(x.dtype)
         logits = self._head(x)
         if self.mtp_depth and cache is None:

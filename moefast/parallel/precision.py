@@ -48,7 +48,9 @@ def costing_twin():
     fallback interpolator at about 12 TFLOP/s on H100, 60x below the rate its measured table gives
     the same GEMM with a bf16 result, which is near what the GPU runs either kind at
     (:mod:`moefast.bench.gpu_schedule`). Same FLOPs, same collectives; the float32 result's extra
-    bytes are not in the twin."""
+    bytes are not in the twin. :func:`moefast.bench.gpu_compile.gpu_compile` also compiles the twin
+    with XLA's split-K rewrite off (``xla_gpu_experimental_force_split_k=1``): split, a GEMM's
+    partial products have float32 results too."""
     token = _COSTING_TWIN.set(True)
     try:
         yield

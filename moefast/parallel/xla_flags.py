@@ -60,9 +60,15 @@ def merge_flags(existing: str, flags: dict[str, str]) -> tuple[str, list[str]]:
 
 
 PARALLEL_COLLECTIVES = "xla_gpu_experimental_parallel_collective_overlap_limit"
+COLLECTIVE_CSE = "xla_gpu_experimental_collective_cse_distance_threshold"
+# Identical collectives merged by XLA's ScheduleAwareCollectiveOpsCSE when their users are at most
+# this many instructions apart: far enough for a layer's sequence slices, which gather the same
+# weights once each (a layer body holds a few thousand instructions)
+COLLECTIVE_CSE_DISTANCE = 1_000_000
 
 
-def compile_options(enabled: bool, platform: str, collectives_in_flight: int = 1) -> dict[str, bool | int | str]:
+def compile_options(enabled: bool, platform: str, collectives_in_flight: int = 1,
+                    dedupe_collectives: bool = False) -> dict[str, bool | int | str]:
     """:data:`GPU_FLAGS` as per-compilation options (``Lowered.compile(options)``) for a step compiled
     for ``platform`` (the mesh's, :func:`moefast.parallel.platform`): the flags then apply to a
     GPU step also when ``XLA_FLAGS`` could not carry them (JAX already started, or compiling for
@@ -75,6 +81,11 @@ def compile_options(enabled: bool, platform: str, collectives_in_flight: int = 1
         that many asynchronous collectives in flight at once
         (``xla_gpu_experimental_parallel_collective_overlap_limit``; XLA's default 1 runs them one
         after another), also with ``enabled`` False.
+      dedupe_collectives: merge identical collectives (XLA's ``ScheduleAwareCollectiveOpsCSE``,
+        ``xla_gpu_experimental_collective_cse_distance_threshold``; off by default in XLA): with
+        ``model.sequence_slices`` > 1 every slice gathers a layer's weights, the same all-gather
+        each time, which XLA's ordinary CSE never merges (collectives have side effects); also
+        with ``enabled`` False.
     """
     if platform != "gpu":
         return {}
@@ -83,6 +94,8 @@ def compile_options(enabled: bool, platform: str, collectives_in_flight: int = 1
     out = {k: typed(v) for k, v in GPU_FLAGS.items() if k not in present} if enabled else {}
     if collectives_in_flight > 1 and PARALLEL_COLLECTIVES not in present:
         out[PARALLEL_COLLECTIVES] = collectives_in_flight
+    if dedupe_collectives and COLLECTIVE_CSE not in present:
+        out[COLLECTIVE_CSE] = COLLECTIVE_CSE_DISTANCE
     return out
 
 

@@ -304,12 +304,14 @@ class Trainer:
 
     def _check_hierarchical(self, cfg) -> None:
         """``moe.exchange=hierarchical`` fits this mesh (:func:`~moefast.parallel.expert.check_hierarchical`,
-        with each device's tokens per micro-batch) and, on GPUs, each block of ``moe.gpus_per_host``
+        with each device's tokens per MoE call: a micro-batch's, over ``model.sequence_slices``) and, on GPUs, each block of ``moe.gpus_per_host``
         consecutive expert ranks is one host's (one process's) devices."""
         from moefast.parallel.expert import check_hierarchical
 
         ep, g = self.mesh.shape.get("expert", 1), cfg.moe.gpus_per_host
-        tokens = cfg.data.batch_size // cfg.train.grad_accum_steps * cfg.data.seq_len // self.mesh.size  # per micro-batch
+        # per MoE call: a micro-batch's rows, in model.sequence_slices slices
+        tokens = (cfg.data.batch_size // cfg.train.grad_accum_steps * cfg.data.seq_len // self.mesh.size
+                  // cfg.model.sequence_slices)
         try:
             check_hierarchical(cfg.moe, ep, tokens)
         except ValueError as e:
@@ -339,8 +341,10 @@ class Trainer:
     def compiler_options(self) -> dict[str, bool | int | str]:
         """XLA options the train step is compiled with: the collective-overlap flags
         (:data:`~moefast.parallel.xla_flags.GPU_FLAGS`) when the mesh is on GPUs and
-        ``overlap.xla_flags`` is on, except those ``XLA_FLAGS`` sets itself."""
-        return xla_flags.compile_options(self.cfg.overlap.xla_flags, self.platform, self.cfg.overlap.collectives_in_flight)
+        ``overlap.xla_flags`` is on, except those ``XLA_FLAGS`` sets itself; with
+        ``model.sequence_slices`` > 1, identical collectives merged (the slices' weight gathers)."""
+        return xla_flags.compile_options(self.cfg.overlap.xla_flags, self.platform, self.cfg.overlap.collectives_in_flight,
+                                         dedupe_collectives=self.cfg.model.sequence_slices > 1)
 
     def compiled_train_step(self):
         """The train step compiled ahead of time for this run's exact shapes and shardings (traced
