@@ -92,6 +92,12 @@ def test_routing_options():
      "model.rope_type"),
     (["model.rope_type=yarn", "model.original_max_position_embeddings=256", "model.rope_factor=4", "model.beta_slow=0"],
      "model.beta_fast"),
+    # sliding windows: one per sliding layer, below the context; sinks and windows are GQA's
+    (["model.num_layers=2", "model.layer_types=[sliding_attention,full_attention]"], "model.sliding_window"),
+    (["model.num_layers=2", "model.layer_types=[sliding_attention,full_attention]", "model.max_seq_len=512",
+      "model.sliding_window=512"], "model.sliding_window"),
+    (["model.attention=mla", "model.attention_sinks=true"], "model.attention_sinks"),
+    (["model.num_layers=2", "model.layer_types=[sliding_attention,cross_attention]"], "model.layer_types\\[1\\]"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_impossible_attention_and_rope_choices_name_the_field(overrides, key):
     with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')}: "):

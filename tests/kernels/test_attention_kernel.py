@@ -131,14 +131,17 @@ def test_flash_bfloat16_and_shapes():
 
 def test_model_attention_paths_agree_on_a_mesh(small_config, devices):
     """``model.attention_impl=flash`` (the kernel inside shard_map over the 8 token shards) and
-    ``blocked``: same logits and parameter gradients for packed rows with padding; ``auto`` is the
+    ``blocked``: same logits and parameter gradients for packed rows with padding, a sliding-window
+    layer (5 keys) before a full one, and attention sinks (their gradient included); ``auto`` is the
     blocked path on CPU."""
     from flax import nnx
 
     from moefast.model import build_model
     from moefast.model.transformer import attention_impl
 
-    cfgs = {impl: small_config("model.num_kv_heads=1", "moe.capacity_factor=8", f"model.attention_impl={impl}")
+    cfgs = {impl: small_config("model.num_kv_heads=1", "moe.capacity_factor=8", f"model.attention_impl={impl}",
+                               "model.layer_types=[sliding_attention,full_attention]", "model.sliding_window=5",
+                               "model.attention_sinks=true")
             for impl in ("flash", "blocked")}
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 256, (8, 32)), jnp.int32)

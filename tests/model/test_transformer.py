@@ -99,8 +99,14 @@ def test_rope_table_matches_float64_reference():
     assert np.shares_memory(rope_table(4096, 64, 10000.0)[0], cos)  # computed once, served from the cache
 
 
-def test_generate_with_kv_cache_matches_full_forward():
-    cfg = load_config(None, SMALL)
+@pytest.mark.parametrize("extra", [[], ["model.layer_types=[sliding_attention,full_attention]",
+                                         "model.sliding_window=4", "model.attention_sinks=true"]],
+                         ids=["full", "sliding-window-sinks"])
+def test_generate_with_kv_cache_matches_full_forward(extra):
+    """Greedy generation through the KV cache gives the logits of one forward pass over the whole
+    text; also with a sliding-window layer (4 keys: the cache's band follows the cache index) and
+    attention sinks."""
+    cfg = load_config(None, SMALL + extra)
     md = ModelDef(cfg, 259)
     params = md.init_params(seed=5)
     tok = ByteTokenizer()
