@@ -134,6 +134,16 @@ class MoEConfig:
       shared_expert_gate: the shared expert's output is scaled per token by
         ``sigmoid(x @ w_gate)`` (Qwen2-MoE ``shared_expert_gate``, a [D, 1] weight); False: added
         as it is.
+      expert_activation: the routed experts' gated unit on the fused gate|up projection:
+        ``"silu"``, SwiGLU ``silu(gate) * up`` (Shazeer 2020); ``"clamped_swiglu"``, gpt-oss's
+        ``(clip(up, -L, L) + 1) * g * sigmoid(1.702 g)`` with ``g = min(gate, L)``, L =
+        ``swiglu_limit`` (Hugging Face ``GptOssExperts``).
+      swiglu_limit: L of ``"clamped_swiglu"`` (HF ``swiglu_limit``; gpt-oss: 7).
+      expert_bias: the routed experts' projections have biases, ``b_in`` [E, 2F] and ``b_out``
+        [E, D] (gpt-oss's ``gate_up_proj_bias``, ``down_proj_bias``).
+      router_bias: the router's logits have a bias [E] (gpt-oss's ``router.bias``): it changes
+        the scores, unlike the aux-loss-free selection bias (``aux_free_bias_rate``), which only
+        changes the choice.
     """
 
     num_experts: int = 8
@@ -167,6 +177,10 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     shared_expert_d_ff: int = 0
     shared_expert_gate: bool = True
+    expert_activation: Literal["silu", "clamped_swiglu"] = "silu"
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
+    router_bias: bool = False
 
     @property
     def dropless(self) -> bool:
@@ -232,4 +246,6 @@ class MoEConfig:
                  f"keeps {self.topk_groups} groups of {e // g} experts, fewer than moe.top_k={self.top_k}")
         _require(self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor),
                  "moe.routed_scaling_factor", f"must be a finite number > 0, got {self.routed_scaling_factor}")
+        _require(self.swiglu_limit > 0 and math.isfinite(self.swiglu_limit), "moe.swiglu_limit",
+                 f"must be a finite number > 0, got {self.swiglu_limit}")
 

@@ -33,7 +33,10 @@ class MoELayer(nnx.Module):
     [E, D, 2F] (expert, embed, mlp) — gate and up projections fused, gate first — and ``w_out``
     [E, F, D] (expert, mlp, embed). With ``moe.shared_expert_d_ff`` = Fs > 0 also ``shared_w_in``
     [D, 2Fs] (embed, mlp), ``shared_w_out`` [Fs, D] (mlp, embed) and, with
-    ``moe.shared_expert_gate``, ``shared_gate`` [D, 1] (embed, None).
+    ``moe.shared_expert_gate``, ``shared_gate`` [D, 1] (embed, None). With ``moe.router_bias``:
+    ``router_bias`` [E] (router); with ``moe.expert_bias``: ``b_in`` [E, 2F] (expert, mlp) and
+    ``b_out`` [E, D] (expert, embed), zero-initialised (gpt-oss). The routed experts' gated unit
+    is ``moe.expert_activation``'s (:func:`~moefast.parallel.expert.gated_unit`).
 
     Args:
       d_model: D.
@@ -62,6 +65,11 @@ class MoELayer(nnx.Module):
         self.router = nnx.Param(init(rngs.params(), (d_model, e)), logical_axes=("embed", "router"))
         self.w_in = nnx.Param(init(rngs.params(), (e, d_model, 2 * d_ff)), logical_axes=("expert", "embed", "mlp"))
         self.w_out = nnx.Param(out_init(rngs.params(), (e, d_ff, d_model)), logical_axes=("expert", "mlp", "embed"))
+        if moe.router_bias:
+            self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("router",))
+        if moe.expert_bias:
+            self.b_in = nnx.Param(jnp.zeros((e, 2 * d_ff), jnp.float32), logical_axes=("expert", "mlp"))
+            self.b_out = nnx.Param(jnp.zeros((e, d_model), jnp.float32), logical_axes=("expert", "embed"))
         fs = moe.shared_expert_d_ff
         if fs:
             self.shared_w_in = nnx.Param(init(rngs.params(), (d_model, 2 * fs)), logical_axes=("embed", "mlp"))
@@ -118,9 +126,13 @@ class MoELayer(nnx.Module):
             got = None if mask_bt is None else tuple(mask_bt.shape)
             raise ValueError(f"MoELayer: mask_bt must be a [batch, tokens] = {tuple(x_btd.shape[:2])} bool array "
                              f"(True for real tokens; jnp.ones(...) if every token is real), got {got}")
-        y, stats = moe_ffn(x_btd, mask_bt, self.router[...], self.w_in[...], self.w_out[...], self.moe,
+        w_in, w_out = self.w_in[...], self.w_out[...]
+        if self.moe.expert_bias:
+            w_in, w_out = (w_in, self.b_in[...]), (w_out, self.b_out[...])
+        y, stats = moe_ffn(x_btd, mask_bt, self.router[...], w_in, w_out, self.moe,
                            drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e,
-                           warmup_key=warmup_key, warmup_active=warmup_active, reduce_stats=reduce_stats)
+                           warmup_key=warmup_key, warmup_active=warmup_active, reduce_stats=reduce_stats,
+                           router_bias_e=self.router_bias[...] if self.moe.router_bias else None)
         if self.moe.shared_expert_d_ff:
             x = x_btd.astype(self.dtype)
             gate, up = jnp.split(dense(x, self.shared_w_in[...], self.dtype, ("embed", "mlp")), 2, axis=-1)

@@ -112,21 +112,49 @@ class RoutingSums(NamedTuple):
         return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
-def expert_ffn(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, dtype) -> jax.Array:
-    """SwiGLU experts (Shazeer 2020) on per-expert buffers.
+GPT_OSS_ALPHA = 1.702
+"""gpt-oss's clamped SwiGLU: ``g * sigmoid(1.702 g)`` (Hugging Face ``GptOssExperts.alpha``)."""
+
+
+def gated_unit(h: jax.Array, activation: str = "silu", limit: float = 7.0) -> jax.Array:
+    """The experts' gated unit on a fused ``[..., 2F]`` gate|up projection -> ``[..., F]``
+    (``moe.expert_activation``): ``"silu"``, ``silu(gate) * up`` (SwiGLU, Shazeer 2020);
+    ``"clamped_swiglu"``, gpt-oss's ``(clip(up, -L, L) + 1) * g * sigmoid(1.702 g)``, ``g =
+    min(gate, L)``. In ``h``'s dtype."""
+    gate, up = jnp.split(h, 2, axis=-1)
+    if activation == "silu":
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return ((up + 1) * (gate * jax.nn.sigmoid(gate * GPT_OSS_ALPHA))).astype(h.dtype)
+
+
+def _weight_and_bias(w, dtype):
+    """An expert projection as moefast passes it: a weight, or ``(weight, bias)`` (``moe.expert_bias``)."""
+    w, b = w if isinstance(w, tuple) else (w, None)
+    return w.astype(dtype), None if b is None else b.astype(dtype)
+
+
+def expert_ffn(x_ecd: jax.Array, w_in_edf, w_out_efd, dtype, activation: str = "silu",
+               limit: float = 7.0) -> jax.Array:
+    """Gated experts (SwiGLU by default, Shazeer 2020; :func:`gated_unit`) on per-expert buffers.
 
     Args:
       x_ecd: [E, C, D] tokens per expert.
-      w_in_edf: [E, D, 2F] fused gate|up projections.
-      w_out_efd: [E, F, D] down projections.
+      w_in_edf: [E, D, 2F] fused gate|up projections, or the pair (that, [E, 2F] biases).
+      w_out_efd: [E, F, D] down projections, or the pair (that, [E, D] biases).
       dtype: compute dtype.
+      activation, limit: :func:`gated_unit`'s (``moe.expert_activation``, ``moe.swiglu_limit``).
 
     Returns:
-      [E, C, D] in ``dtype``.
+      [E, C, D] in ``dtype``. With biases, empty slots hold the biases' output (never combined).
     """
-    h_ecf = jnp.einsum("ecd,edf->ecf", x_ecd.astype(dtype), w_in_edf.astype(dtype))
-    gate_ecf, up_ecf = jnp.split(h_ecf, 2, axis=-1)
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate_ecf) * up_ecf, w_out_efd.astype(dtype))
+    (w_in, b_in), (w_out, b_out) = _weight_and_bias(w_in_edf, dtype), _weight_and_bias(w_out_efd, dtype)
+    h_ecf = jnp.einsum("ecd,edf->ecf", x_ecd.astype(dtype), w_in)
+    if b_in is not None:
+        h_ecf = h_ecf + b_in[:, None]
+    y = jnp.einsum("ecf,efd->ecd", gated_unit(h_ecf, activation, limit), w_out)
+    return y if b_out is None else y + b_out[:, None]
 
 
 def _to_experts(x_ecd: jax.Array, ep: int) -> jax.Array:
@@ -175,14 +203,15 @@ def exchange_capacity(capacity: int, chunks: int) -> int:
     return -(-capacity // chunks) * chunks
 
 
-def exchange_experts(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, dtype, *, ep: int,
-                     chunks: int = 1, chain: bool = False, fp8_dispatch: bool = False) -> jax.Array:
+def exchange_experts(x_ecd: jax.Array, w_in_edf, w_out_efd, dtype, *, ep: int, chunks: int = 1, chain: bool = False,
+                     fp8_dispatch: bool = False, ffn=expert_ffn) -> jax.Array:
     """Expert-parallel SwiGLU experts of one device's send buffer, inside ``jax.shard_map`` over
     an ``expert`` axis of size ``ep``: ``chunks`` independent dispatch → experts → return chains.
 
     Args:
       x_ecd: [E, C, D] this device's tokens by destination expert (C divisible by ``chunks``).
-      w_in_edf: [El, D, 2F], w_out_efd: [El, F, D]: this device's El = E / ep experts.
+      w_in_edf: [El, D, 2F], w_out_efd: [El, F, D]: this device's El = E / ep experts (each
+        possibly a (weight, bias) pair: :func:`expert_ffn`).
       dtype: compute dtype of the experts.
       ep: size of the ``expert`` mesh axis (> 1).
       chunks: n, independent exchanges along the capacity axis (1: one exchange each way).
@@ -192,6 +221,8 @@ def exchange_experts(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array
         one uint8 row (:mod:`moefast.parallel.fp8`; 1.03 bytes per value instead of 2 in
         bfloat16) and the experts get the dequantized rows; the return and every backward exchange
         stay in ``x_ecd``'s dtype (gradients pass straight through the rounding).
+      ffn: the experts, ``(x_ecd, w_in, w_out, dtype) -> y_ecd`` (:func:`expert_ffn` with the
+        layer's activation).
 
     Returns:
       [E, C, D] in ``dtype``: each slot's expert output, back on this device. The exchange moves
@@ -215,7 +246,7 @@ def exchange_experts(x_ecd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array
         received = checkpoint_name(_to_experts_fp8(xc, ep) if fp8_dispatch else _to_experts(xc, ep), EXPERT_IN)
         if i:  # chunk i's experts after chunk i-1's: see the note below
             received, _ = jax.lax.optimization_barrier((received, computed[-1]))
-        computed.append(expert_ffn(received, w_in_edf, w_out_efd, dtype))
+        computed.append(ffn(received, w_in_edf, w_out_efd, dtype))
         outs.append(checkpoint_name(_from_experts(computed[-1], ep), EXPERT_OUT))
     # The experts of chunk i take their input together with chunk i-1's output: without that
     # ordering XLA:GPU's dot merger joins the chunks' matmuls on the same weights into one dot,
@@ -298,20 +329,27 @@ def _sort_by_expert(x_td, r, dtype):
     return jnp.concatenate([x_td.astype(dtype), jnp.zeros((1, d), dtype)])[src_n], dest_tk
 
 
-def _swiglu_grouped(x_nd, counts, w_in_edf, w_out_efd, dtype, impl: str):
-    """SwiGLU experts on rows grouped by expert (:func:`moefast.kernels.grouped_matmul`)."""
-    h = grouped_matmul(x_nd, w_in_edf.astype(dtype), counts, impl=impl)
-    gate, up = jnp.split(h, 2, axis=-1)
-    return grouped_matmul(jax.nn.silu(gate) * up, w_out_efd.astype(dtype), counts, impl=impl)
+def _experts_grouped(x_nd, counts, w_in_edf, w_out_efd, dtype, impl: str, activation: str = "silu",
+                     limit: float = 7.0):
+    """Gated experts (:func:`expert_ffn`'s, with its optional biases) on rows grouped by expert
+    (:func:`moefast.kernels.grouped_matmul`)."""
+    (w_in, b_in), (w_out, b_out) = _weight_and_bias(w_in_edf, dtype), _weight_and_bias(w_out_efd, dtype)
+    h = grouped_matmul(x_nd, w_in, counts, impl=impl)
+    if b_in is not None or b_out is not None:  # each row's expert (rows past the counts: the last, unused)
+        eid = jnp.repeat(jnp.arange(counts.shape[0]), counts, total_repeat_length=x_nd.shape[0])
+    if b_in is not None:
+        h = h + b_in[eid]
+    y = grouped_matmul(gated_unit(h, activation, limit), w_out, counts, impl=impl)
+    return y if b_out is None else y + b_out[eid]
 
 
-def _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, impl: str):
+def _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, impl: str, **act):
     """Dropless experts without capacity padding: tokens permuted by expert with the
     position-order slots (no sort), grouped matmuls (:func:`moefast.kernels.grouped_matmul`, ``impl``),
     permuted back."""
     x_sorted, dest_tk = _sort_by_expert(x_td, r, dtype)
-    y_sorted = _swiglu_grouped(checkpoint_name(x_sorted, EXPERT_IN), r.tokens_per_expert, w_in_edf, w_out_efd,
-                               dtype, impl)
+    y_sorted = _experts_grouped(checkpoint_name(x_sorted, EXPERT_IN), r.tokens_per_expert, w_in_edf, w_out_efd,
+                                dtype, impl, **act)
     return routing.combine_rows(checkpoint_name(y_sorted, EXPERT_OUT), dest_tk, r)
 
 
@@ -354,7 +392,7 @@ def _regroup(counts_ab, rows: int):
     return jnp.where(valid, src, rows)
 
 
-def _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, impl: str, ep: int):
+def _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, impl: str, ep: int, **act):
     """Dropless experts over an expert axis moving only the routed rows: each device sorts its
     assignments by expert (so by the experts' device), sends each device exactly its rows
     (:func:`_ragged_exchange`), regroups what it received by local expert, runs the grouped matmuls,
@@ -380,8 +418,8 @@ def _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, impl: str, ep: int):
     with jax.named_scope(DISPATCH):
         received = exchange(x_sorted, jnp.zeros((nr, d), dtype), send_off, send, out_off, recv)
     by_expert = jnp.concatenate([received, jnp.zeros((1, d), dtype)])[_regroup(got, nr)]
-    y = _swiglu_grouped(checkpoint_name(by_expert, EXPERT_IN), jnp.sum(got, axis=0), w_in_edf, w_out_efd, dtype,
-                        impl)
+    y = _experts_grouped(checkpoint_name(by_expert, EXPERT_IN), jnp.sum(got, axis=0), w_in_edf, w_out_efd, dtype,
+                         impl, **act)
     y_by_source = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[_regroup(got.T, nr)]
     back_at = jax.lax.all_to_all(send_off, EXPERT_AXIS, 0, 0, tiled=True)  # my rows' place on each source
     with jax.named_scope(RETURN):
@@ -389,13 +427,17 @@ def _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, impl: str, ep: int):
     return routing.combine_rows(checkpoint_name(y_sorted, EXPERT_OUT), dest_tk, r)
 
 
-def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, *warmup, moe: MoEConfig,
-               drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...], w_specs: tuple = (), reduce_stats=True):
+def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, router_bias_e, *warmup,
+               moe: MoEConfig, drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...], w_specs: tuple = (),
+               reduce_stats=True):
     b, t, d = x_btd.shape
-    if w_specs:  # this device's shards -> its experts' whole weights, in the compute dtype
+    if w_specs:  # this device's shards -> its experts' whole weights (and biases), in the compute dtype
         keep = EXPERT_AXIS if ep > 1 else None
-        w_in_edf = expert_weights(w_in_edf, dtype, w_specs[0], reduce_axes, keep)
-        w_out_efd = expert_weights(w_out_efd, dtype, w_specs[1], reduce_axes, keep)
+        gather = lambda w, spec: expert_weights(w, dtype, spec, reduce_axes, keep)  # noqa: E731
+        w_in_edf = jax.tree.map(gather, w_in_edf, w_specs[0])
+        w_out_efd = jax.tree.map(gather, w_out_efd, w_specs[1])
+    act = dict(activation=moe.expert_activation, limit=moe.swiglu_limit)
+    ffn = functools.partial(expert_ffn, **act)
     num_experts = moe.num_experts
     x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
     chunks = moe.overlap_chunks if ep > 1 else 1  # no exchange, nothing to overlap
@@ -409,6 +451,8 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     if not hierarchical:  # the buffer splits evenly (a dynamic limit stays below it); hierarchical splits tokens
         capacity = exchange_capacity(capacity, chunks)
     logits_te = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
+    if moe.router_bias:
+        logits_te = logits_te + router_bias_e.astype(jnp.float32)[None]
     if warmup:  # (key, active)
         logits_te = _warmup_logits(logits_te, *warmup, moe, reduce_axes)
     r = routing.route(logits_te, top_k=moe.top_k, capacity=capacity, mask_t=mask_t, policy=moe.routing_policy,
@@ -420,13 +464,13 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     num_dropped = r.num_dropped
     if hierarchical:
         y_td, num_dropped = hierarchical_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe, ep=ep,
-                                                  per_host=moe.gpus_per_host, expert_ffn=expert_ffn,
+                                                  per_host=moe.gpus_per_host, expert_ffn=ffn,
                                                   checkpoint=checkpoint_name, names=(EXPERT_IN, EXPERT_OUT),
                                                   chunks=chunks)
     elif moe.dropless and ep == 1:
-        y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul)
+        y_td = _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul, **act)
     elif moe.dropless:
-        y_td = _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul, ep)
+        y_td = _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, moe.grouped_matmul, ep, **act)
     else:
         onehot = moe.dispatch == "onehot" and drop_tokens and not moe.dropless
         if onehot:  # the GShard baseline; without capacity (C = T) its [T, E, C] tensors would be [T, E, T]
@@ -436,10 +480,10 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
             x_ecd = routing.dispatch(x_td, r, num_experts, capacity)
         if ep > 1:  # names the buffers on the experts' side of the exchange
             y_ecd = exchange_experts(x_ecd, w_in_edf, w_out_efd, dtype, ep=ep, chunks=chunks,
-                                     chain=moe.overlap_chain, fp8_dispatch=moe.dispatch_dtype == "float8_e4m3fn")
+                                     chain=moe.overlap_chain, fp8_dispatch=moe.dispatch_dtype == "float8_e4m3fn",
+                                     ffn=ffn)
         else:
-            y_ecd = checkpoint_name(expert_ffn(checkpoint_name(x_ecd, EXPERT_IN), w_in_edf, w_out_efd, dtype),
-                                    EXPERT_OUT)
+            y_ecd = checkpoint_name(ffn(checkpoint_name(x_ecd, EXPERT_IN), w_in_edf, w_out_efd, dtype), EXPERT_OUT)
         y_td = routing.combine_onehot(y_ecd, combine_tec) if onehot else routing.combine(y_ecd, r)
 
     logp_te = jax.nn.log_softmax(jax.lax.stop_gradient(logits_te), axis=-1)
@@ -454,18 +498,19 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
     return y_td.reshape(b, t, d).astype(x_btd.dtype), sums
 
 
-def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf: jax.Array,
-            w_out_efd: jax.Array, moe: MoEConfig, *, drop_tokens: bool = True, dtype=jnp.float32,
-            bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None,
-            warmup_key: jax.Array | None = None, warmup_active: jax.Array | None = None,
-            reduce_stats: bool = True) -> tuple[jax.Array, MoEStats | RoutingSums]:
-    """Routed SwiGLU experts, expert-parallel when a mesh is set (``jax.set_mesh``).
+def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf, w_out_efd, moe: MoEConfig, *,
+            drop_tokens: bool = True, dtype=jnp.float32, bias_e: jax.Array | None = None,
+            load_ema_e: jax.Array | None = None, warmup_key: jax.Array | None = None,
+            warmup_active: jax.Array | None = None, reduce_stats: bool = True,
+            router_bias_e: jax.Array | None = None) -> tuple[jax.Array, MoEStats | RoutingSums]:
+    """Routed gated experts (SwiGLU by default), expert-parallel when a mesh is set (``jax.set_mesh``).
 
     Args:
       x_btd: [B, T, D] normalised hidden states; B split over the mesh's token axes.
       mask_bt: [B, T] bool, False for padding (never routed, counted nowhere).
       router_de: [D, E] router weights (used in float32).
-      w_in_edf: [E, D, 2F]; w_out_efd: [E, F, D] — split over ``expert`` under a mesh.
+      w_in_edf: [E, D, 2F]; w_out_efd: [E, F, D] — split over ``expert`` under a mesh; with
+        ``moe.expert_bias`` each the pair (weight, bias [E, 2F] / [E, D]).
       moe: the MoE options (static; hashable): routing, capacity, warm-up, dispatch and overlap.
         Capacities count the tokens of one device.
       drop_tokens: False sets capacity = tokens per device, so nothing drops (evaluation,
@@ -480,6 +525,7 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
       reduce_stats: True: the statistics over the global batch (an all-reduce over the token
         axes in this call). False: :class:`RoutingSums` per token shard, reduced later by
         :meth:`RoutingSums.stats` (the model reduces all its layers' at once, after them).
+      router_bias_e: [E] bias of the router's logits (``moe.router_bias``; required then).
 
     Returns:
       ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` (exactly 0 for dropped/masked tokens) and
@@ -499,15 +545,24 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         raise ValueError(f"moe_ffn: x_btd must be float hidden states (e.g. float32 or bfloat16), got {x_btd.dtype}; "
                          "token ids go through the model's embedding first")
     num_experts = moe.num_experts
-    if router_de.shape[1] != num_experts or w_in_edf.shape[0] != num_experts:
-        raise ValueError(f"router [D, {router_de.shape[1]}] and experts [{w_in_edf.shape[0]}, ...] do not match "
+    w_lead = (w_in_edf[0] if isinstance(w_in_edf, tuple) else w_in_edf).shape[0]
+    if router_de.shape[1] != num_experts or w_lead != num_experts:
+        raise ValueError(f"router [D, {router_de.shape[1]}] and experts [{w_lead}, ...] do not match "
                          f"moe.num_experts={num_experts}")
+    if isinstance(w_in_edf, tuple) != moe.expert_bias or isinstance(w_out_efd, tuple) != moe.expert_bias:
+        raise ValueError(f"moe.expert_bias={moe.expert_bias}: pass each expert projection as "
+                         f"{'(weight, bias)' if moe.expert_bias else 'a weight alone'}")
+    if moe.router_bias and (router_bias_e is None or router_bias_e.shape != (num_experts,)):
+        raise ValueError(f"moe.router_bias: pass router_bias_e of shape [{num_experts}], got "
+                         f"{None if router_bias_e is None else list(router_bias_e.shape)}")
+    if router_bias_e is None:
+        router_bias_e = jnp.zeros((num_experts,), jnp.float32)
     if bias_e is None:
         bias_e = jnp.zeros((num_experts,), jnp.float32)
     if load_ema_e is None:
         load_ema_e = jnp.full((num_experts,), 1.0 / num_experts, jnp.float32)
     kw = dict(moe=moe, drop_tokens=drop_tokens, dtype=dtype, reduce_stats=reduce_stats)
-    args = (x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e)
+    args = (x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, router_bias_e)
     if warmup_key is not None:
         args += (warmup_key, jnp.asarray(True if warmup_active is None else warmup_active))
     mesh = jax.sharding.get_abstract_mesh()
@@ -527,9 +582,10 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         check_hierarchical(moe, ep, x_btd.shape[0] // shards * x_btd.shape[1] if drop_tokens else None)
     # The expert weights enter as the train state holds them (float32 shards, split over expert,
     # fsdp and data) and are gathered inside in the compute dtype (moefast.parallel.precision).
-    w_specs = (state_spec(("expert", "embed", "mlp"), w_in_edf.shape, mesh),
-               state_spec(("expert", "mlp", "embed"), w_out_efd.shape, mesh))
+    names = ((("expert", "embed", "mlp"), ("expert", "mlp")), (("expert", "mlp", "embed"), ("expert", "embed")))
+    w_specs = tuple(tuple(state_spec(n, a.shape, mesh) for n, a in zip(ns, w)) if isinstance(w, tuple) else
+                    state_spec(ns[0], w.shape, mesh) for ns, w in zip(names, (w_in_edf, w_out_efd)))
     fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=token_axes, w_specs=w_specs, **kw)
-    in_specs = (P(token_axes), P(token_axes), P(), *w_specs, P(), P()) + (P(),) * (len(args) - 7)
+    in_specs = (P(token_axes), P(token_axes), P(), *w_specs, P(), P(), P()) + (P(),) * (len(args) - 8)
     out_specs = (P(token_axes), P() if reduce_stats else P(token_axes))
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs)(*reshard_for_shard_map(args, in_specs))

@@ -164,7 +164,7 @@ def reshard_for_shard_map(args: tuple, in_specs: tuple) -> tuple:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
         return args
-    return tuple(jax.sharding.reshard(a, s) for a, s in zip(args, in_specs))
+    return tuple(jax.tree.map(jax.sharding.reshard, a, s) for a, s in zip(args, in_specs))
 
 
 def token_shards(where: str = "kernel") -> tuple[tuple[str, ...], int]:
