@@ -99,6 +99,8 @@ class ModelConfig:
       original_max_position_embeddings: YaRN: the pretraining context length, in tokens (HF's name).
       beta_fast, beta_slow: YaRN: ramp bounds, in rotations over the original context (alpha and beta
         of the paper, sec. 3.2; HF's names, defaults 32 and 1).
+      rope_truncate: YaRN: the ramp's bounds rounded to whole rotary pairs (HF's
+        ``rope_parameters.truncate``, true by default; gpt-oss: false).
       mscale, mscale_all_dim: YaRN: DeepSeek's attention-factor coefficients (HF's names; ``None``
         or 0: not set).
       mtp_depth: D, multi-token prediction modules (DeepSeek-V3, arXiv 2412.19437, sec. 2.2,
@@ -191,6 +193,7 @@ class ModelConfig:
     original_max_position_embeddings: int | None = None
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    rope_truncate: bool = True
     mscale: float | None = None
     mscale_all_dim: float | None = None
     mtp_depth: int = 0

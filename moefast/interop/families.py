@@ -52,9 +52,9 @@ from moefast.config import ModelConfig
 from moefast.interop.family_spec import (LINEAR_KEYS, AllMoE, BiasKey, FamilySpec, FirstKDense,  # noqa: F401
                                          LayerTypes, MlpLayerTypes, MlpOnlyLayers, Router, SharedExpert)
 from moefast.interop.transforms import (CONCAT, CONCAT_T, CONV1D, FUSED_EXPERTS, IDENTITY, PER_EXPERT,  # noqa: F401
-                                        TRANSPOSED, Concat, ConcatTransposed, Conv1dTaps, FusedExperts, Identity,
-                                        Part, PerExpert, RowsTransposed, SubPath, Tensor, Transform, Transposed, _t,
-                                        qkv_sizes)
+                                        TRANSPOSED, Concat, ConcatTransposed, Conv1dTaps, ExpertStack, FusedExperts,
+                                        Identity, InterleavedGateUp, Part, PerExpert, RowsTransposed, SubPath, Tensor,
+                                        Transform, Transposed, _t, qkv_sizes)
 
 __all__ = ["LINEAR_KEYS", "REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "FirstKDense", "LayerTypes", "MlpLayerTypes",
            "MlpOnlyLayers", "Part", "Router", "RowsTransposed", "SharedExpert", "Tensor", "Transform"]
@@ -288,6 +288,23 @@ def _prefixed(table: Mapping, prefix: str) -> MappingProxyType:
                              for k, v in table.items()})
 
 
+# ------------------------------------------------------------------------------------------ gpt-oss
+_GPT_OSS_ATTENTION = MappingProxyType({**{k: v for k, v in _ATTENTION.items() if "q_norm" not in k and "k_norm" not in k},
+                                       ("attn", "sinks"): _t(IDENTITY, _A + "sinks")})
+"""gpt-oss's attention: GQA with biases on q/k/v/o and a sink logit per head (``self_attn.sinks`` [H])."""
+_GPT_OSS_MOE = MappingProxyType({
+    ("ffn", "router"): _t(TRANSPOSED, _L + "mlp.router.weight"),
+    ("ffn", "router_bias"): _t(IDENTITY, _L + "mlp.router.bias"),
+    ("ffn", "w_in"): _t(InterleavedGateUp(), _L + "mlp.experts.gate_up_proj"),
+    ("ffn", "b_in"): _t(InterleavedGateUp(), _L + "mlp.experts.gate_up_proj_bias"),
+    ("ffn", "w_out"): _t(ExpertStack(), _L + "mlp.experts.down_proj"),
+    ("ffn", "b_out"): _t(ExpertStack(), _L + "mlp.experts.down_proj_bias"),
+})
+"""gpt-oss's MoE block, one on-disk layout: the router [E, D] with its bias [E]; the experts'
+``gate_up_proj`` [E, D, 2F] (applied as ``x @ w``; gate and up columns interleaved) and its bias
+[E, 2F], ``down_proj`` [E, F, D] and its bias [E, D]."""
+
+
 # --------------------------------------------------------------------------------------- registry
 REGISTRY: dict[str, FamilySpec] = {
     "mixtral": FamilySpec(
@@ -394,6 +411,20 @@ REGISTRY: dict[str, FamilySpec] = {
         "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5-MoE", _QWEN3_5_LINEAR,
         hf_defaults=MappingProxyType({**_HYBRID_DEFAULTS, "num_experts_per_tok": 8}),
         norm_topk_prob_key=None, fixed_norm_topk_prob=True),
+    # gpt-oss (openai/gpt-oss-20b, -120b): GQA with biases and a sink logit per head, sliding-window
+    # layers (128 keys) alternating with full ones, YaRN without truncation; every layer MoE, a
+    # router with a bias and softmax over the top-k logits, experts with biases and the clamped
+    # SwiGLU, gate/up interleaved on disk.
+    "gpt_oss": FamilySpec(
+        model_type="gpt_oss", architecture="GptOssForCausalLM", name="gpt-oss",
+        hf_defaults=MappingProxyType({"rope_theta": 150000.0, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4,
+                                      "swiglu_limit": 7.0}),
+        num_experts_keys=("num_local_experts",), expert_ff_key="intermediate_size", norm_topk_prob_key=None,
+        attention_bias=BiasKey("attention_bias", "all", default=True), yarn=True, sliding_window=True,
+        attention_sinks=True, expert_activation="clamped_swiglu", expert_bias=True, router_bias=True,
+        layer_tensors=_GPT_OSS_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=MappingProxyType({"per_expert": _GPT_OSS_MOE, "fused": _GPT_OSS_MOE}),
+        export_constants=MappingProxyType({"swiglu_alpha": 1.702})),
 }
 """HF ``model_type`` -> :class:`FamilySpec`: the families moefast reads and writes, in the order
 :func:`moefast.interop.hf.hf_family` tries them."""

@@ -317,6 +317,17 @@ class FamilySpec:
         reads them. None: every key at the top level.
       skipped_tensors: tensor name prefix -> what those tensors are: parts of the checkpoint moefast
         does not read (a vision tower), left out with one note at import.
+      sliding_window: the family's layers are ``"sliding_attention"`` or ``"full_attention"``, as
+        config.json's ``layer_types`` lists them (absent: alternating, sliding first, as
+        transformers' gpt-oss config assumes), the window in ``sliding_window`` (moefast
+        ``model.layer_types``, ``model.sliding_window``).
+      attention_sinks: the attention layers learn a sink logit per head (``self_attn.sinks``;
+        moefast ``model.attention_sinks``).
+      expert_activation: the routed experts' gated unit (moefast ``moe.expert_activation``;
+        ``"clamped_swiglu"``: gpt-oss, its limit from config.json's ``swiglu_limit``), whatever
+        ``hidden_act`` says.
+      expert_bias, router_bias: the experts' projections / the router have biases (moefast
+        ``moe.expert_bias`` / ``moe.router_bias``).
 
     A table may list parameters a model lacks (biases, q/k norms): only the model's own parameters
     are looked up, and one with no row cannot be read or written in this family.
@@ -365,6 +376,11 @@ class FamilySpec:
     zero_centered_norm: bool = False
     text_config_key: str | None = None
     skipped_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    sliding_window: bool = False
+    attention_sinks: bool = False
+    expert_activation: str = "silu"
+    expert_bias: bool = False
+    router_bias: bool = False
 
     def __post_init__(self):
         required = {"rope_theta", "rms_norm_eps", "num_experts_per_tok", self.router.scaling_key,

@@ -94,7 +94,7 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         return spec.hf_defaults[key] if v is None else v
 
     _fp8_block(hf)  # the one quantization moefast reads (dequantized), or an error naming the field
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("hidden_act", "silu") != "silu" and spec.expert_activation == "silu":
         reject("hidden_act", hf["hidden_act"], "moefast's experts are SwiGLU (silu)")
     for field in ("rope_parameters", "rope_scaling"):  # 5.x writes the first; older files (and guides) the second
         rope = hf.get(field) or {}
@@ -117,7 +117,18 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     if hf.get("use_sliding_window"):
         reject("use_sliding_window", True, "sliding-window attention")
     d, n_layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-    if spec.layer_types is None:
+    sliding = None
+    if spec.sliding_window:
+        kinds = ("sliding_attention", "full_attention")
+        layer_types = hf.get("layer_types") or [kinds[(i + 1) % 2 == 0] for i in range(n_layers)]
+        if len(layer_types) != n_layers or any(t not in kinds for t in layer_types):
+            reject("layer_types", hf.get("layer_types"), f"one entry per layer ({n_layers}), each {kinds[0]!r} or "
+                   f"{kinds[1]!r}")
+        layer_types = tuple(layer_types) if "sliding_attention" in layer_types else None
+        sliding = hf.get("sliding_window")
+        if layer_types is not None and (not isinstance(sliding, int) or sliding < 1):
+            reject("sliding_window", sliding, "sliding_attention layers need a window of at least one key")
+    elif spec.layer_types is None:
         if any(t != "full_attention" for t in hf.get("layer_types") or []):
             reject("layer_types", hf["layer_types"], "only full_attention layers")
         layer_types = None
@@ -160,8 +171,12 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
                  qk_norm=qk_norm, init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0)
     if spec.partial_rotary:
         model["partial_rotary_factor"] = float(partial)
-    if layer_types is not None:
+    if layer_types is not None and spec.sliding_window:
+        model.update(layer_types=layer_types, sliding_window=int(sliding))
+    elif layer_types is not None:
         model.update(layer_types=layer_types, **{k: int(get(k)) for k in families.LINEAR_KEYS})
+    if spec.attention_sinks:
+        model["attention_sinks"] = True
     if spec.attention_output_gate:
         model["attention_output_gate"] = True
     if spec.zero_centered_norm:
@@ -172,8 +187,8 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
                      qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=r, v_head_dim=hf["v_head_dim"],
                      num_kv_heads=None, head_dim=r)  # transformers sets head_dim to qk_rope_head_dim
     if rope.get("rope_type", rope.get("type")) == "yarn":
-        if rope.get("truncate", True) is not True or rope.get("attention_factor") is not None:
-            reject("rope_parameters", rope, "YaRN with truncate=false or an explicit attention_factor")
+        if rope.get("attention_factor") is not None:
+            reject("rope_parameters", rope, "YaRN with an explicit attention_factor")
         # as transformers: a top-level original_max_position_embeddings wins, else the rope dict's, else
         # max_position_embeddings; a null factor is max_position_embeddings / that
         original = (hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
@@ -190,7 +205,8 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         if factor > 1:  # factor 1: YaRN's frequencies and attention factor are RoPE's (read as plain RoPE)
             model.update(rope_type="yarn", rope_factor=float(factor), original_max_position_embeddings=original,
                          beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
-                         mscale=rope.get("mscale") or None, mscale_all_dim=rope.get("mscale_all_dim") or None)
+                         mscale=rope.get("mscale") or None, mscale_all_dim=rope.get("mscale_all_dim") or None,
+                         rope_truncate=bool(rope.get("truncate", True)))
     shared = spec.shared_expert
     shared_ff = 0
     if shared is not None:
@@ -205,6 +221,12 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
                **_router_sections(spec, hf, get, reject))
     if hf.get("router_aux_loss_coef") is not None:
         moe["aux_loss_coef"] = float(hf["router_aux_loss_coef"])
+    if spec.expert_activation != "silu":
+        from moefast.parallel.expert import GPT_OSS_ALPHA
+        if hf.get("swiglu_alpha", GPT_OSS_ALPHA) != GPT_OSS_ALPHA:
+            reject("swiglu_alpha", hf["swiglu_alpha"], f"the clamped SwiGLU's gain is {GPT_OSS_ALPHA} in moefast")
+        moe.update(expert_activation=spec.expert_activation, swiglu_limit=float(get("swiglu_limit")))
+    moe.update(expert_bias=spec.expert_bias, router_bias=spec.router_bias)
     return model, moe
 
 
@@ -354,6 +376,19 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     if m.zero_centered_norm != spec.zero_centered_norm:
         out.append(f"model.zero_centered_norm={str(m.zero_centered_norm).lower()} ({name}'s RMSNorms apply "
                    f"{'1 + w' if spec.zero_centered_norm else 'w'})")
+    if "sliding_attention" in (m.layer_types or ()) and not spec.sliding_window:
+        out.append(f"model.layer_types with sliding_attention layers ({name} has no sliding-window attention)")
+    if m.attention_sinks != spec.attention_sinks:
+        out.append(f"model.attention_sinks={str(m.attention_sinks).lower()} ({name} "
+                   f"{'has' if spec.attention_sinks else 'has no'} attention sinks)")
+    if e.expert_activation != spec.expert_activation:
+        out.append(f"moe.expert_activation={e.expert_activation} ({name}'s experts: {spec.expert_activation})")
+    for field in ("expert_bias", "router_bias"):
+        if getattr(e, field) != getattr(spec, field):
+            out.append(f"moe.{field}={str(getattr(e, field)).lower()} ({name} "
+                       f"{'has' if getattr(spec, field) else 'has no'} {field.replace('_', ' ')}es)")
+    if m.rope_type == "yarn" and not m.rope_truncate and not spec.yarn:
+        out.append(f"model.rope_truncate=false ({name} has no YaRN scaling here)")
     out += [message for fails, message in spec.model_checks if fails(cfg)]
     return out
 
@@ -427,6 +462,8 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
                                       original_max_position_embeddings=m.original_max_position_embeddings,
                                       beta_fast=m.beta_fast, beta_slow=m.beta_slow, mscale=m.mscale,
                                       mscale_all_dim=m.mscale_all_dim)
+        if not m.rope_truncate:  # transformers' default is true: written only when it is not
+            out["rope_parameters"]["truncate"] = False
     if spec.mla:
         out.update(q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                    qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_rope_head_dim,
@@ -451,5 +488,9 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
     if spec.layer_types is not None:
         out.update(spec.layer_types.to_hf(tuple(m.layer_type(i) for i in range(m.num_layers))))
         out.update({k: getattr(m, k) for k in families.LINEAR_KEYS})
+    if spec.sliding_window:
+        out.update(layer_types=[m.layer_type(i) for i in range(m.num_layers)], sliding_window=m.sliding_window)
+    if spec.expert_activation == "clamped_swiglu":
+        out["swiglu_limit"] = e.swiglu_limit
     out.update({k: v(cfg) if callable(v) else v for k, v in spec.export_constants.items()})
     return out

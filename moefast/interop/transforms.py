@@ -130,6 +130,43 @@ class FusedExperts(Transform):
         return [(names[0], value.transpose(0, 2, 1))]
 
 
+class InterleavedGateUp(Transform):
+    """One HF tensor holding every expert whose last axis interleaves gate and up columns (gpt-oss's
+    ``experts.gate_up_proj`` [E, D, 2F] and ``gate_up_proj_bias`` [E, 2F]: gate at even columns,
+    up at odd ones, applied as ``x @ w``, not transposed) -> moefast's gate|up halves, same shape."""
+
+    expert_axis = True
+
+    def hf_shapes(self, names, shape, sizes):
+        return {names[0]: tuple(shape)}
+
+    def read(self, get, names, experts):
+        x = get(names[0], experts)
+        return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+    def write(self, value, names, sizes):
+        f = value.shape[-1] // 2
+        out = np.empty_like(value)
+        out[..., 0::2], out[..., 1::2] = value[..., :f], value[..., f:]
+        return [(names[0], out)]
+
+
+class ExpertStack(Transform):
+    """One HF tensor holding every expert, used as it is ([E, ...]: gpt-oss's ``experts.down_proj``
+    [E, F, D] applied as ``x @ w`` and ``down_proj_bias`` [E, D])."""
+
+    expert_axis = True
+
+    def hf_shapes(self, names, shape, sizes):
+        return {names[0]: tuple(shape)}
+
+    def read(self, get, names, experts):
+        return get(names[0], experts)
+
+    def write(self, value, names, sizes):
+        return [(names[0], value)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
     """Some rows of an HF tensor that several parameters share, as a :class:`Transform` writes them:

@@ -149,13 +149,15 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 class Yarn:
     """YaRN RoPE scaling (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large
     Language Models", sec. 3.2 "NTK-by-parts" and 3.4), as Hugging Face's ``rope_type: yarn``
-    computes it (``truncate`` true, its default).
+    computes it.
 
     Attributes:
       factor: s, the context extension (``rope_parameters.factor``), >= 1.
       original_max_position_embeddings: L, the pretraining context, in tokens.
       beta_fast, beta_slow: the ramp's bounds alpha/beta, in rotations over L (32 and 1).
       mscale, mscale_all_dim: DeepSeek's coefficients of :func:`yarn_mscale` (``None``/0: unset).
+      truncate: the ramp's bounds rounded to whole pairs (floor and ceil; HF's ``truncate``, true
+        by default); gpt-oss's config sets it false.
     """
 
     factor: float
@@ -164,6 +166,7 @@ class Yarn:
     beta_slow: float = 1.0
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    truncate: bool = True
 
     @classmethod
     def from_config(cls, model_cfg) -> "Yarn | None":
@@ -172,7 +175,7 @@ class Yarn:
         if m.rope_type != "yarn":
             return None
         return cls(float(m.rope_factor), int(m.original_max_position_embeddings), float(m.beta_fast),
-                   float(m.beta_slow), m.mscale, m.mscale_all_dim)
+                   float(m.beta_slow), m.mscale, m.mscale_all_dim, bool(m.rope_truncate))
 
     @property
     def attention_factor(self) -> float:
@@ -196,8 +199,10 @@ class Yarn:
         def pair_index(rotations):  # the i whose wavelength 2*pi*base**(2i/dim) turns `rotations` times over L
             return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-        low = max(math.floor(pair_index(self.beta_fast)), 0)
-        high = min(math.ceil(pair_index(self.beta_slow)), dim - 1)
+        low, high = pair_index(self.beta_fast), pair_index(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
         ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)  # 1: interpolate
@@ -207,7 +212,7 @@ class Yarn:
     def key(self) -> tuple:
         """Hashable parameters for :data:`TABLES`."""
         return ("yarn", self.factor, self.original_max_position_embeddings, self.beta_fast, self.beta_slow,
-                self.mscale or 0.0, self.mscale_all_dim or 0.0)
+                self.mscale or 0.0, self.mscale_all_dim or 0.0, self.truncate)
 
 
 def rope_table(max_seq_len: int, head_dim: int, base: float, yarn: Yarn | None = None) -> tuple[np.ndarray, np.ndarray]:

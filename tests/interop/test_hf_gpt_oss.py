@@ -1,0 +1,115 @@
+"""gpt-oss against transformers itself (offline: a tiny random GptOssForCausalLM built here): sliding
+windows alternating with full attention, a sink logit per head, biases on the attention and the
+experts, the router's bias and softmax over the top-k logits, the clamped SwiGLU with gate/up
+interleaved on disk, YaRN without truncation. Logits within 1e-4 (float32), the same experts chosen,
+and the export reloads in transformers bit for bit and round-trips exactly."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+
+from hf_oracle import hf_forward, ours  # noqa: E402
+from moefast.interop import hf  # noqa: E402
+
+V, B, T = 128, 2, 64
+
+
+def _model():
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, num_experts_per_tok=2, tie_word_embeddings=False, num_hidden_layers=2,
+        intermediate_size=32, num_local_experts=8, sliding_window=8,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # defaults (norms 1, biases 0) hide mappings: randomise; experts large enough to clamp
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias") or name.endswith("sinks"):
+                p.copy_(0.3 * torch.randn_like(p))
+            elif "experts" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = _model()
+    d = tmp_path_factory.mktemp("gpt_oss")
+    model.save_pretrained(d)
+    return model, d
+
+
+def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
+    model, d = saved
+    tokens = np.random.default_rng(0).integers(0, V, (B, T))
+    mask = np.ones((B, T), np.int64)
+    mask[1, 40:] = 0
+    want, want_chosen = hf_forward(model, tokens, mask)
+    cfg, params = hf.load_hf(d)
+    m, e = cfg.model, cfg.moe
+    assert (m.layer_types, m.sliding_window, m.attention_sinks, m.rope_truncate) == (
+        ("sliding_attention", "full_attention"), 8, True, False)
+    assert (e.expert_activation, e.swiglu_limit, e.expert_bias, e.router_bias) == ("clamped_swiglu", 7.0, True, True)
+    got, got_chosen = ours(cfg, params, hf.load_hf_routing(d, cfg), tokens, mask, monkeypatch)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
+    for g, w in zip(got_chosen, want_chosen):
+        assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)])
+
+
+def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path):
+    model, d = saved
+    cfg, params = hf.load_hf(d)
+    assert hf.hf_family(cfg) == "gpt_oss"
+    out = hf.save_hf(cfg, params, tmp_path / "export", routing_state=hf.load_hf_routing(d, cfg))
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                        output_loading_info=True)
+    assert type(reloaded).__name__ == "GptOssForCausalLM"
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    want_sd, got_sd = model.state_dict(), reloaded.state_dict()
+    assert sorted(got_sd) == sorted(want_sd)
+    for name, w in want_sd.items():  # interleaved gate/up, biases and sinks bit for bit
+        assert torch.equal(got_sd[name], w), name
+    for key in ("layer_types", "sliding_window", "swiglu_limit", "attention_bias", "num_local_experts",
+                "intermediate_size", "head_dim"):
+        assert getattr(reloaded.config, key) == getattr(model.config, key), key
+    rope = reloaded.config.rope_parameters
+    assert rope["truncate"] is False and rope["factor"] == 4.0 and rope["original_max_position_embeddings"] == 64
+    cfg2, params2 = hf.load_hf(out)
+    assert cfg2.model == cfg.model and cfg2.moe == cfg.moe
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(swiglu_alpha=1.5), "swiglu_alpha"),
+    (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
+    (dict(sliding_window=None), "sliding_window"),
+])
+def test_unsupported_options_name_the_field(saved, tmp_path, change, field):
+    _, d = saved
+    for f in d.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(hf.HFFormatError, match=f"config.json: {field}="):
+        hf.load_hf(tmp_path)
+
+
+def test_other_families_refuse_what_they_cannot_hold(saved):
+    """A gpt-oss model exported as another family would lose its sinks, windows, biases and
+    activation: each is named."""
+    _, d = saved
+    cfg, _ = hf.load_hf(d)
+    with pytest.raises(hf.HFFormatError) as err:
+        hf.hf_family(cfg, "qwen3_moe")
+    for what in ("sliding_attention", "model.attention_sinks=true", "moe.expert_activation=clamped_swiglu",
+                 "moe.expert_bias=true", "moe.router_bias=true"):
+        assert what in str(err.value), what
