@@ -65,9 +65,12 @@ def _fp8_block(hf: Mapping[str, Any]) -> tuple[int, int] | None:
                             f"{_QUANT_ADVICE}")
 
     method = q.get("quant_method") if isinstance(q, Mapping) else None
+    if method == "mxfp4":  # gpt-oss's experts: their _blocks / _scales tensors say it (_Files)
+        return None
     if method != "fp8":
-        reject("quant_method", method, "moefast reads unquantized checkpoints and FP8 block-quantized ones "
-                                       "(quant_method 'fp8' with weight_block_size, as DeepSeek-V3 and Kimi K2)")
+        reject("quant_method", method, "moefast reads unquantized checkpoints, FP8 block-quantized ones "
+                                       "(quant_method 'fp8' with weight_block_size, as DeepSeek-V3 and Kimi K2) and "
+                                       "gpt-oss's MXFP4 experts (quant_method 'mxfp4')")
     if q.get("fmt", "e4m3") != "e4m3":
         reject("fmt", q["fmt"], "FP8 weights are read in e4m3 only")
     if q.get("activation_scheme", "dynamic") != "dynamic":
@@ -78,6 +81,32 @@ def _fp8_block(hf: Mapping[str, Any]) -> tuple[int, int] | None:
         reject("weight_block_size", block, "FP8 is read with a [BO, BI] weight block size only (no per-tensor or "
                                            "per-channel scales)")
     return int(block[0]), int(block[1])
+
+
+_MXFP4_BLOCKS, _MXFP4_SCALES = "_blocks", "_scales"
+# the 16 values of an FP4 (e2m1) code, sign in the high bit (OCP Microscaling Formats (MX) v1.0, sec. 5.3.3)
+_FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                     np.float32)
+
+
+def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP Microscaling v1.0: 32 FP4 e2m1 values sharing one e8m0 power-of-two scale) as
+    gpt-oss's checkpoints store an expert weight ``X`` [E, O, I] (applied transposed: ``x @ X[e].T``
+    is HF's unquantized ``x @ X'[e]`` with ``X'`` [E, I, O]): ``X_blocks`` uint8 [E, O, I/32, 16],
+    two codes a byte, the low nibble first, and ``X_scales`` uint8 [E, O, I/32], the exponent plus
+    127. Returns the unquantized HF layout ``X'`` [E, I, O], float32 (exact: every value is a
+    power-of-two multiple of a code).
+
+    Raises:
+      HFFormatError: the scales' shape is not the blocks' without their last axis, or blocks not
+        16 bytes (32 values) each.
+    """
+    if blocks.shape[-1] != 16 or scales.shape != blocks.shape[:-1] or blocks.ndim != 4:
+        raise HFFormatError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: "
+                            "blocks are [experts, out, in/32, 16] bytes and scales [experts, out, in/32]")
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = np.ldexp(_FP4_E2M1[codes], scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:2], -1).transpose(0, 2, 1)
 
 
 def _safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
@@ -100,6 +129,9 @@ class _Files:
     as ``X[..., r, c] * X_scale_inv[..., r // BO, c // BI]`` in float32 (DeepSeek-V3 repo
     ``inference/fp8_cast_bf16.py``, ``weight_dequant``). The scales are consumed: they are not in
     ``where``. FP8 bytes are memory-mapped from the file (safetensors' numpy API has no float8).
+
+    gpt-oss's MXFP4 experts (``quant_method: mxfp4``): ``X_blocks`` and ``X_scales`` read as the
+    unquantized ``X`` they stand for (:func:`mxfp4_dequantize`; a row slice: those experts only).
     """
 
     def __init__(self, path: Path):
@@ -163,6 +195,23 @@ class _Files:
                 raise HFFormatError(f"{path}: {scale} has shape {list(got)}, but {k} {list(shape)} in {bo}x{bi} "
                                     f"blocks (quantization_config.weight_block_size) needs {list(want)}")
             self.fp8[k] = (f, start + header[k]["data_offsets"][0], shape)
+        self.mxfp4: dict[str, tuple[int, ...]] = {}  # X (its _blocks and _scales on disk) -> X's shape
+        self._mx_where: dict[str, tuple[str, str]] = {}  # X -> the files of its blocks and scales
+        q = hf_config(path).get("quantization_config") if (path / "config.json").is_file() else None
+        mx = isinstance(q, Mapping) and q.get("quant_method") == "mxfp4"
+        for k in [k for k in self.where if mx and k.endswith(_MXFP4_BLOCKS)]:
+            base = k[:-len(_MXFP4_BLOCKS)]
+            if base + _MXFP4_SCALES not in self.where:
+                raise HFFormatError(f"{path}: MXFP4 tensor {k} has no {base + _MXFP4_SCALES} (its scales); the "
+                                    "checkpoint is incomplete")
+            blocks = tuple(self.handles[self.where[k]].get_slice(k).get_shape())
+            scales = tuple(self.handles[self.where[base + _MXFP4_SCALES]].get_slice(base + _MXFP4_SCALES).get_shape())
+            if len(blocks) != 4 or blocks[-1] != 16 or scales != blocks[:-1]:
+                raise HFFormatError(f"{path}: MXFP4 {k} {list(blocks)} and {base + _MXFP4_SCALES} {list(scales)} do "
+                                    "not match: blocks are [experts, out, in/32, 16] bytes, scales [experts, out, in/32]")
+            self.mxfp4[base] = (blocks[0], blocks[2] * 32, blocks[1])
+            self.where[base] = self.where[k]
+            self._mx_where[base] = (self.where.pop(k), self.where.pop(base + _MXFP4_SCALES))
         for scale in self._scale_where:
             weight = scale[:-len(_SCALE_INV)]
             if weight not in self.fp8:
@@ -172,6 +221,8 @@ class _Files:
             del self.where[scale]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.mxfp4:
+            return self.mxfp4[name]
         return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
 
     def get(self, name: str, rows: slice | None = None) -> np.ndarray:
@@ -180,6 +231,10 @@ class _Files:
         that cover it, cropped)."""
         if name in self.fp8:
             return self._dequantized(name, rows)
+        if name in self.mxfp4:
+            blocks, scales = (np.asarray(self.handles[f].get_slice(n)[rows if rows is not None else slice(None)])
+                              for f, n in zip(self._mx_where[name], (name + _MXFP4_BLOCKS, name + _MXFP4_SCALES)))
+            return mxfp4_dequantize(blocks, scales)
         s = self.handles[self.where[name]].get_slice(name)
         x = s[rows] if rows is not None else s[:]
         return np.asarray(x, np.float32)

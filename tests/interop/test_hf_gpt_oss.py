@@ -113,3 +113,53 @@ def test_other_families_refuse_what_they_cannot_hold(saved):
     for what in ("sliding_attention", "model.attention_sinks=true", "moe.expert_activation=clamped_swiglu",
                  "moe.expert_bias=true", "moe.router_bias=true"):
         assert what in str(err.value), what
+
+
+def _mxfp4_checkpoint(saved, dst, *, bad_scales=False):
+    """The tiny model's directory with its experts' weights stored as gpt-oss's hub checkpoints
+    store them (MXFP4: ``X_blocks`` uint8 [E, O, I/32, 16], ``X_scales`` uint8 [E, O, I/32]),
+    random codes and scales; returns them."""
+    from safetensors.numpy import load_file, save_file
+
+    _, d = saved
+    tensors = load_file(str(d / "model.safetensors"))
+    rng = np.random.default_rng(3)
+    packed = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, i, o = tensors.pop(name).shape  # HF's unquantized [E, I, O]
+        blocks = rng.integers(0, 256, (e, o, i // 32, 16), dtype=np.uint8)
+        scales = rng.integers(122, 132, (e, o, i // 32 + (1 if bad_scales else 0)), dtype=np.uint8)
+        packed[name] = (blocks, scales)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    return packed
+
+
+def test_mxfp4_experts_read_as_their_exact_dequantization(saved, tmp_path):
+    """MXFP4 experts dequantized on read equal transformers' own dequantization
+    (``integrations.mxfp4.convert_moe_packed_tensors``, float32) bit for bit, also for the slice of
+    experts one device reads; scales that do not match their blocks are one clear error."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moefast.interop.hf_files import _Files
+
+    packed = _mxfp4_checkpoint(saved, tmp_path / "mx")
+    files = _Files(tmp_path / "mx")
+    cfg, params = hf.load_hf(tmp_path / "mx")
+    for name, (blocks, scales) in packed.items():
+        want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                          dtype=torch.float32).numpy()  # [E, I, O]
+        np.testing.assert_array_equal(files.get(name), want)
+        np.testing.assert_array_equal(files.get(name, slice(2, 5)), want[2:5])  # a device's experts
+        layer = int(name.split(".")[2])
+        if name.endswith("gate_up_proj"):  # gate/up interleaved on disk, moefast's halves
+            want = np.concatenate([want[..., 0::2], want[..., 1::2]], axis=-1)
+        got = params["blocks"][layer]["ffn"]["w_in" if name.endswith("gate_up_proj") else "w_out"]
+        np.testing.assert_array_equal(np.asarray(got), want)
+    _mxfp4_checkpoint(saved, tmp_path / "bad", bad_scales=True)
+    bad = r"MXFP4 \S+_proj_blocks \[8, \d+, 1, 16\] and \S+_scales \[8, \d+, 2\] do not match"
+    with pytest.raises(hf.HFFormatError, match=bad):
+        hf.load_hf(tmp_path / "bad")
