@@ -93,6 +93,10 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
     attn += {"none": 0, "per_head": 2 * m.head_dim, "full": (m.num_heads + m.kv_heads) * m.head_dim}[m.qk_norm]
     if m.attention_output_gate:
         attn += d * m.num_heads * m.head_dim
+    if m.attention_sinks:  # a logit per head, not multiplied by a token: in the total only
+        attn_other = m.num_heads
+    else:
+        attn_other = 0
     norms = 2 * d
     if m.attention == "mla":
         attn, mla_norms = _mla_params(m)
@@ -102,23 +106,24 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
     linear_weights, linear_other = _linear_params(m)
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     n_dense = m.num_layers - n_moe
-    expert = 3 * d * f
+    expert = 3 * d * f + ((2 * f + d) if e.expert_bias else 0)
+    router = d * e.num_experts + (e.num_experts if e.router_bias else 0)
     dense = 3 * d * m.dense_ff
     shared = 3 * d * e.shared_expert_d_ff + (d if e.shared_expert_d_ff and e.shared_expert_gate else 0)
     experts = n_moe * e.num_experts * expert
-    mixers_total = n_full * attn + n_linear * (linear_weights + linear_other)
-    layers_total = mixers_total + m.num_layers * norms + n_moe * (d * e.num_experts + shared) + experts + n_dense * dense
+    mixers_total = n_full * (attn + attn_other) + n_linear * (linear_weights + linear_other)
+    layers_total = mixers_total + m.num_layers * norms + n_moe * (router + shared) + experts + n_dense * dense
     embed = v * d
     total = layers_total + embed + d + (0 if m.tie_embeddings else embed)  # + final norm
-    active = (n_full * attn + n_linear * linear_weights + n_moe * (d * e.num_experts + e.top_k * expert + shared)
+    active = (n_full * attn + n_linear * linear_weights + n_moe * (router + e.top_k * expert + shared)
               + n_dense * dense + embed)
     if m.mtp_depth:  # DeepSeek-V3 sec. 2.2: M_k, one block, three norms; the head is shared (active once more)
         if n_moe:
-            block_total = attn + norms + d * e.num_experts + shared + e.num_experts * expert
-            block_active = attn + d * e.num_experts + e.top_k * expert + shared
+            block_total = attn + attn_other + norms + router + shared + e.num_experts * expert
+            block_active = attn + router + e.top_k * expert + shared
             experts += m.mtp_depth * e.num_experts * expert
         else:
-            block_total, block_active = attn + norms + dense, attn + dense
+            block_total, block_active = attn + attn_other + norms + dense, attn + dense
         total += m.mtp_depth * (2 * d * d + 3 * d + block_total)
         active += m.mtp_depth * (2 * d * d + block_active + embed)
     return ParamCounts(total=total, active=active,
@@ -182,4 +187,7 @@ def model_flops_per_token(cfg: ExperimentConfig, vocab_size: int | None = None, 
     layers = m.num_layers - n_linear + m.mtp_depth  # attention layers; each MTP module has one more
     if m.attention == "mla":  # scores over Hd_qk features, weighted values over Hv: 6 * L * H * (Hd_qk + Hv) * T
         return float(6 * n_active + 6 * layers * m.num_heads * sum(attention_widths(m)) * t + linear)
-    return float(6 * n_active + 12 * layers * m.num_heads * m.head_dim * t + linear)
+    # a sliding-window layer's query sees at most W keys: T -> min(T, W) in its term
+    n_sliding = sum(m.layer_type(i) == "sliding_attention" for i in range(m.num_layers))
+    keys = (layers - n_sliding) * t + n_sliding * min(t, m.sliding_window or t)
+    return float(6 * n_active + 12 * m.num_heads * m.head_dim * keys + linear)

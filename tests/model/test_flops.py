@@ -60,8 +60,11 @@ def test_param_counts_equal_the_built_model():
      "model.zero_centered_norm=true", "model.qk_norm=per_head", "model.linear_num_key_heads=2",
      "model.linear_num_value_heads=4", "model.linear_key_head_dim=8", "model.linear_value_head_dim=12",
      "moe.shared_expert_d_ff=48"],  # Qwen3-Next / Qwen3.5: Gated DeltaNet blocks beside gated attention
+    ["model.layer_types=[sliding_attention,full_attention,sliding_attention]", "model.sliding_window=8",
+     "model.attention_sinks=true", "model.attention_bias=all", "moe.router_bias=true", "moe.expert_bias=true",
+     "moe.expert_activation=clamped_swiglu", "model.mtp_depth=1"],  # gpt-oss: sinks, router and expert biases
 ], ids=["qkv-bias-per-head-norm", "all-bias-full-norm", "mla-q-lora", "mla-direct-q", "mtp2-shared",
-        "mtp1-dense", "hybrid-deltanet"])
+        "mtp1-dense", "hybrid-deltanet", "gpt-oss"])
 def test_param_counts_cover_the_hf_family_options(extra):
     cfg = load_config(None, ["model.vocab_size=300", "model.num_dense_layers=1", "model.num_layers=3",
                              "model.num_kv_heads=2", *extra])
@@ -78,6 +81,14 @@ def test_mixtral_8x7b_config_has_mixtrals_parameter_counts():
     assert counts.total == built
     assert abs(built / 46.7e9 - 1) < 0.01, built
     assert abs(counts.active_with_embedding / 12.9e9 - 1) < 0.01, counts
+
+
+def test_gpt_oss_configs_have_the_model_cards_parameter_counts():
+    """gpt-oss-20b: 20.9B total, 3.6B active; gpt-oss-120b: 116.8B and 5.1B (OpenAI 2025, model
+    card, table 1; active counting the embedding's rows once, as the card does)."""
+    for name, total, active in (("gpt_oss_20b", 20.9e9, 3.61e9), ("gpt_oss_120b", 116.8e9, 5.13e9)):
+        counts = param_counts(load_config(CONFIG_DIR / f"{name}.yaml"))
+        assert abs(counts.total / total - 1) < 0.005 and abs(counts.active / active - 1) < 0.005, (name, counts)
 
 
 def test_h200_config_is_about_1b_parameters():
