@@ -14,7 +14,8 @@ the GPU kernel and its reference.
 
 from __future__ import annotations
 
-from .flash import flash_attention, padded_length
+from .flash import KERNEL_NAME, flash_attention, kernel_name, padded_length, visited_pairs
 from .reference import attention_reference, validate
 
-__all__ = ["attention_reference", "flash_attention", "padded_length", "validate"]
+__all__ = ["KERNEL_NAME", "attention_reference", "flash_attention", "kernel_name", "padded_length", "validate",
+           "visited_pairs"]

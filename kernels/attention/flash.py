@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..platform import target_platform
 from .reference import validate
 
-__all__ = ["flash_attention", "padded_length"]
+__all__ = ["KERNEL_NAME", "flash_attention", "kernel_name", "padded_length", "visited_pairs"]
 
 BLOCK = 128  # query and key rows per forward block
 BACKWARD_BLOCK = 32  # query and key rows per backward block (two accumulators of a block live in registers)
@@ -104,6 +105,37 @@ class _Mask:
     def probabilities(self, q, k, q_seg, k_seg, lse2, q_start, k_start, scale: float):
         s, mask = self.logits(q, k, q_seg, k_seg, q_start, k_start, scale)
         return jnp.where(mask, jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None]), 0.0)
+
+
+def kernel_name(kind: str, block_q: int, block_k: int, mask: _Mask) -> str:
+    """A launch's name, ``moefast_flash_{kind}_q{block_q}_k{block_k}_o{q_offset}_w{window}``
+    (``kind``: forward, dkdv, dq; window 0: none): what :func:`visited_pairs` needs to count the
+    launch's work from its grid (the compiled program names its kernels so)."""
+    return f"moefast_flash_{kind}_q{block_q}_k{block_k}_o{mask.q_offset}_w{mask.window}"
+
+
+KERNEL_NAME = re.compile(r"moefast_flash_(forward|dkdv|dq)_q(\d+)_k(\d+)_o(\d+)_w(\d+)")
+"""Parses :func:`kernel_name`: kind, block_q, block_k, q_offset, window."""
+
+
+def visited_pairs(kind: str, t: int, s: int, block_q: int, block_k: int, q_offset: int = 0, window: int = 0) -> int:
+    """(query, key) pairs one head of one row of a launch computes — its blocks' rows x columns
+    over the key blocks each program's loop visits (the forward's and dQ's per query block, dK/dV's
+    per key block; the loop bounds of :class:`_Mask`), for T queries and S keys (padded to the
+    blocks). Linear in T with a ``window`` (each loop visits at most ceil((W + bq - 1) / bk) + 1
+    blocks), quadratic without."""
+    mask = _Mask(q_offset, s, window)
+    n_q, n_k = -(-t // block_q), -(-s // block_k)
+    total = 0
+    if kind in ("forward", "dq"):
+        for i in range(n_q):
+            lo, hi = mask.key_blocks(i, block_q, block_k, n_k)
+            total += max(int(hi) - int(lo), 0)
+    else:
+        for j in range(n_k):
+            lo, hi = mask.query_blocks(j, block_q, block_k, n_q)
+            total += max(int(hi) - int(lo), 0)
+    return total * block_q * block_k
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sink_ref, o_ref, lse_ref, *, scale, mask: _Mask,
@@ -230,7 +262,7 @@ def _forward(q, k, v, qseg, kseg, sinks, c: _Static):
                    pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))],
         out_shape=[jax.ShapeDtypeStruct((b, t, h, hv), q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
         compiler_params=_params(bq, c.block_k, max(wq, wv)),
-        interpret=c.interpret, name="moefast_flash_forward",
+        interpret=c.interpret, name=kernel_name("forward", bq, c.block_k, c.mask),
     )(q, k, v, qseg, kseg, sinks if c.sinks else None)
 
 
@@ -257,7 +289,7 @@ def _backward(q, k, v, qseg, kseg, sinks, o, lse2, do, dlse, c: _Static):
                    pl.BlockSpec((None, bk, None, wv), lambda bi, hi, j: (bi, j, hi, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, s, h, hd), k.dtype), jax.ShapeDtypeStruct((b, s, h, hv), v.dtype)],
         compiler_params=_params(bq, bk, max(wq, wv)),
-        interpret=c.interpret, name="moefast_flash_dkdv",
+        interpret=c.interpret, name=kernel_name("dkdv", bq, bk, c.mask),
     )(q, k, v, qseg, kseg, do, lse2, delta)
     rows_q = pl.BlockSpec((None, None, bq), lambda bi, hi, i: (bi, hi, i))
     dq = pl.pallas_call(
@@ -273,7 +305,7 @@ def _backward(q, k, v, qseg, kseg, sinks, o, lse2, do, dlse, c: _Static):
         out_specs=pl.BlockSpec((None, bq, None, wq), lambda bi, hi, i: (bi, i, hi, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(bq, bk, max(wq, wv)),
-        interpret=c.interpret, name="moefast_flash_dq",
+        interpret=c.interpret, name=kernel_name("dq", bq, bk, c.mask),
     )(q, k, v, qseg, kseg, do, lse2, delta)
     if rep > 1:  # a key/value head's gradient: the sum over its query heads
         dk = dk.reshape(b, s, g, rep, hd).sum(3, dtype=jnp.float32).astype(k.dtype)

@@ -234,6 +234,9 @@ class GpuCompileResult:
     # {"bound": the work of every (row tile, expert) pair, "exact": the same launches on their buffers' rows
     # (the real rows without an expert axis; with one, the receive buffer sized for the worst case)}
     grouped_flops: dict[str, float]
+    # the fused attention kernels (moefast.kernels.attention), from their launches' names (blocks, query
+    # offset, window) and operand shapes: the (query, key) blocks their loops visit; loop bodies once
+    attention_flops: float
     # the expert exchange's forward dispatches (op name moe_dispatch, outside AD's transpose):
     # {"forward": how many, "overlapped": asynchronous with compute scheduled between start and done}
     dispatches: dict[str, int]
@@ -325,6 +328,18 @@ def _grouped_flops(text: str) -> dict[str, float]:
             bound += 2.0 * pairs * rows * dims[1] * dims[2]
             exact += 2.0 * n * dims[1] * dims[2]
     return {"bound": bound, "exact": exact} if bound else {}
+
+
+def _attention_flops(text: str) -> float:
+    """FLOPs of the fused attention kernels' launches (:func:`gpu_schedule.attention_kernel_flops`
+    of each: its name and its operands' shapes), loop bodies once, as XLA's count."""
+    from moefast.bench.gpu_schedule import attention_kernel_flops
+
+    total = 0.0
+    for line in text.splitlines():
+        if 'custom_call_target="__gpu$xla.gpu.triton"' in line and "moefast_flash_" in line:
+            total += attention_kernel_flops(line, line.split("custom-call(", 1)[-1])
+    return total
 
 
 def _dispatches(module) -> dict[str, int]:
@@ -495,6 +510,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         conditionals=sum(i.opcode == "conditional" for i in module.instrs.values()),
         state_copies=copies, state_copy_bytes=copy_bytes, collectives=_collective_rows(module),
         custom_calls=_custom_calls(text), flops=_flops(compiled), grouped_flops=_grouped_flops(text),
+        attention_flops=_attention_flops(text),
         dispatches=_dispatches(module),
         loops=sum(i.opcode == "while" for i in module.instrs.values()),
         schedule={} if as_compiled is None else as_compiled.once, autotuned=bool(autotune),
@@ -559,6 +575,9 @@ def format_report(r: GpuCompileResult) -> str:
         lines.append(f"| grouped GEMM kernels' FLOPs (not in XLA's count): launch grids / their buffers' rows (the "
                      f"real rows without an expert axis; with one, the worst-case receive buffer) | "
                      f"{g['bound']:.4g} / {g['exact']:.4g} ({g['bound'] / g['exact']:.3f}x) |")
+    if r.attention_flops:
+        lines.append(f"| fused attention kernels' FLOPs (not in XLA's count; the blocks their loops visit, loop bodies "
+                     f"once) | {r.attention_flops:.4g} |")
     if r.dispatches.get("forward"):
         lines.append(f"| expert exchange: forward dispatches with compute scheduled inside (loop bodies once) | "
                      f"{r.dispatches['overlapped']} of {r.dispatches['forward']} |")

@@ -532,31 +532,34 @@ def _size(b: float) -> str:
 # FlashAttention-2 reaches 35 % on an H100 (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608,
 # abstract); XLA's estimator charges any custom call a flat 10 µs whatever its work.
 ATTENTION_KERNEL_UTILIZATION = 0.35
-# Matmuls per (query, seen key) pair of moefast's flash kernels (kernels/attention/flash.py), as
-# (of the query/key width, of the value width): the forward S = QK^T and PV; the key/value kernel
-# recomputes S, then dP = dO V^T, dV += P^T dO and dK += dS^T Q; the query kernel recomputes S and
-# dP, then dQ += dS K (FlashAttention-2's backward, Dao 2023, arXiv 2307.08691, Algorithm 2, split
-# into two kernels: 7 matmuls where the fused one does 5)
-_ATTENTION_MATMULS = {"moefast_flash_forward": (1, 1), "moefast_flash_dkdv": (2, 2), "moefast_flash_dq": (2, 1)}
+# Matmuls per (query, key) pair a launch of moefast's flash kernels computes (kernels/attention/
+# flash.py), as (of the query/key width, of the value width): the forward S = QK^T and PV; the
+# key/value kernel recomputes S, then dP = dO V^T, dV += P^T dO and dK += dS^T Q; the query kernel
+# recomputes S and dP, then dQ += dS K (FlashAttention-2's backward, Dao 2023, arXiv 2307.08691,
+# Algorithm 2, split into two kernels: 7 matmuls where the fused one does 5)
+_ATTENTION_MATMULS = {"forward": (1, 1), "dkdv": (2, 2), "dq": (2, 1)}
 
 
 def attention_kernel_flops(op_name: str, operands: str) -> float:
-    """FLOPs of one of moefast's fused causal attention kernels (``kernels/attention``), named in
-    ``op_name``, from its first three operands: queries [B, T, H, Hd], keys [B, S, G, Hd], values
-    [B, S, G, Hv], each width rounded up to a power of two as the kernel's blocks run it. Each
-    matmul is ``2 B H T K w`` with K = S - T + T / 2 keys seen per query on average (the queries
-    are the last T of the S positions, causal), w the width it contracts or produces; the number
-    of matmuls per kernel is in ``_ATTENTION_MATMULS``. 0 for any other instruction.
+    """FLOPs of one launch of moefast's fused attention kernels (``kernels/attention``), named in
+    ``op_name`` (:func:`moefast.kernels.attention.kernel_name`: kind, blocks, query offset,
+    window), from its first three operands: queries [B, T, H, Hd], keys [B, S, G, Hd], values [B,
+    S, G, Hv]. The (query, key) pairs its programs' loops visit
+    (:func:`moefast.kernels.attention.visited_pairs`: whole blocks, causal, the window's blocks
+    only) x ``2 B H`` x each matmul's width, rounded up to a power of two as the blocks run it
+    (``_ATTENTION_MATMULS``). 0 for any other instruction.
     """
-    m = re.search(r"(moefast_flash_\w+?)\)*/pallas_call", op_name)  # e.g. transpose(jvp(moefast_flash_dq))/pallas_call
-    kind = m.group(1) if m and m.group(1) in _ATTENTION_MATMULS else None
-    dims = re.findall(r"\w+\[(\d+),(\d+),(\d+),(\d+)\]", operands)[:3] if kind else []
+    from moefast.kernels.attention import KERNEL_NAME, visited_pairs
+
+    m = KERNEL_NAME.search(op_name)
+    dims = re.findall(r"\w+\[(\d+),(\d+),(\d+),(\d+)\]", operands)[:3] if m else []
     if len(dims) < 3:
         return 0.0
+    kind, bq, bk, offset, window = m.group(1), *(int(v) for v in m.groups()[1:])
     (b, t, h, hd), (_, s, _, _), (_, _, _, hv) = ([int(v) for v in d] for d in dims)
     pow2 = lambda n: 1 << max(0, n - 1).bit_length()  # noqa: E731
     n_d, n_v = _ATTENTION_MATMULS[kind]
-    return 2.0 * b * h * t * (s - t + t / 2) * (n_d * pow2(hd) + n_v * pow2(hv))
+    return 2.0 * b * h * visited_pairs(kind, t, s, bq, bk, offset, window) * (n_d * pow2(hd) + n_v * pow2(hv))
 
 
 def nic_bytes(kind: str, nbytes: float, group: int, per_host: int) -> float:
