@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..platform import target_platform
-from .reference import validate
+from .reference import validate, validate_options
 
 __all__ = ["KERNEL_NAME", "flash_attention", "kernel_name", "padded_length", "visited_pairs"]
 
@@ -375,20 +375,21 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
       :func:`.reference.attention_reference` to float rounding; queries that see no key give 0.
 
     Raises:
-      ValueError: bad shapes (:func:`.reference.validate`), q/k/v not of one float dtype, T or S = 0,
-        ``block`` not a power of two >= 16, a negative ``q_offset``, a window below 1, or sinks not
-        of shape [H].
+      ValueError: bad shapes (:func:`.reference.validate`: S != T without ``kv_segment_ids_bs``),
+        bad options (:func:`.reference.validate_options`: ``q_offset`` not a static int >= 0, a
+        window below 1, sinks not a float [H] array), q/k/v not of one float dtype, T or S = 0, or
+        ``block`` not a power of two >= 16.
     """
     validate(q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_segment_ids_bs)
     if not jnp.issubdtype(q_bthd.dtype, jnp.floating) or not q_bthd.dtype == k_bsgd.dtype == v_bsgd.dtype:
         raise ValueError(f"q, k and v must share one float dtype, got {q_bthd.dtype}, {k_bsgd.dtype}, {v_bsgd.dtype}")
     b, t, h, hd = q_bthd.shape
     s, hv = k_bsgd.shape[1], v_bsgd.shape[-1]
-    if t < 1 or s < 1 or block < 16 or block & (block - 1) or q_offset < 0 or (window is not None and window < 1):
-        raise ValueError(f"flash attention needs T, S >= 1, a power-of-two block >= 16, q_offset >= 0 and a window "
-                         f">= 1 or None; got T={t}, S={s}, block={block}, q_offset={q_offset}, window={window}")
-    if sinks_h is not None and sinks_h.shape != (h,):
-        raise ValueError(f"sinks must be one logit per query head, [{h}]; got {list(sinks_h.shape)}")
+    validate_options(h, q_offset, window, sinks_h)
+    if t < 1 or s < 1:
+        raise ValueError(f"flash attention needs at least one query and one key; got T={t}, S={s}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16 (the tensor cores' tile), got {block}")
     if interpret is None:
         interpret = target_platform() == "cpu"
     if max(hd, hv) > 128:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["attention_reference", "validate"]
+__all__ = ["attention_reference", "validate", "validate_options"]
 
 
 def validate(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array,
@@ -34,6 +34,9 @@ def validate(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_id
                          f"[batch, keys, kv_heads, v_head_dim]; got q {q_bthd.shape}, k {k_bsgd.shape}, v {v_bsgd.shape}")
     b, t, h, hd = q_bthd.shape
     s = t if kv_segment_ids_bs is None else k_bsgd.shape[1]
+    if kv_segment_ids_bs is None and k_bsgd.shape[1] != t:
+        raise ValueError(f"{k_bsgd.shape[1]} keys for {t} queries: pass the keys' document ids as kv_segment_ids_bs "
+                         "[batch, keys] (and q_offset, the keys' position of query 0)")
     if k_bsgd.shape[:2] != (b, s) or k_bsgd.shape[3] != hd or h % k_bsgd.shape[2]:
         raise ValueError(f"k and v must be [batch={b}, keys={s}, kv_heads dividing {h}, head_dim={hd}], "
                          f"got {k_bsgd.shape}")
@@ -41,6 +44,29 @@ def validate(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_id
         if ids is not None and (ids.shape != shape or not jnp.issubdtype(ids.dtype, jnp.integer)):
             raise ValueError(f"{name} must be an integer [batch, tokens] = {shape} array, got "
                              f"{ids.dtype}{list(ids.shape)}")
+
+
+def validate_options(num_heads: int, q_offset, window, sinks_h) -> None:
+    """Checks the static options of :func:`attention_reference` and the fused kernel.
+
+    Raises:
+      ValueError: ``q_offset`` not a Python int >= 0 (a traced value cannot set the kernels'
+        masks: it is static), ``window`` neither ``None`` nor an int >= 1, ``sinks_h`` not a float
+        array of shape [H].
+    """
+    for name, v, least in (("q_offset", q_offset, 0), ("window", window, 1)):
+        if name == "window" and v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"{name} must be a static Python int (it sets the kernels' masks and loop bounds at "
+                             f"trace time), got {type(v).__name__} {v!r}")
+        if v < least:
+            raise ValueError(f"{name} must be >= {least}" + (" (None: no window)" if name == "window" else "")
+                             + f", got {v}")
+    if sinks_h is not None and (not hasattr(sinks_h, "shape") or sinks_h.shape != (num_heads,)
+                                or not jnp.issubdtype(sinks_h.dtype, jnp.floating)):
+        got = f"{sinks_h.dtype}{list(sinks_h.shape)}" if hasattr(sinks_h, "shape") else type(sinks_h).__name__
+        raise ValueError(f"sinks must be one float logit per query head, a [{num_heads}] array; got {got}")
 
 
 def attention_reference(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array,
@@ -67,6 +93,7 @@ def attention_reference(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array,
       query that sees no key), and the log-sum-exp when ``return_lse``.
     """
     validate(q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_segment_ids_bs)
+    validate_options(q_bthd.shape[2], q_offset, window, sinks_h)
     b, t, h, hd = q_bthd.shape
     s_len, g = k_bsgd.shape[1], k_bsgd.shape[2]
     kv_ids = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs

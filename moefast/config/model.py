@@ -8,6 +8,11 @@ from typing import Literal
 
 from .fields import _check_choices, _require
 
+
+MAX_SEQUENCE_SLICES = 8
+"""The most ``model.sequence_slices``: each slice's layers compile as code of their own."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer shape.
@@ -120,9 +125,12 @@ class ModelConfig:
         another's attention and experts, also across layers. The same function as n = 1 when no
         token is dropped (capacity is per slice, as for ``moe.overlap_chunks``), up to float
         rounding (attention sums in another order); dropout and expert warm-up noise draw from
-        the step key folded with the slice. 1 (the default): one slice. Must divide
-        ``data.seq_len``; not with Gated DeltaNet layers (``layer_types``: their state would have
-        to pass between slices) nor generation (a KV cache: one slice).
+        the step key folded with the slice. 1 (the default): one slice. Each slice's layers are
+        traced and compiled as code of their own, so compile time and compiled-program memory grow
+        about linearly in n (tiny config: 21 s at 1, 42 s at 2, 86 s at 4): 2 is the useful value,
+        at most 8. Must divide ``data.seq_len``; not with Gated DeltaNet layers (``layer_types``:
+        their state would have to pass between slices). Generation (a KV cache) runs whole rows
+        whatever n is.
       layer_types: each block's token mixer, one entry per layer (Hugging Face's ``layer_types``):
         ``"full_attention"`` (the ``attention`` block above), ``"sliding_attention"`` (the same
         block over the ``sliding_window`` latest keys only; gpt-oss, Gemma, MiniMax) or
@@ -230,8 +238,13 @@ class ModelConfig:
                  f"must be even for sinusoidal position encodings, got {self.d_model}")
         _require(self.mtp_depth >= 0, "model.mtp_depth",
                  f"must be >= 0 (0 = no multi-token prediction), got {self.mtp_depth}")
-        _require(self.sequence_slices >= 1, "model.sequence_slices",
-                 f"must be >= 1 (1: each row through the layers whole), got {self.sequence_slices}")
+        _require(1 <= self.sequence_slices <= MAX_SEQUENCE_SLICES, "model.sequence_slices",
+                 f"must be in [1, {MAX_SEQUENCE_SLICES}] (1: each row through the layers whole; every slice is "
+                 f"traced and compiled as code of its own), got {self.sequence_slices}")
+        _require(self.sliding_window is None or "sliding_attention" in (self.layer_types or ()),
+                 "model.sliding_window", f"{self.sliding_window} with no sliding_attention layer would change "
+                 "nothing: list the sliding layers in model.layer_types (e.g. [sliding_attention, full_attention, "
+                 "...]) or leave model.sliding_window null")
         _require(not self.attention_sinks or self.attention == "gqa", "model.attention_sinks",
                  "sinks are per head of GQA attention (model.attention=gqa), not MLA")
         self._check_attention()

@@ -117,14 +117,20 @@ def test_flash_bfloat16_and_shapes():
         flash_attention(q, k, v, seg[:, :5])
     with pytest.raises(ValueError, match="one float dtype"):
         flash_attention(q, k.astype(jnp.float32), v, seg)
-    with pytest.raises(ValueError, match="power-of-two block"):
+    with pytest.raises(ValueError, match="power of two >= 16"):
         flash_attention(q, k, v, seg, block=100)
-    with pytest.raises(ValueError, match="q_offset >= 0"):
-        flash_attention(q, k, v, seg, q_offset=-1)
-    with pytest.raises(ValueError, match="window"):
-        flash_attention(q, k, v, seg, window=0)
-    with pytest.raises(ValueError, match=r"one logit per query head, \[4\]"):
-        flash_attention(q, k, v, seg, sinks_h=jnp.zeros((2,)))
+    # the options: one check each, the same in the kernel and the reference
+    for fn in (flash_attention, attention_reference):
+        with pytest.raises(ValueError, match="q_offset must be >= 0"):
+            fn(q, k, v, seg, q_offset=-1)
+        with pytest.raises(ValueError, match="q_offset must be a static Python int"):
+            fn(q, k, v, seg, q_offset=2.5)
+        with pytest.raises(ValueError, match="window must be >= 1"):
+            fn(q, k, v, seg, window=0)
+        with pytest.raises(ValueError, match=r"one float logit per query head, a \[4\] array; got list"):
+            fn(q, k, v, seg, sinks_h=[0.0] * 4)
+        with pytest.raises(ValueError, match="pass the keys' document ids as kv_segment_ids_bs"):
+            fn(q[:, :10], k, v, seg[:, :10], q_offset=30)
     with pytest.raises(ValueError, match="kv_segment_ids"):
         flash_attention(q, k, v, seg, kv_segment_ids_bs=seg[:, :5])
 

@@ -72,5 +72,9 @@ def test_sequence_slices_bad_config(small_config):
         small_config("model.sequence_slices=3")
     with pytest.raises(ConfigError, match="recurrent state does not pass between slices"):
         small_config("model.sequence_slices=2", "model.layer_types=[linear_attention,full_attention]")
-    with pytest.raises(ConfigError, match="model.sequence_slices"):
+    with pytest.raises(ConfigError, match=r"model.sequence_slices: must be in \[1, 8\]"):
         small_config("model.sequence_slices=0")
+    with pytest.raises(ConfigError, match="compiled as code of its own"):
+        small_config("model.sequence_slices=16")
+    with pytest.raises(ConfigError, match="model.sliding_window: 8 with no sliding_attention layer"):
+        small_config("model.sliding_window=8")
