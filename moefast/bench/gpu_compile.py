@@ -293,7 +293,7 @@ def _custom_calls(text: str) -> dict[str, int]:
     # Triton fusions (XLA's own GEMM/softmax emitters and Pallas kernels) are fusions, not custom calls
     calls.update({"triton fusion (" + k + ")": v for k, v in
                   collections.Counter(re.findall(r'"kind":"(__triton[\w_]*)"', text)).items()})
-    # Pallas/Triton kernels by name (the attention's mha_forward/mha_backward, the routing kernel, ...)
+    # Pallas/Triton kernels by name (the attention's moefast_flash_*, the routing kernel, ...)
     calls.update(collections.Counter(
         "kernel " + m.group(1) for line in text.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line
         for m in [re.search(r'name = \\?"([\w.-]+)\\?"[^"]*$', line)] if m))
