@@ -425,6 +425,23 @@ REGISTRY: dict[str, FamilySpec] = {
         layer_tensors=_GPT_OSS_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
         moe_tensors=MappingProxyType({"per_expert": _GPT_OSS_MOE, "fused": _GPT_OSS_MOE}),
         export_constants=MappingProxyType({"swiglu_alpha": 1.702})),
+    # MiniMax-M2 (MiniMaxAI/MiniMax-M2): GQA with q/k RMSNorms over the whole projections and partial
+    # RoPE (the hub's rotary_dim), every layer MoE, sigmoid scores with a selection bias for the
+    # choice and the chosen scores renormalised (as DeepSeek-V3's router without groups or scaling),
+    # Mixtral's expert names; the bias sits beside the router, block_sparse_moe.* on the hub and
+    # mlp.* in transformers' fused layout.
+    "minimax_m2": FamilySpec(
+        model_type="minimax_m2", architecture="MiniMaxM2ForCausalLM", name="MiniMax-M2",
+        hf_defaults=MappingProxyType({"rope_theta": 5e6, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8}),
+        num_experts_keys=("num_local_experts",), expert_ff_key="intermediate_size", norm_topk_prob_key=None,
+        qk_norm="full", partial_rotary=True,
+        router=Router(score_func="sigmoid", selection_bias=MappingProxyType({
+            "per_expert": _L + "block_sparse_moe.e_score_correction_bias",
+            "fused": _L + "mlp.e_score_correction_bias"})),
+        layer_tensors=_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=_moe_tables("block_sparse_moe.", "w1", "w3", "w2"),
+        unsupported=MappingProxyType({"sliding_window": "sliding-window attention"}),
+        export_constants=MappingProxyType({"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True})),
 }
 """HF ``model_type`` -> :class:`FamilySpec`: the families moefast reads and writes, in the order
 :func:`moefast.interop.hf.hf_family` tries them."""

@@ -131,7 +131,9 @@ class Router:
       selection_bias: HF name (``{i}``: the layer) of each MoE layer's selection-bias buffer [E]
         float32 (``e_score_correction_bias``, DeepSeek-V3 sec. 2.1.2), added to the scores for
         choosing experts only; moefast keeps it in the routing state (``routing["bias"]`` row j
-        for the j-th MoE layer), never in the parameters. None: the family has none.
+        for the j-th MoE layer), never in the parameters; or on-disk expert layout -> that name,
+        where the two layouts keep it apart (MiniMax-M2: ``block_sparse_moe.`` in its own
+        checkpoints, ``mlp.`` in transformers' fused layout). None: the family has none.
     """
 
     score_func: Literal["softmax", "sigmoid"] = "softmax"
@@ -139,7 +141,12 @@ class Router:
     default_method: str | None = None
     write_method: bool = False
     scaling_key: str | None = None
-    selection_bias: str | None = None
+    selection_bias: str | Mapping[str, str] | None = None
+
+    def bias_name(self, layout: str) -> str | None:
+        """:attr:`selection_bias` for the on-disk expert ``layout``."""
+        b = self.selection_bias
+        return b.get(layout) if isinstance(b, Mapping) else b
 
     def method(self, limited: bool) -> str | None:
         """The ``topk_method`` that computes moefast's routing: one with group limits if

@@ -107,6 +107,8 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
                    "moefast implements plain RoPE only (no linear/dynamic/YaRN/LongRoPE/Llama-3 scaling)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is None and hf.get("rotary_dim") and hf.get("head_dim"):  # MiniMax-M2's legacy key, as transformers reads it
+        partial = hf["rotary_dim"] / hf["head_dim"]
     partial = spec.hf_defaults.get("partial_rotary_factor", 1.0) if partial is None else partial
     if partial != 1 and not spec.partial_rotary:
         reject("partial_rotary_factor", partial, f"{spec.name}'s attention rotates every feature of a head")

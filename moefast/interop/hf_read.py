@@ -80,12 +80,12 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     target = _abstract_params(cfg, vocab)
     unrolled = dict(_flat_paths(to_layout(target, m, scanned=False)))
     interleaved = bool(hf.get("rope_interleave", spec.hf_defaults.get("rope_interleave", False)))
-    leaves = _leaves(spec, cfg, _disk_layout(spec, cfg, files.where), {p: a.shape for p, a in unrolled.items()},
-                     interleaved)
+    layout = _disk_layout(spec, cfg, files.where)
+    leaves = _leaves(spec, cfg, layout, {p: a.shape for p, a in unrolled.items()}, interleaved)
     expected: dict[str, tuple[int, ...]] = {}
     for p, leaf in leaves.items():
         expected.update(leaf.transform.hf_shapes(leaf.names, unrolled[p].shape, leaf.sizes))
-    expected.update({n: (cfg.moe.num_experts,) for n in _bias_names(spec, cfg)})  # read by load_hf_routing
+    expected.update({n: (cfg.moe.num_experts,) for n in _bias_names(spec, cfg, layout)})  # read by load_hf_routing
     copies = {n: next((c for c in main if c in files.where), main[0]) for n, main in _mtp_copies(spec, cfg)
               if n in files.where}
     missing = [n for n in expected if n not in files.where]
@@ -171,11 +171,11 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     return _unflatten(target, out)
 
 
-def _bias_names(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
-    """HF names of the MoE layers' selection biases [E], in layer order, then the MTP layers' (row
-    j of the routing state's ``bias`` is the j-th, as :func:`~moefast.model.init_routing_state`
-    orders them); empty when the family has none."""
-    name = spec.router.selection_bias
+def _bias_names(spec: FamilySpec, cfg: ExperimentConfig, layout: str = "per_expert") -> list[str]:
+    """HF names of the MoE layers' selection biases [E] in the on-disk expert ``layout``, in layer
+    order, then the MTP layers' (row j of the routing state's ``bias`` is the j-th, as
+    :func:`~moefast.model.init_routing_state` orders them); empty when the family has none."""
+    name = spec.router.bias_name(layout)
     m = cfg.model
     layers = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
     if name is None:
@@ -217,6 +217,7 @@ def load_hf_routing(path: str | Path, cfg: ExperimentConfig, *, shardings: Any =
     if names:
         files = _Files(path)
         try:
+            names = _bias_names(spec, cfg, _disk_layout(spec, cfg, files.where))
             for j, n in enumerate(names):
                 if n not in files.where:
                     raise HFFormatError(f"{path}: the selection bias {n} of a {spec.name} MoE layer is missing")

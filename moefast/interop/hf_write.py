@@ -34,7 +34,8 @@ def _host(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def _bias_rows(spec: FamilySpec, cfg: ExperimentConfig, routing_state: dict | None) -> list[tuple[str, np.ndarray]]:
+def _bias_rows(spec: FamilySpec, cfg: ExperimentConfig, routing_state: dict | None,
+               layout: str = "per_expert") -> list[tuple[str, np.ndarray]]:
     """``(HF name, float32 [E])`` of each MoE layer's selection bias for ``spec`` (empty for a
     family without one).
 
@@ -42,7 +43,7 @@ def _bias_rows(spec: FamilySpec, cfg: ExperimentConfig, routing_state: dict | No
       HFFormatError: no routing state for a family with a selection bias; a non-zero bias for a family
         without one.
     """
-    names = _bias_names(spec, cfg)
+    names = _bias_names(spec, cfg, layout)
     bias = None if not routing_state else _host(routing_state["bias"]).astype(np.float32)
     if not names:
         if bias is not None and np.any(bias):
@@ -157,7 +158,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
     vocab = int(unrolled["embed"].shape[0])
     values = dict(_flat_paths(unrolled))
     leaves = _leaves(spec, cfg, layout, {p: np.shape(v) for p, v in values.items()})
-    bias_rows = _bias_rows(spec, cfg, routing_state)
+    bias_rows = _bias_rows(spec, cfg, routing_state, layout)
 
     # With several processes every one gathers the tensors (collectives) and process 0 alone writes.
     is_main = jax.process_index() == 0

@@ -79,6 +79,9 @@ FAMILIES = {
         mlp_layer_types=["dense", "sparse", "sparse"], intermediate_size=96, moe_intermediate_size=32,
         n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8, q_lora_rank=24,
         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True),
+    "minimax_m2": lambda: transformers.MiniMaxM2Config(
+        **COMMON, num_hidden_layers=2, intermediate_size=32, num_local_experts=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}),
 }
 # config.json keys that each family's export must give back as they were (beyond the shapes)
 CONFIG_KEYS = {
@@ -121,7 +124,7 @@ def _hf_model(family: str, **changes):
     return model
 
 
-SELECTION_BIAS = {"glm4_moe", "deepseek_v3", "glm4_moe_lite"}
+SELECTION_BIAS = {"glm4_moe", "deepseek_v3", "glm4_moe_lite", "minimax_m2"}
 # a family whose models an earlier registered family represents exactly is exported as that one
 EXPORTED_AS = {"glm4_moe_lite": "deepseek_v3"}  # represented by an earlier family too: its default export
 
