@@ -138,12 +138,17 @@ def visited_pairs(kind: str, t: int, s: int, block_q: int, block_k: int, q_offse
     return total * block_q * block_k
 
 
+def _feature_masks(qk_ref, v_ref, hd: int, hv: int):
+    """[1, width] masks of the real features of a query/key block and a value block (each loaded
+    in a block of the next power of two)."""
+    return (jnp.arange(qk_ref.shape[-1]) < hd)[None, :], (jnp.arange(v_ref.shape[-1]) < hv)[None, :]
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sink_ref, o_ref, lse_ref, *, scale, mask: _Mask,
                     block_k, hd, hv):
     block_q = q_ref.shape[0]
     i = pl.program_id(0)
-    qmask = (jnp.arange(q_ref.shape[-1]) < hd)[None, :]
-    vmask = (jnp.arange(v_ref.shape[-1]) < hv)[None, :]
+    qmask, vmask = _feature_masks(q_ref, v_ref, hd, hv)
     q = plgpu.load(q_ref, mask=qmask, other=0.0)
     q_seg = qseg_ref[...]
 
@@ -178,8 +183,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta
                  scale, mask: _Mask, block_q, hd, hv):
     block_k = k_ref.shape[0]
     j = pl.program_id(2)
-    qmask = (jnp.arange(k_ref.shape[-1]) < hd)[None, :]
-    vmask = (jnp.arange(v_ref.shape[-1]) < hv)[None, :]
+    qmask, vmask = _feature_masks(k_ref, v_ref, hd, hv)
     k = plgpu.load(k_ref, mask=qmask, other=0.0)
     v = plgpu.load(v_ref, mask=vmask, other=0.0)
     k_seg = kseg_ref[...]
@@ -206,8 +210,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
                scale, mask: _Mask, block_k, hd, hv):
     block_q = q_ref.shape[0]
     i = pl.program_id(2)
-    qmask = (jnp.arange(q_ref.shape[-1]) < hd)[None, :]
-    vmask = (jnp.arange(v_ref.shape[-1]) < hv)[None, :]
+    qmask, vmask = _feature_masks(q_ref, v_ref, hd, hv)
     q = plgpu.load(q_ref, mask=qmask, other=0.0)
     do = plgpu.load(do_ref, mask=vmask, other=0.0)
     q_seg, lse2, delta = qseg_ref[...], lse_ref[...], delta_ref[...]
