@@ -88,8 +88,8 @@ class ModelConfig:
         ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` (times the YaRN multiplier below).
       partial_rotary_factor: fraction of each head's ``head_dim`` features that RoPE rotates: the
         first ``int(head_dim * partial_rotary_factor)`` (rotate-half within them, the rest pass
-        unchanged; GLM-4.5: 0.5), Hugging Face's name. The rotated width must be even. 1.0 with
-        ``"mla"`` (its RoPE width is ``qk_rope_head_dim``).
+        unchanged; GLM-4.5 and MiniMax-M2: 0.5), Hugging Face's name. The rotated width must be
+        even. 1.0 with ``"mla"`` (its RoPE width is ``qk_rope_head_dim``).
       rope_type: ``"default"`` (RoFormer frequencies) or ``"yarn"``: YaRN scaling of the RoPE
         frequencies (Peng et al. 2023, "YaRN", sec. 3.2-3.4; Hugging Face ``rope_type: yarn``): each
         frequency is interpolated by ``rope_factor`` or kept, with a linear ramp between the
@@ -133,7 +133,7 @@ class ModelConfig:
         whatever n is.
       layer_types: each block's token mixer, one entry per layer (Hugging Face's ``layer_types``):
         ``"full_attention"`` (the ``attention`` block above), ``"sliding_attention"`` (the same
-        block over the ``sliding_window`` latest keys only; gpt-oss, Gemma, MiniMax) or
+        block over the ``sliding_window`` latest keys only; gpt-oss) or
         ``"linear_attention"``: Gated DeltaNet (Yang et al. 2024, arXiv:2412.06464; Qwen3-Next,
         Qwen3.5 / Qwen3.6 MoE; :mod:`moefast.model.gated_deltanet`), whose state resets at every
         packed document's start.
@@ -143,7 +143,8 @@ class ModelConfig:
       sliding_window: W, the keys a ``"sliding_attention"`` layer's query sees: its W latest
         positions, itself included (Hugging Face's ``sliding_window``: key s when ``t - s < W``).
         Required by such layers, below ``max_seq_len`` (a window that covers the context is full
-        attention); the fused kernel skips key blocks outside it. ``None``: no sliding layers.
+        attention); the fused kernel skips key blocks outside it. ``None``: no sliding layers (a
+        window without a sliding layer is an error: it would change nothing).
       attention_sinks: each attention head learns a sink logit that joins every softmax's
         denominator, unscaled, with no value (gpt-oss; Xiao et al. 2023, arXiv 2309.17453), the
         ``sinks`` parameter [H] (HF ``self_attn.sinks``), in the fused kernel and the einsum path.

@@ -421,7 +421,7 @@ REGISTRY: dict[str, FamilySpec] = {
                                       "swiglu_limit": 7.0}),
         num_experts_keys=("num_local_experts",), expert_ff_key="intermediate_size", norm_topk_prob_key=None,
         attention_bias=BiasKey("attention_bias", "all", default=True), yarn=True, sliding_window=True,
-        attention_sinks=True, expert_activation="clamped_swiglu", expert_bias=True, router_bias=True,
+        attention_sinks=True, expert_activation="clamped_swiglu", expert_bias=True, router_bias=True, mxfp4_experts=True,
         layer_tensors=_GPT_OSS_ATTENTION, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
         moe_tensors=MappingProxyType({"per_expert": _GPT_OSS_MOE, "fused": _GPT_OSS_MOE}),
         export_constants=MappingProxyType({"swiglu_alpha": 1.702})),

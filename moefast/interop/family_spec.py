@@ -335,6 +335,8 @@ class FamilySpec:
         ``hidden_act`` says.
       expert_bias, router_bias: the experts' projections / the router have biases (moefast
         ``moe.expert_bias`` / ``moe.router_bias``).
+      mxfp4_experts: the family's hub checkpoints may store the experts in MXFP4
+        (``quant_method: mxfp4``, gpt-oss); any other family refuses that quantization.
 
     A table may list parameters a model lacks (biases, q/k norms): only the model's own parameters
     are looked up, and one with no row cannot be read or written in this family.
@@ -388,6 +390,7 @@ class FamilySpec:
     expert_activation: str = "silu"
     expert_bias: bool = False
     router_bias: bool = False
+    mxfp4_experts: bool = False
 
     def __post_init__(self):
         required = {"rope_theta", "rms_norm_eps", "num_experts_per_tok", self.router.scaling_key,

@@ -93,7 +93,10 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         v = hf.get(key)
         return spec.hf_defaults[key] if v is None else v
 
-    _fp8_block(hf)  # the one quantization moefast reads (dequantized), or an error naming the field
+    _fp8_block(hf)  # the quantizations moefast reads (dequantized), or an error naming the field
+    q = hf.get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == "mxfp4" and not spec.mxfp4_experts:
+        reject("quantization_config.quant_method", "mxfp4", f"MXFP4 is read for gpt-oss's experts only, not {spec.name}")
     if hf.get("hidden_act", "silu") != "silu" and spec.expert_activation == "silu":
         reject("hidden_act", hf["hidden_act"], "moefast's experts are SwiGLU (silu)")
     for field in ("rope_parameters", "rope_scaling"):  # 5.x writes the first; older files (and guides) the second

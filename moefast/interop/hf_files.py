@@ -212,6 +212,9 @@ class _Files:
             self.mxfp4[base] = (blocks[0], blocks[2] * 32, blocks[1])
             self.where[base] = self.where[k]
             self._mx_where[base] = (self.where.pop(k), self.where.pop(base + _MXFP4_SCALES))
+        if mx and not self.mxfp4:
+            raise HFFormatError(f"{path}: config.json says quant_method 'mxfp4' but no tensor is stored as MXFP4 "
+                                "(X_blocks with X_scales): the checkpoint and its config disagree")
         for scale in self._scale_where:
             weight = scale[:-len(_SCALE_INV)]
             if weight not in self.fp8:

@@ -163,3 +163,21 @@ def test_mxfp4_experts_read_as_their_exact_dequantization(saved, tmp_path):
     bad = r"MXFP4 \S+_proj_blocks \[8, \d+, 1, 16\] and \S+_scales \[8, \d+, 2\] do not match"
     with pytest.raises(hf.HFFormatError, match=bad):
         hf.load_hf(tmp_path / "bad")
+
+
+def test_mxfp4_declared_without_mxfp4_tensors_or_for_another_family_is_refused(saved, tmp_path):
+    """quant_method mxfp4 with no X_blocks / X_scales tensors, or in another family's config, is one
+    clear error (and no run is written: load_hf writes nothing)."""
+    _, d = saved
+    for f in d.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(hf.HFFormatError, match="no tensor is stored as MXFP4"):
+        hf.load_hf(tmp_path)
+    from moefast.interop.hf_configs import _hf_sections
+
+    mixtral = transformers.MixtralConfig(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                         num_hidden_layers=1, intermediate_size=32).to_dict()
+    with pytest.raises(hf.HFFormatError, match="MXFP4 is read for gpt-oss's experts only, not Mixtral"):
+        _hf_sections({**mixtral, "quantization_config": {"quant_method": "mxfp4"}})
