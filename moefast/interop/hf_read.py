@@ -116,6 +116,9 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
         bo, bi = files.block
         (log or warnings.warn)(f"{path}: FP8 block-quantized weights (block {bo}×{bi}) dequantized to float32 "
                                f"({len(files.fp8)} tensors, config.json's quantization_config)")
+    if files.mxfp4:
+        (log or warnings.warn)(f"{path}: MXFP4 expert weights dequantized to float32 ({len(files.mxfp4)} tensors, "
+                               "config.json's quantization_config)")
     for n, want in expected.items():
         _check_shape(files, n, want)
     for n, main in copies.items():  # moefast shares these with the main model: they must be exact copies
