@@ -54,8 +54,10 @@ PARAMETER_KEYS = {"model": ("d_model", "num_layers", "num_heads", "num_kv_heads"
                             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "layer_types",
                             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                             "linear_value_head_dim", "linear_conv_kernel_dim", "attention_output_gate",
-                            "zero_centered_norm"),
-                  "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate")}
+                            "zero_centered_norm", "global_head_dim", "num_global_kv_heads", "attention_k_eq_v",
+                            "sandwich_norm", "layer_scalar"),
+                  "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate", "expert_bias", "router_bias",
+                          "branch_norms", "per_expert_scale")}
 # Keys that belong to one invocation of a run, never to the run: the run dir's config.yaml does
 # not keep them, and they are ignored in one that an older moefast wrote with them
 # (:func:`without_invocation_keys`).

@@ -165,6 +165,37 @@ class ModelConfig:
         twice as wide, holds the gate).
       zero_centered_norm: every RMSNorm scale is stored as ``w`` and applied as ``1 + w``, starting
         at 0 (Qwen3-Next / Qwen3.5); Gated DeltaNet's output norm keeps a plain scale.
+      global_head_dim, num_global_kv_heads: the head width and key/value heads of the
+        ``"full_attention"`` layers (and multi-token prediction blocks) in a model with sliding
+        layers, where they differ from the sliding layers' ``head_dim`` / ``num_kv_heads`` (Gemma 4:
+        512 and 2 against 256 and 8; HF's ``global_head_dim``, ``num_global_key_value_heads``).
+        ``None``: as the sliding layers'.
+      global_rope_base, global_rotary_fraction: the full-attention layers' own RoPE (Gemma 4's
+        ``rope_parameters.full_attention``): base (``rope_theta``; ``None``: ``rope_base``) and the
+        fraction of the head's frequency pairs that rotate, HF's "proportional" RoPE
+        (``partial_rotary_factor``): pair i < ``fraction * Hd / 2`` turns features i and i + Hd/2 at
+        the whole head's frequency ``base ** (-2i / Hd)``, the other features pass unchanged
+        (``None``: every pair, plain RoPE). Both ``None``: the full layers use the model's RoPE.
+        Needs sliding layers (``layer_types``) and plain RoPE (``rope_type=default``,
+        ``partial_rotary_factor`` 1).
+      attention_k_eq_v: the full-attention layers have no value projection: their values are the
+        keys' projection before the key norm and RoPE (Gemma 4's ``attention_k_eq_v``; their
+        ``qk`` [D, (H + G)·Hd] replaces ``qkv``).
+      value_norm: every attention layer RMS-normalises each head's values, without a learned
+        scale (Gemma 4's ``v_norm``).
+      attention_scale: the softmax's logit multiplier; ``None``: ``head_dim ** -0.5`` (Vaswani et
+        al. 2017, eq. 1). Gemma 4: 1.0 (its q/k norms set the logits' size).
+      sandwich_norm: each block also RMS-normalises its attention output and its feed-forward output
+        before adding them to the residual stream (``post_attn_norm``, ``post_ffn_norm`` [D]; Gemma
+        2-4's ``post_attention_layernorm`` and ``post_feedforward_layernorm``; the pre-norms keep
+        their names ``attn_norm`` / ``ffn_norm``).
+      embed_scale: token embeddings are multiplied by ``sqrt(d_model)`` in the compute dtype
+        (Gemma); the tied output head uses the embedding matrix unscaled.
+      final_logit_softcapping: C, logits become ``C * tanh(logits / C)`` (Gemma 2, Gemma Team 2024,
+        sec. 2; HF's name); ``None``: none.
+      layer_scalar: each block's output (the whole residual stream) is multiplied by a learned
+        scalar ``layer_scalar`` [1], starting at 1 (Gemma 4; transformers keeps it as a buffer that
+        fine-tuning does not change, moefast trains it like the norm scales, without weight decay).
 """
 
     d_model: int = 256
@@ -218,6 +249,17 @@ class ModelConfig:
     linear_attention_impl: Literal["auto", "reference", "chunked", "pallas"] = "auto"
     attention_output_gate: bool = False
     zero_centered_norm: bool = False
+    global_head_dim: int | None = None
+    num_global_kv_heads: int | None = None
+    global_rope_base: float | None = None
+    global_rotary_fraction: float | None = None
+    attention_k_eq_v: bool = False
+    value_norm: bool = False
+    attention_scale: float | None = None
+    sandwich_norm: bool = False
+    embed_scale: bool = False
+    final_logit_softcapping: float | None = None
+    layer_scalar: bool = False
 
     def __post_init__(self):
         _check_choices(self, "model")
@@ -251,6 +293,7 @@ class ModelConfig:
         self._check_attention()
         self._check_rope()
         self._check_layer_types()
+        self._check_global()
         _require(self.sequence_slices == 1 or "linear_attention" not in (self.layer_types or ()),
                  "model.sequence_slices", f"{self.sequence_slices} slices with Gated DeltaNet layers "
                  "(model.layer_types): their recurrent state does not pass between slices; use 1")
@@ -280,6 +323,67 @@ class ModelConfig:
         _require(self.linear_num_value_heads % self.linear_num_key_heads == 0, "model.linear_num_value_heads",
                  f"must be a multiple of model.linear_num_key_heads={self.linear_num_key_heads} (each key head "
                  f"serves the same number of value heads), got {self.linear_num_value_heads}")
+
+    def _check_global(self):
+        own = [k for k in ("global_head_dim", "num_global_kv_heads", "global_rope_base", "global_rotary_fraction")
+               if getattr(self, k) is not None]
+        _require(not own or "sliding_attention" in (self.layer_types or ()), f"model.{own[0] if own else ''}",
+                 "the full-attention layers' own shape and RoPE need sliding layers beside them (model.layer_types "
+                 "with sliding_attention entries); without them set head_dim, num_kv_heads and the RoPE fields "
+                 "themselves")
+        _require(self.global_head_dim is None or (self.global_head_dim >= 2 and self.global_head_dim % 2 == 0),
+                 "model.global_head_dim", f"must be even and >= 2 (RoPE turns pairs), got {self.global_head_dim}")
+        g = self.num_global_kv_heads
+        _require(g is None or (g >= 1 and self.num_heads % g == 0), "model.num_global_kv_heads",
+                 f"must divide model.num_heads={self.num_heads}, got {g}")
+        _require(self.global_rope_base is None or self.global_rope_base > 1.0, "model.global_rope_base",
+                 f"must be > 1, got {self.global_rope_base}")
+        f = self.global_rotary_fraction
+        _require(f is None or (0.0 < f <= 1.0 and int(f * self.full_head_dim // 2) >= 1),
+                 "model.global_rotary_fraction", f"must be in (0, 1] and rotate at least one pair of the "
+                 f"{self.full_head_dim} features, got {f}")
+        if self.global_rope_base is not None or f is not None:
+            _require(self.rope_type == "default" and self.partial_rotary_factor == 1.0 and self.attention == "gqa",
+                     "model.global_rope_base", "the full layers' own RoPE goes with plain RoPE on the sliding layers "
+                     "(model.rope_type=default, partial_rotary_factor=1.0, attention=gqa)")
+        _require(not (self.attention_k_eq_v or self.value_norm) or self.attention == "gqa", "model.attention_k_eq_v",
+                 "keys as values and the value norm are GQA attention's (model.attention=gqa), not MLA's")
+        _require(self.attention_scale is None or (self.attention_scale > 0 and math.isfinite(self.attention_scale)),
+                 "model.attention_scale", f"must be a finite number > 0 or null (head_dim ** -0.5), got "
+                 f"{self.attention_scale}")
+        c = self.final_logit_softcapping
+        _require(c is None or (c > 0 and math.isfinite(c)), "model.final_logit_softcapping",
+                 f"must be a finite number > 0 or null (no capping), got {c}")
+
+    @property
+    def full_head_dim(self) -> int:
+        """Head width of the ``"full_attention"`` layers (``global_head_dim``, else ``head_dim``)."""
+        return self.head_dim if self.global_head_dim is None else self.global_head_dim
+
+    def attention_shape(self, layer: int) -> tuple[int, int]:
+        """``(key/value heads, head width)`` of block ``layer``'s attention: the full-attention
+        layers' own (``num_global_kv_heads``, ``global_head_dim``) where set, else ``num_kv_heads``
+        and ``head_dim``."""
+        if self.layer_type(layer) == "full_attention":
+            g = self.kv_heads if self.num_global_kv_heads is None else self.num_global_kv_heads
+            return g, self.full_head_dim
+        return self.kv_heads, self.head_dim
+
+    def at_layer(self, layer: int) -> "ModelConfig":
+        """This config as block ``layer`` sees it: ``num_kv_heads`` and ``head_dim`` are that
+        layer's (:meth:`attention_shape`), so code that reads one attention shape from a config
+        (the HF tables' splits) reads the layer's."""
+        g, hd = self.attention_shape(layer)
+        if (g, hd) == (self.kv_heads, self.head_dim):
+            return self
+        return dataclasses.replace(self, num_kv_heads=g, head_dim=hd, global_head_dim=None, num_global_kv_heads=None,
+                                   global_rope_base=None, global_rotary_fraction=None)
+
+    @property
+    def full_layer_rope(self) -> bool:
+        """The full-attention layers have RoPE of their own (``global_rope_base`` or
+        ``global_rotary_fraction`` set)."""
+        return self.global_rope_base is not None or self.global_rotary_fraction is not None
 
     def layer_type(self, layer: int) -> str:
         """Block ``layer``'s token mixer: ``"full_attention"``, ``"sliding_attention"`` or

@@ -134,16 +134,28 @@ class MoEConfig:
       shared_expert_gate: the shared expert's output is scaled per token by
         ``sigmoid(x @ w_gate)`` (Qwen2-MoE ``shared_expert_gate``, a [D, 1] weight); False: added
         as it is.
-      expert_activation: the routed experts' gated unit on the fused gate|up projection:
-        ``"silu"``, SwiGLU ``silu(gate) * up`` (Shazeer 2020); ``"clamped_swiglu"``, gpt-oss's
+      expert_activation: the experts' gated unit on the fused gate|up projection, the shared
+        expert's included: ``"silu"``, SwiGLU ``silu(gate) * up`` (Shazeer 2020); ``"gelu_tanh"``,
+        GeGLU ``gelu(gate) * up`` with the tanh approximation of GELU (Shazeer 2020; Hendrycks and
+        Gimpel 2016, sec. 2; Gemma 4's ``gelu_pytorch_tanh``); ``"clamped_swiglu"``, gpt-oss's
         ``(clip(up, -L, L) + 1) * g * sigmoid(1.702 g)`` with ``g = min(gate, L)``, L =
-        ``swiglu_limit`` (Hugging Face ``GptOssExperts``).
+        ``swiglu_limit`` (Hugging Face ``GptOssExperts``). Dense layers stay SwiGLU.
       swiglu_limit: L of ``"clamped_swiglu"`` (HF ``swiglu_limit``; gpt-oss: 7).
       expert_bias: the routed experts' projections have biases, ``b_in`` [E, 2F] and ``b_out``
         [E, D] (gpt-oss's ``gate_up_proj_bias``, ``down_proj_bias``).
       router_bias: the router's logits have a bias [E] (gpt-oss's ``router.bias``): it changes
         the scores, unlike the aux-loss-free selection bias (``aux_free_bias_rate``), which only
         changes the choice.
+      branch_norms: Gemma 4's MoE block: the shared expert (a dense MLP of ``shared_expert_d_ff``
+        beside the experts, ungated) reads the block's normalised input, the routed experts
+        their own RMSNorm of the residual stream (``routed_in_norm`` [D]), and each branch's
+        output is RMS-normalised (``shared_out_norm``, ``routed_out_norm`` [D]) before the two are
+        added; the router reads ``RMSNorm(x) * router_scale * D ** -0.5`` of the residual stream
+        (an RMSNorm without a weight, then a learned ``router_scale`` [D]; HF
+        ``Gemma4TextRouter``). Needs ``shared_expert_d_ff`` > 0 without ``shared_expert_gate``.
+      per_expert_scale: each routed expert's gates are multiplied by a learned scale of its own
+        (``expert_scale`` [E], starting at 1), after ``norm_topk_prob`` (HF Gemma 4's
+        ``router.per_expert_scale``); the choice does not change.
     """
 
     num_experts: int = 8
@@ -177,10 +189,12 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     shared_expert_d_ff: int = 0
     shared_expert_gate: bool = True
-    expert_activation: Literal["silu", "clamped_swiglu"] = "silu"
+    expert_activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"
     swiglu_limit: float = 7.0
     expert_bias: bool = False
     router_bias: bool = False
+    branch_norms: bool = False
+    per_expert_scale: bool = False
 
     @property
     def dropless(self) -> bool:
@@ -219,6 +233,11 @@ class MoEConfig:
                  f"must be >= 0, got {self.aux_free_bias_rate}")
         _require(self.shared_expert_d_ff >= 0, "moe.shared_expert_d_ff",
                  f"must be >= 0 (0 = no shared expert), got {self.shared_expert_d_ff}")
+        _require(not self.branch_norms or (self.shared_expert_d_ff > 0 and not self.shared_expert_gate),
+                 "moe.branch_norms", "Gemma 4's block runs a dense MLP beside the experts: set "
+                 "moe.shared_expert_d_ff to its width (> 0) and moe.shared_expert_gate=false, or leave branch_norms "
+                 f"false (got shared_expert_d_ff={self.shared_expert_d_ff}, shared_expert_gate="
+                 f"{str(self.shared_expert_gate).lower()})")
         _require(self.min_capacity >= 1, "moe.min_capacity", f"must be >= 1, got {self.min_capacity}")
         _require(1 <= self.overlap_chunks <= MAX_OVERLAP_CHUNKS, "moe.overlap_chunks",
                  f"must be in [1, {MAX_OVERLAP_CHUNKS}] (1 = one exchange, no chunking; every chunk adds "

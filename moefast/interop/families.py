@@ -50,7 +50,7 @@ import numpy as np
 from moefast.config import ModelConfig
 # the engine's vocabulary, importable from here as before the split
 from moefast.interop.family_spec import (LINEAR_KEYS, AllMoE, BiasKey, FamilySpec, FirstKDense,  # noqa: F401
-                                         LayerTypes, MlpLayerTypes, MlpOnlyLayers, Router, SharedExpert)
+                                         Gemma4Keys, LayerTypes, MlpLayerTypes, MlpOnlyLayers, Router, SharedExpert)
 from moefast.interop.transforms import (CONCAT, CONCAT_T, CONV1D, FUSED_EXPERTS, IDENTITY, PER_EXPERT,  # noqa: F401
                                         TRANSPOSED, Concat, ConcatTransposed, Conv1dTaps, ExpertStack, FusedExperts,
                                         Identity, InterleavedGateUp, Part, PerExpert, RowsTransposed, SubPath, Tensor,
@@ -305,6 +305,47 @@ _GPT_OSS_MOE = MappingProxyType({
 [E, 2F], ``down_proj`` [E, F, D] and its bias [E, D]."""
 
 
+# ------------------------------------------------------------------------------------------ Gemma 4
+def _qk_sizes(m: ModelConfig, width: int) -> tuple[int, ...]:
+    """Widths of q | k in a keys-as-values layer's ``qk`` (its own Hd and G: ``m`` is the layer's
+    view, :meth:`~moefast.config.ModelConfig.at_layer`)."""
+    return (m.num_heads * m.head_dim, m.kv_heads * m.head_dim)
+
+
+_GEMMA4_LAYER = MappingProxyType({
+    ("attn_norm", "scale"): _t(IDENTITY, _L + "input_layernorm.weight"),
+    ("post_attn_norm", "scale"): _t(IDENTITY, _L + "post_attention_layernorm.weight"),
+    ("ffn_norm", "scale"): _t(IDENTITY, _L + "pre_feedforward_layernorm.weight"),
+    ("post_ffn_norm", "scale"): _t(IDENTITY, _L + "post_feedforward_layernorm.weight"),
+    ("layer_scalar",): _t(IDENTITY, _L + "layer_scalar"),
+    ("attn", "qkv"): _ATTENTION[("attn", "qkv")],
+    ("attn", "qk"): _t(CONCAT_T, _A + "q_proj.weight", _A + "k_proj.weight", split=_qk_sizes),
+    ("attn", "out"): _ATTENTION[("attn", "out")],
+    ("attn", "q_norm", "scale"): _ATTENTION[("attn", "q_norm", "scale")],
+    ("attn", "k_norm", "scale"): _ATTENTION[("attn", "k_norm", "scale")],
+})
+"""Gemma 4's decoder layer but its feed-forward: the four norms around attention and the
+feed-forward (input, post-attention, pre- and post-feed-forward), the layer scalar [1], q/k/v (or,
+on a keys-as-values full layer, q/k: ``qk``) and o projections at the layer's own head shape,
+per-head q/k norms (the value norm has no weight)."""
+_GEMMA4_MOE = MappingProxyType({
+    ("ffn", "router"): _t(TRANSPOSED, _L + "router.proj.weight"),
+    ("ffn", "router_scale"): _t(IDENTITY, _L + "router.scale"),
+    ("ffn", "expert_scale"): _t(IDENTITY, _L + "router.per_expert_scale"),
+    ("ffn", "w_in"): _t(FUSED_EXPERTS, _L + "experts.gate_up_proj"),
+    ("ffn", "w_out"): _t(FUSED_EXPERTS, _L + "experts.down_proj"),
+    ("ffn", "shared_w_in"): _DENSE_MLP[("ffn", "w_in")],
+    ("ffn", "shared_w_out"): _DENSE_MLP[("ffn", "w_out")],
+    ("ffn", "shared_out_norm"): _t(IDENTITY, _L + "post_feedforward_layernorm_1.weight"),
+    ("ffn", "routed_in_norm"): _t(IDENTITY, _L + "pre_feedforward_layernorm_2.weight"),
+    ("ffn", "routed_out_norm"): _t(IDENTITY, _L + "post_feedforward_layernorm_2.weight"),
+})
+"""Gemma 4's feed-forward (moefast ``moe.branch_norms``): the router's ``proj`` [E, D], ``scale``
+[D] and ``per_expert_scale`` [E]; the experts' ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E,
+D, F] (one on-disk layout); the dense MLP beside them (moefast's shared expert, ``mlp.*``) and the
+branches' norms."""
+
+
 # --------------------------------------------------------------------------------------- registry
 REGISTRY: dict[str, FamilySpec] = {
     "mixtral": FamilySpec(
@@ -442,6 +483,24 @@ REGISTRY: dict[str, FamilySpec] = {
         moe_tensors=_moe_tables("block_sparse_moe.", "w1", "w3", "w2"),
         unsupported=MappingProxyType({"sliding_window": "sliding-window attention"}),
         export_constants=MappingProxyType({"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True})),
+    # Gemma 4's MoE language model (google/gemma-4-26B-A4B's text model, Gemma4ForCausalLM, model_type
+    # gemma4_text): sliding layers (1,024 keys) with five of six, full layers of their own head shape,
+    # keys as values and proportional RoPE; sandwich norms, per-head q/k norms and a weightless value
+    # norm, logits scaled 1 (not Hd^-0.5); in every layer a dense GeGLU MLP beside 128 GeGLU experts,
+    # each branch with its own norms, a router reading its own scaled norm of the residual and
+    # per-expert gate scales; a layer scalar; embeddings times sqrt(D), logits soft-capped.
+    "gemma4_text": FamilySpec(
+        model_type="gemma4_text", architecture="Gemma4ForCausalLM", name="Gemma 4",
+        hf_defaults=MappingProxyType({"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8}),
+        num_experts_keys=("num_experts",), expert_ff_key="moe_intermediate_size", norm_topk_prob_key=None,
+        qk_norm="per_head", sliding_window=True, sliding_pattern=6, expert_activation="gelu_tanh",
+        shared_expert=SharedExpert("intermediate_size", gated=False),
+        layer_tensors=_GEMMA4_LAYER, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=MappingProxyType({"per_expert": _GEMMA4_MOE, "fused": _GEMMA4_MOE}),
+        fixed=MappingProxyType({"model.sandwich_norm": True, "model.value_norm": True, "model.attention_scale": 1.0,
+                                "model.embed_scale": True, "model.layer_scalar": True, "moe.branch_norms": True,
+                                "moe.per_expert_scale": True}),
+        family_keys=Gemma4Keys()),
 }
 """HF ``model_type`` -> :class:`FamilySpec`: the families moefast reads and writes, in the order
 :func:`moefast.interop.hf.hf_family` tries them."""
@@ -478,3 +537,20 @@ REGISTRY["qwen3_5_moe"] = dataclasses.replace(
     moe_tensors=_prefixed(REGISTRY["qwen3_5_moe_text"].moe_tensors, "model.language_model."),
     global_tensors=_prefixed(_GLOBAL, "model.language_model."),
     skipped_tensors=MappingProxyType({"model.visual.": "the vision tower (model.visual.*)", **_LEFTOVER_MTP}))
+
+# Gemma 4 as published (google/gemma-4-26B-A4B[-it]: Gemma4ForConditionalGeneration, model_type gemma4):
+# config.json nests the language model's keys under text_config, its tensors are under
+# model.language_model.* (the output head tied to the embedding), and the vision and audio towers
+# and their embedders (model.vision_tower.*, model.embed_vision.*, model.audio_tower.*,
+# model.embed_audio.*) are skipped with one note. A model read from it is written as the text model
+# (gemma4_text, Gemma4ForCausalLM).
+REGISTRY["gemma4"] = dataclasses.replace(
+    REGISTRY["gemma4_text"], model_type="gemma4", architecture="Gemma4ForConditionalGeneration",
+    name="Gemma 4 (multimodal)", export_as="gemma4_text", text_config_key="text_config",
+    layer_tensors=_prefixed(_GEMMA4_LAYER, "model.language_model."),
+    dense_tensors=_prefixed(_DENSE_MLP, "model.language_model."),
+    moe_tensors=_prefixed(REGISTRY["gemma4_text"].moe_tensors, "model.language_model."),
+    global_tensors=_prefixed(_GLOBAL, "model.language_model."),
+    skipped_tensors=MappingProxyType({p: f"the {what} (model.{p.split('.')[1]}.*)" for p, what in (
+        ("model.vision_tower.", "vision tower"), ("model.embed_vision.", "vision embedder"),
+        ("model.audio_tower.", "audio tower"), ("model.embed_audio.", "audio embedder"))}))

@@ -226,6 +226,134 @@ class LayerTypes:
         return {self.key: list(types)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Gemma4Keys:
+    """Gemma 4's own config.json keys (transformers' ``Gemma4TextConfig``), read into moefast's
+    fields and written back:
+
+    * ``rope_parameters`` per layer type: ``sliding_attention``'s ``rope_theta`` (plain RoPE) is
+      ``model.rope_base``, ``full_attention``'s ``rope_theta`` ``model.global_rope_base`` and, with
+      ``rope_type: proportional``, its ``partial_rotary_factor`` ``model.global_rotary_fraction``;
+    * ``global_head_dim`` (transformers' default 512) and ``num_global_key_value_heads`` (default:
+      ``num_key_value_heads``): ``model.global_head_dim`` / ``num_global_kv_heads``;
+      ``attention_k_eq_v``; ``final_logit_softcapping``;
+    * ``top_k_experts`` (moefast ``moe.top_k``), ``hidden_activation`` (``gelu_pytorch_tanh``:
+      ``moe.expert_activation=gelu_tanh``);
+    * refused: a model without the MoE block (``enable_moe_block`` false), per-layer input
+      embeddings (``hidden_size_per_layer_input`` > 0, the E2B/E4B models), layers sharing their
+      keys and values (``num_kv_shared_layers`` > 0), bidirectional attention (``all``), attention
+      biases, and a last layer that is not full attention (transformers forces it to be).
+    """
+
+    owns: tuple[str, ...] = ("model.global_head_dim", "model.num_global_kv_heads", "model.global_rope_base",
+                             "model.global_rotary_fraction", "model.attention_k_eq_v",
+                             "model.final_logit_softcapping")
+
+    def read(self, hf: Mapping[str, Any], reject: Callable[[str, Any, str], None]) -> tuple[dict, dict]:
+        """``(model, moe)`` fields from config.json dict ``hf``; ``reject(key, value, why)`` raises."""
+        if not hf.get("enable_moe_block"):
+            reject("enable_moe_block", hf.get("enable_moe_block"), "a dense Gemma 4; moefast reads the MoE models "
+                   "(Gemma 4 26B-A4B)")
+        if hf.get("hidden_size_per_layer_input", 256):  # transformers' default when absent
+            reject("hidden_size_per_layer_input", hf.get("hidden_size_per_layer_input", 256),
+                   "per-layer input embeddings (Gemma 4 E2B/E4B); set it to 0 for a model without them")
+        for key in ("num_kv_shared_layers", "attention_bias"):
+            if hf.get(key):
+                reject(key, hf[key], {"num_kv_shared_layers": "layers reusing earlier layers' keys and values",
+                                      "attention_bias": "biases on the attention projections"}[key])
+        if hf.get("use_bidirectional_attention") == "all":
+            reject("use_bidirectional_attention", "all", "bidirectional attention; moefast's models are causal")
+        act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            reject("hidden_activation", act, "Gemma 4's GeGLU with tanh-approximated GELU (gelu_pytorch_tanh)")
+        types = hf.get("layer_types")
+        if types and types[-1] != "full_attention":
+            reject("layer_types", types, "the last layer must be full_attention (transformers makes it so)")
+        rope = hf.get("rope_parameters") or {}
+        sliding, full = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
+        if sliding.get("rope_type", "default") != "default":
+            reject("rope_parameters.sliding_attention.rope_type", sliding.get("rope_type"), "plain RoPE only")
+        if full.get("rope_type", "default") not in ("default", "proportional"):
+            reject("rope_parameters.full_attention.rope_type", full.get("rope_type"), "plain or proportional RoPE")
+        if full.get("factor", 1.0) != 1.0:
+            reject("rope_parameters.full_attention.factor", full["factor"], "proportional RoPE without scaling")
+        kv = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+        head_dim, g_kv = self._full_shape(hf, kv, reject)
+        proportional = full.get("rope_type") == "proportional"
+        model = dict(rope_base=float(sliding.get("rope_theta", 10000.0)),
+                     global_rope_base=float(full.get("rope_theta", 1e6)),
+                     global_rotary_fraction=float(full.get("partial_rotary_factor", 1.0)) if proportional else None,
+                     global_head_dim=head_dim if head_dim != hf.get("head_dim") else None,
+                     num_global_kv_heads=g_kv if g_kv != kv else None,
+                     attention_k_eq_v=bool(hf.get("attention_k_eq_v", False)),
+                     final_logit_softcapping=hf.get("final_logit_softcapping"))
+        if model["global_rotary_fraction"] == 1.0:
+            model["global_rotary_fraction"] = None
+        moe = dict(top_k=int(hf.get("top_k_experts") or 1), expert_activation="gelu_tanh")
+        return model, moe
+
+    @staticmethod
+    def _full_shape(hf: Mapping[str, Any], kv: int, reject) -> tuple[int, int]:
+        """(head_dim, key/value heads) of the full-attention layers: from ``per_layer_config``
+        (what transformers writes: overrides per layer index), else ``global_head_dim`` (default
+        512) and, with ``attention_k_eq_v``, ``num_global_key_value_heads``."""
+        types = hf.get("layer_types") or []
+        per_layer = hf.get("per_layer_config")
+        if per_layer is None:
+            g_kv = hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v") else None
+            return int(hf.get("global_head_dim") or 512), int(g_kv or kv)
+        if not isinstance(per_layer, Mapping) or not types:
+            reject("per_layer_config", per_layer, "overrides per layer index, with layer_types listed")
+        shapes = set()
+        for i, kind in enumerate(types):
+            over = dict(per_layer.get(str(i), per_layer.get(i)) or {})
+            extra = sorted(set(over) - {"head_dim", "num_key_value_heads"})
+            if extra or (kind != "full_attention" and over):
+                reject("per_layer_config", per_layer, f"layer {i} ({kind}) overrides {sorted(over)}: moefast reads "
+                       "head_dim and num_key_value_heads of the full-attention layers only")
+            if kind == "full_attention":
+                shapes.add((int(over.get("head_dim", hf.get("head_dim"))), int(over.get("num_key_value_heads", kv))))
+        if len(shapes) != 1:
+            reject("per_layer_config", per_layer, "full-attention layers of more than one shape")
+        return shapes.pop()
+
+    def write(self, cfg: ExperimentConfig) -> dict[str, Any]:
+        """Gemma 4's keys of ``cfg``'s model (the full layers' shape as ``per_layer_config``, as
+        transformers writes it, and as ``global_head_dim`` / ``num_global_key_value_heads``)."""
+        m, e = cfg.model, cfg.moe
+        full = {"rope_type": "default", "rope_theta": m.global_rope_base or m.rope_base}
+        if m.global_rotary_fraction is not None:
+            full.update(rope_type="proportional", partial_rotary_factor=m.global_rotary_fraction)
+        g_kv, g_hd = m.attention_shape(m.num_layers)
+        over = {"head_dim": g_hd, **({"num_key_value_heads": g_kv} if m.attention_k_eq_v else {})}
+        return {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": m.rope_base},
+                                    "full_attention": full},
+                "per_layer_config": {str(i): over for i in range(m.num_layers) if m.layer_type(i) == "full_attention"},
+                "global_head_dim": g_hd, "num_global_key_value_heads": g_kv,
+                "attention_k_eq_v": m.attention_k_eq_v, "final_logit_softcapping": m.final_logit_softcapping,
+                "top_k_experts": e.top_k, "hidden_activation": "gelu_pytorch_tanh", "enable_moe_block": True,
+                "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "use_double_wide_mlp": False,
+                "attention_bias": False}
+
+    def problems(self, cfg: ExperimentConfig, name: str) -> list[str]:
+        """What keeps Gemma 4 from holding ``cfg``'s model besides the :class:`FamilySpec` fields."""
+        m = cfg.model
+        out = []
+        if "sliding_attention" not in (m.layer_types or ()):
+            out.append(f"model.layer_types without sliding_attention layers ({name} mixes sliding and full layers)")
+        elif m.layer_types[-1] != "full_attention":
+            out.append(f"model.layer_types ending in {m.layer_types[-1]} ({name}'s last layer is full attention)")
+        if m.rope_type != "default" or m.partial_rotary_factor != 1.0:
+            out.append(f"model.rope_type={m.rope_type}, partial_rotary_factor={m.partial_rotary_factor} ({name}'s "
+                       "sliding layers rotate whole heads with plain RoPE)")
+        if m.attention_bias != "none":
+            out.append(f"model.attention_bias={m.attention_bias} ({name} has none)")
+        if m.attention_k_eq_v is False and m.num_global_kv_heads is not None:
+            out.append(f"model.num_global_kv_heads={m.num_global_kv_heads} without attention_k_eq_v ({name}'s "
+                       "full layers have their own KV heads only with keys as values)")
+        return out
+
+
 # ----------------------------------------------------------------------------------------- family
 @dataclasses.dataclass(frozen=True)
 class FamilySpec:
@@ -337,6 +465,14 @@ class FamilySpec:
         ``moe.expert_bias`` / ``moe.router_bias``).
       mxfp4_experts: the family's hub checkpoints may store the experts in MXFP4
         (``quant_method: mxfp4``, gpt-oss); any other family refuses that quantization.
+      sliding_pattern: with ``sliding_window``, where config.json has no ``layer_types``, layer i
+        is full attention when ``(i + 1) % sliding_pattern == 0`` (gpt-oss: 2, Gemma 4: 6).
+      fixed: moefast config keys (``"model.sandwich_norm"``) the family always has at these values:
+        set on import, and a model with another value cannot be written as this family; a key that
+        some family fixes must hold its default in the others.
+      family_keys: config.json keys only this family has, read into moefast's keys and written
+        back (:class:`Gemma4Keys`: ``read``, ``write``, ``problems``, the moefast keys it ``owns``,
+        which must hold their defaults in other families).
 
     A table may list parameters a model lacks (biases, q/k norms): only the model's own parameters
     are looked up, and one with no row cannot be read or written in this family.
@@ -391,6 +527,9 @@ class FamilySpec:
     expert_bias: bool = False
     router_bias: bool = False
     mxfp4_experts: bool = False
+    sliding_pattern: int = 2
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    family_keys: Gemma4Keys | None = None
 
     def __post_init__(self):
         required = {"rope_theta", "rms_norm_eps", "num_experts_per_tok", self.router.scaling_key,

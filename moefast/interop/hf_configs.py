@@ -99,8 +99,8 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         reject("quantization_config.quant_method", "mxfp4", f"MXFP4 is read for gpt-oss's experts only, not {spec.name}")
     if hf.get("hidden_act", "silu") != "silu" and spec.expert_activation == "silu":
         reject("hidden_act", hf["hidden_act"], "moefast's experts are SwiGLU (silu)")
-    for field in ("rope_parameters", "rope_scaling"):  # 5.x writes the first; older files (and guides) the second
-        rope = hf.get(field) or {}
+    for field in ("rope_parameters", "rope_scaling") if spec.family_keys is None else ():  # 5.x writes the first;
+        rope = hf.get(field) or {}  # older files (and guides) the second; a family with keys of its own reads them
         if "full_attention" in rope or "sliding_attention" in rope:
             reject(field, rope, "RoPE parameters per layer type (sliding-window layers)")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -125,7 +125,7 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     sliding = None
     if spec.sliding_window:
         kinds = ("sliding_attention", "full_attention")
-        layer_types = hf.get("layer_types") or [kinds[(i + 1) % 2 == 0] for i in range(n_layers)]
+        layer_types = hf.get("layer_types") or [kinds[(i + 1) % spec.sliding_pattern == 0] for i in range(n_layers)]
         if len(layer_types) != n_layers or any(t not in kinds for t in layer_types):
             reject("layer_types", hf.get("layer_types"), f"one entry per layer ({n_layers}), each {kinds[0]!r} or "
                    f"{kinds[1]!r}")
@@ -226,12 +226,19 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
                **_router_sections(spec, hf, get, reject))
     if hf.get("router_aux_loss_coef") is not None:
         moe["aux_loss_coef"] = float(hf["router_aux_loss_coef"])
-    if spec.expert_activation != "silu":
+    if spec.expert_activation == "clamped_swiglu":
         from moefast.parallel.expert import GPT_OSS_ALPHA
         if hf.get("swiglu_alpha", GPT_OSS_ALPHA) != GPT_OSS_ALPHA:
             reject("swiglu_alpha", hf["swiglu_alpha"], f"the clamped SwiGLU's gain is {GPT_OSS_ALPHA} in moefast")
         moe.update(expert_activation=spec.expert_activation, swiglu_limit=float(get("swiglu_limit")))
-    moe.update(expert_bias=spec.expert_bias, router_bias=spec.router_bias)
+    moe.update(expert_bias=spec.expert_bias, router_bias=spec.router_bias, expert_activation=spec.expert_activation)
+    for key, value in spec.fixed.items():
+        sec, _, field = key.partition(".")
+        (model if sec == "model" else moe)[field] = value
+    if spec.family_keys is not None:
+        own_model, own_moe = spec.family_keys.read(hf, reject)
+        model.update(own_model)
+        moe.update(own_moe)
     return model, moe
 
 
@@ -394,8 +401,38 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
                        f"{'has' if getattr(spec, field) else 'has no'} {field.replace('_', ' ')}es)")
     if m.rope_type == "yarn" and not m.rope_truncate and not spec.yarn:
         out.append(f"model.rope_truncate=false ({name} has no YaRN scaling here)")
+    out += _fixed_problems(spec, cfg)
+    if spec.family_keys is not None:
+        out += spec.family_keys.problems(cfg, name)
     out += [message for fails, message in spec.model_checks if fails(cfg)]
     return out
+
+
+def _fixed_problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
+    """The keys some family fixes (``FamilySpec.fixed``) or reads itself (``family_keys.owns``)
+    where ``cfg`` differs from what ``spec`` holds: its fixed value, the key's default where it
+    neither fixes nor owns it."""
+    out = []
+    owned = set(spec.family_keys.owns) if spec.family_keys is not None else set()
+    keys = {k for other in families.REGISTRY.values() for k in (*other.fixed, *(other.family_keys.owns if
+                                                                                 other.family_keys else ()))}
+    for key in sorted(keys - owned):
+        sec, _, field = key.partition(".")
+        want = spec.fixed[key] if key in spec.fixed else _default(sec, field)
+        have = getattr(getattr(cfg, sec), field)
+        if have != want:
+            shown = lambda v: str(v).lower() if isinstance(v, bool) or v is None else v  # noqa: E731
+            out.append(f"{key}={shown(have)} ({spec.name} has {shown(want)})")
+    return out
+
+
+def _default(section: str, field: str) -> Any:
+    """The default of config key ``section.field``."""
+    import dataclasses
+
+    from moefast.config import ModelConfig, MoEConfig
+    cls = ModelConfig if section == "model" else MoEConfig
+    return next(f.default for f in dataclasses.fields(cls) if f.name == field)
 
 
 def hf_family(cfg: ExperimentConfig, family: str | None = None) -> str:
@@ -444,11 +481,13 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
         "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "max_position_embeddings": m.max_seq_len,
         "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_base,
         "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_base},
-        "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "num_experts_per_tok": e.top_k,
+        "tie_word_embeddings": m.tie_embeddings, "num_experts_per_tok": e.top_k,
         "initializer_range": m.init_std, "attention_dropout": 0.0, "use_cache": True,
         "router_aux_loss_coef": e.aux_loss_coef, "output_router_logits": False, "dtype": dtype,
         **special,
     }
+    if spec.expert_activation != "gelu_tanh":  # Gemma 4 names its activation hidden_activation (family_keys)
+        out["hidden_act"] = "silu"
     if spec.dense_ff_key:
         out[spec.dense_ff_key] = m.dense_ff
     out[spec.expert_ff_key] = m.d_ff
@@ -497,5 +536,7 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
         out.update(layer_types=[m.layer_type(i) for i in range(m.num_layers)], sliding_window=m.sliding_window)
     if spec.expert_activation == "clamped_swiglu":
         out["swiglu_limit"] = e.swiglu_limit
+    if spec.family_keys is not None:
+        out.update(spec.family_keys.write(cfg))
     out.update({k: v(cfg) if callable(v) else v for k, v in spec.export_constants.items()})
     return out

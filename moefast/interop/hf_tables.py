@@ -79,8 +79,11 @@ def _leaves(spec: FamilySpec, cfg: ExperimentConfig, layout: str,
     if unknown:
         raise HFFormatError(f"parameters {unknown[:3]} have no Hugging Face name in {spec.model_type}")
     perms = spec.rope_interleave if interleaved else {}
-    return {p: _Leaf(row.transform_for(m), tuple(n.format(i=i, e="{e}") for n in row.names),
-                     row.sizes(m, shapes[p][-1]), perms[sub](m) if sub in perms else None)
+    def seen(i):  # the config as layer i sees it: its own attention shape (ModelConfig.at_layer)
+        return m if i is None else m.at_layer(i)
+
+    return {p: _Leaf(row.transform_for(seen(i)), tuple(n.format(i=i, e="{e}") for n in row.names),
+                     row.sizes(seen(i), shapes[p][-1]), perms[sub](seen(i)) if sub in perms else None)
             for p, (row, i, sub) in rows.items() if p in shapes}
 
 

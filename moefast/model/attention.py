@@ -189,19 +189,29 @@ class Attention(nnx.Module):
     (embed, heads), the output multiplied by ``sigmoid(x gate)`` before ``out``. ``window``
     (``"sliding_attention"`` layers, ``model.sliding_window``): each query sees its ``window``
     latest keys. ``sinks`` (``model.attention_sinks``; gpt-oss): ``sinks`` [H] (heads), a learned
-    logit per head joining each softmax's denominator.
+    logit per head joining each softmax's denominator. ``k_eq_v`` (``model.attention_k_eq_v``, Gemma 4's
+    full layers): ``qk`` [D, (H + G)·Hd] replaces ``qkv``, the values being the keys' projection before
+    their norm and RoPE. ``value_norm``: each head's values RMS-normalised without a scale (Gemma 4).
+    ``scale``: the logits' multiplier (``None``: Hd ** -0.5).
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  dtype, init_std: float, out_std: float, bias: str = "none", qk_norm: str = "none",
                  norm_eps: float = 1e-6, output_gate: bool = False, zero_centered: bool = False,
-                 window: int | None = None, sinks: bool = False, rngs: nnx.Rngs):
+                 window: int | None = None, sinks: bool = False, k_eq_v: bool = False, value_norm: bool = False,
+                 scale: float | None = None, rngs: nnx.Rngs):
+        if k_eq_v and bias != "none":
+            raise ValueError("Attention: keys as values (k_eq_v) has no value projection to bias; use bias='none'")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window, self.has_sinks = window, sinks
         self.dtype, self.bias, self.qk_norm, self.output_gate = dtype, bias, qk_norm, output_gate
+        self.k_eq_v, self.value_norm, self.norm_eps, self.scale = k_eq_v, value_norm, norm_eps, scale
         init = jax.nn.initializers.normal(init_std)
-        width = (num_heads + 2 * num_kv_heads) * head_dim
-        self.qkv = nnx.Param(init(rngs.params(), (d_model, width)), logical_axes=("embed", "heads"))
+        width = (num_heads + (1 if k_eq_v else 2) * num_kv_heads) * head_dim
+        if k_eq_v:
+            self.qk = nnx.Param(init(rngs.params(), (d_model, width)), logical_axes=("embed", "heads"))
+        else:
+            self.qkv = nnx.Param(init(rngs.params(), (d_model, width)), logical_axes=("embed", "heads"))
         if output_gate:
             self.gate = nnx.Param(init(rngs.params(), (d_model, num_heads * head_dim)), logical_axes=("embed", "heads"))
         self.out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * head_dim, d_model)),
@@ -231,15 +241,19 @@ class Attention(nnx.Module):
         ``kv_prefix`` ``(out, (keys, values) of the prefix and this slice)`` for the next slice."""
         b, t, _ = x_btd.shape
         h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = dense(x_btd, self.qkv[...], self.dtype, ("embed", "heads"))
+        qkv = dense(x_btd, (self.qk if self.k_eq_v else self.qkv)[...], self.dtype, ("embed", "heads"))
         if self.bias != "none":  # added in float32: the bias gradient sums tokens in float32
             qkv = (qkv.astype(jnp.float32) + self.qkv_bias[...][None, None]).astype(self.dtype)
-        q, k, v = qkv[..., : h * hd], qkv[..., h * hd: (h + g) * hd], qkv[..., (h + g) * hd:]
+        q, k = qkv[..., : h * hd], qkv[..., h * hd: (h + g) * hd]
+        v = k if self.k_eq_v else qkv[..., (h + g) * hd:]  # keys as values: before the key norm and RoPE
         if self.qk_norm == "full":
             q, k = self.q_norm(q).astype(self.dtype), self.k_norm(k).astype(self.dtype)
         q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, g, hd), v.reshape(b, t, g, hd)
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q).astype(self.dtype), self.k_norm(k).astype(self.dtype)
+        if self.value_norm:  # RMSNorm without a scale, in float32
+            v32 = v.astype(jnp.float32)
+            v = (v32 * jax.lax.rsqrt(jnp.mean(jnp.square(v32), axis=-1, keepdims=True) + self.norm_eps)).astype(self.dtype)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         new_cache = None
@@ -251,7 +265,7 @@ class Attention(nnx.Module):
         if kv_prefix:
             k, v = (jnp.concatenate([p, a], axis=1) for p, a in zip(kv_prefix, (k, v)))
         sinks = self.sinks[...] if self.has_sinks else None
-        o = attend(q, k, v, mask_b1ts, causal=cache is None, window=self.window, sinks_h=sinks,
+        o = attend(q, k, v, mask_b1ts, causal=cache is None, window=self.window, sinks_h=sinks, scale=self.scale,
                    q_start=None if cache is None else cache_index).reshape(b, t, h * hd)
         if self.output_gate:
             g = dense(x_btd, self.gate[...], self.dtype, ("embed", "heads"))

@@ -24,6 +24,9 @@ The convention is PaLM's (Chowdhery et al. 2022, appendix B): training FLOPs per
   nothing. With MLA the term is ``6 * L * H * (Hd_qk + Hv) * T``, Hd_qk = ``qk_nope_head_dim +
   qk_rope_head_dim`` and Hv = ``v_head_dim`` (the training path's expanded heads).
 
+Full-attention layers of a shape of their own (``model.global_head_dim``, ``num_global_kv_heads``;
+``attention_k_eq_v``: no value projection) count at their own Hd and G in both terms (Gemma 4).
+
 Gated DeltaNet layers (``model.layer_types``; :mod:`moefast.model.gated_deltanet`) replace the
 attention projections by their own (``in_proj`` ``D * (C + 2 * Hv * V + 2 * Hv)``, the depthwise
 convolution's ``W * C`` taps, ``out`` ``Hv * V * D``; C = ``2 * Hk * K + Hv * V``) and the attention
@@ -87,39 +90,38 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
     if not v:
         raise ValueError("model.vocab_size is null: pass vocab_size (the tokenizer's vocabulary size)")
     d, f = m.d_model, m.d_ff
-    qkv = (m.num_heads + 2 * m.kv_heads) * m.head_dim
-    attn = d * qkv + m.num_heads * m.head_dim * d
-    attn += {"none": 0, "qkv": qkv, "all": qkv + d}[m.attention_bias]
-    attn += {"none": 0, "per_head": 2 * m.head_dim, "full": (m.num_heads + m.kv_heads) * m.head_dim}[m.qk_norm]
-    if m.attention_output_gate:
-        attn += d * m.num_heads * m.head_dim
-    if m.attention_sinks:  # a logit per head, not multiplied by a token: in the total only
-        attn_other = m.num_heads
-    else:
-        attn_other = 0
-    norms = 2 * d
+    # a logit per head (sinks), not multiplied by a token: in the total only
+    attn_other = m.num_heads if m.attention_sinks else 0
+    norms = 2 * d + (2 * d if m.sandwich_norm else 0) + (1 if m.layer_scalar else 0)
     if m.attention == "mla":
         attn, mla_norms = _mla_params(m)
         norms += mla_norms
+        attn_at = lambda i: attn  # noqa: E731
+    else:
+        attn_at = lambda i: _gqa_params(m, i)  # noqa: E731
+        attn = attn_at(m.num_layers)  # a full-attention layer's (the MTP blocks')
     n_linear = sum(m.layer_type(i) == "linear_attention" for i in range(m.num_layers))
-    n_full = m.num_layers - n_linear
+    attn_layers = sum(attn_at(i) for i in range(m.num_layers) if m.layer_type(i) != "linear_attention")
     linear_weights, linear_other = _linear_params(m)
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     n_dense = m.num_layers - n_moe
     expert = 3 * d * f + ((2 * f + d) if e.expert_bias else 0)
-    router = d * e.num_experts + (e.num_experts if e.router_bias else 0)
+    router = d * e.num_experts + (e.num_experts if e.router_bias else 0) + (e.num_experts if e.per_expert_scale else 0)
     dense = 3 * d * m.dense_ff
     shared = 3 * d * e.shared_expert_d_ff + (d if e.shared_expert_d_ff and e.shared_expert_gate else 0)
+    norms_moe = 4 * d if e.branch_norms else 0  # not multiplied by a token's features: in the total only
     experts = n_moe * e.num_experts * expert
-    mixers_total = n_full * (attn + attn_other) + n_linear * (linear_weights + linear_other)
-    layers_total = mixers_total + m.num_layers * norms + n_moe * (router + shared) + experts + n_dense * dense
+    n_full = m.num_layers - n_linear
+    mixers_total = attn_layers + n_full * attn_other + n_linear * (linear_weights + linear_other)
+    layers_total = (mixers_total + m.num_layers * norms + n_moe * (router + shared + norms_moe) + experts
+                    + n_dense * dense)
     embed = v * d
     total = layers_total + embed + d + (0 if m.tie_embeddings else embed)  # + final norm
-    active = (n_full * attn + n_linear * linear_weights + n_moe * (router + e.top_k * expert + shared)
+    active = (attn_layers + n_linear * linear_weights + n_moe * (router + e.top_k * expert + shared)
               + n_dense * dense + embed)
     if m.mtp_depth:  # DeepSeek-V3 sec. 2.2: M_k, one block, three norms; the head is shared (active once more)
         if n_moe:
-            block_total = attn + attn_other + norms + router + shared + e.num_experts * expert
+            block_total = attn + attn_other + norms + router + shared + norms_moe + e.num_experts * expert
             block_active = attn + router + e.top_k * expert + shared
             experts += m.mtp_depth * e.num_experts * expert
         else:
@@ -128,6 +130,22 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
         active += m.mtp_depth * (2 * d * d + block_active + embed)
     return ParamCounts(total=total, active=active,
                        active_with_embedding=active + (0 if m.tie_embeddings else embed), experts=experts)
+
+
+def _gqa_params(m, layer: int) -> int:
+    """Weights of block ``layer``'s GQA attention multiplied by each token's features (its own
+    head shape, :meth:`~moefast.config.ModelConfig.attention_shape`; no value projection with
+    ``attention_k_eq_v`` on a full layer), with their biases and q/k norm scales."""
+    d, h = m.d_model, m.num_heads
+    g, hd = m.attention_shape(layer)
+    kv = 1 if m.attention_k_eq_v and m.layer_type(layer) == "full_attention" else 2
+    qkv = (h + kv * g) * hd
+    attn = d * qkv + h * hd * d
+    attn += {"none": 0, "qkv": qkv, "all": qkv + d}[m.attention_bias]
+    attn += {"none": 0, "per_head": 2 * hd, "full": (h + g) * hd}[m.qk_norm]
+    if m.attention_output_gate:
+        attn += d * h * hd
+    return attn
 
 
 def _linear_params(m) -> tuple[int, int]:
@@ -187,7 +205,8 @@ def model_flops_per_token(cfg: ExperimentConfig, vocab_size: int | None = None, 
     layers = m.num_layers - n_linear + m.mtp_depth  # attention layers; each MTP module has one more
     if m.attention == "mla":  # scores over Hd_qk features, weighted values over Hv: 6 * L * H * (Hd_qk + Hv) * T
         return float(6 * n_active + 6 * layers * m.num_heads * sum(attention_widths(m)) * t + linear)
-    # a sliding-window layer's query sees at most W keys: T -> min(T, W) in its term
+    # a sliding-window layer's query sees at most W keys: T -> min(T, W) in its term; each layer at its own Hd
     n_sliding = sum(m.layer_type(i) == "sliding_attention" for i in range(m.num_layers))
-    keys = (layers - n_sliding) * t + n_sliding * min(t, m.sliding_window or t)
-    return float(6 * n_active + 12 * m.num_heads * m.head_dim * keys + linear)
+    width_keys = ((layers - n_sliding) * m.full_head_dim * t
+                  + n_sliding * m.head_dim * min(t, m.sliding_window or t))
+    return float(6 * n_active + 12 * m.num_heads * width_keys + linear)

@@ -14,11 +14,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moefast.config import MoEConfig
-from moefast.parallel.expert import MoEStats, RoutingSums, moe_ffn
+from moefast.parallel.expert import MoEStats, RoutingSums, gated_unit, moe_ffn
 from moefast.parallel.mesh import check_mesh_axes
 from moefast.parallel.precision import dense
 
 __all__ = ["MoELayer", "MoEStats"]
+
+
+def _rms(x, scale_d, eps: float):
+    """RMSNorm of ``x`` [..., D] times ``scale_d`` [D], in float32 (transformers' Gemma4RMSNorm)."""
+    x = x.astype(jnp.float32)
+    scale = scale_d.reshape((1,) * (x.ndim - 1) + (-1,))
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * scale
 
 
 class MoELayer(nnx.Module):
@@ -35,8 +42,11 @@ class MoELayer(nnx.Module):
     [D, 2Fs] (embed, mlp), ``shared_w_out`` [Fs, D] (mlp, embed) and, with
     ``moe.shared_expert_gate``, ``shared_gate`` [D, 1] (embed, None). With ``moe.router_bias``:
     ``router_bias`` [E] (router); with ``moe.expert_bias``: ``b_in`` [E, 2F] (expert, mlp) and
-    ``b_out`` [E, D] (expert, embed), zero-initialised (gpt-oss). The routed experts' gated unit
-    is ``moe.expert_activation``'s (:func:`~moefast.parallel.expert.gated_unit`).
+    ``b_out`` [E, D] (expert, embed), zero-initialised (gpt-oss). With ``moe.branch_norms`` (Gemma
+    4): ``shared_out_norm``, ``routed_in_norm``, ``routed_out_norm`` and ``router_scale`` [D]
+    (norm), starting at 1; with ``moe.per_expert_scale``: ``expert_scale`` [E] (router), starting
+    at 1. Every expert's gated unit, the shared one's included, is ``moe.expert_activation``'s
+    (:func:`~moefast.parallel.expert.gated_unit`).
 
     Args:
       d_model: D.
@@ -46,6 +56,7 @@ class MoELayer(nnx.Module):
       dtype: compute dtype of the experts (the router is float32).
       init_std: normal initialiser std of ``router`` and the input projections.
       out_std: std of the output projections (default ``init_std``).
+      norm_eps: epsilon of the RMSNorms of ``moe.branch_norms``.
       rngs: parameter initialisation keys.
 
     Example::
@@ -55,10 +66,10 @@ class MoELayer(nnx.Module):
     """
 
     def __init__(self, d_model: int, d_ff: int, moe: MoEConfig, *, dtype=jnp.float32, init_std: float = 0.02,
-                 out_std: float | None = None, rngs: nnx.Rngs):
+                 out_std: float | None = None, norm_eps: float = 1e-6, rngs: nnx.Rngs):
         if d_model < 1 or d_ff < 1:
             raise ValueError(f"MoELayer: d_model and d_ff must be >= 1, got {d_model} and {d_ff}")
-        self.moe, self.d_ff, self.dtype = moe, d_ff, dtype
+        self.moe, self.d_ff, self.dtype, self.norm_eps = moe, d_ff, dtype, norm_eps
         e = moe.num_experts
         init = jax.nn.initializers.normal(init_std)
         out_init = jax.nn.initializers.normal(out_std or init_std)
@@ -76,6 +87,12 @@ class MoELayer(nnx.Module):
             self.shared_w_out = nnx.Param(out_init(rngs.params(), (fs, d_model)), logical_axes=("mlp", "embed"))
             if moe.shared_expert_gate:
                 self.shared_gate = nnx.Param(init(rngs.params(), (d_model, 1)), logical_axes=("embed", None))
+        if moe.branch_norms:  # Gemma 4's block: the branches' own RMSNorms and the router's scale
+            norm = lambda: nnx.Param(jnp.ones((d_model,), jnp.float32), logical_axes=("norm",))  # noqa: E731
+            self.shared_out_norm, self.routed_in_norm, self.routed_out_norm = norm(), norm(), norm()
+            self.router_scale = norm()
+        if moe.per_expert_scale:
+            self.expert_scale = nnx.Param(jnp.ones((e,), jnp.float32), logical_axes=("router",))
 
     @property
     def num_experts(self) -> int:
@@ -88,7 +105,8 @@ class MoELayer(nnx.Module):
     def __call__(self, x_btd: jax.Array, mask_bt: jax.Array, *, drop_tokens: bool = True,
                  bias_e: jax.Array | None = None, load_ema_e: jax.Array | None = None,
                  warmup_key: jax.Array | None = None, warmup_active: jax.Array | None = None,
-                 reduce_stats: bool = True) -> tuple[jax.Array, MoEStats | RoutingSums]:
+                 reduce_stats: bool = True, residual_btd: jax.Array | None = None
+                 ) -> tuple[jax.Array, MoEStats | RoutingSums]:
         """Applies the experts.
 
         Args:
@@ -106,6 +124,9 @@ class MoELayer(nnx.Module):
             :func:`~moefast.parallel.expert.moe_ffn`).
           reduce_stats: False: per-token-shard :class:`~moefast.parallel.expert.RoutingSums`
             instead of :class:`MoEStats` (see :func:`~moefast.parallel.expert.moe_ffn`).
+          residual_btd: [B, T, D] the block's residual stream before its norm, which the router and
+            the routed experts read with ``moe.branch_norms`` (required then; ``x_btd`` is the
+            shared expert's input).
 
         Returns:
           ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` — the routed experts' gated sum plus the
@@ -129,15 +150,29 @@ class MoELayer(nnx.Module):
         w_in, w_out = self.w_in[...], self.w_out[...]
         if self.moe.expert_bias:
             w_in, w_out = (w_in, self.b_in[...]), (w_out, self.b_out[...])
-        y, stats = moe_ffn(x_btd, mask_bt, self.router[...], w_in, w_out, self.moe,
+        routed_x, router_x = x_btd, None
+        if self.moe.branch_norms:
+            if residual_btd is None or residual_btd.shape != x_btd.shape:
+                raise ValueError(f"MoELayer: moe.branch_norms reads the residual stream: pass residual_btd of shape "
+                                 f"{tuple(x_btd.shape)}, got {None if residual_btd is None else residual_btd.shape}")
+            eps = self.norm_eps
+            routed_x = _rms(residual_btd, self.routed_in_norm[...], eps).astype(x_btd.dtype)
+            router_x = _rms(residual_btd, self.router_scale[...], eps) * d_model ** -0.5  # float32
+        y, stats = moe_ffn(routed_x, mask_bt, self.router[...], w_in, w_out, self.moe,
                            drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e,
                            warmup_key=warmup_key, warmup_active=warmup_active, reduce_stats=reduce_stats,
-                           router_bias_e=self.router_bias[...] if self.moe.router_bias else None)
+                           router_bias_e=self.router_bias[...] if self.moe.router_bias else None,
+                           router_x_btd=router_x,
+                           expert_scale_e=self.expert_scale[...] if self.moe.per_expert_scale else None)
         if self.moe.shared_expert_d_ff:
             x = x_btd.astype(self.dtype)
-            gate, up = jnp.split(dense(x, self.shared_w_in[...], self.dtype, ("embed", "mlp")), 2, axis=-1)
-            shared = dense(jax.nn.silu(gate) * up, self.shared_w_out[...], self.dtype, ("mlp", "embed"))
+            h = dense(x, self.shared_w_in[...], self.dtype, ("embed", "mlp"))
+            act = gated_unit(h, self.moe.expert_activation, self.moe.swiglu_limit)
+            shared = dense(act, self.shared_w_out[...], self.dtype, ("mlp", "embed"))
             if self.moe.shared_expert_gate:
                 shared = jax.nn.sigmoid(dense(x, self.shared_gate[...], self.dtype, ("embed", None))) * shared
+            if self.moe.branch_norms:
+                y = _rms(y, self.routed_out_norm[...], self.norm_eps).astype(y.dtype)
+                shared = _rms(shared, self.shared_out_norm[...], self.norm_eps)
             y = y + shared.astype(y.dtype)
         return y, stats

@@ -17,7 +17,9 @@ Neither path ever computes a phase in bfloat16: at position 4095 a bf16 phase is
 
 Variants: YaRN frequency scaling (:class:`Yarn`, ``model.rope_type=yarn``) changes the frequencies
 and scales cos/sin, still in one constant table; partial rotary (``model.partial_rotary_factor``)
-is a table of the rotated width, :func:`apply_rope` passing the other features unchanged.
+is a table of the rotated width, :func:`apply_rope` passing the other features unchanged;
+proportional RoPE (``model.global_rotary_fraction``) a table of the whole head whose later pairs
+have frequency 0.
 Checkpoints whose RoPE features are interleaved pairs (DeepSeek's ``rope_interleave``) are
 converted once, at import, by permuting weight columns (:func:`rope_deinterleave_permutation`):
 the runtime has one layout, rotate-half.
@@ -215,7 +217,16 @@ class Yarn:
                 self.mscale or 0.0, self.mscale_all_dim or 0.0, self.truncate)
 
 
-def rope_table(max_seq_len: int, head_dim: int, base: float, yarn: Yarn | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _pair_freq(head_dim: int, base: float, yarn: "Yarn | None", rotated: int | None) -> np.ndarray:
+    """float64 [head_dim/2] frequencies: RoPE's or YaRN's, pairs from ``rotated`` on at 0."""
+    inv_freq = _rope_inv_freq(head_dim, base) if yarn is None else yarn.inv_freq(head_dim, base)
+    if rotated is not None:
+        inv_freq = np.where(np.arange(head_dim // 2) < rotated, inv_freq, 0.0)
+    return inv_freq
+
+
+def rope_table(max_seq_len: int, head_dim: int, base: float, yarn: Yarn | None = None,
+               rotated: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of ``position * base**(-2i/head_dim)`` (RoFormer eq. 15), from :data:`TABLES`.
 
     Args:
@@ -224,6 +235,9 @@ def rope_table(max_seq_len: int, head_dim: int, base: float, yarn: Yarn | None =
       base: wavelength base (10000 in RoFormer).
       yarn: YaRN scaling (:class:`Yarn`): its frequencies, and cos/sin times its
         ``attention_factor``; ``None``: plain RoPE.
+      rotated: only pairs i < ``rotated`` turn, at the frequencies above; the others have
+        frequency 0 (cos 1, sin 0: unchanged). Hugging Face's "proportional" RoPE (Gemma 4's
+        full-attention layers, ``partial_rotary_factor`` of the pairs). ``None``: every pair.
 
     Returns:
       ``(cos, sin)``, each float32 [S, F]; the phase is computed in float64. Read-only views of one
@@ -236,12 +250,11 @@ def rope_table(max_seq_len: int, head_dim: int, base: float, yarn: Yarn | None =
         raise ValueError(f"head_dim={head_dim} must be even for RoPE")
 
     def build(n: int) -> np.ndarray:
-        inv_freq = _rope_inv_freq(head_dim, base) if yarn is None else yarn.inv_freq(head_dim, base)
-        phase = np.arange(n, dtype=np.float64)[:, None] * inv_freq[None, :]
+        phase = np.arange(n, dtype=np.float64)[:, None] * _pair_freq(head_dim, base, yarn, rotated)[None, :]
         table = np.stack([np.cos(phase), np.sin(phase)], axis=1)
         return (table if yarn is None else table * yarn.attention_factor).astype(np.float32)
 
-    params = (float(base),) if yarn is None else (float(base), *yarn.key())
+    params = ((float(base),) if yarn is None else (float(base), *yarn.key())) + ((rotated,) if rotated is not None else ())
     table = TABLES.get("rope", max_seq_len, head_dim, np.float32, params, build)
     return table[:, 0], table[:, 1]
 
@@ -338,7 +351,7 @@ def _phase_f32(positions_bt: jax.Array, width: int, base: float, max_seq_len: in
 
 
 def rope_cos_sin(positions_bt: jax.Array, max_seq_len: int, head_dim: int, base: float, *,
-                 cached: bool = True, yarn: Yarn | None = None) -> tuple[jax.Array, jax.Array]:
+                 cached: bool = True, yarn: Yarn | None = None, rotated: int | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin for each token's position, ready for :func:`apply_rope`.
 
     Args:
@@ -346,21 +359,22 @@ def rope_cos_sin(positions_bt: jax.Array, max_seq_len: int, head_dim: int, base:
       head_dim: the rotated width 2F (the whole head, or its rotated part).
       cached: gather from the constant :func:`rope_table` (True) or compute in the step (False).
       yarn: YaRN scaling (:class:`Yarn`) or ``None``.
+      rotated: the pairs that turn (proportional RoPE, :func:`rope_table`); ``None``: all.
 
     Returns:
       ``(cos, sin)``, float32 [B, T, 1, F]; NaN rows for out-of-range positions.
     """
     if cached:
-        cos, sin = rope_table(max_seq_len, head_dim, float(base), yarn)
+        cos, sin = rope_table(max_seq_len, head_dim, float(base), yarn, rotated)
         cos_btf, sin_btf = _gather_rows(cos, positions_bt), _gather_rows(sin, positions_bt)
-    elif yarn is None:
+    elif yarn is None and rotated is None:
         phase = _phase_f32(positions_bt, head_dim, float(base), max_seq_len)
         cos_btf, sin_btf = jnp.cos(phase), jnp.sin(phase)
     else:  # the frequencies are a constant; the phase, its cos and sin are computed in the step
         valid = (positions_bt >= 0) & (positions_bt < max_seq_len)
-        inv_freq = jnp.asarray(yarn.inv_freq(head_dim, float(base)), jnp.float32)
+        inv_freq = jnp.asarray(_pair_freq(head_dim, float(base), yarn, rotated), jnp.float32)
         phase = jnp.where(valid[..., None], positions_bt.astype(jnp.float32)[..., None] * inv_freq[None, None, :], jnp.nan)
-        factor = jnp.float32(yarn.attention_factor)
+        factor = jnp.float32(1.0 if yarn is None else yarn.attention_factor)
         cos_btf, sin_btf = jnp.cos(phase) * factor, jnp.sin(phase) * factor
     return cos_btf[:, :, None, :], sin_btf[:, :, None, :]
 

@@ -93,6 +93,11 @@ class DenseMLP(nnx.Module):
         return dense(jax.nn.silu(gate) * up, self.w_out[...], self.dtype, ("mlp", "embed"))
 
 
+DEFAULT_ROPE, FULL_ROPE = "default", "full_attention"
+"""Names of the rotary tables the model passes its blocks as a mapping when its full-attention
+layers have RoPE of their own (``model.global_rope_base`` / ``global_rotary_fraction``): the
+model's, and the full layers'."""
+
 SLICE_SITE = 1 << 30
 """Sequence slice i's random draws use ``fold_in(step_key, SLICE_SITE + i)`` as their step key
 (``model.sequence_slices`` > 1); far above any ``3 * layer + site``."""
@@ -120,16 +125,28 @@ class Block(nnx.Module):
                                     v_head_dim=m.v_head_dim, softmax_multiplier=yarn.softmax_multiplier if yarn else 1.0,
                                     dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
         else:
-            self.attn = Attention(m.d_model, m.num_heads, m.kv_heads, m.head_dim, dtype=dtype,
+            kv_heads, head_dim = m.attention_shape(layer)
+            full = m.layer_type(layer) == "full_attention"
+            self.attn = Attention(m.d_model, m.num_heads, kv_heads, head_dim, dtype=dtype,
                                   init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
                                   norm_eps=m.norm_eps, output_gate=m.attention_output_gate, zero_centered=zc,
-                                  window=m.sliding_window if m.layer_type(layer) == "sliding_attention" else None,
-                                  sinks=m.attention_sinks, rngs=rngs)
+                                  window=None if full else m.sliding_window, sinks=m.attention_sinks,
+                                  k_eq_v=m.attention_k_eq_v and full, value_norm=m.value_norm,
+                                  scale=m.attention_scale, rngs=rngs)
+        # the rotary table this block reads (Transformer._rope_tables): the full layers' own, or the model's
+        self.rope_table = FULL_ROPE if m.full_layer_rope and m.layer_type(layer) == "full_attention" else DEFAULT_ROPE
+        self.sandwich = m.sandwich_norm
+        if m.sandwich_norm:
+            self.post_attn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
+            self.post_ffn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
+        self.has_layer_scalar = m.layer_scalar
+        if m.layer_scalar:
+            self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32), logical_axes=(None,))
         self.ffn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
         self.is_moe = m.is_moe_layer(layer) if is_moe is None else is_moe
         if self.is_moe:
             self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe, dtype=dtype, init_std=m.init_std, out_std=out_std,
-                                rngs=rngs)
+                                norm_eps=m.norm_eps, rngs=rngs)
         else:
             self.ffn = DenseMLP(m.d_model, m.dense_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
 
@@ -170,7 +187,11 @@ class Block(nnx.Module):
         if self.linear:
             a, new_cache = self.attn(xn, segment_ids, cache)
         else:
+            if isinstance(rope, dict):
+                rope = rope[self.rope_table]
             a, new_cache = self.attn(xn, rope, mask, cache, cache_index, kv_prefix)
+        if self.sandwich:
+            a = self.post_attn_norm(a).astype(x.dtype)
         x = x + _dropout(a, self.dropout, step_key, 3 * layer)
         h = self.ffn_norm(x).astype(x.dtype)
         stats = None
@@ -180,10 +201,15 @@ class Block(nnx.Module):
             f, stats = self.ffn(h, token_mask, drop_tokens=drop_tokens, bias_e=rs.get("bias"),
                                 load_ema_e=rs.get("load_ema"), reduce_stats=False,
                                 warmup_key=jax.random.fold_in(step_key, 3 * layer + 2) if warm else None,
-                                warmup_active=routing_warmup if warm else None)
+                                warmup_active=routing_warmup if warm else None,
+                                residual_btd=x if self.ffn.moe.branch_norms else None)
         else:
             f = self.ffn(h)
+        if self.sandwich:
+            f = self.post_ffn_norm(f).astype(x.dtype)
         x = x + _dropout(f, self.dropout, step_key, 3 * layer + 1)
+        if self.has_layer_scalar:
+            x = x * self.layer_scalar[...].astype(x.dtype).reshape(1, 1, 1)
         return x, stats, new_cache
 
 
@@ -205,7 +231,12 @@ def _sliced_tables(attn_mask, rope, n: int):
                       for i in range(n))
     else:
         masks = tuple(mask[..., i * ts:(i + 1) * ts, :(i + 1) * ts] for i in range(n))
-    ropes = None if rope is None else tuple(tuple(r[:, i * ts:(i + 1) * ts] for r in rope) for i in range(n))
+    def rows(table, i):  # (cos, sin), or a mapping of named tables (Transformer._rope_tables)
+        if isinstance(table, dict):
+            return {k: rows(v, i) for k, v in table.items()}
+        return tuple(r[:, i * ts:(i + 1) * ts] for r in table)
+
+    ropes = None if rope is None else tuple(rows(rope, i) for i in range(n))
     return (masks, segment_ids), ropes
 
 
@@ -326,7 +357,14 @@ class Transformer(nnx.Module):
         self.vocab_size, self.max_seq_len = vocab_size, m.max_seq_len
         self.position_encoding, self.rope_base, self.head_dim = m.position_encoding, m.rope_base, m.head_dim
         self.rope_dim, self.yarn, self.attention = m.rotary_dim, Yarn.from_config(m), m.attention
-        self.cache_widths = tuple(_cache_widths(m).items())
+        self.full_rope = None  # (width, base, rotated pairs) of the full-attention layers' own table
+        if m.full_layer_rope:
+            hd = m.full_head_dim
+            rotated = None if m.global_rotary_fraction is None else int(m.global_rotary_fraction * hd // 2)
+            self.full_rope = (hd, m.rope_base if m.global_rope_base is None else m.global_rope_base, rotated)
+        self.embed_multiplier = math.sqrt(m.d_model) if m.embed_scale else 1.0
+        self.softcap = m.final_logit_softcapping
+        self.cache_widths = tuple(tuple(_cache_widths(m, i).items()) for i in range(m.num_layers))
         self.model_cfg = m  # frozen, hashable: static metadata (init_cache's Gated DeltaNet states)
         self.cache_tables = cfg.cache.tables
         self.attention_impl = m.attention_impl
@@ -428,16 +466,21 @@ class Transformer(nnx.Module):
 
             token_mask = segment_ids_bt != 0
 
-        def make_rope():  # (cos, sin) [B, T, 1, Hd/2], or None with sinusoidal encodings
+        def make_rope():  # (cos, sin) [B, T, 1, Hd/2] (or the named tables), None with sinusoidal encodings
             if self.position_encoding != "rope":
                 return None
-            return rope_cos_sin(positions_bt, self.max_seq_len, self.rope_dim, self.rope_base,
-                                cached=self.cache_tables, yarn=self.yarn)
+            tables = rope_cos_sin(positions_bt, self.max_seq_len, self.rope_dim, self.rope_base,
+                                  cached=self.cache_tables, yarn=self.yarn)
+            if self.full_rope is None:
+                return tables
+            width, base, rotated = self.full_rope
+            return {DEFAULT_ROPE: tables, FULL_ROPE: rope_cos_sin(positions_bt, self.max_seq_len, width, base,
+                                                                  cached=self.cache_tables, rotated=rotated)}
 
         if self.cache_tables:  # once per forward pass, shared by every layer
             attn_mask, rope = make_mask(), make_rope()
 
-        x = embed_lookup(self.embed[...], tokens_bt, self.dtype, ("vocab", "embed"))
+        x = self._embed(tokens_bt)
         if self.position_encoding == "sinusoidal":
             x = x + sinusoidal_encoding(positions_bt, self.max_seq_len, x.shape[-1], self.dtype,
                                         cached=self.cache_tables)
@@ -476,13 +519,22 @@ class Transformer(nnx.Module):
         forward pass)."""
         return None if sums is None else sums.stats(self.top_k)
 
+    def _embed(self, tokens_bt):
+        """[B, T, D] token embeddings in the compute dtype (times sqrt(D) with ``model.embed_scale``)."""
+        x = embed_lookup(self.embed[...], tokens_bt, self.dtype, ("vocab", "embed"))
+        return x * jnp.asarray(self.embed_multiplier, x.dtype) if self.embed_multiplier != 1.0 else x
+
     def _head(self, x_btd):
-        """The output head (shared by the multi-token prediction modules): float32 [B, T, V]."""
+        """The output head (shared by the multi-token prediction modules): float32 [B, T, V], capped
+        at ``C * tanh(logits / C)`` with ``model.final_logit_softcapping`` = C."""
         if self.tie_embeddings:
             logits = dense(x_btd, self.embed[...], self.dtype, ("vocab", "embed"), transposed=True)
         else:
             logits = dense(x_btd, self.lm_head[...], self.dtype, ("embed", "vocab"))
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        if self.softcap is not None:
+            logits = self.softcap * jnp.tanh(logits / self.softcap)
+        return logits
 
     def _mtp(self, h_btd, tokens_bt, make, routing_state, *, drop_tokens, **kw):
         """The D multi-token prediction modules in order (DeepSeek-V3 sec. 2.2, eqs. 21-23), each
@@ -494,7 +546,7 @@ class Transformer(nnx.Module):
         ``(D logits [B, T, V] float32, MoE statistics [D, ...] or None)``."""
         logits, stats = [], []
         for k, module in enumerate(self.mtp, start=1):
-            emb = embed_lookup(self.embed[...], shift_left(tokens_bt, k), self.dtype, ("vocab", "embed"))
+            emb = self._embed(shift_left(tokens_bt, k))
             rs = None
             if routing_state is not None and module.is_moe:
                 rs = {n: v[self.mtp_routing_row + k - 1] for n, v in routing_state.items()}
@@ -639,17 +691,20 @@ def init_routing_state(cfg: ExperimentConfig) -> dict[str, jax.Array]:
     return {"bias": jnp.zeros((n, e), jnp.float32), "load_ema": jnp.full((n, e), 1.0 / e, jnp.float32)}
 
 
-def _cache_widths(m) -> dict[str, tuple[int, ...]]:
-    """Per layer, each cache entry's shape after [B, S]: GQA's per-head keys and values, or MLA's
+def _cache_widths(m, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Each cache entry's shape after [B, S] in block ``layer``: GQA's per-head keys and values (of
+    the layer's own shape, :meth:`~moefast.config.ModelConfig.attention_shape`), or MLA's
     compressed KV and shared RoPE key."""
     if m.attention == "mla":
         return {"kv": (m.kv_lora_rank,), "k_rope": (m.qk_rope_head_dim,)}
-    return {"k": (m.kv_heads, m.head_dim), "v": (m.kv_heads, m.head_dim)}
+    g, hd = m.attention_shape(layer)
+    return {"k": (g, hd), "v": (g, hd)}
 
 
-def cache_bytes_per_token(model_cfg, dtype: Any = None) -> int:
-    """Bytes the generation cache holds per token and per layer (multiply by tokens and
-    ``num_layers`` for the whole cache).
+def cache_bytes_per_token(model_cfg, dtype: Any = None, layer: int = 0) -> int:
+    """Bytes the generation cache holds per token in block ``layer`` (default: the first; the
+    layers of a model whose full-attention layers have their own shape, ``model.global_head_dim``,
+    differ: sum over layers for the whole cache).
 
     GQA caches every key/value head: ``2 * G * Hd * bytes``. MLA caches the normalised compressed KV
     and the shared RoPE key only (DeepSeek-V2, sec. 2.1.2 and Table 1, ``(d_c + d_h^R)`` elements):
@@ -661,7 +716,7 @@ def cache_bytes_per_token(model_cfg, dtype: Any = None) -> int:
       dtype: the cache's dtype; ``None``: ``model.dtype``.
     """
     itemsize = jnp.dtype(dtype or _DTYPES[model_cfg.dtype]).itemsize
-    return sum(math.prod(w) for w in _cache_widths(model_cfg).values()) * itemsize
+    return sum(math.prod(w) for w in _cache_widths(model_cfg, layer).values()) * itemsize
 
 
 def init_cache(model: Transformer, batch: int, length: int, dtype: Any = None) -> KVCache:
@@ -674,5 +729,5 @@ def init_cache(model: Transformer, batch: int, length: int, dtype: Any = None) -
     dtype = dtype or model.dtype
     m = model.model_cfg
     return [init_state(m, batch, dtype) if m.layer_type(i) == "linear_attention" else
-            {k: jnp.zeros((batch, length, *w), dtype) for k, w in model.cache_widths}
+            {k: jnp.zeros((batch, length, *w), dtype) for k, w in model.cache_widths[i]}
             for i in range(m.num_layers)]

@@ -119,11 +119,14 @@ GPT_OSS_ALPHA = 1.702
 def gated_unit(h: jax.Array, activation: str = "silu", limit: float = 7.0) -> jax.Array:
     """The experts' gated unit on a fused ``[..., 2F]`` gate|up projection -> ``[..., F]``
     (``moe.expert_activation``): ``"silu"``, ``silu(gate) * up`` (SwiGLU, Shazeer 2020);
+    ``"gelu_tanh"``, ``gelu(gate) * up`` with GELU's tanh approximation (GeGLU, Shazeer 2020);
     ``"clamped_swiglu"``, gpt-oss's ``(clip(up, -L, L) + 1) * g * sigmoid(1.702 g)``, ``g =
     min(gate, L)``. In ``h``'s dtype."""
     gate, up = jnp.split(h, 2, axis=-1)
     if activation == "silu":
         return jax.nn.silu(gate) * up
+    if activation == "gelu_tanh":
+        return jax.nn.gelu(gate, approximate=True) * up
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
     return ((up + 1) * (gate * jax.nn.sigmoid(gate * GPT_OSS_ALPHA))).astype(h.dtype)
@@ -427,7 +430,8 @@ def _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, impl: str, ep: int, 
     return routing.combine_rows(checkpoint_name(y_sorted, EXPERT_OUT), dest_tk, r)
 
 
-def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, router_bias_e, *warmup,
+def _moe_local(x_btd, mask_bt, router_x_btd, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, router_bias_e,
+               expert_scale_e, *warmup,
                moe: MoEConfig, drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...], w_specs: tuple = (),
                reduce_stats=True):
     b, t, d = x_btd.shape
@@ -450,7 +454,7 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
                          "on a device): every chunk would hold at most one slot; use fewer chunks")
     if not hierarchical:  # the buffer splits evenly (a dynamic limit stays below it); hierarchical splits tokens
         capacity = exchange_capacity(capacity, chunks)
-    logits_te = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
+    logits_te = router_x_btd.reshape(b * t, d).astype(jnp.float32) @ router_de.astype(jnp.float32)
     if moe.router_bias:
         logits_te = logits_te + router_bias_e.astype(jnp.float32)[None]
     if warmup:  # (key, active)
@@ -459,6 +463,8 @@ def _moe_local(x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_
                       impl=moe.routing_impl, bias=bias_e, capacity_limit=limit, renormalize=moe.norm_topk_prob,
                       score_func=moe.score_func, num_groups=moe.num_groups, topk_groups=moe.topk_groups,
                       routed_scaling_factor=moe.routed_scaling_factor)
+    if moe.per_expert_scale:  # each chosen expert's learned scale of its gate (Gemma 4), the choice unchanged
+        r = r._replace(gates=r.gates * expert_scale_e.astype(jnp.float32)[r.expert_index])
     r = jax.tree.map(lambda a: checkpoint_name(a, ROUTING), r)
 
     num_dropped = r.num_dropped
@@ -502,7 +508,8 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
             drop_tokens: bool = True, dtype=jnp.float32, bias_e: jax.Array | None = None,
             load_ema_e: jax.Array | None = None, warmup_key: jax.Array | None = None,
             warmup_active: jax.Array | None = None, reduce_stats: bool = True,
-            router_bias_e: jax.Array | None = None) -> tuple[jax.Array, MoEStats | RoutingSums]:
+            router_bias_e: jax.Array | None = None, router_x_btd: jax.Array | None = None,
+            expert_scale_e: jax.Array | None = None) -> tuple[jax.Array, MoEStats | RoutingSums]:
     """Routed gated experts (SwiGLU by default), expert-parallel when a mesh is set (``jax.set_mesh``).
 
     Args:
@@ -526,6 +533,9 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         axes in this call). False: :class:`RoutingSums` per token shard, reduced later by
         :meth:`RoutingSums.stats` (the model reduces all its layers' at once, after them).
       router_bias_e: [E] bias of the router's logits (``moe.router_bias``; required then).
+      router_x_btd: [B, T, D] what the router reads, where it differs from the experts' input
+        (``moe.branch_norms``: its own norm of the residual stream); ``None``: ``x_btd``.
+      expert_scale_e: [E] each expert's gate multiplier (``moe.per_expert_scale``; required then).
 
     Returns:
       ``(y_btd, stats)``: [B, T, D] in ``x_btd.dtype`` (exactly 0 for dropped/masked tokens) and
@@ -555,14 +565,24 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
     if moe.router_bias and (router_bias_e is None or router_bias_e.shape != (num_experts,)):
         raise ValueError(f"moe.router_bias: pass router_bias_e of shape [{num_experts}], got "
                          f"{None if router_bias_e is None else list(router_bias_e.shape)}")
+    if moe.per_expert_scale and (expert_scale_e is None or expert_scale_e.shape != (num_experts,)):
+        raise ValueError(f"moe.per_expert_scale: pass expert_scale_e of shape [{num_experts}], got "
+                         f"{None if expert_scale_e is None else list(expert_scale_e.shape)}")
+    if router_x_btd is not None and router_x_btd.shape != x_btd.shape:
+        raise ValueError(f"router_x_btd must be shaped as x_btd {tuple(x_btd.shape)}, got {tuple(router_x_btd.shape)}")
     if router_bias_e is None:
         router_bias_e = jnp.zeros((num_experts,), jnp.float32)
+    if expert_scale_e is None:
+        expert_scale_e = jnp.ones((num_experts,), jnp.float32)
+    if router_x_btd is None:
+        router_x_btd = x_btd
     if bias_e is None:
         bias_e = jnp.zeros((num_experts,), jnp.float32)
     if load_ema_e is None:
         load_ema_e = jnp.full((num_experts,), 1.0 / num_experts, jnp.float32)
     kw = dict(moe=moe, drop_tokens=drop_tokens, dtype=dtype, reduce_stats=reduce_stats)
-    args = (x_btd, mask_bt, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, router_bias_e)
+    args = (x_btd, mask_bt, router_x_btd, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, router_bias_e,
+            expert_scale_e)
     if warmup_key is not None:
         args += (warmup_key, jnp.asarray(True if warmup_active is None else warmup_active))
     mesh = jax.sharding.get_abstract_mesh()
@@ -586,6 +606,7 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
     w_specs = tuple(tuple(state_spec(n, a.shape, mesh) for n, a in zip(ns, w)) if isinstance(w, tuple) else
                     state_spec(ns[0], w.shape, mesh) for ns, w in zip(names, (w_in_edf, w_out_efd)))
     fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=token_axes, w_specs=w_specs, **kw)
-    in_specs = (P(token_axes), P(token_axes), P(), *w_specs, P(), P(), P()) + (P(),) * (len(args) - 8)
+    tokens = P(token_axes)
+    in_specs = (tokens, tokens, tokens, P(), *w_specs, P(), P(), P(), P()) + (P(),) * (len(args) - 10)
     out_specs = (P(token_axes), P() if reduce_stats else P(token_axes))
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs)(*reshard_for_shard_map(args, in_specs))

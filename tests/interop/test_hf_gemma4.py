@@ -1,0 +1,141 @@
+"""Gemma 4's MoE language model against transformers itself (offline: a tiny random
+Gemma4ForCausalLM built here): sliding layers beside full layers of their own head width and KV
+heads, keys as values and proportional RoPE on the full layers, sandwich norms, a weightless value
+norm and logits scaled 1, a dense GeGLU MLP beside GeGLU experts with their own norms, the router's
+scaled norm and per-expert scales, the layer scalar, scaled embeddings and soft-capped logits.
+Logits within 1e-4 (float32), the same experts chosen, the export reloads in transformers bit for
+bit and round-trips exactly; the published multimodal layout (text_config, model.language_model.*,
+towers skipped) reads the same model."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+
+from hf_oracle import hf_forward, ours  # noqa: E402
+from moefast.interop import hf  # noqa: E402
+
+V, B, T = 128, 2, 48
+
+
+def _model():
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24,
+        hidden_size_per_layer_input=0, sliding_window=8, final_logit_softcapping=3.0, max_position_embeddings=256)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # defaults (norms and scales 1) hide mappings: randomise them
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "scale")):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+        for layer in model.model.layers:
+            layer.layer_scalar.copy_(0.5 + torch.rand(1))
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = _model()
+    d = tmp_path_factory.mktemp("gemma4")
+    model.save_pretrained(d)
+    return model, d
+
+
+def _parity(model, d, monkeypatch):
+    tokens = np.random.default_rng(0).integers(0, V, (B, T))
+    mask = np.ones((B, T), np.int64)
+    mask[1, 30:] = 0
+    want, want_chosen = hf_forward(model, tokens, mask)
+    cfg, params = hf.load_hf(d)
+    got, got_chosen = ours(cfg, params, hf.load_hf_routing(d, cfg), tokens, mask, monkeypatch)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
+    for g, w in zip(got_chosen, want_chosen, strict=True):
+        assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)])
+    return cfg, params
+
+
+def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
+    model, d = saved
+    cfg, _ = _parity(model, d, monkeypatch)
+    m, e = cfg.model, cfg.moe
+    assert (m.global_head_dim, m.num_global_kv_heads, m.attention_k_eq_v, m.global_rotary_fraction,
+            m.global_rope_base, m.rope_base, m.attention_scale, m.final_logit_softcapping) == (
+        32, 1, True, 0.25, 1e6, 1e4, 1.0, 3.0)
+    assert (e.expert_activation, e.shared_expert_d_ff, e.shared_expert_gate, e.branch_norms, e.per_expert_scale,
+            e.top_k) == ("gelu_tanh", 96, False, True, True, 2)
+
+
+def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path):
+    model, d = saved
+    cfg, params = hf.load_hf(d)
+    assert hf.hf_family(cfg) == "gemma4_text"
+    out = hf.save_hf(cfg, params, tmp_path / "export")
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                        output_loading_info=True)
+    assert type(reloaded).__name__ == "Gemma4ForCausalLM"
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    want_sd, got_sd = model.state_dict(), reloaded.state_dict()
+    assert sorted(got_sd) == sorted(want_sd)
+    for name, w in want_sd.items():
+        assert torch.equal(got_sd[name], w), name
+    want, got = model.config.to_dict(), reloaded.config.to_dict()
+    for key in ("layer_types", "sliding_window", "rope_parameters", "final_logit_softcapping", "attention_k_eq_v",
+                "top_k_experts", "per_layer_config", "hidden_activation", "intermediate_size", "moe_intermediate_size"):
+        assert got[key] == want[key], key
+    cfg2, params2 = hf.load_hf(out)
+    assert cfg2.model == cfg.model and cfg2.moe == cfg.moe
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2)
+
+
+def test_multimodal_checkpoint_reads_its_language_model(saved, tmp_path, monkeypatch):
+    """google/gemma-4-26B-A4B's layout: model_type gemma4 with text_config, the language model
+    under model.language_model.*, vision and audio towers beside it (skipped with one note)."""
+    from safetensors.numpy import load_file, save_file
+
+    model, d = saved
+    tensors = {n.replace("model.", "model.language_model.", 1): a for n, a in load_file(str(d / "model.safetensors")).items()}
+    tensors["model.vision_tower.patch_embedder.weight"] = np.zeros((4, 4), np.float32)
+    tensors["model.embed_vision.embedding_projection.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((d / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "tie_word_embeddings": True,
+        "text_config": {**text, "model_type": "gemma4_text"}, "vision_config": {"model_type": "gemma4_vision"}}))
+    with pytest.warns(UserWarning, match="vision tower"):
+        cfg, _ = _parity(model, tmp_path, monkeypatch)
+    assert hf.hf_family(cfg) == "gemma4_text"
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(hidden_size_per_layer_input=256), "hidden_size_per_layer_input"),
+    (dict(num_kv_shared_layers=2), "num_kv_shared_layers"),
+    (dict(enable_moe_block=False), "enable_moe_block"),
+    (dict(layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"]), "layer_types"),
+    (dict(per_layer_config={"1": {"head_dim": 32}, "3": {"head_dim": 64}}), "per_layer_config"),
+])
+def test_unsupported_options_name_the_field(saved, tmp_path, change, field):
+    _, d = saved
+    for f in d.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(hf.HFFormatError, match=f"config.json: {field}="):
+        hf.load_hf(tmp_path)
+
+
+def test_other_families_refuse_what_they_cannot_hold(saved):
+    _, d = saved
+    cfg, _ = hf.load_hf(d)
+    with pytest.raises(hf.HFFormatError) as err:
+        hf.hf_family(cfg, "qwen3_moe")
+    for what in ("model.sandwich_norm=true", "moe.branch_norms=true", "model.attention_k_eq_v=true",
+                 "model.global_head_dim=32", "moe.expert_activation=gelu_tanh"):
+        assert what in str(err.value), what
