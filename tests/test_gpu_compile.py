@@ -45,8 +45,17 @@ CASES = {
     # GPUs), the expert exchange in 2 chunks (moe.overlap_chunks)
     "ep-chunks2": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=2"],
     "ep-chunks2-scan": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.overlap_chunks=2", "model.scan_layers=true"],
-    # data 4 x fsdp 2 on H200s: parameters and optimizer state split over both (ZeRO + FSDP)
-    "zero": [*TINY, "mesh.data=4", "mesh.fsdp=2", "--gpu", "h200"],
+    # data 4 x fsdp 2 on H200s: parameters and optimizer state split over both (ZeRO + FSDP), in
+    # Gemma 4's architecture: a sliding layer and a full layer of 512-wide heads (the flash kernel's
+    # 32-row blocks: 64 rows overflow shared memory) with keys as values and proportional RoPE, its
+    # norms, a dense GeGLU MLP beside GeGLU experts with branch norms and per-expert scales
+    "zero": [*TINY, "mesh.data=4", "mesh.fsdp=2", "--gpu", "h200", "model.layer_types=[sliding_attention,full_attention]",
+             "model.sliding_window=64", "model.global_head_dim=512", "model.num_global_kv_heads=1",
+             "model.attention_k_eq_v=true", "model.global_rope_base=1000000", "model.global_rotary_fraction=0.25",
+             "model.value_norm=true", "model.attention_scale=1.0", "model.qk_norm=per_head", "model.sandwich_norm=true",
+             "model.layer_scalar=true", "model.embed_scale=true", "model.final_logit_softcapping=30",
+             "moe.shared_expert_d_ff=64", "moe.shared_expert_gate=false", "moe.branch_norms=true",
+             "moe.per_expert_scale=true", "moe.expert_activation=gelu_tanh"],
     # dropless on 2 GPUs (2,048 routed rows each): the grouped GEMM kernel, in the DeepSeek-V3
     # architecture: MLA with 192-wide query/key heads (the flash kernel's 64-row blocks: 128 rows
     # overflow shared memory), sigmoid routing limited to 2 of 4 groups, a shared expert, a dense
@@ -146,6 +155,8 @@ def test_gpu_kernels_are_in_the_step(compiled):
         calls = compiled(case)[0]["custom_calls"]
         assert "kernel moe_routing" in calls and all(any(c.startswith(f"kernel moefast_flash_{k}_") for c in calls)
                                                     for k in ("forward", "dkdv", "dq")), calls
+    zero = compiled("zero")[0]["custom_calls"]  # Gemma 4's layers: the sliding window, the 512-wide full heads
+    assert "kernel moefast_flash_forward_q32_k32_o0_w0" in zero and "kernel moefast_flash_forward_q128_k128_o0_w64" in zero
     r = compiled("dropless-v3")[0]
     assert any(k.startswith("kernel grouped_matmul_m") for k in r["custom_calls"])
     assert any(k.startswith("kernel grouped_matmul_dw_") for k in r["custom_calls"])

@@ -367,7 +367,7 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
         differentiable: two attentions over disjoint keys merge exactly through it.
       sm_scale: logit scale; ``None``: ``Hd ** -0.5``.
       block: rows of the forward kernel's query and key blocks (a power of two >= 16); at most 64
-        for head widths above 128 (shared memory).
+        for head widths above 128 and 32 above 256 (shared memory).
       interpret: run in the Pallas interpreter; ``None``: when compiling for CPU
         (:func:`~moefast.kernels.platform.target_platform`).
 
@@ -397,8 +397,9 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
         interpret = target_platform() == "cpu"
     if max(hd, hv) > 128:
         # Triton keeps a query block and two pipeline stages of key and value blocks in shared memory
-        # (227 KiB per block on H100/H200): 128 rows of width 256 (MLA's 192, in a block of 256) need 320 KiB.
-        block = min(block, 64)
+        # (227 KiB per block on H100/H200): 128 rows of width 256 (MLA's 192, in a block of 256) need 320 KiB,
+        # and so do 64 rows of width 512 (Gemma 4's full layers): those take 32.
+        block = min(block, 64 if max(hd, hv) <= 256 else 32)
     block_q, tp = padded_length(t, block)
     block_k, sp = padded_length(s, block)
     bwd_q, bwd_k = min(BACKWARD_BLOCK, block_q), min(BACKWARD_BLOCK, block_k)

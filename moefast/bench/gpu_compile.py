@@ -265,9 +265,9 @@ class GpuCompileResult:
 def _state_copies(module, text: str) -> tuple[int, int]:
     """Copies (``copy``, ``copy-start``) of the step's own arguments: in the entry computation and
     in the branches of conditionals, a copy whose operand is that computation's parameter (or a
-    tuple element of it), as when a conditional copies the train state into its result; scalars
-    (the step counter, whose old value the step still reads after writing the new one) are not
-    counted. Returns (count, bytes)."""
+    tuple element of it), as when a conditional copies the train state into its result; arrays of
+    one element (the step counter, whose old value the step still reads after writing the new one;
+    a layer scalar's moments, ``model.layer_scalar``) are not counted. Returns (count, bytes)."""
     from moefast.parallel.hlo import shape_bytes
 
     branches = set(re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", text))
@@ -282,7 +282,7 @@ def _state_copies(module, text: str) -> tuple[int, int]:
         for n in names:
             ins = module.instrs[n]
             if ins.opcode in ("copy", "copy-start") and ins.operands and ins.operands[0] in params \
-                    and not re.match(r"\(?\s*[a-z0-9]+\[\]", ins.shape):  # scalars (the step counter) aside
+                    and not re.match(r"\(?\s*[a-z0-9]+\[(1(,1)*)?\]", ins.shape):  # one element aside (the step counter)
                 count += 1
                 size += shape_bytes(ins.shape) // (2 if ins.opcode == "copy-start" else 1)  # (dst, src, ctx)
     return count, size

@@ -4,7 +4,10 @@ Dimension letters: B batch, T tokens (query length), S key length (cache), D d_m
 G key/value heads, Hd head_dim, F d_ff, V vocab, L layers, E experts.
 
 Block (pre-norm): ``x + Attn(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))`` where FFN is a
-:class:`~moefast.model.moe.MoELayer` or a dense SwiGLU. The attention kinds live in modules of their
+:class:`~moefast.model.moe.MoELayer` or a dense SwiGLU; with ``model.sandwich_norm`` (Gemma) each
+output is RMS-normalised again before the addition, with ``model.layer_scalar`` (Gemma 4) the
+block's output is multiplied by a learned scalar, and with ``moe.branch_norms`` the MoE layer also
+reads the un-normalised ``x``. The attention kinds live in modules of their
 own: grouped-query attention with RoPE or sinusoidal encodings (:mod:`moefast.model.attention`:
 :func:`causal_attention`, the fused kernel :func:`fused_attention`, ``model.attention_impl``) and,
 with ``model.attention=mla``, DeepSeek's multi-head latent attention (:mod:`moefast.model.mla`),
@@ -209,7 +212,8 @@ class Block(nnx.Module):
             f = self.post_ffn_norm(f).astype(x.dtype)
         x = x + _dropout(f, self.dropout, step_key, 3 * layer + 1)
         if self.has_layer_scalar:
-            x = x * self.layer_scalar[...].astype(x.dtype).reshape(1, 1, 1)
+            # in float32: the scalar's gradient sums every token's product in float32, then reduces
+            x = (x.astype(jnp.float32) * self.layer_scalar[...].reshape(1, 1, 1)).astype(x.dtype)
         return x, stats, new_cache
 
 

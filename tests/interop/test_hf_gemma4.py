@@ -139,3 +139,37 @@ def test_other_families_refuse_what_they_cannot_hold(saved):
     for what in ("model.sandwich_norm=true", "moe.branch_norms=true", "model.attention_k_eq_v=true",
                  "model.global_head_dim=32", "moe.expert_activation=gelu_tanh"):
         assert what in str(err.value), what
+
+
+def test_a_trained_step_exports_to_the_same_model(saved, tmp_path, monkeypatch):
+    """One gradient step on the next-token loss moves every parameter (the layer scalars, the
+    router's scales and the branch norms included); transformers, reloading the export, computes
+    moefast's logits for the stepped parameters."""
+    import jax.numpy as jnp
+    import optax
+
+    from hf_oracle import module
+
+    _, d = saved
+    cfg, params = hf.load_hf(d)
+    tokens = np.random.default_rng(1).integers(0, V, (B, T))
+
+    def loss(p):
+        logits = module(cfg, p)(jnp.asarray(tokens[:, :-1]), drop_tokens=False).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(tokens[:, 1:])).mean()
+
+    grads = jax.grad(loss)(params)
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    still = [jax.tree_util.keystr(k) for k, g in flat if not np.any(np.asarray(g))]
+    assert not still, still
+    stepped = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    out = hf.save_hf(cfg, stepped, tmp_path / "stepped")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    mask = np.ones((B, T), np.int64)
+    want, want_chosen = hf_forward(reloaded, tokens, mask)
+    got, got_chosen = ours(cfg, stepped, None, tokens, mask, monkeypatch)
+    for g, w in zip(got_chosen, want_chosen, strict=True):
+        assert np.array_equal(g, w)
+    before, _ = ours(cfg, params, None, tokens, mask, monkeypatch)
+    assert np.abs(got - before).max() > 0.5  # the step changed the model (here by up to ~1.7 in a logit)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

@@ -63,8 +63,13 @@ def test_param_counts_equal_the_built_model():
     ["model.layer_types=[sliding_attention,full_attention,sliding_attention]", "model.sliding_window=8",
      "model.attention_sinks=true", "model.attention_bias=all", "moe.router_bias=true", "moe.expert_bias=true",
      "moe.expert_activation=clamped_swiglu", "model.mtp_depth=1"],  # gpt-oss: sinks, router and expert biases
+    ["model.layer_types=[sliding_attention,full_attention,full_attention]", "model.sliding_window=8",
+     "model.global_head_dim=32", "model.num_global_kv_heads=1", "model.attention_k_eq_v=true",
+     "model.qk_norm=per_head", "model.sandwich_norm=true", "model.layer_scalar=true", "moe.shared_expert_d_ff=48",
+     "moe.shared_expert_gate=false", "moe.branch_norms=true", "moe.per_expert_scale=true",
+     "model.mtp_depth=1"],  # Gemma 4: full layers of their own shape, keys as values, its norms and scales
 ], ids=["qkv-bias-per-head-norm", "all-bias-full-norm", "mla-q-lora", "mla-direct-q", "mtp2-shared",
-        "mtp1-dense", "hybrid-deltanet", "gpt-oss"])
+        "mtp1-dense", "hybrid-deltanet", "gpt-oss", "gemma4"])
 def test_param_counts_cover_the_hf_family_options(extra):
     cfg = load_config(None, ["model.vocab_size=300", "model.num_dense_layers=1", "model.num_layers=3",
                              "model.num_kv_heads=2", *extra])
@@ -83,12 +88,14 @@ def test_mixtral_8x7b_config_has_mixtrals_parameter_counts():
     assert abs(counts.active_with_embedding / 12.9e9 - 1) < 0.01, counts
 
 
-def test_gpt_oss_configs_have_the_model_cards_parameter_counts():
+def test_gpt_oss_and_gemma4_configs_have_the_model_cards_parameter_counts():
     """gpt-oss-20b: 20.9B total, 3.6B active; gpt-oss-120b: 116.8B and 5.1B (OpenAI 2025, model
-    card, table 1; active counting the embedding's rows once, as the card does)."""
-    for name, total, active in (("gpt_oss_20b", 20.9e9, 3.61e9), ("gpt_oss_120b", 116.8e9, 5.13e9)):
+    card, table 1; active counting the embedding's rows once, as the card does); Gemma 4 26B-A4B:
+    25.2B and 3.8B (Google's model card for google/gemma-4-26B-A4B; the tied embedding once)."""
+    for name, total, active, within in (("gpt_oss_20b", 20.9e9, 3.61e9, 0.005), ("gpt_oss_120b", 116.8e9, 5.13e9, 0.005),
+                                        ("gemma4_26b_a4b", 25.2e9, 3.8e9, 0.01)):  # the card's "3.8B": 2 digits
         counts = param_counts(load_config(CONFIG_DIR / f"{name}.yaml"))
-        assert abs(counts.total / total - 1) < 0.005 and abs(counts.active / active - 1) < 0.005, (name, counts)
+        assert abs(counts.total / total - 1) < within and abs(counts.active / active - 1) < within, (name, counts)
 
 
 def test_h200_config_is_about_1b_parameters():
