@@ -464,7 +464,8 @@ def check_attention(ctx: Context) -> list[dict]:
     one moefast used before: keys repeated per query head), the model's blocked einsums and the
     dense reference: forward + backward time and the largest difference from the reference,
     packed documents, grouped-query heads, bfloat16; and the second half of a row's queries against
-    the whole row (``q_offset``: the model's second sequence slice)."""
+    the whole row (``q_offset``: the model's second sequence slice); Gemma 4's 512-wide full heads
+    and 1,024-key window against the reference."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -500,6 +501,19 @@ def check_attention(ctx: Context) -> list[dict]:
                       "reference": lambda q, k, v: attention_reference(q, k, v, seg[:, half:], **kw)}
             rows += _against_reference(ctx, {"shape": f"B{b} T{half} of S{t} H{h} G{g} Hd{hd}"}, sliced,
                                         (q[:, half:], k, v), ct[:, half:])
+    # Gemma 4 26B-A4B's attention at 4,096 tokens: a full layer's 512-wide heads (2 KV heads, the
+    # kernel's 32-row blocks) and a sliding layer's 1,024-key window at 256, logits scaled 1
+    gemma = [] if ctx.args.cpu_smoke else [(4096, 2, 512, None), (4096, 8, 256, 1024)]
+    for t, g, hd, window in gemma:
+        rng = np.random.default_rng(1)
+        q, k, v = (jnp.asarray(rng.normal(size=(1, t, n, hd)) / hd ** 0.25, jnp.bfloat16) for n in (16, g, g))
+        seg = jnp.ones((1, t), jnp.int32)
+        ct = jnp.asarray(rng.normal(size=(1, t, 16, hd)), jnp.float32)
+        kw = dict(window=window, sm_scale=1.0)
+        impls = {"flash": lambda q, k, v, kw=kw: flash_attention(q, k, v, seg, interpret=ctx.interpret, **kw),
+                 "reference": lambda q, k, v, kw=kw: attention_reference(q, k, v, seg, **kw)}
+        rows += _against_reference(ctx, {"shape": f"B1 T{t} H16 G{g} Hd{hd} window {window} (Gemma 4)"}, impls,
+                                    (q, k, v), ct)
     return rows
 
 
