@@ -245,6 +245,11 @@ class Gemma4Keys:
       biases, and a last layer that is not full attention (transformers forces it to be).
     """
 
+    hf_keys: Mapping[str, str] = dataclasses.field(default_factory=lambda: {
+        "moe.top_k": "top_k_experts", "model.num_global_kv_heads": "num_global_key_value_heads",
+        "model.global_rotary_fraction": "rope_parameters", "model.global_rope_base": "rope_parameters",
+        "model.rope_base": "rope_parameters"})
+    """moefast keys -> the config.json key they come from, for error messages."""
     owns: tuple[str, ...] = ("model.global_head_dim", "model.num_global_kv_heads", "model.global_rope_base",
                              "model.global_rotary_fraction", "model.attention_k_eq_v",
                              "model.final_logit_softcapping")

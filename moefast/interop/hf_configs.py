@@ -318,7 +318,9 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
     except ConfigError as err:  # a value from config.json: name its key there too
         key = str(err).split(":", 1)[0]
         sec, _, field = key.partition(".")
-        hf_key = _HF_KEYS.get(key) or (field if sec == "model" and field in hf else None)
+        own = family_spec(hf["model_type"]).family_keys
+        hf_key = ((own.hf_keys.get(key) if own is not None else None) or _HF_KEYS.get(key)
+                  or (field if sec == "model" and field in hf else None))
         if hf_key is None or field in extra.get(sec, {}):
             raise
         raise HFFormatError(f"{path / 'config.json'}: {hf_key}={hf.get(hf_key)!r} gives {err}") from None

@@ -120,6 +120,7 @@ def test_multimodal_checkpoint_reads_its_language_model(saved, tmp_path, monkeyp
     (dict(enable_moe_block=False), "enable_moe_block"),
     (dict(layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"]), "layer_types"),
     (dict(per_layer_config={"1": {"head_dim": 32}, "3": {"head_dim": 64}}), "per_layer_config"),
+    (dict(top_k_experts=99), "top_k_experts"),
 ])
 def test_unsupported_options_name_the_field(saved, tmp_path, change, field):
     _, d = saved
