@@ -69,3 +69,31 @@ def saved_layouts(model, family, tmp_path_factory):
         model.save_pretrained(d, save_original_format=original)
         dirs[layout] = d
     return dirs
+
+
+def edited_copy(src, dst, change: dict):
+    """``dst``: the model directory ``src`` with ``change`` merged into its config.json."""
+    import json
+
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **change}))
+    return dst
+
+
+def reload_bit_for_bit(model, out, architecture: str):
+    """transformers' model loaded from moefast's export ``out``: of ``architecture``, no missing,
+    unexpected or mismatched tensor, and every tensor equal to ``model``'s bit for bit."""
+    import torch
+    import transformers
+
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                        output_loading_info=True)
+    assert type(reloaded).__name__ == architecture
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    want_sd, got_sd = model.state_dict(), reloaded.state_dict()
+    assert sorted(got_sd) == sorted(want_sd)
+    for name, w in want_sd.items():
+        assert torch.equal(got_sd[name], w), name
+    return reloaded

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 
-from hf_oracle import hf_forward, ours  # noqa: E402
+from hf_oracle import edited_copy, hf_forward, ours, reload_bit_for_bit  # noqa: E402
 from moefast.interop import hf  # noqa: E402
 
 V, B, T = 128, 2, 48
@@ -78,14 +78,7 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
     cfg, params = hf.load_hf(d)
     assert hf.hf_family(cfg) == "gemma4_text"
     out = hf.save_hf(cfg, params, tmp_path / "export")
-    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                                        output_loading_info=True)
-    assert type(reloaded).__name__ == "Gemma4ForCausalLM"
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    want_sd, got_sd = model.state_dict(), reloaded.state_dict()
-    assert sorted(got_sd) == sorted(want_sd)
-    for name, w in want_sd.items():
-        assert torch.equal(got_sd[name], w), name
+    reloaded = reload_bit_for_bit(model, out, "Gemma4ForCausalLM")
     want, got = model.config.to_dict(), reloaded.config.to_dict()
     for key in ("layer_types", "sliding_window", "rope_parameters", "final_logit_softcapping", "attention_k_eq_v",
                 "top_k_experts", "per_layer_config", "hidden_activation", "intermediate_size", "moe_intermediate_size"):
@@ -124,10 +117,7 @@ def test_multimodal_checkpoint_reads_its_language_model(saved, tmp_path, monkeyp
 ])
 def test_unsupported_options_name_the_field(saved, tmp_path, change, field):
     _, d = saved
-    for f in d.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((d / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    edited_copy(d, tmp_path, change)
     with pytest.raises(hf.HFFormatError, match=f"config.json: {field}="):
         hf.load_hf(tmp_path)
 

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 
-from hf_oracle import hf_forward, ours  # noqa: E402
+from hf_oracle import edited_copy, hf_forward, ours, reload_bit_for_bit  # noqa: E402
 from moefast.interop import hf  # noqa: E402
 
 V, B, T = 128, 2, 64
@@ -70,14 +70,7 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
     cfg, params = hf.load_hf(d)
     assert hf.hf_family(cfg) == "gpt_oss"
     out = hf.save_hf(cfg, params, tmp_path / "export", routing_state=hf.load_hf_routing(d, cfg))
-    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                                        output_loading_info=True)
-    assert type(reloaded).__name__ == "GptOssForCausalLM"
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    want_sd, got_sd = model.state_dict(), reloaded.state_dict()
-    assert sorted(got_sd) == sorted(want_sd)
-    for name, w in want_sd.items():  # interleaved gate/up, biases and sinks bit for bit
-        assert torch.equal(got_sd[name], w), name
+    reloaded = reload_bit_for_bit(model, out, "GptOssForCausalLM")
     for key in ("layer_types", "sliding_window", "swiglu_limit", "attention_bias", "num_local_experts",
                 "intermediate_size", "head_dim"):
         assert getattr(reloaded.config, key) == getattr(model.config, key), key
@@ -95,10 +88,7 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
 ])
 def test_unsupported_options_name_the_field(saved, tmp_path, change, field):
     _, d = saved
-    for f in d.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((d / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    edited_copy(d, tmp_path, change)
     with pytest.raises(hf.HFFormatError, match=f"config.json: {field}="):
         hf.load_hf(tmp_path)
 
@@ -170,10 +160,7 @@ def test_mxfp4_declared_without_mxfp4_tensors_or_for_another_family_is_refused(s
     """quant_method mxfp4 with no X_blocks / X_scales tensors, or in another family's config, is one
     clear error (and no run is written: load_hf writes nothing)."""
     _, d = saved
-    for f in d.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((d / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    edited_copy(d, tmp_path, {"quantization_config": {"quant_method": "mxfp4"}})
     with pytest.raises(hf.HFFormatError, match="no tensor is stored as MXFP4"):
         hf.load_hf(tmp_path)
     from moefast.interop.hf_configs import _hf_sections
