@@ -16,8 +16,9 @@ from moefast.cli.interrupts import _ImportSignals
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """The ``import-hf`` and ``export-hf`` subcommands."""
     i = sub.add_parser("import-hf", help="start a run from a Hugging Face checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                                         "OLMoE, GLM-4.5, DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash): its step-0 "
-                                         "checkpoint holds the weights")
+                                         "OLMoE, GLM-4.5, DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, Qwen3-Next, "
+                                         "Qwen3.5 MoE, gpt-oss, MiniMax-M2, Gemma 4): its step-0 checkpoint holds "
+                                         "the weights")
     i.add_argument("hf_dir", metavar="DIR", help="local Hugging Face model directory (config.json, *.safetensors, "
                                                  "tokenizer.json if any)")
     i.add_argument("--run-dir", required=True, help="new run directory; continue with moefast train --run-dir")

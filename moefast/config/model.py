@@ -165,19 +165,21 @@ class ModelConfig:
         twice as wide, holds the gate).
       zero_centered_norm: every RMSNorm scale is stored as ``w`` and applied as ``1 + w``, starting
         at 0 (Qwen3-Next / Qwen3.5); Gated DeltaNet's output norm keeps a plain scale.
-      global_head_dim, num_global_kv_heads: the head width and key/value heads of the
-        ``"full_attention"`` layers (and multi-token prediction blocks) in a model with sliding
-        layers, where they differ from the sliding layers' ``head_dim`` / ``num_kv_heads`` (Gemma 4:
-        512 and 2 against 256 and 8; HF's ``global_head_dim``, ``num_global_key_value_heads``).
-        ``None``: as the sliding layers'.
-      global_rope_base, global_rotary_fraction: the full-attention layers' own RoPE (Gemma 4's
-        ``rope_parameters.full_attention``): base (``rope_theta``; ``None``: ``rope_base``) and the
-        fraction of the head's frequency pairs that rotate, HF's "proportional" RoPE
-        (``partial_rotary_factor``): pair i < ``fraction * Hd / 2`` turns features i and i + Hd/2 at
-        the whole head's frequency ``base ** (-2i / Hd)``, the other features pass unchanged
-        (``None``: every pair, plain RoPE). Both ``None``: the full layers use the model's RoPE.
-        Needs sliding layers (``layer_types``) and plain RoPE (``rope_type=default``,
+      global_head_dim: the head width of the ``"full_attention"`` layers (and multi-token prediction
+        blocks) in a model with sliding layers, where it differs from the sliding layers' ``head_dim``
+        (Gemma 4: 512 against 256; HF's ``global_head_dim``); even, >= 2. ``None``: ``head_dim``.
+      num_global_kv_heads: the key/value heads of the full-attention layers (Gemma 4: 2 against 8;
+        HF's ``num_global_key_value_heads``); divides ``num_heads``. ``None``: ``num_kv_heads``.
+      global_rope_base: the full-attention layers' own RoPE base (Gemma 4's
+        ``rope_parameters.full_attention.rope_theta``: 1e6), > 1; ``None``: ``rope_base``. With it
+        or the next key, the full layers' RoPE is their own; needs sliding layers
+        (``layer_types``) and plain RoPE (``position_encoding=rope``, ``rope_type=default``,
         ``partial_rotary_factor`` 1).
+      global_rotary_fraction: the fraction of the full-attention layers' frequency pairs that
+        rotate, HF's "proportional" RoPE (``partial_rotary_factor`` of ``rope_type: proportional``;
+        Gemma 4: 0.25), in (0, 1]: pair i < ``int(fraction * Hd / 2)`` turns features i and
+        i + Hd/2 at the whole head's frequency ``base ** (-2i / Hd)``, the other features pass
+        unchanged. ``None``: every pair (plain RoPE).
       attention_k_eq_v: the full-attention layers have no value projection: their values are the
         keys' projection before the key norm and RoPE (Gemma 4's ``attention_k_eq_v``; their
         ``qk`` [D, (H + G)·Hd] replaces ``qkv``).
@@ -343,11 +345,17 @@ class ModelConfig:
                  "model.global_rotary_fraction", f"must be in (0, 1] and rotate at least one pair of the "
                  f"{self.full_head_dim} features, got {f}")
         if self.global_rope_base is not None or f is not None:
-            _require(self.rope_type == "default" and self.partial_rotary_factor == 1.0 and self.attention == "gqa",
-                     "model.global_rope_base", "the full layers' own RoPE goes with plain RoPE on the sliding layers "
-                     "(model.rope_type=default, partial_rotary_factor=1.0, attention=gqa)")
-        _require(not (self.attention_k_eq_v or self.value_norm) or self.attention == "gqa", "model.attention_k_eq_v",
-                 "keys as values and the value norm are GQA attention's (model.attention=gqa), not MLA's")
+            key = "model.global_rope_base" if self.global_rope_base is not None else "model.global_rotary_fraction"
+            _require(self.rope_type == "default" and self.partial_rotary_factor == 1.0 and self.attention == "gqa"
+                     and self.position_encoding == "rope", key, "the full layers' own RoPE goes with plain RoPE on "
+                     "the sliding layers (model.position_encoding=rope, rope_type=default, partial_rotary_factor=1.0, "
+                     "attention=gqa)")
+        for k in ("attention_k_eq_v", "value_norm"):
+            _require(not getattr(self, k) or self.attention == "gqa", f"model.{k}",
+                     "keys as values and the value norm are GQA attention's (model.attention=gqa), not MLA's")
+        _require(not self.attention_k_eq_v or self.attention_bias == "none", "model.attention_bias",
+                 f"{self.attention_bias} with model.attention_k_eq_v: keys as values have no value projection to "
+                 "bias; use none")
         _require(self.attention_scale is None or (self.attention_scale > 0 and math.isfinite(self.attention_scale)),
                  "model.attention_scale", f"must be a finite number > 0 or null (head_dim ** -0.5), got "
                  f"{self.attention_scale}")

@@ -491,7 +491,9 @@ REGISTRY: dict[str, FamilySpec] = {
     # per-expert gate scales; a layer scalar; embeddings times sqrt(D), logits soft-capped.
     "gemma4_text": FamilySpec(
         model_type="gemma4_text", architecture="Gemma4ForCausalLM", name="Gemma 4",
-        hf_defaults=MappingProxyType({"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8}),
+        hf_defaults=MappingProxyType({"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_experts_per_tok": 8,
+                                      "tie_word_embeddings": True, "head_dim": 256, "sliding_window": 512,
+                                      "max_position_embeddings": 131072, "intermediate_size": 9216}),
         num_experts_keys=("num_experts",), expert_ff_key="moe_intermediate_size", norm_topk_prob_key=None,
         qk_norm="per_head", sliding_window=True, sliding_pattern=6, expert_activation="gelu_tanh",
         shared_expert=SharedExpert("intermediate_size", gated=False),

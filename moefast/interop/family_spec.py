@@ -250,6 +250,10 @@ class Gemma4Keys:
         "model.global_rotary_fraction": "rope_parameters", "model.global_rope_base": "rope_parameters",
         "model.rope_base": "rope_parameters"})
     """moefast keys -> the config.json key they come from, for error messages."""
+    default_rope: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
+    """``rope_parameters`` where config.json has none (transformers' ``Gemma4TextConfig``)."""
     owns: tuple[str, ...] = ("model.global_head_dim", "model.num_global_kv_heads", "model.global_rope_base",
                              "model.global_rotary_fraction", "model.attention_k_eq_v",
                              "model.final_logit_softcapping")
@@ -274,7 +278,7 @@ class Gemma4Keys:
         types = hf.get("layer_types")
         if types and types[-1] != "full_attention":
             reject("layer_types", types, "the last layer must be full_attention (transformers makes it so)")
-        rope = hf.get("rope_parameters") or {}
+        rope = hf.get("rope_parameters") or self.default_rope  # absent: transformers' defaults
         sliding, full = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
         if sliding.get("rope_type", "default") != "default":
             reject("rope_parameters.sliding_attention.rope_type", sliding.get("rope_type"), "plain RoPE only")
@@ -294,7 +298,11 @@ class Gemma4Keys:
                      final_logit_softcapping=hf.get("final_logit_softcapping"))
         if model["global_rotary_fraction"] == 1.0:
             model["global_rotary_fraction"] = None
-        moe = dict(top_k=int(hf.get("top_k_experts") or 1), expert_activation="gelu_tanh")
+        top_k = hf.get("top_k_experts")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            reject("top_k_experts", top_k, "the experts each token chooses: an int >= 1 (Gemma 4's key; "
+                   "num_experts_per_tok is not read)")
+        moe = dict(top_k=top_k, expert_activation="gelu_tanh")
         return model, moe
 
     @staticmethod

@@ -122,6 +122,7 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     if hf.get("use_sliding_window"):
         reject("use_sliding_window", True, "sliding-window attention")
     d, n_layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
+    tied = hf.get("tie_word_embeddings", spec.hf_defaults.get("tie_word_embeddings", False))  # absent: the family's
     sliding = None
     if spec.sliding_window:
         kinds = ("sliding_attention", "full_attention")
@@ -130,7 +131,7 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
             reject("layer_types", hf.get("layer_types"), f"one entry per layer ({n_layers}), each {kinds[0]!r} or "
                    f"{kinds[1]!r}")
         layer_types = tuple(layer_types) if "sliding_attention" in layer_types else None
-        sliding = hf.get("sliding_window")
+        sliding = hf.get("sliding_window", spec.hf_defaults.get("sliding_window"))
         if layer_types is not None and (not isinstance(sliding, int) or sliding < 1):
             reject("sliding_window", sliding, "sliding_attention layers need a window of at least one key")
     elif spec.layer_types is None:
@@ -163,14 +164,16 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         reject(layer_field, layer_value,
                f"MoE layers {ids}: moefast's layers are num_dense_layers leading dense ones, then every "
                "moe_every-th one MoE")
-    f = hf[spec.expert_ff_key]
+    f = hf.get(spec.expert_ff_key)
+    if not isinstance(f, int) or isinstance(f, bool) or f < 1:
+        reject(spec.expert_ff_key, f, "each routed expert's width: an int >= 1")
     dense_ff = hf.get(spec.dense_ff_key) if spec.dense_ff_key else None
     b = spec.attention_bias
     qk_norm = spec.qk_norm if spec.qk_norm_key is None or hf.get(spec.qk_norm_key) else "none"
     model = dict(d_model=d, num_layers=n_layers, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, d_ff=f,
                  dense_d_ff=dense_ff if dense_ff != f else None, vocab_size=hf["vocab_size"],
-                 max_seq_len=hf.get("max_position_embeddings", 4096), position_encoding="rope",
-                 rope_base=float(theta), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                 max_seq_len=hf.get("max_position_embeddings", spec.hf_defaults.get("max_position_embeddings", 4096)), position_encoding="rope",
+                 rope_base=float(theta), tie_embeddings=bool(tied),
                  num_dense_layers=nd, moe_every=every, norm_eps=float(get("rms_norm_eps")),
                  attention_bias=b.covers if b is not None and hf.get(b.key, b.default) else "none",
                  qk_norm=qk_norm, init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0)
@@ -215,7 +218,7 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     shared = spec.shared_expert
     shared_ff = 0
     if shared is not None:
-        shared_ff = hf.get(shared.ff_key) or 0
+        shared_ff = hf.get(shared.ff_key, spec.hf_defaults.get(shared.ff_key)) or 0
         if shared.count_key is not None:
             shared_ff *= get(shared.count_key) or 0
     norm_key = spec.norm_topk_prob_key

@@ -114,6 +114,8 @@ def test_multimodal_checkpoint_reads_its_language_model(saved, tmp_path, monkeyp
     (dict(layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"]), "layer_types"),
     (dict(per_layer_config={"1": {"head_dim": 32}, "3": {"head_dim": 64}}), "per_layer_config"),
     (dict(top_k_experts=99), "top_k_experts"),
+    (dict(top_k_experts=None), "top_k_experts"),
+    (dict(moe_intermediate_size=None), "moe_intermediate_size"),
 ])
 def test_unsupported_options_name_the_field(saved, tmp_path, change, field):
     _, d = saved
@@ -164,3 +166,15 @@ def test_a_trained_step_exports_to_the_same_model(saved, tmp_path, monkeypatch):
     before, _ = ours(cfg, params, None, tokens, mask, monkeypatch)
     assert np.abs(got - before).max() > 0.5  # the step changed the model (here by up to ~1.7 in a logit)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_absent_keys_read_as_transformers_defaults_them(saved, tmp_path):
+    """No rope_parameters: transformers' proportional RoPE on the full layers (a quarter of the
+    pairs, base 1e6) and plain RoPE at 1e4 on the sliding ones; no tie_word_embeddings: tied."""
+    _, d = saved
+    edited_copy(d, tmp_path, {})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["rope_parameters"], cfg["tie_word_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = hf.load_hf(tmp_path)[0].model
+    assert (m.global_rotary_fraction, m.global_rope_base, m.rope_base, m.tie_embeddings) == (0.25, 1e6, 1e4, True)
