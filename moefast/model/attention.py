@@ -20,7 +20,7 @@ from flax import nnx
 
 from moefast.kernels.attention import flash_attention
 from moefast.kernels.platform import target_platform
-from moefast.model.norm import rms_norm
+from moefast.model.norm import rms, rms_norm
 from moefast.model.positional import apply_rope
 from moefast.parallel.mesh import on_own_rows, token_shards
 from moefast.parallel.precision import dense
@@ -252,8 +252,7 @@ class Attention(nnx.Module):
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q).astype(self.dtype), self.k_norm(k).astype(self.dtype)
         if self.value_norm:  # RMSNorm without a scale, in float32
-            v32 = v.astype(jnp.float32)
-            v = (v32 * jax.lax.rsqrt(jnp.mean(jnp.square(v32), axis=-1, keepdims=True) + self.norm_eps)).astype(self.dtype)
+            v = rms(v, self.norm_eps).astype(self.dtype)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         new_cache = None

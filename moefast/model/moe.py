@@ -14,18 +14,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moefast.config import MoEConfig
+from moefast.model.norm import rms
 from moefast.parallel.expert import MoEStats, RoutingSums, gated_unit, moe_ffn
 from moefast.parallel.mesh import check_mesh_axes
 from moefast.parallel.precision import dense
 
 __all__ = ["MoELayer", "MoEStats"]
-
-
-def _rms(x, scale_d, eps: float):
-    """RMSNorm of ``x`` [..., D] times ``scale_d`` [D], in float32 (transformers' Gemma4RMSNorm)."""
-    x = x.astype(jnp.float32)
-    scale = scale_d.reshape((1,) * (x.ndim - 1) + (-1,))
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * scale
 
 
 class MoELayer(nnx.Module):
@@ -156,8 +150,8 @@ class MoELayer(nnx.Module):
                 raise ValueError(f"MoELayer: moe.branch_norms reads the residual stream: pass residual_btd of shape "
                                  f"{tuple(x_btd.shape)}, got {None if residual_btd is None else residual_btd.shape}")
             eps = self.norm_eps
-            routed_x = _rms(residual_btd, self.routed_in_norm[...], eps).astype(x_btd.dtype)
-            router_x = _rms(residual_btd, self.router_scale[...], eps) * d_model ** -0.5  # float32
+            routed_x = rms(residual_btd, eps, self.routed_in_norm[...]).astype(x_btd.dtype)
+            router_x = rms(residual_btd, eps, self.router_scale[...]) * d_model ** -0.5  # float32
         y, stats = moe_ffn(routed_x, mask_bt, self.router[...], w_in, w_out, self.moe,
                            drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e,
                            warmup_key=warmup_key, warmup_active=warmup_active, reduce_stats=reduce_stats,
@@ -172,7 +166,7 @@ class MoELayer(nnx.Module):
             if self.moe.shared_expert_gate:
                 shared = jax.nn.sigmoid(dense(x, self.shared_gate[...], self.dtype, ("embed", None))) * shared
             if self.moe.branch_norms:
-                y = _rms(y, self.routed_out_norm[...], self.norm_eps).astype(y.dtype)
-                shared = _rms(shared, self.shared_out_norm[...], self.norm_eps)
+                y = rms(y, self.norm_eps, self.routed_out_norm[...]).astype(y.dtype)
+                shared = rms(shared, self.norm_eps, self.shared_out_norm[...])
             y = y + shared.astype(y.dtype)
         return y, stats

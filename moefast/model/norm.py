@@ -11,7 +11,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["ZeroCenteredRMSNorm", "gated_rms_norm", "rms_norm"]
+__all__ = ["ZeroCenteredRMSNorm", "gated_rms_norm", "rms", "rms_norm"]
+
+
+def rms(x, eps: float, scale=None):
+    """RMSNorm of ``x`` [..., N] in float32 (any float dtype in), times ``scale`` [N] if given
+    (without one: Gemma 4's weightless value and router norms)."""
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    return x if scale is None else x * scale.reshape((1,) * (x.ndim - 1) + (-1,))
 
 
 class ZeroCenteredRMSNorm(nnx.Module):

@@ -46,7 +46,8 @@ from moefast.config import ExperimentConfig
 from moefast.model.attention import (ATTENTION_BLOCK, Attention, attention_impl, causal_attention,
                                      fused_attention)
 from moefast.model.gated_deltanet import GatedDeltaNet
-from moefast.model.kv_cache import KVCache, _cache_widths, cache_bytes_per_token, init_cache  # noqa: F401
+from moefast.model.kv_cache import (_DTYPES, KVCache, _cache_widths, cache_bytes_per_token,  # noqa: F401
+                                    init_cache)
 from moefast.model.layout import layer_layout
 from moefast.model.mla import MLA_NORM_EPS, MLAttention
 from moefast.model.moe import MoELayer, MoEStats
@@ -58,8 +59,6 @@ from moefast.parallel.precision import dense, embed_lookup
 __all__ = ["ATTENTION_BLOCK", "KVCache", "MINIMAL_SAVED", "MLA_NORM_EPS", "MLAttention", "MTPModule", "ModelOutput",
            "REMAT_POLICIES", "Transformer", "attention_impl", "build_model", "cache_bytes_per_token", "causal_attention",
            "fused_attention", "init_cache", "init_routing_state", "shift_left"]
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 
