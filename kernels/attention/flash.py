@@ -144,9 +144,16 @@ def _feature_masks(qk_ref, v_ref, hd: int, hv: int):
     return (jnp.arange(qk_ref.shape[-1]) < hd)[None, :], (jnp.arange(v_ref.shape[-1]) < hv)[None, :]
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sink_ref, o_ref, lse_ref, *, scale, mask: _Mask,
-                    block_k, hd, hv):
+def _offset(mask: _Mask, off_ref) -> _Mask:
+    """The mask with the query offset read from ``off_ref`` (an int32 [1] operand: a traced offset,
+    each device its own under ``shard_map``), or as it is when the offset is static."""
+    return mask if off_ref is None else dataclasses.replace(mask, q_offset=jnp.max(off_ref[...]))
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sink_ref, off_ref, o_ref, lse_ref, *, scale,
+                    mask: _Mask, block_k, hd, hv):
     block_q = q_ref.shape[0]
+    mask = _offset(mask, off_ref)
     i = pl.program_id(0)
     qmask, vmask = _feature_masks(q_ref, v_ref, hd, hv)
     q = plgpu.load(q_ref, mask=qmask, other=0.0)
@@ -179,9 +186,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sink_ref, o_ref, ls
     plgpu.store(o_ref, o.astype(o_ref.dtype), mask=vmask)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+def _dkdv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, off_ref, dk_ref, dv_ref, *,
                  scale, mask: _Mask, block_q, hd, hv):
     block_k = k_ref.shape[0]
+    mask = _offset(mask, off_ref)
     j = pl.program_id(2)
     qmask, vmask = _feature_masks(k_ref, v_ref, hd, hv)
     k = plgpu.load(k_ref, mask=qmask, other=0.0)
@@ -206,9 +214,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta
     plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=vmask)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, off_ref, dq_ref, *,
                scale, mask: _Mask, block_k, hd, hv):
     block_q = q_ref.shape[0]
+    mask = _offset(mask, off_ref)
     i = pl.program_id(2)
     qmask, vmask = _feature_masks(q_ref, v_ref, hd, hv)
     q = plgpu.load(q_ref, mask=qmask, other=0.0)
@@ -238,6 +247,7 @@ class _Static:
     scale: float
     mask: _Mask
     sinks: bool  # the forward reads a sink logit per head
+    dynamic: bool  # the query offset is an int32 [1] operand (mask.q_offset only names the kernels)
     block_q: int
     block_k: int
     bwd_q: int
@@ -245,7 +255,11 @@ class _Static:
     interpret: bool
 
 
-def _forward(q, k, v, qseg, kseg, sinks, c: _Static):
+def _offset_spec(c: _Static):
+    return pl.BlockSpec((1,), lambda *_: (0,)) if c.dynamic else None
+
+
+def _forward(q, k, v, qseg, kseg, sinks, qoff, c: _Static):
     b, t, h, hd = q.shape
     s, g, hv = k.shape[1], k.shape[2], v.shape[-1]
     rep, wq, wv = h // g, _pow2(hd), _pow2(hv)
@@ -260,16 +274,16 @@ def _forward(q, k, v, qseg, kseg, sinks, c: _Static):
                   pl.BlockSpec((None, s, None, wv), lambda i, bi, hi: (bi, 0, hi // rep, 0)),
                   pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, i)),
                   pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
-                  sink_spec],
+                  sink_spec, _offset_spec(c)],
         out_specs=[pl.BlockSpec((None, bq, None, wv), lambda i, bi, hi: (bi, i, hi, 0)),
                    pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))],
         out_shape=[jax.ShapeDtypeStruct((b, t, h, hv), q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
         compiler_params=_params(bq, c.block_k, max(wq, wv)),
         interpret=c.interpret, name=kernel_name("forward", bq, c.block_k, c.mask),
-    )(q, k, v, qseg, kseg, sinks if c.sinks else None)
+    )(q, k, v, qseg, kseg, sinks if c.sinks else None, qoff if c.dynamic else None)
 
 
-def _backward(q, k, v, qseg, kseg, sinks, o, lse2, do, dlse, c: _Static):
+def _backward(q, k, v, qseg, kseg, sinks, qoff, o, lse2, do, dlse, c: _Static):
     b, t, h, hd = q.shape
     s, g, hv = k.shape[1], k.shape[2], v.shape[-1]
     rep, wq, wv = h // g, _pow2(hd), _pow2(hv)
@@ -287,13 +301,13 @@ def _backward(q, k, v, qseg, kseg, sinks, o, lse2, do, dlse, c: _Static):
                   pl.BlockSpec((None, t), lambda bi, hi, _: (bi, 0)),
                   pl.BlockSpec((None, bk), lambda bi, hi, j: (bi, j)),
                   pl.BlockSpec((None, t, None, wv), lambda bi, hi, _: (bi, 0, hi, 0)),
-                  rows_t, rows_t],
+                  rows_t, rows_t, _offset_spec(c)],
         out_specs=[pl.BlockSpec((None, bk, None, wq), lambda bi, hi, j: (bi, j, hi, 0)),
                    pl.BlockSpec((None, bk, None, wv), lambda bi, hi, j: (bi, j, hi, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, s, h, hd), k.dtype), jax.ShapeDtypeStruct((b, s, h, hv), v.dtype)],
         compiler_params=_params(bq, bk, max(wq, wv)),
         interpret=c.interpret, name=kernel_name("dkdv", bq, bk, c.mask),
-    )(q, k, v, qseg, kseg, do, lse2, delta)
+    )(q, k, v, qseg, kseg, do, lse2, delta, qoff if c.dynamic else None)
     rows_q = pl.BlockSpec((None, None, bq), lambda bi, hi, i: (bi, hi, i))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, block_k=bk, **common),
@@ -304,12 +318,12 @@ def _backward(q, k, v, qseg, kseg, sinks, o, lse2, do, dlse, c: _Static):
                   pl.BlockSpec((None, bq), lambda bi, hi, i: (bi, i)),
                   pl.BlockSpec((None, s), lambda bi, hi, _: (bi, 0)),
                   pl.BlockSpec((None, bq, None, wv), lambda bi, hi, i: (bi, i, hi, 0)),
-                  rows_q, rows_q],
+                  rows_q, rows_q, _offset_spec(c)],
         out_specs=pl.BlockSpec((None, bq, None, wq), lambda bi, hi, i: (bi, i, hi, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(bq, bk, max(wq, wv)),
         interpret=c.interpret, name=kernel_name("dq", bq, bk, c.mask),
-    )(q, k, v, qseg, kseg, do, lse2, delta)
+    )(q, k, v, qseg, kseg, do, lse2, delta, qoff if c.dynamic else None)
     if rep > 1:  # a key/value head's gradient: the sum over its query heads
         dk = dk.reshape(b, s, g, rep, hd).sum(3, dtype=jnp.float32).astype(k.dtype)
         dv = dv.reshape(b, s, g, rep, hv).sum(3, dtype=jnp.float32).astype(v.dtype)
@@ -320,22 +334,22 @@ def _backward(q, k, v, qseg, kseg, sinks, o, lse2, do, dlse, c: _Static):
     return dq, dk, dv, dsinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, qseg, kseg, sinks, c: _Static):
-    o, lse2 = _forward(q, k, v, qseg, kseg, sinks, c)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, qseg, kseg, sinks, qoff, c: _Static):
+    o, lse2 = _forward(q, k, v, qseg, kseg, sinks, qoff, c)
     return o, lse2 * math.log(2.0)
 
 
-def _flash_fwd(q, k, v, qseg, kseg, sinks, c: _Static):
-    o, lse2 = _forward(q, k, v, qseg, kseg, sinks, c)
-    return (o, lse2 * math.log(2.0)), (q, k, v, qseg, kseg, sinks, o, lse2)
+def _flash_fwd(q, k, v, qseg, kseg, sinks, qoff, c: _Static):
+    o, lse2 = _forward(q, k, v, qseg, kseg, sinks, qoff, c)
+    return (o, lse2 * math.log(2.0)), (q, k, v, qseg, kseg, sinks, qoff, o, lse2)
 
 
 def _flash_bwd(c: _Static, res, cotangents):
-    q, k, v, qseg, kseg, sinks, o, lse2 = res
+    q, k, v, qseg, kseg, sinks, qoff, o, lse2 = res
     do, dlse = cotangents
-    dq, dk, dv, dsinks = _backward(q, k, v, qseg, kseg, sinks, o, lse2, do, dlse.astype(jnp.float32), c)
-    return dq, dk, dv, None, None, dsinks
+    dq, dk, dv, dsinks = _backward(q, k, v, qseg, kseg, sinks, qoff, o, lse2, do, dlse.astype(jnp.float32), c)
+    return dq, dk, dv, None, None, dsinks, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -344,7 +358,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array, *,
                     kv_segment_ids_bs: jax.Array | None = None, q_offset: int = 0, window: int | None = None,
                     sinks_h: jax.Array | None = None, return_lse: bool = False, sm_scale: float | None = None,
-                    block: int = BLOCK, interpret: bool | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    block: int = BLOCK, interpret: bool | None = None,
+                    dynamic_q_offset: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal grouped-query attention inside each packed document, without a [T, S] matrix.
 
     Args:
@@ -355,7 +370,12 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
         ``s <= q_offset + t`` and the two ids are equal.
       kv_segment_ids_bs: [B, S] int document ids of the keys; ``None``: ``segment_ids_bt`` (S = T).
       q_offset: static int >= 0, the keys' position of query 0 (a later slice of a row's queries
-        against the row's keys: ``q_offset = S - T``).
+        against the row's keys: ``q_offset = S - T``). With ``dynamic_q_offset`` it only names the
+        kernels (:func:`kernel_name`, read by cost models): pass the traced offset's mean.
+      dynamic_q_offset: int32 [] traced offset used in place of ``q_offset`` inside the kernels
+        (loop bounds and masks read it at run time), e.g. each device its own under
+        ``jax.shard_map`` (context parallelism's chunks, :mod:`moefast.parallel.context`); the
+        caller keeps it in ``[0, S - T]``. ``None``: ``q_offset``.
       window: static int W >= 1: a sliding window, query t sees only keys s with
         ``q_offset + t - s < W`` (the W latest positions, itself included: Hugging Face's
         ``sliding_window``); key blocks wholly outside it are skipped, not masked. ``None``: all.
@@ -415,10 +435,16 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
         k, v = (jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0))) for x in (k, v))
         kseg = jnp.pad(kseg, ((0, 0), (0, sp - s)), constant_values=-1)
     scale = hd ** -0.5 if sm_scale is None else float(sm_scale)
-    static = _Static(scale, _Mask(int(q_offset), s, int(window or 0)), sinks_h is not None, block_q, block_k, bwd_q,
-                     bwd_k, bool(interpret))
+    dynamic = dynamic_q_offset is not None
+    if dynamic and (jnp.shape(dynamic_q_offset) != () or not jnp.issubdtype(jnp.result_type(dynamic_q_offset),
+                                                                           jnp.integer)):
+        raise ValueError(f"dynamic_q_offset must be an int [] array, got {jnp.result_type(dynamic_q_offset)}"
+                         f"{list(jnp.shape(dynamic_q_offset))}")
+    static = _Static(scale, _Mask(int(q_offset), s, int(window or 0)), sinks_h is not None, dynamic, block_q, block_k,
+                     bwd_q, bwd_k, bool(interpret))
     sink_arr = jnp.zeros((h,), jnp.float32) if sinks_h is None else sinks_h
-    o, lse = _flash(q, k, v, qseg, kseg, sink_arr, static)
+    qoff = jnp.reshape(jnp.asarray(dynamic_q_offset, jnp.int32), (1,)) if dynamic else jnp.zeros((1,), jnp.int32)
+    o, lse = _flash(q, k, v, qseg, kseg, sink_arr, qoff, static)
     if tp != t:
         o, lse = o[:, :t], lse[..., :t]
     return (o, lse) if return_lse else o

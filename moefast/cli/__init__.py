@@ -170,7 +170,7 @@ def _main(argv: list[str] | None, signals: _ImportSignals) -> int:
         from moefast.parallel import xla_flags
 
         xla_flags.configure(cfg.overlap.xla_flags)  # before JAX starts: XLA reads XLA_FLAGS once
-        for size in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert):
+        for size in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.context):
             mesh_devices *= max(size, 1)
     elif args.command in ("eval", "generate", "export-hf"):  # the run's model-parallel axes: CPU devices for them
         from moefast.train.run_dir import load_run_config as _run_config

@@ -107,6 +107,16 @@ class ExperimentConfig:
         _require(self.data.seq_len % self.model.sequence_slices == 0, "model.sequence_slices",
                  f"{self.model.sequence_slices} must divide data.seq_len={self.data.seq_len} (equal slices of "
                  "each row)")
+        c = self.mesh.context
+        _require(c == 1 or self.data.seq_len % (2 * c) == 0, "mesh.context",
+                 f"{c} cuts each row into 2 x {c} = {2 * c} chunks (a mirrored pair per device): data.seq_len="
+                 f"{self.data.seq_len} must be a multiple of {2 * c}")
+        _require(c == 1 or "linear_attention" not in (self.model.layer_types or ()), "mesh.context",
+                 f"{c} with Gated DeltaNet layers (model.layer_types has linear_attention): their recurrent state "
+                 "would have to pass from each device's chunk to the next, which moefast does not do yet; use "
+                 "mesh.context=1")
+        _require(c == 1 or self.model.sequence_slices == 1, "mesh.context",
+                 f"{c} with model.sequence_slices={self.model.sequence_slices}: use one or the other")
         _require(self.moe.dispatch_dtype == "compute" or self.model.d_model % 128 == 0, "moe.dispatch_dtype",
                  f"FP8 dispatch scales each 128 channels of a row; model.d_model={self.model.d_model} is not a "
                  "multiple of 128: use moe.dispatch_dtype=compute")

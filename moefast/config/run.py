@@ -172,17 +172,29 @@ class MeshConfig:
       data: data-parallel axis (batch split, parameters replicated).
       fsdp: fully-sharded data-parallel axis (batch split, parameters and optimizer state split).
       expert: expert-parallel axis (batch split, experts split; must divide ``moe.num_experts``).
+      context: context-parallel axis (``moefast.parallel.context``): every row's tokens split over
+        it, in 2 x context chunks of which each device holds a mirrored pair (chunks j and
+        2 x context - 1 - j: the same causal attention work on every device, as Megatron-LM and
+        MaxText order them); only attention communicates along it (each device gathers the
+        row's keys and values; for multi-head latent attention the compressed latent and the
+        RoPE key), and the expert exchange takes it as one more token axis. For rows too long for
+        one device's activations. ``data.seq_len`` must be a multiple of 2 x context; not with
+        Gated DeltaNet layers (their recurrent state would have to pass between devices) nor
+        ``model.sequence_slices``; dropout masks differ from an unsplit run's (drawn over the
+        reordered tokens). 1 (default): rows whole on each device. Never -1.
     """
 
     data: int = -1
     fsdp: int = 1
     expert: int = 1
+    context: int = 1
 
     def __post_init__(self):
         _check_choices(self, "mesh")
         for k in ("data", "fsdp", "expert"):
             v = getattr(self, k)
             _require(v == -1 or v >= 1, f"mesh.{k}", f"must be -1 (the rest) or >= 1, got {v}")
+        _require(self.context >= 1, "mesh.context", f"must be >= 1 (devices each row is split over), got {self.context}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,15 +17,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from moefast.kernels.attention import flash_attention
 from moefast.kernels.platform import target_platform
 from moefast.model.norm import rms, rms_norm
 from moefast.model.positional import apply_rope
-from moefast.parallel.mesh import on_own_rows, token_shards
+from moefast.parallel.context import (CONTEXT_AXIS, context_size, gather_context, gather_rows, natural_order,
+                                      row_index)
+from moefast.parallel.mesh import on_own_rows, reshard_for_shard_map, token_shards
 from moefast.parallel.precision import dense
 
-__all__ = ["ATTENTION_BLOCK", "Attention", "attend", "attention_impl", "causal_attention", "fused_attention"]
+__all__ = ["ATTENTION_BLOCK", "Attention", "attend", "attention_impl", "causal_attention", "context_flash_attention",
+           "fused_attention"]
 
 
 ATTENTION_BLOCK = 128  # query rows per block of :func:`causal_attention` (chosen by measurement: docs/perf.md)
@@ -152,7 +156,75 @@ def fused_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
         return flash_attention(q, k, v, seg, kv_segment_ids_bs=kv_seg, sinks_h=sinks_bh[0][0] if sinks_bh else None,
                                **kw)
 
+    if context_size() > 1:  # the keys and values arrive split along the axis: gathered inside
+        if kv_segment_ids_bs is not None:
+            raise ValueError("context parallelism: sequence slices (keys before the queries) are not supported on a "
+                             "context axis")
+        return context_flash_attention(q_bthd, (k_bsgd, v_bsgd), segment_ids_bt, scale=scale, window=window,
+                                       sinks_h=sinks_h)
     return on_own_rows(run, *arrays, where="attention")
+
+
+def context_flash_attention(q_bthd: jax.Array, kv_parts: tuple[jax.Array, ...], segment_ids_bt: jax.Array, *,
+                            make_kv=None, weights: tuple[jax.Array, ...] = (), scale: float | None = None,
+                            window: int | None = None, sinks_h: jax.Array | None = None) -> jax.Array:
+    """Causal attention of rows split over the mesh's ``context`` axis with the fused kernel
+    (:mod:`moefast.parallel.context`), inside ``jax.shard_map``.
+
+    Each device holds its mirrored pair of chunks of every row (the balanced order). It
+    all-gathers the row's ``kv_parts`` and segment ids along the axis (in the backward pass the
+    parts' gradients are reduce-scattered back), puts them in the row's order, builds the keys and
+    values from them (``make_kv``: multi-head latent attention up-projects its gathered latent
+    here, so only the latent and the RoPE key travel), and runs the kernel once per chunk with the
+    chunk's own traced query offset: each chunk's causal loop bounds stop at its own position, so
+    every device does the same work. A sliding window skips the key blocks outside it (the whole
+    row is still gathered).
+
+    Args:
+      q_bthd: [B, T, H, Hd] queries in the balanced order, T split over ``context``.
+      kv_parts: [B, T, ...] arrays in the balanced order, split like the queries: ``(keys [B, T, G,
+        Hd], values [B, T, G, Hv])`` without ``make_kv``.
+      segment_ids_bt: [B, T] int document ids in the balanced order.
+      make_kv: ``(*whole_parts, *weights) -> (keys, values)`` on one device's whole rows, or
+        ``None`` (the parts are the keys and values).
+      weights: arrays ``make_kv`` reads, whole on every device (their gradients summed over the mesh).
+      scale, window, sinks_h: as :func:`fused_attention`.
+
+    Returns:
+      [B, T, H, Hv] in the balanced order, split like the queries.
+
+    Raises:
+      ValueError: T not a multiple of 2 x the context axis's size.
+    """
+    c = context_size()
+    b, t = q_bthd.shape[:2]
+    if t % (2 * c):
+        raise ValueError(f"context parallelism over {c} devices: the row length {t} must be a multiple of {2 * c}")
+    chunk = t // (2 * c)
+    rows = token_shards("attention")[0] or None
+    kw = dict(window=window, sm_scale=scale, interpret=target_platform() == "cpu")
+    n_parts, n_weights = len(kv_parts), len(weights)
+
+    def local(q, seg, *rest):
+        parts, ws, sinks = rest[:n_parts], rest[n_parts:n_parts + n_weights], rest[n_parts + n_weights:]
+        whole = [natural_order(gather_rows(p), c) for p in parts]
+        kv_seg = natural_order(jax.lax.all_gather(seg, CONTEXT_AXIS, axis=1, tiled=True), c)
+        k, v = make_kv(*whole, *ws) if make_kv is not None else whole
+        j = jax.lax.axis_index(CONTEXT_AXIS)
+        outs = []
+        for half, offset in ((0, j * chunk), (1, (2 * c - 1 - j) * chunk)):
+            mine = slice(half * chunk, (half + 1) * chunk)
+            # the kernels' names carry the offset's mean over the devices (what cost models count)
+            mean = (c - 1) * chunk // 2 if half == 0 else (3 * c - 1) * chunk // 2
+            outs.append(flash_attention(q[:, mine], k, v, seg[:, mine], kv_segment_ids_bs=kv_seg,
+                                        sinks_h=sinks[0] if sinks else None, q_offset=mean,
+                                        dynamic_q_offset=offset, **kw))
+        return jnp.concatenate(outs, axis=1)
+
+    split = P(rows, CONTEXT_AXIS)
+    args = (q_bthd, segment_ids_bt, *kv_parts, *weights, *(() if sinks_h is None else (sinks_h,)))
+    specs = (split, split, *(split,) * n_parts, *(P(),) * (len(args) - 2 - n_parts))
+    return jax.shard_map(local, in_specs=specs, out_specs=split, check_vma=False)(*reshard_for_shard_map(args, specs))
 
 
 def attend(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask, *, scale: float | None = None,
@@ -164,6 +236,10 @@ def attend(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask, *, sca
     blocks skipped when ``causal`` and S = T), narrowed to a sliding ``window`` of keys, query t
     at key position ``q_start + t`` (``None``: S - T; a KV cache: the cache index). Other
     arguments and the result as :func:`fused_attention`."""
+    c = context_size() if causal else 1
+    if c > 1 and not (isinstance(mask, tuple) or mask.ndim == 2):  # the blocked einsums on a context axis:
+        # the row's keys and values on every device (the fused path gathers them itself)
+        k_bsgd, v_bsgd = gather_context(k_bsgd), gather_context(v_bsgd)
     if isinstance(mask, tuple):
         return fused_attention(q_bthd, k_bsgd, v_bsgd, mask[0], kv_segment_ids_bs=mask[1], scale=scale,
                                window=window, sinks_h=sinks_h)
@@ -171,9 +247,14 @@ def attend(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask, *, sca
         return fused_attention(q_bthd, k_bsgd, v_bsgd, mask, scale=scale, window=window, sinks_h=sinks_h)
     t, s_len = q_bthd.shape[1], k_bsgd.shape[1]
     if window:
-        start = s_len - t if q_start is None else q_start
-        mask = mask & ((start + jnp.arange(t)[:, None] - jnp.arange(s_len)[None, :]) < window)[None, None]
-    return causal_attention(q_bthd, k_bsgd, v_bsgd, mask, causal=causal and t == s_len, scale=scale, sinks_h=sinks_h)
+        if c > 1:  # the balanced order: each token's place in the row
+            q_pos = k_pos = jnp.asarray(row_index(t, c))
+        else:
+            q_pos, k_pos = (s_len - t if q_start is None else q_start) + jnp.arange(t), jnp.arange(s_len)
+        mask = mask & ((q_pos[:, None] - k_pos[None, :]) < window)[None, None]
+    # the causal key blocks are those of the row's order: in the balanced order the mask says all
+    return causal_attention(q_bthd, k_bsgd, v_bsgd, mask, causal=causal and t == s_len and c == 1, scale=scale,
+                            sinks_h=sinks_h)
 
 
 class Attention(nnx.Module):

@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moefast.model.attention import attend, causal_attention
+from moefast.model.attention import attend, causal_attention, context_flash_attention
 from moefast.model.norm import rms_norm
 from moefast.model.positional import apply_rope
-from moefast.parallel.precision import dense
+from moefast.parallel.context import context_size, gather_context
+from moefast.parallel.precision import dense, local_dense
 
 __all__ = ["MLA_NORM_EPS", "MLAttention"]
 
@@ -93,7 +94,20 @@ class MLAttention(nnx.Module):
         kv_a = dense(x_btd, self.kv_a_proj_with_mqa[...], self.dtype, ("embed", "lora"))
         c_kv = self.kv_a_layernorm(kv_a[..., :c]).astype(self.dtype)  # [B, T, C]
         k_rope = apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared by the heads
-        if cache is None:
+        if cache is None and kv_prefix is None and context_size() > 1 and not isinstance(mask_b1ts, tuple) \
+                and mask_b1ts.ndim == 2:  # the fused kernel on a context axis: each device gathers the row's
+            # latent and RoPE key (C + R features a token, not H (N + R + Hv)) and up-projects them itself
+            def make_kv(c_kv, k_rope, w):
+                kv = local_dense(c_kv, w, self.dtype).reshape(*c_kv.shape[:2], h, n + hv)
+                k = jnp.concatenate([kv[..., :n], jnp.broadcast_to(k_rope[:, :, None], (*kv.shape[:3], r))], axis=-1)
+                return k, kv[..., n:]
+
+            o = context_flash_attention(jnp.concatenate([q_nope, q_rope], axis=-1), (c_kv, k_rope), mask_b1ts,
+                                        make_kv=make_kv, weights=(self.kv_b_proj[...],), scale=self.scale)
+            new_cache = None
+        elif cache is None:
+            if not kv_prefix:  # the blocked einsums on a context axis: the row's latent and RoPE key gathered
+                c_kv, k_rope = gather_context(c_kv), gather_context(k_rope)
             kv = dense(c_kv, self.kv_b_proj[...], self.dtype, ("lora", "heads")).reshape(b, t, h, n + hv)
             k = jnp.concatenate([kv[..., :n], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, r))], axis=-1)
             q, v = jnp.concatenate([q_nope, q_rope], axis=-1), kv[..., n:]

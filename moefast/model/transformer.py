@@ -53,6 +53,7 @@ from moefast.model.mla import MLA_NORM_EPS, MLAttention
 from moefast.model.moe import MoELayer, MoEStats
 from moefast.model.norm import rms_norm
 from moefast.model.positional import Yarn, check_positions, document_positions, rope_cos_sin, sinusoidal_encoding
+from moefast.parallel.context import balanced_order, context_size, natural_order, row_index, split_context
 from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING, RoutingSums
 from moefast.parallel.precision import dense, embed_lookup
 
@@ -435,6 +436,9 @@ class Transformer(nnx.Module):
             ``[0, max_seq_len)``.
         """
         b, t = tokens_bt.shape
+        # context parallelism (a mesh's context axis, moefast.parallel.context): training's rows only
+        context = context_size() if cache is None else 1
+        tokens_in = tokens_bt
         if t > self.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.max_seq_len}; "
                              "shorten the input or raise model.max_seq_len")
@@ -458,11 +462,15 @@ class Transformer(nnx.Module):
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones((b, t), jnp.int32)
             fused = attention_impl(self.attention_impl, b) == "flash"
+            if context > 1:  # the layers carry each row in the context axis's balanced order
+                tokens_in, positions_bt, segment_ids_bt = (balanced_order(a, context) for a in
+                                                          (tokens_bt, positions_bt, segment_ids_bt))
+            index_t = jnp.asarray(row_index(t, context))  # each token's place in the row
 
             def make_mask():  # ([B, 1, T, T] causal inside each packed document, or the segment ids; the ids)
                 if fused:  # the kernel masks from the segment ids themselves
                     return segment_ids_bt, segment_ids_bt
-                causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+                causal = index_t[:, None] >= index_t[None, :]
                 same_doc = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
                 return (same_doc & causal[None])[:, None], segment_ids_bt
 
@@ -482,7 +490,7 @@ class Transformer(nnx.Module):
         if self.cache_tables:  # once per forward pass, shared by every layer
             attn_mask, rope = make_mask(), make_rope()
 
-        x = self._embed(tokens_bt)
+        x = split_context(self._embed(tokens_in))
         if self.position_encoding == "sinusoidal":
             x = x + sinusoidal_encoding(positions_bt, self.max_seq_len, x.shape[-1], self.dtype,
                                         cached=self.cache_tables)
@@ -507,9 +515,9 @@ class Transformer(nnx.Module):
             x = jnp.concatenate(x, axis=1)
             layer_args["token_mask"] = token_mask  # the MTP modules run on whole rows
         x = self.final_norm(x).astype(x.dtype)
-        logits = self._head(x)
+        logits = self._head(split_context(natural_order(x, context)))  # the row's order again
         if self.mtp_depth and cache is None:
-            mtp_logits, mtp_moe = self._mtp(x, tokens_bt, make, routing_state, **layer_args)
+            mtp_logits, mtp_moe = self._mtp(x, tokens_bt, make, routing_state, context=context, **layer_args)
             if mtp_moe is not None:
                 moe = mtp_moe if moe is None else RoutingSums.concatenate([moe, mtp_moe])
             return ModelOutput(logits=logits, moe=self._moe_stats(moe), cache=None, mtp_logits=mtp_logits)
@@ -538,17 +546,19 @@ class Transformer(nnx.Module):
             logits = self.softcap * jnp.tanh(logits / self.softcap)
         return logits
 
-    def _mtp(self, h_btd, tokens_bt, make, routing_state, *, drop_tokens, **kw):
+    def _mtp(self, h_btd, tokens_bt, make, routing_state, *, drop_tokens, context: int = 1, **kw):
         """The D multi-token prediction modules in order (DeepSeek-V3 sec. 2.2, eqs. 21-23), each
         under ``jax.checkpoint`` like a block. Module k reads the embedding of ``t_{i+k}`` (tokens
         shifted k places left; the k rows past the end read id 0 and are never targets) and the
         attention tables of the main blocks: the same packed-document mask, and the same positions
         (module k's inputs sit at the positions of ``t_{i+k}``, k further on inside a document, but
-        rotary attention depends only on position differences, which are the same). Returns
+        rotary attention depends only on position differences, which are the same). On a context
+        axis ``h_btd`` and the tables are in its balanced order and ``tokens_bt`` in the row's: the
+        shifted tokens are reordered, the logits put back in the row's order. Returns
         ``(D logits [B, T, V] float32, MoE statistics [D, ...] or None)``."""
         logits, stats = [], []
         for k, module in enumerate(self.mtp, start=1):
-            emb = self._embed(shift_left(tokens_bt, k))
+            emb = self._embed(balanced_order(shift_left(tokens_bt, k), context))
             rs = None
             if routing_state is not None and module.is_moe:
                 rs = {n: v[self.mtp_routing_row + k - 1] for n, v in routing_state.items()}
@@ -557,7 +567,7 @@ class Transformer(nnx.Module):
             h_btd, s_k, _ = _block_fn(graphdef, self.remat, drop_tokens)(
                 state, h_btd, emb, self.num_layers + k - 1, rope, attn_mask, kw["token_mask"], None,
                 kw["cache_index"], kw["step_key"], rs, kw["routing_warmup"])
-            logits.append(self._head(h_btd))
+            logits.append(self._head(split_context(natural_order(h_btd, context))))
             if s_k is not None:
                 stats.append(s_k)
         moe = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None

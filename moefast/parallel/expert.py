@@ -49,6 +49,7 @@ from moefast.kernels.platform import target_platform
 from moefast.kernels.vma import vary_together
 from moefast.parallel.fp8 import fp8_dequantize, fp8_pack, fp8_quantize, fp8_unpack
 from moefast.parallel.hierarchical import hierarchical_exchange
+from moefast.parallel.context import CONTEXT_AXIS
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map, state_spec
 from moefast.parallel.precision import expert_weights
 
@@ -590,6 +591,8 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
     if mesh.empty or mesh.size == 1:
         return _moe_local(*args, ep=1, reduce_axes=(), **kw)
     token_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    # a context axis splits each row's tokens (T): one more token axis for the exchange and statistics
+    context = CONTEXT_AXIS if mesh.shape.get(CONTEXT_AXIS, 1) > 1 else None
     ep = mesh.shape.get(EXPERT_AXIS, 1)
     if num_experts % ep:
         raise ValueError(f"the expert axis ({ep}) must divide num_experts={num_experts}")
@@ -599,14 +602,16 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
     if x_btd.shape[0] % shards:
         raise ValueError(f"batch {x_btd.shape[0]} is not divisible by the {shards} token shards {token_axes}")
     if moe.exchange == "hierarchical":  # without dropping (evaluation) the exchange is flat: any token count
-        check_hierarchical(moe, ep, x_btd.shape[0] // shards * x_btd.shape[1] if drop_tokens else None)
+        per_row = x_btd.shape[1] // (mesh.shape[CONTEXT_AXIS] if context else 1)
+        check_hierarchical(moe, ep, x_btd.shape[0] // shards * per_row if drop_tokens else None)
     # The expert weights enter as the train state holds them (float32 shards, split over expert,
     # fsdp and data) and are gathered inside in the compute dtype (moefast.parallel.precision).
     names = ((("expert", "embed", "mlp"), ("expert", "mlp")), (("expert", "mlp", "embed"), ("expert", "embed")))
     w_specs = tuple(tuple(state_spec(n, a.shape, mesh) for n, a in zip(ns, w)) if isinstance(w, tuple) else
                     state_spec(ns[0], w.shape, mesh) for ns, w in zip(names, (w_in_edf, w_out_efd)))
-    fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=token_axes, w_specs=w_specs, **kw)
-    tokens = P(token_axes)
+    all_axes = token_axes + ((context,) if context else ())
+    fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=all_axes, w_specs=w_specs, **kw)
+    tokens = P(token_axes, context) if context else P(token_axes)
     in_specs = (tokens, tokens, tokens, P(), *w_specs, P(), P(), P(), P()) + (P(),) * (len(args) - 10)
-    out_specs = (P(token_axes), P() if reduce_stats else P(token_axes))
+    out_specs = (tokens, P() if reduce_stats else P(all_axes))
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs)(*reshard_for_shard_map(args, in_specs))

@@ -7,11 +7,15 @@ Mesh axes (all ``AxisType.Auto``):
     state split along their ``embed`` dimension; gathered for use by the partitioner.
   * ``expert`` — expert parallelism: batch split, experts' weights split along ``expert``; tokens
     travel to their experts with ``all_to_all`` (see :mod:`moefast.parallel.expert`).
+  * ``context`` — context parallelism: every row's tokens split along it (T, not B), in a
+    load-balanced order; attention gathers the row's keys and values along it
+    (:mod:`moefast.parallel.context`).
 
-Tokens are split over all three axes. Parameters carry logical axis names (``nnx.Param(...,
+Rows are split over ``data``, ``fsdp`` and ``expert`` (:data:`BATCH_AXES`), each row's tokens over
+``context``. Parameters carry logical axis names (``nnx.Param(...,
 logical_axes=(...))``) which :data:`LOGICAL_RULES` maps to mesh axes; a name without a rule fails at
 start. The train state (float32 parameters and optimizer moments alike) is additionally split over
-``data`` and, for parameters not split over experts, ``expert`` where a dimension allows (ZeRO;
+``data``, ``context`` and, for parameters not split over experts, ``expert`` where a dimension allows (ZeRO;
 :func:`optimizer_spec`); :mod:`moefast.parallel.precision` gathers weights in the compute dtype
 where they are used and reduce-scatters their float32 gradients.
 """
@@ -47,8 +51,8 @@ __all__ = [
     "token_shards",
 ]
 
-MESH_AXES = ("data", "fsdp", "expert")
-BATCH_AXES = ("data", "fsdp", "expert")  # tokens are split over every axis
+MESH_AXES = ("data", "fsdp", "expert", "context")
+BATCH_AXES = ("data", "fsdp", "expert")  # rows are split over these; each row's tokens over "context"
 
 # Logical axis name -> mesh axis (or None: replicated). One table for the whole model.
 LOGICAL_RULES: dict[str, str | None] = {
@@ -66,7 +70,8 @@ LOGICAL_RULES: dict[str, str | None] = {
 
 
 def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
-    """Sizes of (data, fsdp, expert) from ``mesh.*`` with ``-1`` meaning "the rest".
+    """Sizes of (data, fsdp, expert, context) from ``mesh.*`` with ``-1`` meaning "the rest"
+    (never ``context``)."
 
     Raises:
       ConfigError: more than one ``-1``, a product that differs from the device count, an expert
@@ -84,7 +89,8 @@ def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
                               f"({num_devices} is not divisible by {known})")
         sizes[rest[0]] = num_devices // known
     if math.prod(sizes.values()) != num_devices:
-        raise ConfigError(f"mesh: data×fsdp×expert = {sizes['data']}×{sizes['fsdp']}×{sizes['expert']} = "
+        raise ConfigError(f"mesh: data×fsdp×expert×context = {sizes['data']}×{sizes['fsdp']}×{sizes['expert']}×"
+                          f"{sizes['context']} = "
                           f"{math.prod(sizes.values())} must equal the {num_devices} devices; set one axis "
                           "to -1 to take the rest")
     if cfg.moe.num_experts % sizes["expert"]:
@@ -120,7 +126,7 @@ def inference_mesh(cfg: ExperimentConfig, num_devices: int) -> tuple[MeshConfig,
       ``(mesh, note)``: the :class:`~moefast.config.MeshConfig` to use and ``None``, or the
       data-parallel mesh and a one-line note saying why the run's mesh was not used.
     """
-    m = cfg.mesh
+    m = cfg.mesh  # context parallelism is for training's long rows: not kept (data takes its devices)
     keep = MeshConfig(data=1 if -1 in (m.fsdp, m.expert) else -1, fsdp=m.fsdp, expert=m.expert)
     try:
         mesh_shape(cfg.replace(mesh=keep), num_devices)
@@ -133,8 +139,8 @@ def inference_mesh(cfg: ExperimentConfig, num_devices: int) -> tuple[MeshConfig,
 def check_mesh_axes(mesh, where: str) -> None:
     """Raises unless every axis of ``mesh`` longer than 1 is one of :data:`MESH_AXES`.
 
-    moefast splits tokens over ``data``, ``fsdp`` and ``expert`` and experts over ``expert``, and
-    finds them by name: an axis of another name (``"dp"``, ``"ep"``) would be silently left
+    moefast splits rows over ``data``, ``fsdp`` and ``expert``, their tokens over ``context`` and
+    experts over ``expert``, and finds them by name: an axis of another name (``"dp"``, ``"ep"``) would be silently left
     unused (no expert parallelism). Axes of length 1 change nothing and are allowed.
 
     Args:
@@ -150,7 +156,7 @@ def check_mesh_axes(mesh, where: str) -> None:
     if unknown:
         raise ValueError(
             f"{where}: mesh axes {', '.join(unknown)} are not among moefast's {MESH_AXES}: tokens are split over "
-            "'data', 'fsdp' and 'expert' and experts over 'expert', found by name. Name your axes so, e.g. "
+            "'data', 'fsdp' and 'expert' (each row's over 'context') and experts over 'expert', found by name. Name your axes so, e.g. "
             "jax.make_mesh((2, 4), ('data', 'expert')), or build the mesh with moefast.parallel.make_mesh")
 
 
@@ -205,7 +211,8 @@ def on_own_rows(fn, *arrays_b: jax.Array, where: str = "kernel"):
 
 
 def make_mesh(cfg: ExperimentConfig, devices: list | None = None) -> jax.sharding.Mesh:
-    """The (data, fsdp, expert) mesh over ``devices`` (default: all devices, every process)."""
+    """The (data, fsdp, expert, context) mesh over ``devices`` (default: all devices, every
+    process); ``context`` varies fastest, so a row's devices are neighbours (one host's NVLink)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_shape(cfg, len(devices))
     return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
@@ -275,7 +282,7 @@ def param_specs(abstract_model_state: nnx.State, mesh: jax.sharding.Mesh) -> dic
 
 
 def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh, *, layers: bool = False) -> P:
-    """A parameter's spec plus each token axis it is not split on yet (``data``, then ``expert``)
+    """A parameter's spec plus each token axis it is not split on yet (``data``, ``expert``, then ``context``)
     (ZeRO: every device keeps only its share of the master weights and optimizer moments). The axis
     joins the first dimension already split whose size allows it (in mesh order; after ``expert``
     on an experts' dimension, so each device's experts stay together), else the first free dimension
@@ -290,7 +297,7 @@ def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh, *, 
     experts = [i for i, p in enumerate(parts) if "expert" in p]  # dimensions split over experts
     used = {a for p in parts for a in p}
     ways = lambda axes: math.prod(mesh.shape[a] for a in axes)
-    for axis in ("data", "expert"):
+    for axis in ("data", "expert", "context"):
         n = mesh.shape.get(axis, 1)
         if n == 1 or axis in used:
             continue
@@ -310,7 +317,7 @@ def optimizer_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh, *, 
 
 def state_spec(names: tuple[str | None, ...], shape: tuple[int, ...], mesh, *, layers: bool = False) -> P:
     """How the train state holds a parameter with logical axes ``names``: :func:`logical_to_spec`
-    plus the ZeRO split over ``data`` and ``expert`` (:func:`optimizer_spec`). ``mesh`` may be abstract
+    plus the ZeRO split over ``data``, ``expert`` and ``context`` (:func:`optimizer_spec`). ``mesh`` may be abstract
     (``jax.sharding.get_abstract_mesh()`` inside a trace), so the model can name the sharding its
     weights arrive in; a scanned stack's per-layer slice gets its stack's spec without ``layers``."""
     return optimizer_spec(logical_to_spec(tuple(names), tuple(shape), mesh), tuple(shape), mesh, layers=layers)

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from moefast.parallel.mesh import state_spec
 
-__all__ = ["costing_twin", "dense", "embed_lookup", "expert_weights"]
+__all__ = ["costing_twin", "dense", "embed_lookup", "expert_weights", "local_dense"]
 
 
 _COSTING_TWIN = contextvars.ContextVar("moefast_costing_twin", default=False)
@@ -90,8 +90,8 @@ def _dense_fwd(x, w, dtype, names, transposed, w_dtype):
     return x @ (wc.T if transposed else wc), (x, wc)
 
 
-def _dense_bwd(dtype, names, transposed, w_dtype, res, g):
-    x, wc = res
+def _dense_grads(x, wc, g, transposed, w_dtype):
+    """(dx in the compute dtype, dw from a GEMM with a float32 result, as ``w_dtype``)."""
     lead = "".join(chr(ord("a") + i) for i in range(x.ndim - 1))  # the token dimensions
     w_spec = "oi" if transposed else "io"
     dx = jnp.einsum(f"{lead}o,{w_spec}->{lead}i", g, wc)
@@ -102,7 +102,33 @@ def _dense_bwd(dtype, names, transposed, w_dtype, res, g):
     return dx, dw.astype(w_dtype)
 
 
+def _dense_bwd(dtype, names, transposed, w_dtype, res, g):
+    x, wc = res
+    return _dense_grads(x, wc, g, transposed, w_dtype)
+
+
 _dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def local_dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+    """:func:`dense` for a weight already whole on this device (inside ``jax.shard_map``: nothing
+    to gather): ``x @ w`` in ``dtype``, ``x`` [..., I] (in ``dtype``), ``w`` [I, O]; the weight
+    gradient from a GEMM with a float32 result, in ``w``'s dtype."""
+    return x @ w.astype(dtype)
+
+
+def _local_dense_fwd(x, w, dtype):
+    wc = w.astype(dtype)
+    return x @ wc, (x, wc, jnp.zeros((0,), w.dtype))
+
+
+def _local_dense_bwd(dtype, res, g):
+    x, wc, w_like = res
+    return _dense_grads(x, wc, g, False, w_like.dtype)
+
+
+local_dense.defvjp(_local_dense_fwd, _local_dense_bwd)
 
 
 def dense(x: jax.Array, w: jax.Array, dtype, names: tuple[str | None, str | None], *,
@@ -143,6 +169,14 @@ def _lookup_fwd(table, ids, dtype, names):
 def _lookup_bwd(dtype, names, res, g):
     ids, shape_of = res
     table_shape = shape_of.shape[1:]
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape.get("context", 1) > 1 and g.ndim == 3:
+        # rows over the token axes, their tokens over context; the table's gradient is split along
+        # its features over every axis: first the tokens whole and the features over context (one
+        # all-to-all), which the partitioner then turns into the table's split (another), instead
+        # of replicating the cotangent to reach it
+        rows = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape.get(a, 1) > 1) or None
+        g = jax.lax.with_sharding_constraint(g, P(rows, None, "context"))
     d_table = jnp.zeros(table_shape, jnp.float32).at[ids].add(g.astype(jnp.float32))
     return d_table.astype(shape_of.dtype), None
 

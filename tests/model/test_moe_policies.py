@@ -75,7 +75,7 @@ def test_dropless_expert_parallel_equals_single_device(shape, skew, devices):
     ref_y, ref_s, ref_g = apply(layer, x, mask)
     if skew:
         assert np.asarray(ref_s.tokens_per_expert).tolist() == [37, 37, 0, 0, 0, 0, 0, 0]
-    mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    mesh = jax.make_mesh((*shape, 1), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
     with jax.set_mesh(mesh):
         y, s, g = jax.jit(functools.partial(apply, layer))(x, mask)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), rtol=1e-5, atol=1e-5)

@@ -48,7 +48,7 @@ def _loss_and_grads(cfg, devices):
     if cfg.mesh.expert == 1:
         return f(params)
     shape = tuple(getattr(cfg.mesh, a) for a in MESH_AXES)
-    mesh = jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    mesh = jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * 4)
     with jax.set_mesh(mesh):
         return f(params)
 

@@ -24,7 +24,7 @@ E, K, D, F = 8, 2, 16, 24
 
 
 def mesh_of(data, fsdp, expert):
-    return jax.make_mesh((data, fsdp, expert), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return jax.make_mesh((data, fsdp, expert, 1), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
 
 def weights(seed=0):
@@ -357,13 +357,15 @@ def test_mixed_meshes_compile_without_involuntary_rematerialization(text_dir, tm
     """XLA's SPMD partitioner warns "Involuntary full rematerialization" when it has to replicate
     a tensor to reshard it; data x expert and data x fsdp x expert meshes used to, for the
     activations feeding the weight-gradient dots (the state's ZeRO sharding propagated back
-    into them). The warnings go to the C++ log (stderr), so the train steps compile in a fresh
-    process here."""
+    into them), and a context axis (rows split over data x expert, their tokens over context)
+    did for the embedding's scatter-add. The warnings go to the C++ log (stderr), so the train
+    steps compile in a fresh process here."""
     import os
     import subprocess
     import sys
 
-    meshes = (["mesh.data=2", "mesh.expert=4"], ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"])
+    meshes = (["mesh.data=2", "mesh.expert=4"], ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"],
+              ["mesh.data=2", "mesh.expert=2", "mesh.context=2"])
     code = _COMPILE_MESHES.format(tests=os.path.dirname(os.path.dirname(__file__)), meshes=meshes,
                                   source=text_dir, run_dir=str(tmp_path))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}

@@ -16,7 +16,7 @@ E, K, F = 8, 2, 24
 
 
 def mesh_of(data, expert):
-    return jax.make_mesh((data, 1, expert), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return jax.make_mesh((data, 1, expert, 1), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
 
 def case(d=16, seed=3, scale=0.2):

@@ -89,7 +89,7 @@ def test_expert_parallel_mesh_matches_a_numpy_layer(bias_around):
     args = (x, mask, router, w_in, w_out, bias)
     one = dataclasses.replace(V3, routed_scaling_factor=1.0)
     local = jax.jit(functools.partial(_layer, moe=V3))(*args)[0]
-    mesh = jax.make_mesh((2, 1, 2), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    mesh = jax.make_mesh((2, 1, 2, 1), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
     with jax.set_mesh(mesh):
         sharded = {m: jax.jit(functools.partial(_layer, moe=m))(*args)[0] for m in (V3, one)}
     want = _numpy_layer(x, mask, router, w_in, w_out, bias, 2.5)
