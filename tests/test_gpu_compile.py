@@ -44,7 +44,10 @@ CASES = {
     # data 2 x expert 4 with the fused routing kernel (compiled, not interpreted: the mesh is on
     # GPUs), the expert exchange in 2 chunks (moe.overlap_chunks)
     "ep-chunks2": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=2"],
-    "ep-chunks2-scan": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.overlap_chunks=2", "model.scan_layers=true"],
+    # scanned, with each row's tokens split over a context axis (expert 4 x context 2): the fused
+    # kernel with traced query offsets, the rows' order restored by collective permutes
+    "ep-chunks2-scan-context": [*TINY, "mesh.data=1", "mesh.expert=4", "mesh.context=2", "moe.overlap_chunks=2",
+                                "model.scan_layers=true"],
     # data 4 x fsdp 2 on H200s: parameters and optimizer state split over both (ZeRO + FSDP), in
     # Gemma 4's architecture: a sliding layer and a full layer of 512-wide heads (the flash kernel's
     # 32-row blocks: 64 rows overflow shared memory) with keys as values and proportional RoPE, its
@@ -56,18 +59,17 @@ CASES = {
              "model.layer_scalar=true", "model.embed_scale=true", "model.final_logit_softcapping=30",
              "moe.shared_expert_d_ff=64", "moe.shared_expert_gate=false", "moe.branch_norms=true",
              "moe.per_expert_scale=true", "moe.expert_activation=gelu_tanh"],
-    # dropless on 2 GPUs (2,048 routed rows each): the grouped GEMM kernel, in the DeepSeek-V3
-    # architecture: MLA with 192-wide query/key heads (the flash kernel's 64-row blocks: 128 rows
-    # overflow shared memory), sigmoid routing limited to 2 of 4 groups, a shared expert, a dense
-    # first layer and a multi-token prediction module
-    "dropless-v3": [*TINY, "mesh.data=2", "moe.capacity_factor=0", "--devices", "2", "model.attention=mla",
+    # dropless on 2 GPUs (2,048 routed rows each) split into 2 expert shards (the routed rows travel
+    # by ragged all-to-all): the grouped GEMM kernel, in the DeepSeek-V3 architecture: MLA with
+    # 192-wide query/key heads (the flash kernel's 64-row blocks: 128 rows overflow shared memory),
+    # sigmoid routing limited to 2 of 4 groups, a shared expert, a dense first layer and a
+    # multi-token prediction module
+    "dropless-v3": [*TINY, "mesh.expert=2", "moe.capacity_factor=0", "--devices", "2", "model.attention=mla",
                     "model.q_lora_rank=32", "model.kv_lora_rank=64", "model.qk_nope_head_dim=128",
                     "model.qk_rope_head_dim=64", "model.v_head_dim=64", "moe.score_func=sigmoid", "moe.num_groups=4",
                     "moe.topk_groups=2", "moe.routed_scaling_factor=2.5", "moe.shared_expert_d_ff=64",
                     "moe.shared_expert_gate=false", "model.num_layers=3", "model.num_dense_layers=1",
                     "model.mtp_depth=1"],
-    # dropless with an expert axis: the routed rows travel by ragged all-to-all
-    "dropless-ep": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.capacity_factor=0"],
     # the shipped DeepSeek-V3 671B config at its widths with 4 layers (3 dense, 1 MoE) and its MTP
     # module, on 32 hosts x 8 H100s: the expert axis (64) spans 8 hosts; rows whole (the sequence
     # slices double the compiled layers: covered by scan-2-hosts)
@@ -165,12 +167,12 @@ def test_gpu_kernels_are_in_the_step(compiled):
 
 def test_dropless_exchange_is_ragged_and_the_estimate_says_its_units(compiled):
     """Dropless with an expert axis: only the routed rows travel (ragged all-to-alls, one per
-    exchange: dispatch and return, forward and backward, 2 layers). XLA's speed-of-light estimator
-    takes no module with a ragged-all-to-all and XLA falls back to fixed per-operation costs, so the
-    report says its units are not comparable."""
-    r, md = compiled("dropless-ep")
+    exchange: dispatch and return, forward and backward, 3 MoE blocks: 2 layers and the MTP
+    module's). XLA's speed-of-light estimator takes no module with a ragged-all-to-all and XLA
+    falls back to fixed per-operation costs, so the report says its units are not comparable."""
+    r, md = compiled("dropless-v3")
     ragged = [c for c in r["collectives"] if c["kind"] == "ragged-all-to-all"]
-    assert ragged and sum(c["count"] for c in ragged) == 8, r["collectives"]
+    assert ragged and sum(c["count"] for c in ragged) == 12, r["collectives"]
     assert r["estimator"] == "fixed costs" and "not comparable" in md
     assert compiled("ep-chunks2")[0]["estimator"] == "speed-of-light"
 
@@ -180,7 +182,7 @@ def test_expert_dispatches_overlap_compute(compiled):
     compute (asynchronous, compute scheduled inside), unrolled (2 layers) and scanned (the loop body
     holds two layers: XLA's while-loop double buffering); the first has nothing independent of it
     to overlap."""
-    for case, forward in (("ep-chunks2", 4), ("ep-chunks2-scan", 4)):
+    for case, forward in (("ep-chunks2", 4), ("ep-chunks2-scan-context", 4)):
         d = compiled(case)[0]["dispatches"]
         assert d["forward"] == forward and d["overlapped"] >= forward // 2, (case, d)
 
@@ -380,3 +382,16 @@ def test_network_must_be_the_one_the_process_was_prepared_with():
             gpu_compile.gpu_compile(None, [], network="dgx-h100", devices="2x4")
     finally:
         gpu_compile._NETWORK[0] = None
+
+
+def test_context_axis_compiles_with_traced_query_offsets(compiled):
+    """Rows split over a context axis of 2: the fused kernels run once per chunk with a traced
+    query offset (named by its mean over the devices: 16 and 80 of 128), the rows' order is
+    restored by bfloat16 collective permutes (nothing reduced in bfloat16: the float32 test above),
+    and the estimate splits its exposed time by the mesh axes the collectives span."""
+    r, md = compiled("ep-chunks2-scan-context")
+    assert r["mesh"]["context"] == 2
+    assert {f"kernel moefast_flash_{k}_o{o}_w0" for k in ("forward_q32_k128", "dq_q32_k32", "dkdv_q32_k32")
+            for o in (16, 80)} <= set(r["custom_calls"]), r["custom_calls"]
+    assert any(c["kind"] == "collective-permute" and c["dtype"] == "bf16" for c in r["collectives"])
+    assert "by the mesh axes a collective spans" in md and r["estimate"]["exposed_by_axis"]

@@ -460,9 +460,13 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         module = HloModule(text)
         ragged = any(i.opcode.startswith("ragged-all-to-all") for i in module.instrs.values())
         hosts_of = [d.process_index for d in trainer.mesh.devices.flat]
+        mesh_shape = dict(trainer.mesh.shape)
+        axes_of = [{a: int(c) for a, c in zip(mesh_shape, np.unravel_index(p, tuple(mesh_shape.values())))
+                    if mesh_shape[a] > 1} for p in range(trainer.mesh.size)]
         net = network_options(network) if network else None
         peak_tflops = peak_flops(devs).per_device_tflops
-        as_compiled = read_estimate(dump, text, hosts_of, time_unit=not ragged, network=net, peak_tflops=peak_tflops)
+        as_compiled = read_estimate(dump, text, hosts_of, time_unit=not ragged, network=net, peak_tflops=peak_tflops,
+                                    axes_of_partition=axes_of)
         estimated, unprofiled = as_compiled, None
         if twin:
             log("compiling its costing twin for XLA's estimate (weight-gradient GEMMs with bf16 results) ...")
@@ -476,7 +480,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
             twin_options = {**options, "xla_gpu_experimental_force_split_k": 1}
             twin_text = _compile(lowered, twin_options, twin_dump, autotune).as_text()
             estimated = read_estimate(twin_dump, twin_text, hosts_of, time_unit=not ragged, network=net,
-                                      peak_tflops=peak_tflops)
+                                      peak_tflops=peak_tflops, axes_of_partition=axes_of)
             if net and estimated is not None and estimated.profile and estimated.fingerprint:
                 # XLA scheduled the twin believing its own costs (a flat 10 µs per attention kernel, a
                 # fixed 5,000 µs per collective it cannot cost): once more, with the replay's costs as
@@ -489,7 +493,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
                 pgle_text = _compile(lowered, {**twin_options, "xla_gpu_pgle_profile_file_or_directory_path": profile_path},
                                      pgle_dump, autotune).as_text()
                 estimated = read_estimate(pgle_dump, pgle_text, hosts_of, time_unit=not ragged, network=net,
-                                          peak_tflops=peak_tflops)
+                                          peak_tflops=peak_tflops, axes_of_partition=axes_of)
 
     def shard_bytes(tree):
         return int(sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree)))

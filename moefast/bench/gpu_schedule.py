@@ -212,6 +212,9 @@ class ScheduleEstimate:
     # handed back to XLA as a profile (pgle_profile) so its scheduler plans with them
     profile: dict = dataclasses.field(default_factory=dict)
     fingerprint: str = ""
+    # exposed time by the mesh axes a collective's groups span ("context", "data+expert", ...;
+    # trip-weighted): which parallelism the compute stream waits on
+    exposed_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def pgle_profile(est: ScheduleEstimate) -> str:
@@ -295,7 +298,8 @@ def _label(ops: list[str]) -> str:
 
 
 def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *, time_unit: bool,
-                  network: dict[str, str] | None = None, peak_tflops: float | None = None) -> ScheduleEstimate | None:
+                  network: dict[str, str] | None = None, peak_tflops: float | None = None,
+                  axes_of_partition: list[dict[str, int]] | None = None) -> ScheduleEstimate | None:
     """The trip-weighted estimate of the train step from a compilation's dump.
 
     Args:
@@ -308,6 +312,9 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
       peak_tflops: the GPU's dense bf16 peak; given, the replay also costs the fused attention
         kernels from their FLOPs (:func:`attention_kernel_flops`) at
         :data:`ATTENTION_KERNEL_UTILIZATION` of it.
+      axes_of_partition: each SPMD partition's coordinate on every mesh axis longer than 1
+        (``{"data": 0, "context": 3}``); given, the exposed time is also split by the axes each
+        collective's groups span (``exposed_by_axis``).
 
     Returns:
       ``None`` when XLA wrote no schedule (its scheduler did not run).
@@ -387,6 +394,21 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         return shapes.pop() if len(shapes) == 1 else None
 
     @functools.cache
+    def axes(start_name: str) -> str:
+        """The mesh axes along which a collective's groups (or pairs) vary, joined by "+"."""
+        if not axes_of_partition:
+            return ""
+        attrs = attrs_of(start_name)
+        if "source_target_pairs" in attrs:
+            groups = [[int(a), int(b)] for a, b in
+                      re.findall(r"\{(\d+),(\d+)\}", attrs.split("source_target_pairs=", 1)[1])]
+        else:
+            groups = _groups(attrs, len(axes_of_partition)) or [list(range(len(axes_of_partition)))]
+        names = axes_of_partition[0].keys()
+        varying = [a for a in names if any(len({axes_of_partition[i][a] for i in g}) > 1 for g in groups)]
+        return "+".join(varying) or "one device"
+
+    @functools.cache
     def uncosted(start_name: str) -> bool:
         """XLA's speed-of-light model cannot cost a collective between hosts whose replica groups
         do not divide its GPUs per node (SolGPUCostModel::NumGpusPerComm returns an error): the
@@ -400,6 +422,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
     profile = {}  # instruction -> µs: what the replay re-costs, as a PGLE profile (pgle_profile)
     step = exposed = 0.0
     by_kind, by_tier, bytes_tier = collections.Counter(), collections.Counter(), collections.Counter()
+    by_axis = collections.Counter()
     fallback = {"count": 0, "bytes": 0, "exposed": 0.0}
     recost = {"step": 0.0, "exposed": 0.0, "by_kind": collections.Counter(), "by_tier": collections.Counter(),
               "floor": 0.0, "bounded": 0.0, "kernels": 0}
@@ -423,7 +446,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
             done = module._users_of_async.get(name)
             kind = module._wrapped_kind(module.instrs[name]) if name in module.instrs else None
             if kind and done in at:
-                flight.append((e, at[done][0], kind, tier(name), uncosted(name)))
+                flight.append((e, at[done][0], kind, tier(name), uncosted(name), axes(name)))
                 pairs[name], pair_kind[name] = done, (kind, tier(name))
                 latency[name] = at[done][0] - e  # what XLA's schedule gave it (exact where the done waited)
         floor = 0.0  # µs the NIC needs for this computation's bytes between hosts
@@ -464,13 +487,16 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         length, prev, gap_kind, ex = 0.0, 0.0, collections.Counter(), 0.0
         for name, s, e in ordered:
             if s - prev > 1e-9:  # the compute stream idles: on what is in flight then
-                hits = [(min(s, b) - max(prev, a), k, t, u) for a, b, k, t, u in flight if min(s, b) > max(prev, a)]
+                hits = [(min(s, b) - max(prev, a), k, t, u, ax) for a, b, k, t, u, ax in flight
+                        if min(s, b) > max(prev, a)]
                 if hits:
                     share = min(s - prev, max(h[0] for h in hits)) / sum(h[0] for h in hits)
-                    for h, k, t, u in hits:
+                    for h, k, t, u, ax in hits:
                         gap_kind[k] += h * share
                         ex += h * share
                         by_tier[t] += h * share * w
+                        if ax:
+                            by_axis[ax] += h * share * w
                         if u:
                             fallback["exposed"] += h * share * w
             prev = max(prev, e)
@@ -516,7 +542,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
                   "exposed_by_tier": dict(recost["by_tier"]), "kernels": recost["kernels"]} if time_unit else {},
         network_floor={"step": recost["floor"], "bounded": recost["bounded"], "gbps": nic_rate / 1e3}
         if time_unit else {},
-        profile=profile if time_unit else {},
+        profile=profile if time_unit else {}, exposed_by_axis=dict(by_axis),
         fingerprint=(re.search(r'fingerprint_before_lhs="([^"]*)"', hlo_text) or [None, ""])[1])
 
 
@@ -615,6 +641,10 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
         b = est["bytes_by_tier"].get(t, 0.0)
         lines.append(f"| &nbsp; {t}: exposed / collective bytes per GPU and step | {v:,.0f} {unit} ({v / step:.1%}) / "
                      f"{_size(b)} |")
+    if est.get("exposed_by_axis"):
+        lines.append("| &nbsp; by the mesh axes a collective spans: exposed | " + ", ".join(
+            f"{a} {v:,.0f} {unit} ({v / step:.1%})" for a, v in sorted(est["exposed_by_axis"].items(),
+                                                                      key=lambda kv: -kv[1])) + " |")
     rc = est.get("recosted") or {}
     if rc.get("step"):
         rs = rc["step"]

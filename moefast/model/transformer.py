@@ -53,7 +53,7 @@ from moefast.model.mla import MLA_NORM_EPS, MLAttention
 from moefast.model.moe import MoELayer, MoEStats
 from moefast.model.norm import rms_norm
 from moefast.model.positional import Yarn, check_positions, document_positions, rope_cos_sin, sinusoidal_encoding
-from moefast.parallel.context import balanced_order, context_size, natural_order, row_index, split_context
+from moefast.parallel.context import balanced_order, context_size, restore_order, row_index, split_context
 from moefast.parallel.expert import EXPERT_IN, EXPERT_OUT, ROUTING, RoutingSums
 from moefast.parallel.precision import dense, embed_lookup
 
@@ -515,7 +515,7 @@ class Transformer(nnx.Module):
             x = jnp.concatenate(x, axis=1)
             layer_args["token_mask"] = token_mask  # the MTP modules run on whole rows
         x = self.final_norm(x).astype(x.dtype)
-        logits = self._head(split_context(natural_order(x, context)))  # the row's order again
+        logits = self._head(restore_order(x))  # the row's order again
         if self.mtp_depth and cache is None:
             mtp_logits, mtp_moe = self._mtp(x, tokens_bt, make, routing_state, context=context, **layer_args)
             if mtp_moe is not None:
@@ -567,7 +567,7 @@ class Transformer(nnx.Module):
             h_btd, s_k, _ = _block_fn(graphdef, self.remat, drop_tokens)(
                 state, h_btd, emb, self.num_layers + k - 1, rope, attn_mask, kw["token_mask"], None,
                 kw["cache_index"], kw["step_key"], rs, kw["routing_warmup"])
-            logits.append(self._head(split_context(natural_order(h_btd, context))))
+            logits.append(self._head(restore_order(h_btd)))
             if s_k is not None:
                 stats.append(s_k)
         moe = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["CONTEXT_AXIS", "balanced_order", "context_size", "gather_context", "gather_rows", "natural_order",
-           "row_index", "split_context"]
+           "restore_order", "row_index", "split_context"]
 
 CONTEXT_AXIS = "context"
 
@@ -97,6 +97,37 @@ def split_context(a_bt: jax.Array) -> jax.Array:
     if context_size() == 1:
         return a_bt
     return jax.lax.with_sharding_constraint(a_bt, P(_batch_axes(mesh), CONTEXT_AXIS))
+
+
+def restore_order(x_bt: jax.Array) -> jax.Array:
+    """Hidden states [B, T, ...] in the balanced order, T split over ``context``, put back in the
+    row's order and split over ``context`` in contiguous pieces (device d: chunks 2d and 2d + 1).
+    Each device holds one even and one odd chunk (j and 2c - 1 - j), so two collective permutes
+    move them, each a device's half share: no gather, and in the backward pass the same permutes
+    reversed (nothing summed). :func:`natural_order` without a context axis.
+
+    Raises:
+      ValueError: T not a multiple of 2c.
+    """
+    c = context_size()
+    if c == 1:
+        return x_bt
+    mesh = jax.sharding.get_abstract_mesh()
+    chunk = _check(x_bt.shape[1], c)
+    to_even = [(j, (j if j % 2 == 0 else 2 * c - 1 - j) // 2) for j in range(c)]  # where each device's even chunk goes
+    to_odd = [(j, (j if j % 2 == 1 else 2 * c - 1 - j) // 2) for j in range(c)]
+
+    def local(x):  # this device's chunks j and 2c - 1 - j
+        first = jax.lax.axis_index(CONTEXT_AXIS) % 2 == 0  # chunk j is the even one
+        a, b = x[:, :chunk], x[:, chunk:]
+        even = jax.lax.ppermute(jnp.where(first, a, b), CONTEXT_AXIS, to_even)
+        odd = jax.lax.ppermute(jnp.where(first, b, a), CONTEXT_AXIS, to_odd)
+        return jnp.concatenate([even, odd], axis=1)
+
+    from moefast.parallel.mesh import reshard_for_shard_map
+
+    spec = P(_batch_axes(mesh), CONTEXT_AXIS)
+    return jax.shard_map(local, in_specs=(spec,), out_specs=spec)(*reshard_for_shard_map((x_bt,), (spec,)))
 
 
 def gather_context(a_bt: jax.Array) -> jax.Array:

@@ -71,7 +71,8 @@ LOGICAL_RULES: dict[str, str | None] = {
 
 def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
     """Sizes of (data, fsdp, expert, context) from ``mesh.*`` with ``-1`` meaning "the rest"
-    (never ``context``)."
+    (never ``context``); without context parallelism (``mesh.context=1``) the three others only,
+    and :func:`make_mesh` builds no ``context`` axis."
 
     Raises:
       ConfigError: more than one ``-1``, a product that differs from the device count, an expert
@@ -89,8 +90,8 @@ def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
                               f"({num_devices} is not divisible by {known})")
         sizes[rest[0]] = num_devices // known
     if math.prod(sizes.values()) != num_devices:
-        raise ConfigError(f"mesh: data×fsdp×expert×context = {sizes['data']}×{sizes['fsdp']}×{sizes['expert']}×"
-                          f"{sizes['context']} = "
+        shown = [a for a in MESH_AXES if a != "context" or sizes[a] != 1]
+        raise ConfigError(f"mesh: {'×'.join(shown)} = {'×'.join(str(sizes[a]) for a in shown)} = "
                           f"{math.prod(sizes.values())} must equal the {num_devices} devices; set one axis "
                           "to -1 to take the rest")
     if cfg.moe.num_experts % sizes["expert"]:
@@ -106,6 +107,8 @@ def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
         raise ConfigError(f"train.grad_accum_steps: micro-batches of {cfg.data.batch_size}/{m} = "
                           f"{rows} row{'s' if rows != 1 else ''} cannot be split over the {shards} batch shards; "
                           f"use data.batch_size a multiple of {m * shards} or fewer micro-batches")
+    if sizes["context"] == 1:
+        del sizes["context"]
     return sizes
 
 
@@ -211,12 +214,13 @@ def on_own_rows(fn, *arrays_b: jax.Array, where: str = "kernel"):
 
 
 def make_mesh(cfg: ExperimentConfig, devices: list | None = None) -> jax.sharding.Mesh:
-    """The (data, fsdp, expert, context) mesh over ``devices`` (default: all devices, every
-    process); ``context`` varies fastest, so a row's devices are neighbours (one host's NVLink)."""
+    """The (data, fsdp, expert) mesh over ``devices`` (default: all devices, every process), with a
+    ``context`` axis after them when ``mesh.context`` > 1 (varying fastest, so a row's devices are
+    neighbours: one host's NVLink)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_shape(cfg, len(devices))
-    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(sizes), devices=devices)
 
 
 def platform(mesh: jax.sharding.Mesh) -> str:

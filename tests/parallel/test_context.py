@@ -13,7 +13,7 @@ from moefast.config import ConfigError
 from moefast.kernels.attention import flash_attention
 from moefast.kernels.attention.reference import attention_reference
 from moefast.model.positional import document_positions
-from moefast.parallel import make_mesh
+from moefast.parallel import make_mesh, mesh_shape
 from moefast.parallel.context import balanced_order, natural_order, row_index
 from moefast.train import Trainer
 from moefast.train.step import ModelDef, loss_fn
@@ -98,7 +98,7 @@ def test_flash_kernel_takes_a_traced_query_offset():
     b, t, s, h, g, d = 1, 16, 48, 4, 2, 16
     q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((b, t, h, d), (b, s, g, d), (b, s, g, d)))
     seg, kseg = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32).at[:, :5].set(2)
-    for offset, window in ((0, None), (21, None), (32, 10)):
+    for offset, window in ((21, None), (32, 10)):
         def ref(q, k, v):
             return attention_reference(q, k, v, seg, kv_segment_ids_bs=kseg, q_offset=offset, window=window)
 
@@ -144,3 +144,5 @@ def test_context_bad_config(small_config):
         small_config("mesh.context=2", "model.sequence_slices=2")
     with pytest.raises(ConfigError, match="mesh.context: must be >= 1"):
         small_config("mesh.context=0")
+    with pytest.raises(ConfigError, match="cannot fill 8 devices"):  # no room for it on this mesh
+        mesh_shape(small_config("mesh.context=16"), 8)
