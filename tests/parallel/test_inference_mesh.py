@@ -23,6 +23,7 @@ SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.n
     (["mesh.data=1", "mesh.expert=-1"], 2, {"data": 1, "fsdp": 1, "expert": -1}),  # expert takes the rest
     (["mesh.expert=4"], 1, None),  # four expert shards cannot sit on one device
     (["mesh.expert=4"], 6, None),
+    (["mesh.context=2", "mesh.expert=2"], 8, {"data": -1, "fsdp": 1, "expert": 2}),  # whole rows: no context
 ])
 def test_the_runs_model_parallel_axes_are_kept_when_the_devices_allow(mesh, devices, kept):
     cfg = load_config(None, SMALL + mesh)
@@ -32,6 +33,7 @@ def test_the_runs_model_parallel_axes_are_kept_when_the_devices_allow(mesh, devi
         assert note.startswith("note: the run's mesh (fsdp=1, expert=4) does not fit the") and "data parallelism" in note
     else:
         assert {"data": got.data, "fsdp": got.fsdp, "expert": got.expert} == kept and note is None
+        assert got.context == 1
 
 
 def test_generation_on_an_expert_mesh_equals_one_device(devices):
