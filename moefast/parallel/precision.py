@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moefast.parallel.mesh import state_spec
+from moefast.parallel.context import CONTEXT_AXIS
+from moefast.parallel.mesh import BATCH_AXES, state_spec
 
 __all__ = ["costing_twin", "dense", "embed_lookup", "expert_weights", "local_dense"]
 
@@ -170,13 +171,13 @@ def _lookup_bwd(dtype, names, res, g):
     ids, shape_of = res
     table_shape = shape_of.shape[1:]
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.shape.get("context", 1) > 1 and g.ndim == 3:
+    if not mesh.empty and mesh.shape.get(CONTEXT_AXIS, 1) > 1 and g.ndim == 3:
         # rows over the token axes, their tokens over context; the table's gradient is split along
         # its features over every axis: first the tokens whole and the features over context (one
         # all-to-all), which the partitioner then turns into the table's split (another), instead
         # of replicating the cotangent to reach it
-        rows = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape.get(a, 1) > 1) or None
-        g = jax.lax.with_sharding_constraint(g, P(rows, None, "context"))
+        rows = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1) or None
+        g = jax.lax.with_sharding_constraint(g, P(rows, None, CONTEXT_AXIS))
     d_table = jnp.zeros(table_shape, jnp.float32).at[ids].add(g.astype(jnp.float32))
     return d_table.astype(shape_of.dtype), None
 
