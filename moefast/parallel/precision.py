@@ -202,10 +202,13 @@ def embed_lookup(table: jax.Array, ids: jax.Array, dtype, names: tuple[str | Non
 
 def _gather_plan(spec: P, token_axes: tuple[str, ...], keep: str | None):
     """``(dim, axis)`` pairs to all-gather a shard of ``spec`` over (every mesh axis in it but
-    ``keep``), and the token axes the shard does not vary over (its gradient is summed over them)."""
+    ``keep``), and the token axes the shard does not vary over (its gradient is summed over them).
+    A dimension split over several axes holds block ``(i, j)`` of its (major, minor) axes at
+    ``i * minor + j``, so its axes are gathered minor first: each gather then joins whole
+    contiguous blocks."""
     gathers, split = [], set()
     for dim, entry in enumerate(spec):
-        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+        for axis in reversed(entry if isinstance(entry, tuple) else (entry,)):
             if axis is None:
                 continue
             split.add(axis)

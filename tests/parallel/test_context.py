@@ -21,9 +21,10 @@ from moefast.train.step import ModelDef, loss_fn
 MLA = ["model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=12", "model.qk_nope_head_dim=8",
        "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.scan_layers=true", "model.remat=full",
        "model.num_layers=3", "model.num_dense_layers=1", "model.mtp_depth=1"]
-# grouped-query heads, a sliding-window layer (6 keys) beside a full one, attention sinks
+# grouped-query heads, a sliding-window layer (6 keys) beside a full one, attention sinks; 8 experts,
+# whose dimension data 4 x context 2 splits over both axes (ZeRO: the gathers' order matters)
 GQA = ["model.num_kv_heads=1", "model.layer_types=[sliding_attention,full_attention]", "model.sliding_window=6",
-       "model.attention_sinks=true"]
+       "model.attention_sinks=true", "moe.num_experts=8"]
 CASES = {  # name -> (architecture, attention path, mesh)
     "gqa-window-sinks-blocked-context2-data4": (GQA, "blocked", ["mesh.context=2"]),
     "gqa-window-sinks-flash-context4-expert2": (GQA, "flash", ["mesh.context=4", "mesh.expert=2"]),

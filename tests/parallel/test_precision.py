@@ -99,3 +99,30 @@ def test_expert_weights_inside_shard_map(devices):
         ws = jax.device_put(w, NamedSharding(mesh, spec))
         got = jax.jit(jax.grad(loss_sharded, 1), out_shardings=NamedSharding(mesh, spec))(x, ws)
     np.testing.assert_allclose(got, jax.grad(loss_ref, 1)(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape, names, spec", [
+    ((4, 2), ("data", "fsdp"), P(None, ("data", "fsdp"), None)),  # ZeRO over data joined to fsdp's dimension
+    ((4, 2), ("data", "context"), P(("data", "context"), None, None)),  # ZeRO over data and context
+])
+def test_expert_weights_gathered_in_the_shards_order(devices, mesh_shape, names, spec):
+    """A dimension split over two axes holds block (i, j) of the (major, minor) axes at i * m + j:
+    gathered minor axis first, the weight comes back whole in its order (gathered major first, the
+    blocks came back interleaved: every expert's weights permuted on data x fsdp meshes); its
+    gradient goes back to each device's own block."""
+    mesh = jax.make_mesh(mesh_shape, names, axis_types=(AxisType.Auto,) * 2, devices=devices)
+    w = jax.random.normal(jax.random.key(7), (8, 8, 4), jnp.float32)
+    c = jax.random.normal(jax.random.key(8), (8, 8, 4), jnp.float32)
+
+    def whole(w_local):
+        return expert_weights(w_local, jnp.float32, spec, names, keep=None)
+
+    def loss(w):  # every device sees the whole weight; the loss is one device's
+        return jax.shard_map(lambda w_: jnp.sum(whole(w_) * c), in_specs=(spec,), out_specs=P(), check_vma=False)(w)
+
+    with jax.set_mesh(mesh):
+        ws = jax.device_put(w, NamedSharding(mesh, spec))
+        got = jax.jit(jax.shard_map(whole, in_specs=(spec,), out_specs=P(), check_vma=False))(ws)
+        grad = jax.jit(jax.grad(loss), out_shardings=NamedSharding(mesh, spec))(ws)
+    np.testing.assert_array_equal(got, w)
+    np.testing.assert_allclose(grad, c, rtol=1e-6)
