@@ -86,8 +86,10 @@ def mesh_shape(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
     known = math.prod(s for s in sizes.values() if s != -1)
     if rest:
         if num_devices % known:
-            raise ConfigError(f"mesh: {dict(sizes)} cannot fill {num_devices} devices "
-                              f"({num_devices} is not divisible by {known})")
+            shown = {a: v for a, v in sizes.items() if a != "context" or v != 1}
+            raise ConfigError(f"mesh: {shown} cannot fill {num_devices} devices ({num_devices} is not divisible by "
+                              f"{known}); use sizes whose product divides the device count, or more devices "
+                              "(on a CPU: --cpu-devices N)")
         sizes[rest[0]] = num_devices // known
     if math.prod(sizes.values()) != num_devices:
         shown = [a for a in MESH_AXES if a != "context" or sizes[a] != 1]
