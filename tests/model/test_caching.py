@@ -11,7 +11,7 @@ import pytest
 from conftest import SMALL_MODEL
 from moefast.config import load_config
 from moefast.model import TableCache, apply_rope, rope_cos_sin, rope_table, sinusoidal_table
-from moefast.model import positional, transformer
+from moefast.model import block, positional
 from moefast.train.step import BATCH_KEYS, ModelDef, eval_step, train_step
 
 B, T = 8, 32
@@ -158,14 +158,14 @@ def test_model_tables_come_from_one_shared_cache_entry():
 def record_dropout(monkeypatch):
     """Records, per call of the model's dropout, (site, keep mask) — computed eagerly."""
     calls = []
-    original = transformer._dropout
+    original = block._dropout
 
     def recording(x, rate, key, site):
         if key is not None and rate > 0:
             calls.append((site, np.asarray(original(jnp.ones_like(x), rate, key, site)) != 0))
         return original(x, rate, key, site)
 
-    monkeypatch.setattr(transformer, "_dropout", recording)
+    monkeypatch.setattr(block, "_dropout", recording)
     return calls
 
 

@@ -10,6 +10,7 @@ from flax import nnx
 
 from moefast.config import load_config
 from moefast.model import transformer
+from moefast.model.attention import Attention
 from moefast.model.positional import Yarn, apply_rope, rope_cos_sin, rope_deinterleave_permutation
 from moefast.train import ModelDef
 
@@ -194,7 +195,7 @@ def test_glm_partial_rotary_equals_transformers_glm4_moe(rope_scaling):
     xt, pos = torch.tensor(x), torch.tensor(POSITIONS)
     with torch.no_grad():
         out = hf(xt, position_embeddings=Glm4MoeRotaryEmbedding(cfg)(xt, pos), attention_mask=_hf_mask())[0]
-    attn = transformer.Attention(D, H, g, hd, dtype=jnp.float32, init_std=0.02, out_std=0.02, bias="qkv",
+    attn = Attention(D, H, g, hd, dtype=jnp.float32, init_std=0.02, out_std=0.02, bias="qkv",
                                  rngs=nnx.Rngs(0))
     attn.qkv[...] = jnp.asarray(np.concatenate([_t(p.weight).T for p in (hf.q_proj, hf.k_proj, hf.v_proj)], 1))
     attn.qkv_bias[...] = jnp.asarray(np.concatenate([_t(p.bias) for p in (hf.q_proj, hf.k_proj, hf.v_proj)]))

@@ -1,0 +1,197 @@
+"""The decoder block (:class:`Block`: attention, then a dense or MoE feed-forward, pre-norm) and
+its dense SwiGLU MLP, and the sequence slices' tables (``model.sequence_slices``); the model that
+stacks them is :mod:`moefast.model.transformer`.
+
+Dimension letters: B batch, T tokens, S key length (cache), D d_model, F d_ff.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moefast.config import ExperimentConfig
+from moefast.model.attention import Attention
+from moefast.model.gated_deltanet import GatedDeltaNet
+from moefast.model.kv_cache import _DTYPES
+from moefast.model.mla import MLAttention
+from moefast.model.moe import MoELayer
+from moefast.model.norm import rms_norm
+from moefast.model.positional import Yarn
+from moefast.parallel.precision import dense
+
+__all__ = ["DEFAULT_ROPE", "FULL_ROPE", "SLICE_SITE", "Block", "DenseMLP"]
+
+
+def _dropout(x, rate: float, key, site: int):
+    """Inverted dropout with the mask drawn from ``fold_in(key, site)``; identity without a key."""
+    if rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(jax.random.fold_in(key, site), 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU feed-forward (Shazeer 2020), gate and up projections fused into one [D, 2F] matrix."""
+
+    def __init__(self, d_model: int, d_ff: int, *, dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.w_in = nnx.Param(jax.nn.initializers.normal(init_std)(rngs.params(), (d_model, 2 * d_ff)),
+                              logical_axes=("embed", "mlp"))
+        self.w_out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (d_ff, d_model)),
+                               logical_axes=("mlp", "embed"))
+
+    def __call__(self, x_btd):
+        gate, up = jnp.split(dense(x_btd, self.w_in[...], self.dtype, ("embed", "mlp")), 2, axis=-1)
+        return dense(jax.nn.silu(gate) * up, self.w_out[...], self.dtype, ("mlp", "embed"))
+
+
+DEFAULT_ROPE, FULL_ROPE = "default", "full_attention"
+"""Names of the rotary tables the model passes its blocks as a mapping when its full-attention
+layers have RoPE of their own (``model.global_rope_base`` / ``global_rotary_fraction``): the
+model's, and the full layers'."""
+
+SLICE_SITE = 1 << 30
+"""Sequence slice i's random draws use ``fold_in(step_key, SLICE_SITE + i)`` as their step key
+(``model.sequence_slices`` > 1); far above any ``3 * layer + site``."""
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ExperimentConfig, layer: int, *, rngs: nnx.Rngs, is_moe: bool | None = None):
+        m = cfg.model
+        dtype = _DTYPES[m.dtype]
+        out_std = m.init_std / math.sqrt(2 * m.num_layers)
+        self.dropout = m.dropout
+        zc = m.zero_centered_norm
+        self.attn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
+        self.linear = m.layer_type(layer) == "linear_attention"
+        if self.linear:
+            self.attn = GatedDeltaNet(m.d_model, num_key_heads=m.linear_num_key_heads,
+                                      num_value_heads=m.linear_num_value_heads, key_head_dim=m.linear_key_head_dim,
+                                      value_head_dim=m.linear_value_head_dim, conv_width=m.linear_conv_kernel_dim,
+                                      dtype=dtype, init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
+                                      impl=m.linear_attention_impl, rngs=rngs)
+        elif m.attention == "mla":
+            yarn = Yarn.from_config(m)
+            self.attn = MLAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                                    qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                                    v_head_dim=m.v_head_dim, softmax_multiplier=yarn.softmax_multiplier if yarn else 1.0,
+                                    dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+        else:
+            kv_heads, head_dim = m.attention_shape(layer)
+            full = m.layer_type(layer) == "full_attention"
+            self.attn = Attention(m.d_model, m.num_heads, kv_heads, head_dim, dtype=dtype,
+                                  init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
+                                  norm_eps=m.norm_eps, output_gate=m.attention_output_gate, zero_centered=zc,
+                                  window=None if full else m.sliding_window, sinks=m.attention_sinks,
+                                  k_eq_v=m.attention_k_eq_v and full, value_norm=m.value_norm,
+                                  scale=m.attention_scale, rngs=rngs)
+        # the rotary table this block reads (Transformer._rope_tables): the full layers' own, or the model's
+        self.rope_table = FULL_ROPE if m.full_layer_rope and m.layer_type(layer) == "full_attention" else DEFAULT_ROPE
+        self.sandwich = m.sandwich_norm
+        if m.sandwich_norm:
+            self.post_attn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
+            self.post_ffn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
+        self.has_layer_scalar = m.layer_scalar
+        if m.layer_scalar:
+            self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32), logical_axes=(None,))
+        self.ffn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
+        self.is_moe = m.is_moe_layer(layer) if is_moe is None else is_moe
+        if self.is_moe:
+            self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe, dtype=dtype, init_std=m.init_std, out_std=out_std,
+                                norm_eps=m.norm_eps, rngs=rngs)
+        else:
+            self.ffn = DenseMLP(m.d_model, m.dense_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+
+    def __call__(self, x, layer, rope, attn_mask, token_mask, cache=None, cache_index=0, step_key=None,
+                 routing_state=None, routing_warmup=None, *, drop_tokens=True):
+        """One block; ``layer`` is its index (an int, or a traced int32 under ``scan_layers``),
+        ``attn_mask`` the attention mask (or the fused kernel's segment ids), or the pair (that,
+        the [B, T] segment ids that reset a Gated DeltaNet layer's states; ``None``: one document),
+        the other arguments are :meth:`Transformer.__call__`'s, per layer. Returns ``(x, routing
+        sums or None, new cache or None)``; the sums are per token shard
+        (:class:`~moefast.parallel.expert.RoutingSums`), reduced by the model after its layers.
+
+        Sequence slices (``model.sequence_slices`` = n > 1, no cache): ``x``, ``rope``, the mask
+        (the first of the pair) and ``token_mask`` are n-tuples, one entry per slice in order;
+        slice i attends to the keys of slices 0..i (each slice's keys and values computed once, in
+        its own attention) and routes its own tokens; its random draws use ``step_key`` folded with
+        ``SLICE_SITE + i``. Returns the n-tuple of slices and the sums over them."""
+        if not isinstance(x, tuple):
+            return self._forward(x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
+                                 routing_warmup, drop_tokens, None)
+        masks, segment_ids = attn_mask
+        out, sums, prefix = [], None, ()
+        for i, x_i in enumerate(x):
+            key_i = None if step_key is None else jax.random.fold_in(step_key, SLICE_SITE + i)
+            x_i, s_i, prefix = self._forward(x_i, layer, rope[i] if rope is not None else None,
+                                             (masks[i], segment_ids), token_mask[i], None, cache_index, key_i,
+                                             routing_state, routing_warmup, drop_tokens, prefix)
+            out.append(x_i)
+            sums = s_i if sums is None else jax.tree.map(jnp.add, sums, s_i)  # every field is a sum
+        return tuple(out), sums, None
+
+    def _forward(self, x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
+                 routing_warmup, drop_tokens, kv_prefix):
+        """One block on one [B, T, D] slice (:meth:`__call__`); with a ``kv_prefix`` (a sequence
+        slice) the third result is the keys and values for the next slice."""
+        mask, segment_ids = attn_mask if isinstance(attn_mask, tuple) else (attn_mask, None)
+        xn = self.attn_norm(x).astype(x.dtype)
+        if self.linear:
+            a, new_cache = self.attn(xn, segment_ids, cache)
+        else:
+            if isinstance(rope, dict):
+                rope = rope[self.rope_table]
+            a, new_cache = self.attn(xn, rope, mask, cache, cache_index, kv_prefix)
+        if self.sandwich:
+            a = self.post_attn_norm(a).astype(x.dtype)
+        x = x + _dropout(a, self.dropout, step_key, 3 * layer)
+        h = self.ffn_norm(x).astype(x.dtype)
+        stats = None
+        if self.is_moe:
+            rs = routing_state or {}
+            warm = step_key is not None and routing_warmup is not None
+            f, stats = self.ffn(h, token_mask, drop_tokens=drop_tokens, bias_e=rs.get("bias"),
+                                load_ema_e=rs.get("load_ema"), reduce_stats=False,
+                                warmup_key=jax.random.fold_in(step_key, 3 * layer + 2) if warm else None,
+                                warmup_active=routing_warmup if warm else None,
+                                residual_btd=x if self.ffn.moe.branch_norms else None)
+        else:
+            f = self.ffn(h)
+        if self.sandwich:
+            f = self.post_ffn_norm(f).astype(x.dtype)
+        x = x + _dropout(f, self.dropout, step_key, 3 * layer + 1)
+        if self.has_layer_scalar:
+            # in float32: the scalar's gradient sums every token's product in float32, then reduces
+            x = (x.astype(jnp.float32) * self.layer_scalar[...].reshape(1, 1, 1)).astype(x.dtype)
+        return x, stats, new_cache
+
+
+def _slices(a_bt: jax.Array, n: int) -> tuple[jax.Array, ...]:
+    """[B, T, ...] -> n arrays [B, T / n, ...], in sequence order."""
+    return tuple(jnp.split(a_bt, n, axis=1))
+
+
+def _sliced_tables(attn_mask, rope, n: int):
+    """The layers' tables for n sequence slices (:meth:`Block.__call__`): slice i's mask over the
+    keys of slices 0..i — the [B, 1, T/n, (i+1) T/n] rows of a bool mask, or the segment ids of its
+    queries ([B, T/n]; for i > 0 paired with the [B, (i+1) T/n] ids of its keys: the fused
+    kernel's query offset) — and its rows of the rotary tables."""
+    mask, segment_ids = attn_mask
+    t = mask.shape[-1] if mask.ndim == 2 else mask.shape[-2]
+    ts = t // n
+    if mask.ndim == 2:
+        masks = tuple(mask[:, :ts] if i == 0 else (mask[:, i * ts:(i + 1) * ts], mask[:, :(i + 1) * ts])
+                      for i in range(n))
+    else:
+        masks = tuple(mask[..., i * ts:(i + 1) * ts, :(i + 1) * ts] for i in range(n))
+    def rows(table, i):  # (cos, sin), or a mapping of named tables (Transformer._rope_tables)
+        if isinstance(table, dict):
+            return {k: rows(v, i) for k, v in table.items()}
+        return tuple(r[:, i * ts:(i + 1) * ts] for r in table)
+
+    ropes = None if rope is None else tuple(rows(rope, i) for i in range(n))
+    return (masks, segment_ids), ropes
