@@ -602,7 +602,7 @@ def format_report(r: GpuCompileResult) -> str:
                       "give --network with a file of gpus_per_node = partition_size = "
                       f"{r.gpus_per_host}"]
     if r.estimate:
-        from moefast.bench.gpu_schedule import format_estimate
+        from moefast.bench.gpu_report import format_estimate
 
         lines += format_estimate(r.estimate, tokens=r.tokens_per_step, gpus=r.hosts * r.gpus_per_host,
                                  model_flops=r.model_flops_per_step, peak_tflops=r.peak_tflops, network=r.network,
