@@ -52,6 +52,15 @@ class ModelConfig:
       moe_every: after the leading dense layers, every ``moe_every``-th block is MoE, others dense.
       dtype: compute dtype of activations and matmuls (parameters stay float32; the router is
         always float32).
+      precision: the input format of the GEMMs of the routed and shared experts, the attention
+        projections (MLA's included) and the dense MLPs: ``"bf16"`` (in ``dtype``) or ``"fp8"``
+        (DeepSeek-V3's recipe, Liu et al. 2024 sec. 3.3: e4m3 inputs, activations and gradients
+        in 1 x 128 tiles, weights in 128 x 128 blocks, float32 sums; forward and both backward
+        GEMMs; :mod:`moefast.parallel.fp8_gemm`). Master weights, optimizer state, norms,
+        router, attention scores, embeddings, the LM head and the losses keep ``dtype``/float32.
+        Every platform computes fp8's numbers from e4m3 values and their scales with float32
+        GEMMs (emulated: no speed-up yet; a GPU older than compute capability 8.9, without FP8
+        tensor cores, is refused).
       dropout: dropout rate on attention and feed-forward outputs (training only).
       norm_eps: RMSNorm epsilon.
       init_std: standard deviation of the normal initialiser of weight matrices.
@@ -218,6 +227,7 @@ class ModelConfig:
     num_dense_layers: int = 0
     moe_every: int = 1
     dtype: Literal["float32", "bfloat16"] = "float32"
+    precision: Literal["bf16", "fp8"] = "bf16"
     dropout: float = 0.0
     norm_eps: float = 1e-6
     init_std: float = 0.02

@@ -280,13 +280,14 @@ class Attention(nnx.Module):
                  dtype, init_std: float, out_std: float, bias: str = "none", qk_norm: str = "none",
                  norm_eps: float = 1e-6, output_gate: bool = False, zero_centered: bool = False,
                  window: int | None = None, sinks: bool = False, k_eq_v: bool = False, value_norm: bool = False,
-                 scale: float | None = None, rngs: nnx.Rngs):
+                 scale: float | None = None, fp8: bool = False, rngs: nnx.Rngs):
         if k_eq_v and bias != "none":
             raise ValueError("Attention: keys as values (k_eq_v) has no value projection to bias; use bias='none'")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window, self.has_sinks = window, sinks
         self.dtype, self.bias, self.qk_norm, self.output_gate = dtype, bias, qk_norm, output_gate
         self.k_eq_v, self.value_norm, self.norm_eps, self.scale = k_eq_v, value_norm, norm_eps, scale
+        self.fp8 = fp8  # model.precision == "fp8": the projections' GEMMs by the FP8 recipe
         init = jax.nn.initializers.normal(init_std)
         width = (num_heads + (1 if k_eq_v else 2) * num_kv_heads) * head_dim
         if k_eq_v:
@@ -322,7 +323,7 @@ class Attention(nnx.Module):
         ``kv_prefix`` ``(out, (keys, values) of the prefix and this slice)`` for the next slice."""
         b, t, _ = x_btd.shape
         h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = dense(x_btd, (self.qk if self.k_eq_v else self.qkv)[...], self.dtype, ("embed", "heads"))
+        qkv = dense(x_btd, (self.qk if self.k_eq_v else self.qkv)[...], self.dtype, ("embed", "heads"), fp8=self.fp8)
         if self.bias != "none":  # added in float32: the bias gradient sums tokens in float32
             qkv = (qkv.astype(jnp.float32) + self.qkv_bias[...][None, None]).astype(self.dtype)
         q, k = qkv[..., : h * hd], qkv[..., h * hd: (h + g) * hd]
@@ -348,9 +349,9 @@ class Attention(nnx.Module):
         o = attend(q, k, v, mask_b1ts, causal=cache is None, window=self.window, sinks_h=sinks, scale=self.scale,
                    q_start=None if cache is None else cache_index).reshape(b, t, h * hd)
         if self.output_gate:
-            g = dense(x_btd, self.gate[...], self.dtype, ("embed", "heads"))
+            g = dense(x_btd, self.gate[...], self.dtype, ("embed", "heads"), fp8=self.fp8)
             o = (o * jax.nn.sigmoid(g.astype(jnp.float32)).astype(o.dtype)).astype(self.dtype)
-        o = dense(o, self.out[...], self.dtype, ("heads", "embed"))
+        o = dense(o, self.out[...], self.dtype, ("heads", "embed"), fp8=self.fp8)
         if self.bias == "all":
             o = (o.astype(jnp.float32) + self.out_bias[...][None, None]).astype(self.dtype)
         return o, ((k, v) if kv_prefix is not None else new_cache)

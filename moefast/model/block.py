@@ -37,16 +37,17 @@ def _dropout(x, rate: float, key, site: int):
 class DenseMLP(nnx.Module):
     """SwiGLU feed-forward (Shazeer 2020), gate and up projections fused into one [D, 2F] matrix."""
 
-    def __init__(self, d_model: int, d_ff: int, *, dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
-        self.dtype = dtype
+    def __init__(self, d_model: int, d_ff: int, *, dtype, init_std: float, out_std: float, fp8: bool = False,
+                 rngs: nnx.Rngs):
+        self.dtype, self.fp8 = dtype, fp8  # fp8: model.precision == "fp8"
         self.w_in = nnx.Param(jax.nn.initializers.normal(init_std)(rngs.params(), (d_model, 2 * d_ff)),
                               logical_axes=("embed", "mlp"))
         self.w_out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (d_ff, d_model)),
                                logical_axes=("mlp", "embed"))
 
     def __call__(self, x_btd):
-        gate, up = jnp.split(dense(x_btd, self.w_in[...], self.dtype, ("embed", "mlp")), 2, axis=-1)
-        return dense(jax.nn.silu(gate) * up, self.w_out[...], self.dtype, ("mlp", "embed"))
+        gate, up = jnp.split(dense(x_btd, self.w_in[...], self.dtype, ("embed", "mlp"), fp8=self.fp8), 2, axis=-1)
+        return dense(jax.nn.silu(gate) * up, self.w_out[...], self.dtype, ("mlp", "embed"), fp8=self.fp8)
 
 
 DEFAULT_ROPE, FULL_ROPE = "default", "full_attention"
@@ -63,6 +64,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ExperimentConfig, layer: int, *, rngs: nnx.Rngs, is_moe: bool | None = None):
         m = cfg.model
         dtype = _DTYPES[m.dtype]
+        fp8 = m.precision == "fp8"
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
         self.dropout = m.dropout
         zc = m.zero_centered_norm
@@ -79,7 +81,7 @@ class Block(nnx.Module):
             self.attn = MLAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                                     qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
                                     v_head_dim=m.v_head_dim, softmax_multiplier=yarn.softmax_multiplier if yarn else 1.0,
-                                    dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+                                    dtype=dtype, init_std=m.init_std, out_std=out_std, fp8=fp8, rngs=rngs)
         else:
             kv_heads, head_dim = m.attention_shape(layer)
             full = m.layer_type(layer) == "full_attention"
@@ -88,7 +90,7 @@ class Block(nnx.Module):
                                   norm_eps=m.norm_eps, output_gate=m.attention_output_gate, zero_centered=zc,
                                   window=None if full else m.sliding_window, sinks=m.attention_sinks,
                                   k_eq_v=m.attention_k_eq_v and full, value_norm=m.value_norm,
-                                  scale=m.attention_scale, rngs=rngs)
+                                  scale=m.attention_scale, fp8=fp8, rngs=rngs)
         # the rotary table this block reads (Transformer._rope_tables): the full layers' own, or the model's
         self.rope_table = FULL_ROPE if m.full_layer_rope and m.layer_type(layer) == "full_attention" else DEFAULT_ROPE
         self.sandwich = m.sandwich_norm
@@ -102,9 +104,10 @@ class Block(nnx.Module):
         self.is_moe = m.is_moe_layer(layer) if is_moe is None else is_moe
         if self.is_moe:
             self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe, dtype=dtype, init_std=m.init_std, out_std=out_std,
-                                norm_eps=m.norm_eps, rngs=rngs)
+                                norm_eps=m.norm_eps, fp8=fp8, rngs=rngs)
         else:
-            self.ffn = DenseMLP(m.d_model, m.dense_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, rngs=rngs)
+            self.ffn = DenseMLP(m.d_model, m.dense_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, fp8=fp8,
+                                rngs=rngs)
 
     def __call__(self, x, layer, rope, attn_mask, token_mask, cache=None, cache_index=0, step_key=None,
                  routing_state=None, routing_warmup=None, *, drop_tokens=True):

@@ -55,26 +55,26 @@ class MLAttention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, softmax_multiplier: float = 1.0,
-                 dtype, init_std: float, out_std: float, rngs: nnx.Rngs):
+                 dtype, init_std: float, out_std: float, fp8: bool = False, rngs: nnx.Rngs):
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank or 0, kv_lora_rank
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.dtype = dtype
+        self.dtype, self.fp8 = dtype, fp8  # fp8: model.precision == "fp8" (the projections)
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * softmax_multiplier
         init = jax.nn.initializers.normal(init_std)
         qk = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
         if self.q_lora_rank:
-            self.q_a_proj = nnx.Param(init(rngs.params(), (d_model, self.q_lora_rank)), logical_axes=("embed", "lora"))
+            self.q_a_proj = nnx.Param(init(rngs.params(), (d_model, self.q_lora_rank)), logical_axes=("embed", "lora"), fp8=self.fp8)
             self.q_a_layernorm = rms_norm(self.q_lora_rank, MLA_NORM_EPS, dtype, rngs)
-            self.q_b_proj = nnx.Param(init(rngs.params(), (self.q_lora_rank, qk)), logical_axes=("lora", "heads"))
+            self.q_b_proj = nnx.Param(init(rngs.params(), (self.q_lora_rank, qk)), logical_axes=("lora", "heads"), fp8=self.fp8)
         else:
-            self.q_proj = nnx.Param(init(rngs.params(), (d_model, qk)), logical_axes=("embed", "heads"))
+            self.q_proj = nnx.Param(init(rngs.params(), (d_model, qk)), logical_axes=("embed", "heads"), fp8=self.fp8)
         self.kv_a_proj_with_mqa = nnx.Param(init(rngs.params(), (d_model, kv_lora_rank + qk_rope_head_dim)),
-                                            logical_axes=("embed", "lora"))
+                                            logical_axes=("embed", "lora"), fp8=self.fp8)
         self.kv_a_layernorm = rms_norm(kv_lora_rank, MLA_NORM_EPS, dtype, rngs)
         self.kv_b_proj = nnx.Param(init(rngs.params(), (kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))),
-                                   logical_axes=("lora", "heads"))
+                                   logical_axes=("lora", "heads"), fp8=self.fp8)
         self.o_proj = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * v_head_dim, d_model)),
-                                logical_axes=("heads", "embed"))
+                                logical_axes=("heads", "embed"), fp8=self.fp8)
 
     def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None):
         """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin);
@@ -85,20 +85,20 @@ class MLAttention(nnx.Module):
         b, t, _ = x_btd.shape
         h, n, r, c, hv = self.num_heads, self.nope, self.rope, self.kv_lora_rank, self.v_head_dim
         if self.q_lora_rank:
-            q = dense(x_btd, self.q_a_proj[...], self.dtype, ("embed", "lora"))
-            q = dense(self.q_a_layernorm(q).astype(self.dtype), self.q_b_proj[...], self.dtype, ("lora", "heads"))
+            q = dense(x_btd, self.q_a_proj[...], self.dtype, ("embed", "lora"), fp8=self.fp8)
+            q = dense(self.q_a_layernorm(q).astype(self.dtype), self.q_b_proj[...], self.dtype, ("lora", "heads"), fp8=self.fp8)
         else:
-            q = dense(x_btd, self.q_proj[...], self.dtype, ("embed", "heads"))
+            q = dense(x_btd, self.q_proj[...], self.dtype, ("embed", "heads"), fp8=self.fp8)
         q = q.reshape(b, t, h, n + r)
         q_nope, q_rope = q[..., :n], apply_rope(q[..., n:], *rope)
-        kv_a = dense(x_btd, self.kv_a_proj_with_mqa[...], self.dtype, ("embed", "lora"))
+        kv_a = dense(x_btd, self.kv_a_proj_with_mqa[...], self.dtype, ("embed", "lora"), fp8=self.fp8)
         c_kv = self.kv_a_layernorm(kv_a[..., :c]).astype(self.dtype)  # [B, T, C]
         k_rope = apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared by the heads
         if cache is None and kv_prefix is None and context_size() > 1 and not isinstance(mask_b1ts, tuple) \
                 and mask_b1ts.ndim == 2:  # the fused kernel on a context axis: each device gathers the row's
             # latent and RoPE key (C + R features a token, not H (N + R + Hv)) and up-projects them itself
             def make_kv(c_kv, k_rope, w):
-                kv = local_dense(c_kv, w, self.dtype).reshape(*c_kv.shape[:2], h, n + hv)
+                kv = local_dense(c_kv, w, self.dtype, self.fp8).reshape(*c_kv.shape[:2], h, n + hv)
                 k = jnp.concatenate([kv[..., :n], jnp.broadcast_to(k_rope[:, :, None], (*kv.shape[:3], r))], axis=-1)
                 return k, kv[..., n:]
 
@@ -108,7 +108,7 @@ class MLAttention(nnx.Module):
         elif cache is None:
             if not kv_prefix:  # the blocked einsums on a context axis: the row's latent and RoPE key gathered
                 c_kv, k_rope = gather_context(c_kv), gather_context(k_rope)
-            kv = dense(c_kv, self.kv_b_proj[...], self.dtype, ("lora", "heads")).reshape(b, t, h, n + hv)
+            kv = dense(c_kv, self.kv_b_proj[...], self.dtype, ("lora", "heads"), fp8=self.fp8).reshape(b, t, h, n + hv)
             k = jnp.concatenate([kv[..., :n], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, r))], axis=-1)
             q, v = jnp.concatenate([q_nope, q_rope], axis=-1), kv[..., n:]
             if kv_prefix:
@@ -127,4 +127,4 @@ class MLAttention(nnx.Module):
             o_lat = causal_attention(q, k, c_kv.astype(self.dtype)[:, :, None], mask_b1ts, causal=False,
                                      scale=self.scale)  # [B, T, H, C]
             o = jnp.einsum("bthc,chv->bthv", o_lat, w[..., n:], preferred_element_type=jnp.float32).astype(self.dtype)
-        return dense(o.reshape(b, t, h * hv), self.o_proj[...], self.dtype, ("heads", "embed")), new_cache
+        return dense(o.reshape(b, t, h * hv), self.o_proj[...], self.dtype, ("heads", "embed"), fp8=self.fp8), new_cache

@@ -51,6 +51,8 @@ class MoELayer(nnx.Module):
       init_std: normal initialiser std of ``router`` and the input projections.
       out_std: std of the output projections (default ``init_std``).
       norm_eps: epsilon of the RMSNorms of ``moe.branch_norms``.
+      fp8: the routed and shared experts' GEMMs by the FP8 recipe (``model.precision: fp8``,
+        :mod:`moefast.parallel.fp8_gemm`).
       rngs: parameter initialisation keys.
 
     Example::
@@ -60,10 +62,10 @@ class MoELayer(nnx.Module):
     """
 
     def __init__(self, d_model: int, d_ff: int, moe: MoEConfig, *, dtype=jnp.float32, init_std: float = 0.02,
-                 out_std: float | None = None, norm_eps: float = 1e-6, rngs: nnx.Rngs):
+                 out_std: float | None = None, norm_eps: float = 1e-6, fp8: bool = False, rngs: nnx.Rngs):
         if d_model < 1 or d_ff < 1:
             raise ValueError(f"MoELayer: d_model and d_ff must be >= 1, got {d_model} and {d_ff}")
-        self.moe, self.d_ff, self.dtype, self.norm_eps = moe, d_ff, dtype, norm_eps
+        self.moe, self.d_ff, self.dtype, self.norm_eps, self.fp8 = moe, d_ff, dtype, norm_eps, fp8
         e = moe.num_experts
         init = jax.nn.initializers.normal(init_std)
         out_init = jax.nn.initializers.normal(out_std or init_std)
@@ -153,16 +155,16 @@ class MoELayer(nnx.Module):
             routed_x = rms(residual_btd, eps, self.routed_in_norm[...]).astype(x_btd.dtype)
             router_x = rms(residual_btd, eps, self.router_scale[...]) * d_model ** -0.5  # float32
         y, stats = moe_ffn(routed_x, mask_bt, self.router[...], w_in, w_out, self.moe,
-                           drop_tokens=drop_tokens, dtype=self.dtype, bias_e=bias_e, load_ema_e=load_ema_e,
+                           drop_tokens=drop_tokens, dtype=self.dtype, fp8=self.fp8, bias_e=bias_e, load_ema_e=load_ema_e,
                            warmup_key=warmup_key, warmup_active=warmup_active, reduce_stats=reduce_stats,
                            router_bias_e=self.router_bias[...] if self.moe.router_bias else None,
                            router_x_btd=router_x,
                            expert_scale_e=self.expert_scale[...] if self.moe.per_expert_scale else None)
         if self.moe.shared_expert_d_ff:
             x = x_btd.astype(self.dtype)
-            h = dense(x, self.shared_w_in[...], self.dtype, ("embed", "mlp"))
+            h = dense(x, self.shared_w_in[...], self.dtype, ("embed", "mlp"), fp8=self.fp8)
             act = gated_unit(h, self.moe.expert_activation, self.moe.swiglu_limit)
-            shared = dense(act, self.shared_w_out[...], self.dtype, ("mlp", "embed"))
+            shared = dense(act, self.shared_w_out[...], self.dtype, ("mlp", "embed"), fp8=self.fp8)
             if self.moe.shared_expert_gate:
                 shared = jax.nn.sigmoid(dense(x, self.shared_gate[...], self.dtype, ("embed", None))) * shared
             if self.moe.branch_norms:

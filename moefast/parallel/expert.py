@@ -48,6 +48,7 @@ from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.kernels.platform import target_platform
 from moefast.kernels.vma import vary_together
 from moefast.parallel.fp8 import fp8_dequantize, fp8_pack, fp8_quantize, fp8_unpack
+from moefast.parallel.fp8_gemm import fp8_grouped_matmul, fp8_matmul
 from moefast.parallel.hierarchical import hierarchical_exchange
 from moefast.parallel.context import CONTEXT_AXIS
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map, state_spec
@@ -140,7 +141,7 @@ def _weight_and_bias(w, dtype):
 
 
 def expert_ffn(x_ecd: jax.Array, w_in_edf, w_out_efd, dtype, activation: str = "silu",
-               limit: float = 7.0) -> jax.Array:
+               limit: float = 7.0, fp8: bool = False) -> jax.Array:
     """Gated experts (SwiGLU by default, Shazeer 2020; :func:`gated_unit`) on per-expert buffers.
 
     Args:
@@ -149,15 +150,18 @@ def expert_ffn(x_ecd: jax.Array, w_in_edf, w_out_efd, dtype, activation: str = "
       w_out_efd: [E, F, D] down projections, or the pair (that, [E, D] biases).
       dtype: compute dtype.
       activation, limit: :func:`gated_unit`'s (``moe.expert_activation``, ``moe.swiglu_limit``).
+      fp8: both GEMMs by the FP8 recipe (``model.precision: fp8``,
+        :func:`moefast.parallel.fp8_gemm.fp8_matmul`).
 
     Returns:
       [E, C, D] in ``dtype``. With biases, empty slots hold the biases' output (never combined).
     """
     (w_in, b_in), (w_out, b_out) = _weight_and_bias(w_in_edf, dtype), _weight_and_bias(w_out_efd, dtype)
-    h_ecf = jnp.einsum("ecd,edf->ecf", x_ecd.astype(dtype), w_in)
+    mm = functools.partial(fp8_matmul, dtype=dtype) if fp8 else jnp.matmul
+    h_ecf = mm(x_ecd.astype(dtype), w_in)
     if b_in is not None:
         h_ecf = h_ecf + b_in[:, None]
-    y = jnp.einsum("ecf,efd->ecd", gated_unit(h_ecf, activation, limit), w_out)
+    y = mm(gated_unit(h_ecf, activation, limit), w_out)
     return y if b_out is None else y + b_out[:, None]
 
 
@@ -334,16 +338,17 @@ def _sort_by_expert(x_td, r, dtype):
 
 
 def _experts_grouped(x_nd, counts, w_in_edf, w_out_efd, dtype, impl: str, activation: str = "silu",
-                     limit: float = 7.0):
+                     limit: float = 7.0, fp8: bool = False):
     """Gated experts (:func:`expert_ffn`'s, with its optional biases) on rows grouped by expert
-    (:func:`moefast.kernels.grouped_matmul`)."""
+    (:func:`moefast.kernels.grouped_matmul`; ``fp8``: :func:`~moefast.parallel.fp8_gemm.fp8_grouped_matmul`)."""
     (w_in, b_in), (w_out, b_out) = _weight_and_bias(w_in_edf, dtype), _weight_and_bias(w_out_efd, dtype)
-    h = grouped_matmul(x_nd, w_in, counts, impl=impl)
+    gmm = fp8_grouped_matmul if fp8 else grouped_matmul
+    h = gmm(x_nd, w_in, counts, impl=impl)
     if b_in is not None or b_out is not None:  # each row's expert (rows past the counts: the last, unused)
         eid = jnp.repeat(jnp.arange(counts.shape[0]), counts, total_repeat_length=x_nd.shape[0])
     if b_in is not None:
         h = h + b_in[eid]
-    y = grouped_matmul(gated_unit(h, activation, limit), w_out, counts, impl=impl)
+    y = gmm(gated_unit(h, activation, limit), w_out, counts, impl=impl)
     return y if b_out is None else y + b_out[eid]
 
 
@@ -434,14 +439,14 @@ def _dropless_exchange(x_td, r, w_in_edf, w_out_efd, dtype, impl: str, ep: int, 
 def _moe_local(x_btd, mask_bt, router_x_btd, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, router_bias_e,
                expert_scale_e, *warmup,
                moe: MoEConfig, drop_tokens, dtype, ep: int, reduce_axes: tuple[str, ...], w_specs: tuple = (),
-               reduce_stats=True):
+               reduce_stats=True, fp8=False):
     b, t, d = x_btd.shape
     if w_specs:  # this device's shards -> its experts' whole weights (and biases), in the compute dtype
         keep = EXPERT_AXIS if ep > 1 else None
         gather = lambda w, spec: expert_weights(w, dtype, spec, reduce_axes, keep)  # noqa: E731
         w_in_edf = jax.tree.map(gather, w_in_edf, w_specs[0])
         w_out_efd = jax.tree.map(gather, w_out_efd, w_specs[1])
-    act = dict(activation=moe.expert_activation, limit=moe.swiglu_limit)
+    act = dict(activation=moe.expert_activation, limit=moe.swiglu_limit, fp8=fp8)
     ffn = functools.partial(expert_ffn, **act)
     num_experts = moe.num_experts
     x_td, mask_t = x_btd.reshape(b * t, d), mask_bt.reshape(b * t)
@@ -506,7 +511,7 @@ def _moe_local(x_btd, mask_bt, router_x_btd, router_de, w_in_edf, w_out_efd, bia
 
 
 def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf, w_out_efd, moe: MoEConfig, *,
-            drop_tokens: bool = True, dtype=jnp.float32, bias_e: jax.Array | None = None,
+            drop_tokens: bool = True, dtype=jnp.float32, fp8: bool = False, bias_e: jax.Array | None = None,
             load_ema_e: jax.Array | None = None, warmup_key: jax.Array | None = None,
             warmup_active: jax.Array | None = None, reduce_stats: bool = True,
             router_bias_e: jax.Array | None = None, router_x_btd: jax.Array | None = None,
@@ -524,6 +529,8 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
       drop_tokens: False sets capacity = tokens per device, so nothing drops (evaluation,
         generation).
       dtype: compute dtype of the experts.
+      fp8: the experts' GEMMs by the FP8 recipe (``model.precision: fp8``,
+        :mod:`moefast.parallel.fp8_gemm`).
       bias_e: [E] float32 selection bias (aux-loss-free balancing); ``None``: none.
       load_ema_e: [E] float32 average share of assignments per expert (dynamic capacity).
       warmup_key: PRNG key of this layer's warm-up routing noise (``moe.warmup_routing``);
@@ -581,7 +588,7 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         bias_e = jnp.zeros((num_experts,), jnp.float32)
     if load_ema_e is None:
         load_ema_e = jnp.full((num_experts,), 1.0 / num_experts, jnp.float32)
-    kw = dict(moe=moe, drop_tokens=drop_tokens, dtype=dtype, reduce_stats=reduce_stats)
+    kw = dict(moe=moe, drop_tokens=drop_tokens, dtype=dtype, reduce_stats=reduce_stats, fp8=bool(fp8))
     args = (x_btd, mask_bt, router_x_btd, router_de, w_in_edf, w_out_efd, bias_e, load_ema_e, router_bias_e,
             expert_scale_e)
     if warmup_key is not None:

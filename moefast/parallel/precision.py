@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moefast.parallel.context import CONTEXT_AXIS
+from moefast.parallel.fp8_gemm import fp8_dense_forward, fp8_dense_grads
 from moefast.parallel.mesh import BATCH_AXES, state_spec
 
 __all__ = ["costing_twin", "dense", "embed_lookup", "expert_weights", "local_dense"]
@@ -81,18 +82,28 @@ def _gather(w: jax.Array, names: tuple, dtype) -> jax.Array:
     return jax.lax.with_sharding_constraint(wc, P())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _dense(x, w, dtype, names, transposed, w_dtype):
-    return _dense_fwd(x, w, dtype, names, transposed, w_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _dense(x, w, dtype, names, transposed, w_dtype, fp8):
+    return _dense_fwd(x, w, dtype, names, transposed, w_dtype, fp8)[0]
 
 
-def _dense_fwd(x, w, dtype, names, transposed, w_dtype):
+def _product(x, wc, transposed, fp8):
+    if fp8:
+        return fp8_dense_forward(x, wc.T if transposed else wc).astype(x.dtype)
+    return x @ (wc.T if transposed else wc)
+
+
+def _dense_fwd(x, w, dtype, names, transposed, w_dtype, fp8):
     wc = _gather(w, names, dtype)
-    return x @ (wc.T if transposed else wc), (x, wc)
+    return _product(x, wc, transposed, fp8), (x, wc)
 
 
-def _dense_grads(x, wc, g, transposed, w_dtype):
-    """(dx in the compute dtype, dw from a GEMM with a float32 result, as ``w_dtype``)."""
+def _dense_grads(x, wc, g, transposed, w_dtype, fp8=False):
+    """(dx in the compute dtype, dw from a GEMM with a float32 result, as ``w_dtype``); with
+    ``fp8``, both from e4m3 GEMMs (:func:`moefast.parallel.fp8_gemm.fp8_dense_grads`)."""
+    if fp8:
+        dx, dw = fp8_dense_grads(x, wc.T if transposed else wc, g)
+        return dx.astype(x.dtype), (dw.T if transposed else dw).astype(w_dtype)
     lead = "".join(chr(ord("a") + i) for i in range(x.ndim - 1))  # the token dimensions
     w_spec = "oi" if transposed else "io"
     dx = jnp.einsum(f"{lead}o,{w_spec}->{lead}i", g, wc)
@@ -103,37 +114,41 @@ def _dense_grads(x, wc, g, transposed, w_dtype):
     return dx, dw.astype(w_dtype)
 
 
-def _dense_bwd(dtype, names, transposed, w_dtype, res, g):
+def _dense_bwd(dtype, names, transposed, w_dtype, fp8, res, g):
     x, wc = res
-    return _dense_grads(x, wc, g, transposed, w_dtype)
+    return _dense_grads(x, wc, g, transposed, w_dtype, fp8)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def local_dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _local_dense(x, w, dtype, fp8):
+    return _product(x, w.astype(dtype), False, fp8)
+
+
+def local_dense(x: jax.Array, w: jax.Array, dtype, fp8: bool = False) -> jax.Array:
     """:func:`dense` for a weight already whole on this device (inside ``jax.shard_map``: nothing
     to gather): ``x @ w`` in ``dtype``, ``x`` [..., I] (in ``dtype``), ``w`` [I, O]; the weight
-    gradient from a GEMM with a float32 result, in ``w``'s dtype."""
-    return x @ w.astype(dtype)
+    gradient from a GEMM with a float32 result, in ``w``'s dtype; ``fp8``: :func:`dense`'s."""
+    return _local_dense(x, w, jnp.dtype(dtype), bool(fp8))
 
 
-def _local_dense_fwd(x, w, dtype):
+def _local_dense_fwd(x, w, dtype, fp8):
     wc = w.astype(dtype)
-    return x @ wc, (x, wc, jnp.zeros((0,), w.dtype))
+    return _product(x, wc, False, fp8), (x, wc, jnp.zeros((0,), w.dtype))
 
 
-def _local_dense_bwd(dtype, res, g):
+def _local_dense_bwd(dtype, fp8, res, g):
     x, wc, w_like = res
-    return _dense_grads(x, wc, g, False, w_like.dtype)
+    return _dense_grads(x, wc, g, False, w_like.dtype, fp8)
 
 
-local_dense.defvjp(_local_dense_fwd, _local_dense_bwd)
+_local_dense.defvjp(_local_dense_fwd, _local_dense_bwd)
 
 
 def dense(x: jax.Array, w: jax.Array, dtype, names: tuple[str | None, str | None], *,
-          transposed: bool = False) -> jax.Array:
+          transposed: bool = False, fp8: bool = False) -> jax.Array:
     """``x @ w`` (``x @ w.T`` with ``transposed``) computed in ``dtype``, with a float32 weight
     gradient.
 
@@ -143,6 +158,9 @@ def dense(x: jax.Array, w: jax.Array, dtype, names: tuple[str | None, str | None
         as the state holds them.
       dtype: compute dtype (``jnp.bfloat16`` or ``jnp.float32``).
       names: ``w``'s logical axes as stored, e.g. ``("embed", "heads")`` (its state sharding).
+      fp8: the three GEMMs by the FP8 recipe (``model.precision: fp8``,
+        :mod:`moefast.parallel.fp8_gemm`): e4m3 inputs with fine-grained scales, float32 sums;
+        the weight still travels in ``dtype``.
 
     Returns:
       [..., O] in ``dtype``. ``x``'s gradient is computed in ``dtype``; ``w``'s by a GEMM with a
@@ -154,7 +172,7 @@ def dense(x: jax.Array, w: jax.Array, dtype, names: tuple[str | None, str | None
     if w.ndim != 2 or x.shape[-1] != w.shape[1 if transposed else 0]:
         raise ValueError(f"dense: x [..., {x.shape[-1]}] and w {list(w.shape)} (transposed={transposed}) "
                          "do not multiply")
-    return _dense(x.astype(dtype), w, jnp.dtype(dtype), tuple(names), bool(transposed), w.dtype)
+    return _dense(x.astype(dtype), w, jnp.dtype(dtype), tuple(names), bool(transposed), w.dtype, bool(fp8))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
