@@ -14,7 +14,8 @@ from moefast.cli.common import CPU_DEVICES_HELP
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """The ``bench`` subcommand; returns its parser (:func:`_unused_bench_options` reads its defaults)."""
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
-    b.add_argument("target", choices=["train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile", "data"],
+    b.add_argument("target", choices=["train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile", "data",
+                                      "precision"],
                    help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
                         "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
                         "slot dispatch, fused routing on GPU), interleaved in rounds; "
@@ -37,11 +38,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "when the step does not fit (needs the CUDA PJRT plugin: README, 'Compiling for GPUs without a GPU'); "
                         "data: moefast prepare against Hugging Face datasets map(num_proc=2) (MB/s, tokens/s), then time "
                         "to first batch, peak host memory and batches/s of training from prepared shards against the "
-                        "in-memory path for corpora of --sizes GB of tokens, and the tiny config's train steps/s")
+                        "in-memory path for corpora of --sizes GB of tokens, and the tiny config's train steps/s; "
+                        "precision: the config trained --steps steps (default 300) with model.precision=bf16 and fp8, "
+                        "same seed and data, and their final losses compared (exits 1 when fp8 is not within 2 %)")
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="train, memory, malloc, overlap, gpu-compile: overrides of the benchmarked experiment")
+                   help="train, memory, malloc, overlap, gpu-compile, precision: overrides of the benchmarked experiment")
     b.add_argument("--config", default=None,
-                   help="train, memory, malloc, overlap, gpu-compile: YAML config (default: configs/tiny.yaml)")
+                   help="train, memory, malloc, overlap, gpu-compile, precision: YAML config (default: configs/tiny.yaml)")
     b.add_argument("--gpu", default="h100", metavar="h100|h200|FILE",
                    help="gpu-compile: the GPU to compile for (default h100: H100 SXM 80 GB; h200: H200 141 GB), or a "
                         "target description file (scripts/gpu_check.py saves a real GPU's)")
@@ -75,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "steps of each variant, interleaved (default 0: compile only); cache: timed train steps per "
                         "variant (default 10); malloc: steps per train process (default 12); "
                         "overlap: timed steps per chunk count and per train process (default 10); data: batches timed "
-                        "per loader (default 50)")
+                        "per loader (default 50); precision: steps of each run (default 300)")
     b.add_argument("--sizes", default="0.2,2", metavar="GB,GB",
                    help="data: prepared corpora to train from, GB of uint16 token shards (default 0.2,2), generated "
                         "in --work-dir")
@@ -108,6 +111,7 @@ BENCH_OPTIONS = {
     "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "ablate_exchange", "network",
                     "twin"},
     "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
+    "precision": {"overrides", "config", "json", "steps"},
 }
 
 
@@ -228,6 +232,13 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise ConfigError(f"--work-dir {args.work_dir}: not a directory")
         return data_bench.run_cli(json_out=args.json, sizes_gb=sizes, prepare_mb=args.prepare_mb,
                                   rounds=args.rounds, batches=steps, work_dir=args.work_dir)
+    if args.target == "precision":
+        from moefast.bench import precision
+
+        if args.steps is not None and args.steps < 50:
+            raise ConfigError(f"--steps must be >= 50 (the final loss averages 5 records logged every 10 steps), "
+                              f"got {args.steps}")
+        return precision.run_cli(json_out=args.json, config=args.config, overrides=args.overrides, steps=args.steps)
     if args.target == "cache":
         from moefast.bench import cache
 

@@ -35,12 +35,33 @@ import numpy as np
 from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.parallel.fp8 import fake_quantize_blocks, fake_quantize_tiles
 
-__all__ = ["PRECISIONS", "fp8_dense_grads", "fp8_dense_forward", "fp8_grouped_matmul", "fp8_matmul"]
+__all__ = ["PRECISIONS", "check_device", "fp8_dense_grads", "fp8_dense_forward", "fp8_grouped_matmul", "fp8_matmul"]
 
 PRECISIONS = ("bf16", "fp8")
 """``model.precision``: the GEMMs' input format (module docstring)."""
 
 _HI = jax.lax.Precision.HIGHEST
+
+
+def check_device(platform: str, device) -> str:
+    """The note a run with ``model.precision: fp8`` logs for the devices its step is compiled for.
+
+    Args:
+      platform: ``"cpu"``, ``"gpu"``, ... (:func:`moefast.parallel.platform` of the mesh).
+      device: one of the mesh's devices (a GPU's ``compute_capability``, e.g. ``"9.0"``, is read).
+
+    Raises:
+      ConfigError: a GPU without FP8 tensor cores (compute capability below 8.9: before Ada and
+        Hopper).
+    """
+    from moefast.config import ConfigError
+
+    cc = getattr(device, "compute_capability", None) if platform == "gpu" else None
+    if cc is not None and float(cc) < 8.9:
+        raise ConfigError(f"model.precision: fp8 trains for FP8 tensor cores (compute capability 8.9 or later: Ada, "
+                          f"Hopper, Blackwell); these {device.device_kind} GPUs are {cc}: use model.precision=bf16")
+    return (f"note: model.precision=fp8 computes the recipe's e4m3 numbers with float32 GEMMs on {platform} "
+            "(emulated: the FP8 numerics, not their speed; moefast/parallel/fp8_gemm.py)")
 
 
 def _tokens_tiles(a: jax.Array) -> jax.Array:

@@ -205,11 +205,9 @@ class Trainer:
                               f"Ada, Hopper, Blackwell); these {self.mesh.devices.flat[0].device_kind} GPUs are {cc}: "
                               "use moe.dispatch_dtype=compute")
         if cfg.model.precision == "fp8":
-            if cc is not None and float(cc) < 8.9:
-                raise ConfigError(f"model.precision: fp8 trains for FP8 tensor cores (compute capability 8.9 or later), "
-                                  f"these {self.mesh.devices.flat[0].device_kind} GPUs are {cc}: use model.precision=bf16")
-            self._log("note: model.precision=fp8 computes the recipe's e4m3 numbers with float32 GEMMs (emulated on "
-                      f"{self.platform}: the FP8 numerics, not yet their speed; moefast/parallel/fp8_gemm.py)")
+            from moefast.parallel.fp8_gemm import check_device
+
+            self._log(check_device(self.platform, self.mesh.devices.flat[0]))
         if cfg.moe.exchange == "hierarchical":
             self._check_hierarchical(cfg)
         if cfg.moe.routing_impl == "triton":
