@@ -88,7 +88,7 @@ def bench_precision(config: str | None = None, overrides: list[str] | None = Non
             evals = [r for r in records if r["kind"] == "eval"]
             final = sum(v for _, v in train[-window:]) / len(train[-window:])
             nonfinite = int(sum(r.get("nonfinite", 0) for r in records if r["kind"] == "train"))
-            runs.append(PrecisionRun(precision, final, evals[-1]["loss"] if evals else None, train, wall, nonfinite))
+            runs.append(PrecisionRun(precision, final, evals[-1]["eval_loss"] if evals else None, train, wall, nonfinite))
             say(f"{precision}: final train loss {final:.4f} (mean of the last {window} logged), "
                 f"eval {runs[-1].eval_loss}, {wall:.0f} s")
     bf, f8 = runs
