@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["target_platform"]
+__all__ = ["target_compute_capability", "target_platform"]
 
 
 def target_platform() -> str:
@@ -22,3 +22,19 @@ def target_platform() -> str:
     if device is not None:
         return device.platform
     return jax.default_backend()
+
+
+def target_compute_capability() -> int | None:
+    """The compute capability x 10 (90: H100/H200) of the GPUs in the mesh set with
+    ``jax.set_mesh``, read from its devices (compile-only GPUs have one too); ``None`` when no
+    mesh of GPUs is set. What a Triton kernel is compiled for when no GPU is present
+    (jax-triton otherwise asks the local GPU)."""
+    try:
+        mesh = jax.sharding.get_mesh()
+    except Exception:  # no concrete mesh in context
+        return None
+    devices = getattr(mesh, "devices", None)
+    if devices is None or not devices.size:
+        return None
+    cc = getattr(devices.flat[0], "compute_capability", None)
+    return None if cc is None else round(float(cc) * 10)

@@ -1,0 +1,63 @@
+"""The bodies of the FP8 grouped GEMM kernels (:mod:`.triton`): plain functions over
+``triton.language``, kept undecorated in a module that imports triton at the top so that
+:func:`.triton._kernels` can wrap them with ``triton.jit`` for the compiler or for the Triton
+interpreter; importing :mod:`.triton` never imports triton.
+
+Parameter order is jax-triton's calling convention: the input arrays as passed to
+``triton_call``, then one pointer per output, then the constexprs.
+"""
+
+import triton.language as tl
+
+
+def scaled_grouped_kernel(table_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, o_ptr, PAIRS: tl.constexpr, K: tl.constexpr,
+                          N: tl.constexpr, STRIDE_BG: tl.constexpr, STRIDE_BK: tl.constexpr,
+                          STRIDE_BN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # one program per (row tile, group) pair of the table and BN-wide output tile: the pair's rows
+    # of A (e4m3 [M, K], scales sa [M, K / BK]) times its group's B (e4m3, element (k, n) of group
+    # g at g * STRIDE_BG + k * STRIDE_BK + n * STRIDE_BN; scales sb [G, K / BK, N] per column);
+    # each BK-long piece of the contraction is one tensor-core product (accumulated by the MMA for
+    # at most BK products), then scaled and added in float32 (DeepSeek-V3 sec. 3.3.2's promotion)
+    p = tl.program_id(0)
+    j = tl.program_id(1)
+    g = tl.load(table_ptr + p)
+    row0 = tl.load(table_ptr + PAIRS + p)
+    lo = tl.load(table_ptr + 2 * PAIRS + p)
+    hi = tl.load(table_ptr + 3 * PAIRS + p)
+    if g >= 0:
+        rows = row0 + tl.arange(0, BM)
+        keep = (rows >= lo) & (rows < hi)
+        cols = j * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), tl.float32)
+        for kb in range(0, K // BK):
+            a = tl.load(a_ptr + rows[:, None] * K + kb * BK + rk[None, :], mask=keep[:, None], other=0.0)
+            b = tl.load(b_ptr + g * STRIDE_BG + (kb * BK + rk)[:, None] * STRIDE_BK + cols[None, :] * STRIDE_BN)
+            sa = tl.load(sa_ptr + rows * (K // BK) + kb, mask=keep, other=0.0)
+            sb = tl.load(sb_ptr + (g * (K // BK) + kb) * N + cols)
+            acc += tl.dot(a, b, max_num_imprecise_acc=BK) * sa[:, None] * sb[None, :]
+        tl.store(o_ptr + rows[:, None] * N + cols[None, :], acc.to(o_ptr.dtype.element_ty), mask=keep[:, None])
+
+
+def scaled_dw_kernel(bounds_ptr, xt_ptr, sxt_ptr, dyt_ptr, sdyt_ptr, dw_ptr, G: tl.constexpr, M: tl.constexpr,
+                     K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr):
+    # one program per (group, BI rows of dw, BO columns): the sum over the group's rows of
+    # x_row^T dy_row from the transposed operands (e4m3 xt [K, M], dyt [N, M], scales [K, M / BT]
+    # and [N, M / BT]: BT tokens of one channel each), one BT-token tile at a time
+    g = tl.program_id(0)
+    a = tl.program_id(1)
+    b = tl.program_id(2)
+    start = tl.load(bounds_ptr + g)
+    end = tl.load(bounds_ptr + G + g)
+    ii = a * BI + tl.arange(0, BI)
+    oo = b * BO + tl.arange(0, BO)
+    acc = tl.zeros((BI, BO), tl.float32)
+    for c in range(start // BT, (end + BT - 1) // BT):
+        r = c * BT + tl.arange(0, BT)
+        keep = (r >= start) & (r < end)
+        xa = tl.load(xt_ptr + ii[:, None] * M + r[None, :], mask=keep[None, :], other=0.0)
+        db = tl.load(dyt_ptr + oo[:, None] * M + r[None, :], mask=keep[None, :], other=0.0)
+        sx = tl.load(sxt_ptr + ii * (M // BT) + c)
+        sd = tl.load(sdyt_ptr + oo * (M // BT) + c)
+        acc += tl.dot(xa, tl.trans(db), max_num_imprecise_acc=BT) * sx[:, None] * sd[None, :]
+    tl.store(dw_ptr + g * K * N + ii[:, None] * N + oo[None, :], acc)

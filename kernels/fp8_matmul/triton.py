@@ -1,0 +1,249 @@
+"""Launchers of the FP8 grouped GEMM kernels (:mod:`._triton_kernel`, Triton).
+
+Dimension letters: M rows (sorted by group), K the contraction, N outputs, G groups; all
+multiples of :data:`BLOCK` (the caller zero-pads).
+
+* :func:`scaled_grouped_matmul` — ``y[rows of g] = A[rows] @ B[g]`` with e4m3 A in 1 x 128
+  tiles and e4m3 B in 128 x 128 blocks, per (row tile, group) pair as the bf16 grouped kernel
+  schedules them (:func:`moefast.kernels.grouped_matmul.pallas.tile_table`); ``transpose_b``
+  reads B[g] transposed (the backward ``dy @ w^T`` without a copy of ``w``).
+* :func:`scaled_weight_grads` — ``dw[g] = sum over g's rows of x_row^T dy_row`` from x and dy
+  transposed ([K, M], [N, M]) in tiles of 128 tokens.
+
+Each 128-long piece of the contraction is one tensor-core product (``tl.dot`` with
+``max_num_imprecise_acc=128``: Hopper's FP8 MMA accumulates those 128 products in its own,
+limited precision), scaled by the two tiles' scales and added to a float32 accumulator: the
+promotion of DeepSeek-V3 sec. 3.3.2 (interval N_C = 128). Pallas' Triton lowering (jax 0.10.2)
+cannot express this: it emits ``tt.dot`` without ``max_num_imprecise_acc``, and Triton then
+refuses Hopper's MMA for e4m3 with a float32 result and runs it as f16 ``mma.sync`` after an
+upcast (the PTX of both is checked by the tests through :func:`compile_for`).
+
+Two launchers per kernel, as for the routing kernel (:mod:`moefast.kernels.routing.triton`): JAX
+(``jax_triton.triton_call``, the ``[gpu]`` extra; also in a step compiled for compile-only GPUs,
+with the target's compute capability) and torch (CUDA tensors, or CPU tensors under the Triton
+interpreter: how the tests check the kernels without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..routing.triton import _assembler_for_jax, interpreting
+
+__all__ = ["BLOCK", "available", "compile_for", "scaled_grouped_matmul", "scaled_grouped_matmul_torch",
+           "scaled_weight_grads", "scaled_weight_grads_torch", "tile_rows"]
+
+BLOCK = 128  # the scaling granularity (DeepSeek-V3: 1 x 128 tiles, 128 x 128 blocks), the K step, N's tile
+NUM_WARPS, NUM_STAGES = 4, 3
+
+
+def tile_rows(num_rows: int, num_groups: int) -> int:
+    """BM, rows per tile of the forward kernel: 128, or 64 when 128-row tiles would waste more
+    than 10 % of the rows at the group boundaries (Hopper's MMA needs multiples of 64)."""
+    return 128 if (num_groups - 1) * 128 <= 0.1 * num_rows else 64
+
+
+@functools.cache
+def _kernels():
+    import triton
+
+    from ._triton_kernel import scaled_dw_kernel, scaled_grouped_kernel
+
+    return triton.jit(scaled_grouped_kernel), triton.jit(scaled_dw_kernel)
+
+
+def available(platform: str | None = None) -> str | None:
+    """``None`` when the JAX launchers can run on ``platform`` (default: the platform being
+    compiled for), else why not (a sentence)."""
+    from ..platform import target_platform
+
+    platform = platform or target_platform()
+    if platform != "gpu":
+        return f"the FP8 GEMM kernels run on GPUs (compiling for: {platform})"
+    try:
+        import jax_triton  # noqa: F401
+    except ModuleNotFoundError:
+        return "the FP8 GEMM kernels need jax-triton (the [gpu] extra: pip install 'jax-triton>=0.3')"
+    except Exception as e:
+        return f"jax-triton is installed but failed to import ({type(e).__name__}: {e})"
+    return None
+
+
+def _check(m, k, n, g, bm):
+    for name, v in (("M", m), ("K", k), ("N", n)):
+        if v % BLOCK:
+            raise ValueError(f"the FP8 grouped GEMM needs {name} a multiple of {BLOCK} (the caller pads), got {v}")
+    if m % bm:
+        raise ValueError(f"M={m} is not a multiple of the row tile {bm}")
+
+
+def _grouped_args(m, k_b, n_b, transpose_b):
+    """(K, N, strides of B) of the product for B stored [G, k_b, n_b]."""
+    if transpose_b:
+        return n_b, k_b, (k_b * n_b, 1, n_b)
+    return k_b, n_b, (k_b * n_b, n_b, 1)
+
+
+def _call(kernel, args, out_shape, grid, **constexprs):
+    import inspect
+
+    import jax_triton as jt
+    import triton
+
+    from ..platform import target_compute_capability
+
+    chosen = _assembler_for_jax()
+    if chosen:  # the PTX version JAX's ptxas assembles (moefast.kernels.routing.triton)
+        triton.knobs.nvidia.ptxas_blackwell = chosen
+    name = "out_type" if "out_type" in inspect.signature(jt.triton_call).parameters else "out_shape"
+    cc = target_compute_capability()
+    return jt.triton_call(*args, kernel=kernel, **{name: out_shape}, grid=grid, num_warps=NUM_WARPS,
+                          num_stages=NUM_STAGES, **({"compute_capability": cc} if cc else {}), **constexprs)
+
+
+def scaled_grouped_matmul(a, sa, b, sb, group_sizes, *, transpose_b: bool = False, out_dtype=None,
+                          block_rows: int | None = None):
+    """``[M, N]``: each group's rows of ``a`` times its ``b`` (JAX, GPU; module docstring).
+
+    Args:
+      a: [M, K] float8_e4m3fn rows sorted by group; sa: [M, K / 128] float32 scales.
+      b: [G, K, N] float8_e4m3fn (``transpose_b``: [G, N, K], read transposed).
+      sb: [G, K / 128, N] float32: each 128 x 128 block's scale repeated over its columns.
+      group_sizes: [G] int32 rows per group (sum <= M).
+      out_dtype: the result's dtype (default bfloat16).
+      block_rows: BM (default :func:`tile_rows`).
+
+    Returns:
+      [M, N] in ``out_dtype``; rows after the last group are not written (mask them).
+
+    Raises:
+      ValueError: sizes not multiples of 128; RuntimeError: no GPU or no jax-triton.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from ..grouped_matmul.pallas import tile_table
+
+    why = available()
+    if why:
+        raise RuntimeError(why)
+    m, _ = a.shape
+    g, k_b, n_b = b.shape
+    k, n, (sg, sk, sn) = _grouped_args(m, k_b, n_b, transpose_b)
+    bm = block_rows or tile_rows(m, g)
+    _check(m, k, n, g, bm)
+    table = tile_table(group_sizes, m, bm)
+    out = jax.ShapeDtypeStruct((m, n), out_dtype or jnp.bfloat16)
+    return _call(_kernels()[0], (table, a, sa, b, sb), out, (table.shape[1], n // BLOCK), PAIRS=table.shape[1],
+                 K=k, N=n, STRIDE_BG=sg, STRIDE_BK=sk, STRIDE_BN=sn, BM=bm, BN=BLOCK, BK=BLOCK)
+
+
+def scaled_weight_grads(xt, sxt, dyt, sdyt, group_sizes):
+    """``[G, K, N]`` float32: per group the sum over its rows of ``x_row^T dy_row`` (JAX, GPU).
+
+    Args:
+      xt: [K, M] float8_e4m3fn, x transposed; sxt: [K, M / 128] float32, one scale per 128 tokens
+        of a channel.
+      dyt: [N, M] float8_e4m3fn; sdyt: [N, M / 128] float32.
+      group_sizes: [G] int32 rows per group.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    why = available()
+    if why:
+        raise RuntimeError(why)
+    k, m = xt.shape
+    n = dyt.shape[0]
+    g = group_sizes.shape[0]
+    _check(m, k, n, g, BLOCK)
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    bounds = jnp.concatenate([ends - group_sizes.astype(jnp.int32), ends])
+    out = jax.ShapeDtypeStruct((g, k, n), jnp.float32)
+    return _call(_kernels()[1], (bounds, xt, sxt, dyt, sdyt), out, (g, k // BLOCK, n // BLOCK), G=g, M=m, K=k, N=n,
+                 BT=BLOCK, BI=BLOCK, BO=BLOCK)
+
+
+def _interpretable(t):
+    if t.device.type == "cpu" and not interpreting():
+        raise RuntimeError("Triton kernels run on CPU tensors only in the Triton interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is imported")
+
+
+def scaled_grouped_matmul_torch(a, sa, b, sb, table, *, transpose_b: bool = False, out_dtype=None,
+                                block_rows: int = 128):
+    """:func:`scaled_grouped_matmul` on torch tensors (CUDA, or CPU under the Triton interpreter),
+    with the pair table given ([4, P] int32, :func:`moefast.kernels.grouped_matmul.pallas.tile_table`)."""
+    import torch
+
+    _interpretable(a)
+    m, _ = a.shape
+    g, k_b, n_b = b.shape
+    k, n, (sg, sk, sn) = _grouped_args(m, k_b, n_b, transpose_b)
+    _check(m, k, n, g, block_rows)
+    out = torch.zeros((m, n), dtype=out_dtype or torch.bfloat16, device=a.device)
+    pairs = table.shape[1]
+    _kernels()[0][(pairs, n // BLOCK)](table.contiguous(), a.contiguous(), sa.contiguous(), b.contiguous(),
+                                        sb.contiguous(), out, PAIRS=pairs, K=k, N=n, STRIDE_BG=sg, STRIDE_BK=sk,
+                                        STRIDE_BN=sn, BM=block_rows, BN=BLOCK, BK=BLOCK,
+                                        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def scaled_weight_grads_torch(xt, sxt, dyt, sdyt, bounds):
+    """:func:`scaled_weight_grads` on torch tensors, with ``bounds`` [2 G] int32 (the groups'
+    first rows, then their ends)."""
+    import torch
+
+    _interpretable(xt)
+    k, m = xt.shape
+    n = dyt.shape[0]
+    g = bounds.shape[0] // 2
+    _check(m, k, n, g, BLOCK)
+    out = torch.empty((g, k, n), dtype=torch.float32, device=xt.device)
+    _kernels()[1][(g, k // BLOCK, n // BLOCK)](bounds.contiguous(), xt.contiguous(), sxt.contiguous(),
+                                               dyt.contiguous(), sdyt.contiguous(), out, G=g, M=m, K=k, N=n,
+                                               BT=BLOCK, BI=BLOCK, BO=BLOCK, num_warps=NUM_WARPS,
+                                               num_stages=NUM_STAGES)
+    return out
+
+
+def compile_for(kind: str = "forward", arch: int = 90, *, ptxas: str | None = None) -> str:
+    """PTX of a kernel compiled by Triton for compute capability ``arch`` (no GPU needed), with the
+    PTX version JAX's toolkit assembles.
+
+    Args:
+      kind: ``"forward"`` (A @ B[g]), ``"dgrad"`` (A @ B[g]^T) or ``"wgrad"``.
+      arch: compute capability x 10.
+      ptxas: the assembler whose CUDA release sets the PTX version (``None``: JAX's toolkit's).
+
+    Raises:
+      ValueError: an unknown ``kind``; triton.runtime.errors.PTXASError: ptxas rejected the PTX.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ._triton_kernel import scaled_dw_kernel, scaled_grouped_kernel
+
+    if kind in ("forward", "dgrad"):
+        k, n = 512, 384
+        _, _, (sg, sk, sn) = _grouped_args(1024, *((n, k) if kind == "dgrad" else (k, n)), kind == "dgrad")
+        fn, names = scaled_grouped_kernel, ["table_ptr", "a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "o_ptr"]
+        types = ["*i32", "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16"]
+        consts = dict(PAIRS=16, K=k, N=n, STRIDE_BG=sg, STRIDE_BK=sk, STRIDE_BN=sn, BM=128, BN=BLOCK, BK=BLOCK)
+    elif kind == "wgrad":
+        fn, names = scaled_dw_kernel, ["bounds_ptr", "xt_ptr", "sxt_ptr", "dyt_ptr", "sdyt_ptr", "dw_ptr"]
+        types = ["*i32", "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*fp32"]
+        consts = dict(G=4, M=1024, K=512, N=384, BT=BLOCK, BI=BLOCK, BO=BLOCK)
+    else:
+        raise ValueError(f"kind={kind!r}: one of 'forward', 'dgrad', 'wgrad'")
+    signature = {**dict(zip(names, types)), **{c: "constexpr" for c in consts}}
+    src = ASTSource(triton.jit(fn), signature, constexprs=consts)
+    with triton.knobs.nvidia.scope():
+        chosen = _assembler_for_jax(ptxas)
+        if chosen:
+            triton.knobs.nvidia.ptxas_blackwell = chosen
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES})
+    return kernel.asm["ptx"]

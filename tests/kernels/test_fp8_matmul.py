@@ -1,0 +1,106 @@
+"""The FP8 grouped GEMM kernels (kernels/fp8_matmul): run by the Triton interpreter on CPU against
+the recipe's numbers (moefast.parallel.fp8's quantizers, float64 products), and compiled for sm_90
+to Hopper's FP8 tensor-core instruction (``wgmma ... e4m3.e4m3``), not an upcast."""
+
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
+pytest.importorskip("triton", reason="triton (a test dependency) is not installed")
+
+from moefast.kernels.fp8_matmul import (scaled_grouped_matmul_torch, scaled_weight_grads_torch,  # noqa: E402
+                                        tile_rows)
+from moefast.kernels.grouped_matmul.pallas import tile_table  # noqa: E402
+from moefast.parallel.fp8 import quantize_blocks, quantize_tiles  # noqa: E402
+
+
+def _t(a):
+    a = np.asarray(a)
+    if a.dtype == jnp.float8_e4m3fn:
+        return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+    return torch.from_numpy(a.copy())
+
+
+def _deq_tiles(q, s):
+    q = np.asarray(q).astype(np.float64)
+    return (q.reshape(*q.shape[:-1], -1, 128) * np.asarray(s)[..., None]).reshape(q.shape)
+
+
+def _deq_blocks(q, s):
+    g, i, o = q.shape
+    b = np.asarray(q).astype(np.float64).reshape(g, i // 128, 128, o // 128, 128)
+    return (b * np.asarray(s)[:, :, None, :, None]).reshape(g, i, o)
+
+
+def test_interpreted_kernels_equal_the_recipe():
+    """Forward (A @ B[g]), dgrad (A @ B[g]^T, B read transposed) and wgrad (128-token tiles) on
+    groups of 100, 0 and 150 rows out of 384 (a 128-row tile spans two groups; rows past the
+    groups stay unwritten): the e4m3 values times their scales, summed in float64, to 1e-5."""
+    rng = np.random.default_rng(0)
+    sizes = np.array([100, 0, 150], np.int32)
+    m, k, n = 384, 256, 128
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[250:] = 0
+    w = rng.standard_normal((3, k, n)).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    dy[250:] = 0
+    xq, sx = quantize_tiles(jnp.asarray(x))
+    wq, sw = quantize_blocks(jnp.asarray(w))
+    gq, sg = quantize_tiles(jnp.asarray(dy))
+    bm = tile_rows(m, 3)
+    table = _t(tile_table(jnp.asarray(sizes), m, bm))
+    y = scaled_grouped_matmul_torch(_t(xq), _t(sx), _t(wq), _t(np.repeat(np.asarray(sw), 128, axis=-1)), table,
+                                    out_dtype=torch.float32, block_rows=bm).numpy()
+    sw_t = np.repeat(np.swapaxes(np.asarray(sw), -1, -2), 128, axis=-1)  # [G, N/128, K]
+    dx = scaled_grouped_matmul_torch(_t(gq), _t(sg), _t(wq), _t(sw_t), table, transpose_b=True,
+                                     out_dtype=torch.float32, block_rows=bm).numpy()
+    xtq, sxt = quantize_tiles(jnp.asarray(x.T))
+    gtq, sgt = quantize_tiles(jnp.asarray(dy.T))
+    ends = np.cumsum(sizes)
+    dw = scaled_weight_grads_torch(_t(xtq), _t(sxt), _t(gtq), _t(sgt),
+                                   _t(np.concatenate([ends - sizes, ends]).astype(np.int32))).numpy()
+    fx, fw, fg = _deq_tiles(xq, sx), _deq_blocks(wq, sw), _deq_tiles(gq, sg)
+    xt, gt = _deq_tiles(xtq, sxt).T, _deq_tiles(gtq, sgt).T
+    start = 0
+    for e, rows_n in enumerate(sizes):
+        rows = slice(start, start + rows_n)
+        np.testing.assert_allclose(y[rows], fx[rows] @ fw[e], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(dx[rows], fg[rows] @ fw[e].T, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(dw[e], xt[rows].T @ gt[rows], rtol=1e-5, atol=1e-3)
+        start += rows_n
+    assert not dw[1].any() and not y[250:].any() and not dx[250:].any()
+
+
+_ASSEMBLE = """
+import re, sys
+sys.path.insert(0, sys.argv[1])
+from moefast.kernels.fp8_matmul import compile_for
+for kind in ("forward", "dgrad", "wgrad"):
+    ptx = compile_for(kind)
+    print(kind, sorted(set(re.findall(r"wgmma\\.mma_async[.a-z0-9_]*|mma\\.sync[.a-z0-9_]*|cvt\\.rn\\.f16x2\\.e4m3x2", ptx))))
+"""
+
+
+def test_kernels_compile_to_hopper_fp8_tensor_core_instructions(tmp_path):
+    """Compiled for sm_90 (no GPU; the PTX version JAX's CUDA 12 ptxas assembles), each kernel's
+    products are Hopper's e4m3 warpgroup MMA with a float32 accumulator, with no f16 upcast: what
+    ``max_num_imprecise_acc=128`` buys (Pallas' lowering, without it, gets ``mma.sync`` on f16).
+    In a subprocess without TRITON_INTERPRET (the interpreter replaces the compiler)."""
+    from moefast.bench import gpu_compile
+
+    root = gpu_compile.plugin_path()
+    assert root, "the GPU compile tools are not installed next to this environment (README's test command)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_")}
+    env.update(TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", _ASSEMBLE, root], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 3, proc.stdout
+    for line in lines:
+        assert line.endswith("['wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3']"), line
