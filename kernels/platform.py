@@ -27,11 +27,13 @@ def target_platform() -> str:
 def target_compute_capability() -> int | None:
     """The compute capability x 10 (90: H100/H200) of the GPUs in the mesh set with
     ``jax.set_mesh``, read from its devices (compile-only GPUs have one too); ``None`` when no
-    mesh of GPUs is set. What a Triton kernel is compiled for when no GPU is present
-    (jax-triton otherwise asks the local GPU)."""
-    try:
-        mesh = jax.sharding.get_mesh()
-    except Exception:  # no concrete mesh in context
+    mesh of GPUs is set (or JAX's private accessor moved). What a Triton kernel is compiled for
+    when no GPU is present (jax-triton otherwise asks the local GPU)."""
+    try:  # inside jax.jit only JAX's private accessor has the concrete mesh (jax 0.10.2; None if it moves)
+        from jax._src.mesh import get_concrete_mesh
+
+        mesh = get_concrete_mesh()
+    except Exception:
         return None
     devices = getattr(mesh, "devices", None)
     if devices is None or not devices.size:

@@ -28,7 +28,7 @@ TINY = ["model.d_model=64", "model.num_layers=2", "model.num_heads=2", "model.he
 def _gpu_compile(tmp_path, name, *args, expect_rc=0):
     assert gpu_compile.plugin_path(), (
         "the CUDA PJRT plugin is not installed next to this environment; install it as README's test command "
-        "does: pip install -c constraints.txt --no-deps --target .venv/gpu-compile jax-cuda12-pjrt jax-cuda12-plugin")
+        "does: pip install -c constraints.txt --no-deps --target .venv/gpu-compile jax-cuda12-pjrt jax-cuda12-plugin jax-triton")
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     # one compilation per case (the program as compiled), except where the costing twin is tested

@@ -59,7 +59,7 @@ GPUS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
 PREALLOCATED_FRACTION = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION
 PLUGIN_ENV = "MOEFAST_GPU_COMPILE_PATH"
 INSTALL_HINT = ("pip install -c constraints.txt --no-deps --target \"$VIRTUAL_ENV/gpu-compile\" "
-                "jax-cuda12-pjrt jax-cuda12-plugin  (the versions of the installed jax; see README, "
+                "jax-cuda12-pjrt jax-cuda12-plugin jax-triton  (the versions of the installed jax; see README, "
                 "\"Compiling for GPUs\")")
 
 
@@ -185,7 +185,7 @@ def compile_only_devices(gpu: str, hosts: int, gpus_per_host: int) -> list:
                                f"(JAX said: {why})") from None
         where = os.environ.get(PLUGIN_ENV)
         hint = (f"${PLUGIN_ENV} is {where}, which does not hold it: install it there with pip install -c "
-                f"constraints.txt --no-deps --target {where} jax-cuda12-pjrt jax-cuda12-plugin, or unset "
+                f"constraints.txt --no-deps --target {where} jax-cuda12-pjrt jax-cuda12-plugin jax-triton, or unset "
                 f"{PLUGIN_ENV}") if where else f"install it with: {INSTALL_HINT}"
         raise RuntimeError(f"compiling for GPUs needs the CUDA PJRT plugin ({why}); {hint}") from None
     return list(topo.devices)
@@ -297,6 +297,11 @@ def _custom_calls(text: str) -> dict[str, int]:
     calls.update(collections.Counter(
         "kernel " + m.group(1) for line in text.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line
         for m in [re.search(r'name = \\?"([\w.-]+)\\?"[^"]*$', line)] if m))
+    # jax-triton's launches (the FP8 GEMMs, moefast.kernels.fp8_matmul) by their named scope
+    calls.update(collections.Counter(
+        "kernel " + m.group(1) + " (jax-triton)" for line in text.splitlines()
+        if 'custom_call_target="triton_kernel_call"' in line for m in [re.search(r"(moefast_fp8_gemm_\w+?)/", line)]
+        if m))
     return dict(sorted(calls.items()))
 
 

@@ -10,16 +10,29 @@ The three GEMMs of ``y = x @ w`` (:func:`fp8_matmul`, :func:`fp8_grouped_matmul`
 * forward ``y = x @ w``: ``x`` in 1 x 128 tiles along K, ``w`` in 128 x 128 blocks;
 * ``dx = dy @ w^T``: ``dy`` in 1 x 128 tiles along N, the same blocks of ``w``;
 * ``dw = x^T @ dy`` (a sum over tokens): ``x`` and ``dy`` in 128 x 1 tiles, 128 tokens of one
-  channel each (sec. 3.3.2: the transposed tiling for the backward pass); ``dw`` is float32.
+  channel each (sec. 3.3.2: the transposed tiling for the backward pass); ``dw`` is float32. The
+  experts' rows are tiled in order across experts (a tile may hold two experts' tokens: its scale
+  covers both, each expert's sum stays its own), as the grouped kernels read them.
 
 Sizes that are not multiples of 128 are zero-padded to the next multiple for the scaling (zeros
 change no product; e.g. MLA's 576-wide ``kv_a_proj_with_mqa``).
 
-Here each GEMM is computed from its operands' e4m3 values times their scales, in float32
-(:func:`~moefast.parallel.fp8.fake_quantize_tiles`): the recipe's numbers (ml_dtypes' e4m3
-rounding), the same on every platform, with float32 GEMMs. Only the order of the float32 sums
-differs from a kernel that applies the scales per 128-long piece (both exact products of e4m3
-values, summed in float32). What stays as the bf16 precision runs it: the master weights,
+Two paths compute the same numbers:
+
+* **GPU kernels** (a step compiled for GPUs, with jax-triton: the ``[gpu]`` extra): the Triton
+  FP8 grouped GEMMs of :mod:`moefast.kernels.fp8_matmul` on the e4m3 operands and their scales
+  (Hopper's e4m3 tensor-core MMA, each 128-long piece of the contraction scaled and summed in
+  float32). A dense layer's GEMM is one group; the capacity experts' ``[E, C, D]`` buffers are E
+  equal groups. Under a multi-device mesh (GSPMD) a dense layer's kernel runs inside
+  ``jax.shard_map`` over the tokens' mesh axes (a custom call is not partitioned), its weight
+  gradient summed over them in float32.
+* **Emulated** (CPU, or a GPU without jax-triton): each GEMM computed from its operands' e4m3
+  values times their scales in float32 (:func:`~moefast.parallel.fp8.fake_quantize_tiles`,
+  ml_dtypes' e4m3 rounding) with float32 GEMMs: the recipe's numbers, not its speed.
+
+They differ in the order of the float32 sums and in the MMA's own accumulation of each 128
+products on Hopper (limited precision, DeepSeek-V3 sec. 3.3.2; exact in the emulation). What
+stays as the bf16 precision runs it: the master weights,
 optimizer state, norms, router, softmax, attention's score and value products, embeddings, the
 LM head and the losses (sec. 3.3: those components keep their precision).
 """
@@ -32,10 +45,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moefast.kernels.grouped_matmul import grouped_matmul
-from moefast.parallel.fp8 import fake_quantize_blocks, fake_quantize_tiles
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["PRECISIONS", "check_device", "fp8_dense_grads", "fp8_dense_forward", "fp8_grouped_matmul", "fp8_matmul"]
+from moefast.kernels.grouped_matmul import grouped_matmul
+from moefast.parallel.context import CONTEXT_AXIS
+from moefast.parallel.fp8 import FP8_BLOCK, fake_quantize_blocks, fake_quantize_tiles, quantize_blocks, quantize_tiles
+from moefast.parallel.mesh import BATCH_AXES
+
+__all__ = ["PRECISIONS", "check_device", "fp8_dense_grads", "fp8_dense_forward", "fp8_grouped_matmul", "fp8_matmul",
+           "gspmd_forward", "gspmd_grads"]
 
 PRECISIONS = ("bf16", "fp8")
 """``model.precision``: the GEMMs' input format (module docstring)."""
@@ -60,8 +78,70 @@ def check_device(platform: str, device) -> str:
     if cc is not None and float(cc) < 8.9:
         raise ConfigError(f"model.precision: fp8 trains for FP8 tensor cores (compute capability 8.9 or later: Ada, "
                           f"Hopper, Blackwell); these {device.device_kind} GPUs are {cc}: use model.precision=bf16")
+    if platform == "gpu":
+        from moefast.kernels import fp8_matmul
+
+        why = fp8_matmul.available(platform)
+        if why is None:
+            return "note: model.precision=fp8 runs its GEMMs in the Triton FP8 kernels (moefast/kernels/fp8_matmul)"
+        return (f"note: model.precision=fp8 is emulated with float32 GEMMs ({why}): the FP8 numerics, not their "
+                "speed")
     return (f"note: model.precision=fp8 computes the recipe's e4m3 numbers with float32 GEMMs on {platform} "
             "(emulated: the FP8 numerics, not their speed; moefast/parallel/fp8_gemm.py)")
+
+
+def _kernels() -> bool:
+    """Whether the GPU kernels run this trace (compiling for GPUs, jax-triton installed)."""
+    from moefast.kernels import fp8_matmul
+
+    return fp8_matmul.available() is None
+
+
+def _pad2(a: jax.Array, rows: int, cols: int) -> jax.Array:
+    """[M, C] zero-padded to multiples of ``rows`` and ``cols``."""
+    pr, pc = -a.shape[0] % rows, -a.shape[1] % cols
+    return jnp.pad(a, ((0, pr), (0, pc))) if pr or pc else a
+
+
+def _live_rows(y: jax.Array, sizes: jax.Array) -> jax.Array:
+    """``y`` with the rows after the last group set to 0 (the kernels never write them)."""
+    live = jnp.arange(y.shape[0], dtype=jnp.int32) < jnp.sum(sizes)
+    return jnp.where(live[:, None], y, jnp.zeros((), y.dtype))
+
+
+def _kernel_forward(x2, w, sizes, dtype):
+    """GPU: [M, K] rows grouped by ``sizes`` times ``w`` [G, K, N] -> [M, N] in ``dtype``."""
+    from moefast.kernels.fp8_matmul import scaled_grouped_matmul
+
+    m, k = x2.shape
+    xq, sx = quantize_tiles(_pad2(x2, FP8_BLOCK, FP8_BLOCK))
+    wq, sw = quantize_blocks(w)
+    y = scaled_grouped_matmul(xq, sx, wq, jnp.repeat(sw, FP8_BLOCK, axis=-1), sizes, out_dtype=dtype)
+    return _live_rows(y[:m, :w.shape[-1]], sizes)
+
+
+def _kernel_grads(x2, w, g2, sizes):
+    """GPU: the backward GEMMs of :func:`_kernel_forward`: (dx [M, K], dw [G, K, N]), float32."""
+    from moefast.kernels.fp8_matmul import scaled_grouped_matmul, scaled_weight_grads
+
+    (m, k), n = x2.shape, w.shape[-1]
+    xp, gp = _pad2(x2, FP8_BLOCK, FP8_BLOCK), _pad2(g2, FP8_BLOCK, FP8_BLOCK)
+    wq, sw = quantize_blocks(w)
+    gq, sg = quantize_tiles(gp)
+    sw_t = jnp.repeat(jnp.swapaxes(sw, -1, -2), FP8_BLOCK, axis=-1)  # [G, N/128, K]: the blocks read transposed
+    dx = scaled_grouped_matmul(gq, sg, wq, sw_t, sizes, transpose_b=True, out_dtype=jnp.float32)
+    dw = scaled_weight_grads(*quantize_tiles(xp.T), *quantize_tiles(gp.T), sizes)
+    return _live_rows(dx[:m, :k], sizes), dw[:, :k, :n]
+
+
+def _groups(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [*B, *T, K] as grouped rows [M, K] and their group sizes (one group per batch index)."""
+    batch = w.ndim - 2
+    x2 = x.reshape(-1, x.shape[-1])
+    g = 1 if batch == 0 else x.shape[0] if batch == 1 else None
+    if g is None:
+        raise ValueError(f"fp8 GEMMs take at most one batch dimension, got w {list(w.shape)}")
+    return x2, jnp.full((g,), x2.shape[0] // g, jnp.int32)
 
 
 def _tokens_tiles(a: jax.Array) -> jax.Array:
@@ -74,27 +154,81 @@ def _flat(x: jax.Array, batch: int) -> jax.Array:
     return x.reshape(*x.shape[:batch], -1, x.shape[-1])
 
 
-def fp8_dense_forward(x: jax.Array, w: jax.Array) -> jax.Array:
-    """Forward GEMM: ``x`` [*B, *T, K] (1 x 128 tiles) times ``w`` [*B, K, N] (128 x 128 blocks);
-    float32 [*B, *T, N]."""
+def fp8_dense_forward(x: jax.Array, w: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Forward GEMM on this device: ``x`` [*B, *T, K] (1 x 128 tiles) times ``w`` [*B, K, N]
+    (128 x 128 blocks), at most one batch dim B; [*B, *T, N] in ``dtype`` (the kernels write it;
+    emulated: float32 cast to it)."""
+    if _kernels():
+        x2, sizes = _groups(x, w)
+        w3 = w if w.ndim == 3 else w[None]
+        return _kernel_forward(x2, w3, sizes, jnp.dtype(dtype)).reshape(*x.shape[:-1], w.shape[-1])
     batch = w.ndim - 2
     y = jnp.matmul(_flat(fake_quantize_tiles(x), batch), fake_quantize_blocks(w), precision=_HI)
-    return y.reshape(*x.shape[:-1], w.shape[-1])
+    return y.reshape(*x.shape[:-1], w.shape[-1]).astype(dtype)
 
 
 def fp8_dense_grads(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The backward GEMMs of :func:`fp8_dense_forward` for the cotangent ``g`` [*B, *T, N]:
     ``(dx [*B, *T, K], dw [*B, K, N])``, both float32."""
+    if _kernels():
+        x2, sizes = _groups(x, w)
+        dx, dw = _kernel_grads(x2, w if w.ndim == 3 else w[None], g.reshape(-1, g.shape[-1]), sizes)
+        return dx.reshape(x.shape), dw.reshape(w.shape)
     batch = w.ndim - 2
     dx = jnp.matmul(_flat(fake_quantize_tiles(g), batch), jnp.swapaxes(fake_quantize_blocks(w), -1, -2), precision=_HI)
-    xt, gt = _tokens_tiles(_flat(x, batch)), _tokens_tiles(_flat(g, batch))
+    # 128-token tiles of all rows in order (with a batch dim: across its entries, as the kernels
+    # tile the grouped rows), then each batch entry's own sum
+    xt = _tokens_tiles(x.reshape(-1, x.shape[-1])).reshape(_flat(x, batch).shape)
+    gt = _tokens_tiles(g.reshape(-1, g.shape[-1])).reshape(_flat(g, batch).shape)
     dw = jnp.matmul(jnp.swapaxes(xt, -1, -2), gt, precision=_HI)
     return dx.reshape(x.shape), dw
 
 
+def _token_spec(x: jax.Array):
+    """``x``'s token sharding on the mesh in context ([B, T, ...]: B over the batch axes, T over
+    ``context``), or ``None`` when there is no multi-device mesh or B does not split over it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return None
+    rows = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    ctx = CONTEXT_AXIS if mesh.shape.get(CONTEXT_AXIS, 1) > 1 and x.ndim >= 3 else None
+    size = 1
+    for a in rows:
+        size *= mesh.shape[a]
+    if x.shape[0] % size or (ctx and x.shape[1] % mesh.shape[CONTEXT_AXIS]):
+        return None
+    return P(rows or None, *([ctx] if x.ndim >= 3 else []), *([None] * (x.ndim - (2 if x.ndim >= 3 else 1))))
+
+
+def gspmd_forward(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+    """:func:`fp8_dense_forward` for a dense layer under GSPMD: ``x`` [B, T, K] split over the
+    token axes, ``w`` [K, N] whole on every device. The GPU kernels run in ``jax.shard_map`` over
+    the token axes; the emulation is plain XLA (partitioned as any GEMM)."""
+    spec = _token_spec(x) if _kernels() else None
+    if spec is None:
+        return fp8_dense_forward(x, w, dtype)
+    return jax.shard_map(lambda a, b: fp8_dense_forward(a, b, dtype), in_specs=(spec, P()), out_specs=spec,
+                         check_vma=False)(x, w)
+
+
+def gspmd_grads(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`fp8_dense_grads` under GSPMD (:func:`gspmd_forward`): ``w``'s gradient summed over
+    the token axes in float32."""
+    spec = _token_spec(x) if _kernels() else None
+    if spec is None:
+        return fp8_dense_grads(x, w, g)
+    axes = tuple(a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,)))
+
+    def local(a, b, c):
+        dx, dw = fp8_dense_grads(a, b, c)
+        return dx, jax.lax.psum(dw, axes)
+
+    return jax.shard_map(local, in_specs=(spec, P(), spec), out_specs=(spec, P()), check_vma=False)(x, w, g)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul(x, w, dtype):
-    return fp8_dense_forward(x, w).astype(dtype)
+    return fp8_dense_forward(x, w, dtype)
 
 
 def _matmul_fwd(x, w, dtype):
@@ -133,6 +267,8 @@ def fp8_matmul(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _grouped(x, w, group_sizes, impl, dtype):
+    if _kernels():
+        return _kernel_forward(x, w, group_sizes, dtype)
     return grouped_matmul(fake_quantize_tiles(x), fake_quantize_blocks(w), group_sizes, impl=impl).astype(dtype)
 
 
@@ -142,13 +278,17 @@ def _grouped_fwd(x, w, group_sizes, impl, dtype):
 
 def _grouped_bwd(impl, dtype, res, g):
     x, w, group_sizes = res
+    zero = np.zeros(group_sizes.shape, jax.dtypes.float0)
+    if _kernels():
+        dx, dw = _kernel_grads(x, w, g, group_sizes)
+        return dx.astype(x.dtype), dw.astype(w.dtype), zero
     wq = fake_quantize_blocks(w)
     _, dx_of = jax.vjp(lambda a: grouped_matmul(a, wq, group_sizes, impl=impl), jnp.zeros(x.shape, jnp.float32))
     (dx,) = dx_of(fake_quantize_tiles(g))
     xt = _tokens_tiles(x)
     _, dw_of = jax.vjp(lambda b: grouped_matmul(xt, b, group_sizes, impl=impl), wq)
     (dw,) = dw_of(_tokens_tiles(g))
-    return dx.astype(x.dtype), dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
+    return dx.astype(x.dtype), dw.astype(w.dtype), zero
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

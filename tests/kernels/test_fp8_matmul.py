@@ -104,3 +104,93 @@ def test_kernels_compile_to_hopper_fp8_tensor_core_instructions(tmp_path):
     assert len(lines) == 3, proc.stdout
     for line in lines:
         assert line.endswith("['wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3']"), line
+
+
+def _interpreted(monkeypatch):
+    """moefast's GPU path of model.precision=fp8 (quantize, pad, launch, unpad) with the kernels run
+    by the Triton interpreter through jax.pure_callback in place of jax-triton."""
+    import threading
+
+    import jax
+
+    from moefast.kernels import fp8_matmul
+
+    lock = threading.Lock()  # the interpreter patches triton.language while it runs: one launch at a time
+
+    def grouped(a, sa, b, sb, group_sizes, *, transpose_b=False, out_dtype=None, block_rows=None):
+        bm = block_rows or tile_rows(a.shape[0], b.shape[0])
+        table = tile_table(group_sizes, a.shape[0], bm)
+        n = b.shape[1] if transpose_b else b.shape[2]
+        out = jax.ShapeDtypeStruct((a.shape[0], n), out_dtype or jnp.bfloat16)
+
+        def run(table, *arrays):
+            with lock:
+                y = scaled_grouped_matmul_torch(*map(_t, arrays), _t(table), transpose_b=transpose_b,
+                                                out_dtype=torch.float32, block_rows=bm)
+            return y.numpy().astype(out.dtype)
+
+        return jax.pure_callback(run, out, table, a, sa, b, sb)
+
+    def wgrad(xt, sxt, dyt, sdyt, group_sizes):
+        ends = jnp.cumsum(group_sizes)
+        bounds = jnp.concatenate([ends - group_sizes, ends]).astype(jnp.int32)
+        out = jax.ShapeDtypeStruct((group_sizes.shape[0], xt.shape[0], dyt.shape[0]), jnp.float32)
+        def run(*arrays):
+            with lock:
+                return scaled_weight_grads_torch(*map(_t, arrays)).numpy()
+
+        return jax.pure_callback(run, out, xt, sxt, dyt, sdyt, bounds)
+
+    monkeypatch.setattr(fp8_matmul, "available", lambda platform=None: None)
+    monkeypatch.setattr(fp8_matmul, "scaled_grouped_matmul", grouped)
+    monkeypatch.setattr(fp8_matmul, "scaled_weight_grads", wgrad)
+
+
+def test_gpu_path_equals_the_emulation(monkeypatch, devices):
+    """The kernels' path through moefast.parallel.fp8_gemm (odd sizes padded to 128, dense layers as
+    one group, capacity experts as equal groups, dropless groups; on an 8-device mesh a dense
+    layer's launches inside shard_map with the weight gradient summed over the token shards, each
+    shard tiling its own tokens) gives the emulation's forward and gradients, to float32 rounding."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from moefast.parallel import fp8_gemm
+
+    rng = np.random.default_rng(5)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    cases = [("dense", r(2, 72, 200), r(200, 136), None), ("experts", r(4, 40, 128), r(4, 128, 96), None),
+             ("dropless", r(300, 128), r(3, 128, 136), jnp.asarray([90, 0, 150], jnp.int32))]
+
+    def run(x, w, sizes):
+        if sizes is None:
+            f = lambda a, b: fp8_gemm.fp8_matmul(a, b, jnp.float32)  # noqa: E731
+        else:
+            f = lambda a, b: fp8_gemm.fp8_grouped_matmul(a, b, sizes, dtype=jnp.float32)  # noqa: E731
+        y, vjp = jax.vjp(f, x, w)
+        # a fixed cotangent: one computed from y would differ by y's rounding, and its e4m3 rounding could flip
+        return (y, *vjp(jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)))
+
+    emulated = {name: run(x, w, s) for name, x, w, s in cases}
+    _interpreted(monkeypatch)
+    for name, x, w, s in cases:
+        for got, want in zip(run(x, w, s), emulated[name]):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-4, err_msg=name)
+    # a dense layer under GSPMD: batch over data x expert, each shard's launches local
+    mesh = jax.make_mesh((4, 2), ("data", "expert"), axis_types=(AxisType.Auto,) * 2, devices=devices)
+    x, w = r(8, 16, 200), r(200, 136)
+    want = jax.vjp(lambda a, b: fp8_gemm.fp8_matmul(a, b, jnp.float32), x, w)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+
+        @jax.jit
+        def sharded(a, b, g):
+            y = fp8_gemm.gspmd_forward(a, b, jnp.float32)
+            return y, *fp8_gemm.gspmd_grads(a, b, g)
+
+        y, dx, dw = sharded(xs, w, jnp.cos(want[0]))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want[0]), rtol=2e-5, atol=2e-4)
+    g = jnp.cos(want[0])
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(want[1](g)[0]), rtol=2e-5, atol=2e-4)
+    # each device tiles its own tokens for the weight gradient: the sum of the shards' own
+    shards = [jax.vjp(lambda b: fp8_gemm.fp8_matmul(x[i:i + 1], b, jnp.float32), w)[1](g[i:i + 1])[0] for i in range(8)]
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(sum(shards)), rtol=2e-5, atol=2e-3)

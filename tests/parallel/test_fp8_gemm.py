@@ -78,7 +78,7 @@ def test_three_gemms_follow_the_recipe(batched):
     """Forward, dgrad and wgrad equal the NumPy recipe: x in 1 x 128 tiles and w in 128 x 128
     blocks; dy in 1 x 128 tiles for dx; x and dy in 128 x 1 token tiles for dw (float32 sums vs
     float64: 1e-5). Dense: [2, 130, 300] tokens (260 rows, not a multiple of 128); experts: [3, 150,
-    256] x [3, 256, 200]."""
+    256] x [3, 256, 200] (the token tiles run across the experts' 150-row buffers)."""
     rng = np.random.default_rng(1)
     if batched:
         x, w, g = rng.standard_normal((3, 150, 256)), rng.standard_normal((3, 256, 200)), rng.standard_normal((3, 150, 200))
@@ -90,8 +90,9 @@ def test_three_gemms_follow_the_recipe(batched):
     fw = np_fq_blocks(w)
     np.testing.assert_allclose(np.asarray(y), np_fq_tiles(x) @ fw, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(np.asarray(dx), np_fq_tiles(g) @ np.swapaxes(fw, -1, -2), rtol=1e-5, atol=1e-4)
-    flat = (lambda a: a.reshape(-1, a.shape[-1])) if not batched else (lambda a: a)
-    want_dw = np.swapaxes(np_fq_tokens(flat(x)), -1, -2) @ np_fq_tokens(flat(g))
+    # token tiles over all rows in order (experts: across the experts' buffers), each expert's own sum
+    flat = lambda a: np_fq_tokens(a.reshape(-1, a.shape[-1])).reshape(a.shape[0] if batched else 1, -1, a.shape[-1])  # noqa: E731
+    want_dw = (np.swapaxes(flat(x), -1, -2) @ flat(g)).reshape(w.shape)
     np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-3)
     # and e4m3's error against the exact product stays a few percent
     exact = x.astype(np.float64) @ w
