@@ -611,7 +611,7 @@ def format_report(r: GpuCompileResult) -> str:
 
         lines += format_estimate(r.estimate, tokens=r.tokens_per_step, gpus=r.hosts * r.gpus_per_host,
                                  model_flops=r.model_flops_per_step, peak_tflops=r.peak_tflops, network=r.network,
-                                 as_compiled=r.estimate_as_compiled)
+                                 as_compiled=r.estimate_as_compiled, custom_calls=r.custom_calls)
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ the estimator costs GEMMs."""
 
 from __future__ import annotations
 
-from moefast.bench.gpu_schedule import ATTENTION_KERNEL_UTILIZATION, BETWEEN, INSIDE
+from moefast.bench.gpu_schedule import ATTENTION_KERNEL_UTILIZATION, BETWEEN, FP8_KERNEL_UTILIZATION, INSIDE
 
 __all__ = ["format_estimate"]
 
@@ -20,7 +20,7 @@ def _size(b: float) -> str:
 
 
 def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, peak_tflops: float | None,
-                    network: str, as_compiled: dict | None) -> list[str]:
+                    network: str, as_compiled: dict | None, custom_calls: dict | None = None) -> list[str]:
     """Markdown lines of a trip-weighted estimate (:func:`read_estimate` as a dict): the step and
     what it implies, exposed collectives by kind and tier, each scheduled computation, and how the
     estimator costs GEMMs."""
@@ -65,6 +65,8 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
         rs = rc["step"]
         kern = (f"; the fused attention kernels, which XLA charges a flat 10 µs, costed from their FLOPs at "
                 f"{ATTENTION_KERNEL_UTILIZATION:.0%} of peak (FlashAttention-2 on H100; attention_kernel_flops)"
+                + (f", and the FP8 GEMM kernels at {FP8_KERNEL_UTILIZATION:.0%} of the FP8 peak (assumed; "
+                   "fp8_kernel_flops)" if any("moefast_fp8_gemm" in k for k in custom_calls or {}) else "")
                 if rc.get("kernels") else "")
         lines.append(f"| **replayed with the collectives between hosts re-costed** (XLA's own formulas on each group's "
                      f"real shape, moefast.bench.gpu_schedule.between_hosts_us{kern}; XLA's schedule and other costs "

@@ -59,8 +59,8 @@ import re
 import statistics
 from pathlib import Path
 
-__all__ = ["ATTENTION_KERNEL_UTILIZATION", "NETWORKS", "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
-           "attention_kernel_flops", "nic_bytes", "pgle_profile",
+__all__ = ["ATTENTION_KERNEL_UTILIZATION", "FP8_KERNEL_UTILIZATION", "NETWORKS", "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
+           "attention_kernel_flops", "fp8_kernel_flops", "nic_bytes", "pgle_profile",
            "read_estimate"]
 
 # --network name -> file in moefast/bench/gpu_targets/ (key=value lines of XLA's
@@ -311,7 +311,8 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
       network: the network model's options (:func:`network_options`; ``None``: XLA's defaults).
       peak_tflops: the GPU's dense bf16 peak; given, the replay also costs the fused attention
         kernels from their FLOPs (:func:`attention_kernel_flops`) at
-        :data:`ATTENTION_KERNEL_UTILIZATION` of it.
+        :data:`ATTENTION_KERNEL_UTILIZATION` of it, and the FP8 GEMM kernels
+        (:func:`fp8_kernel_flops`) at :data:`FP8_KERNEL_UTILIZATION` of the FP8 peak.
       axes_of_partition: each SPMD partition's coordinate on every mesh axis longer than 1
         (``{"data": 0, "context": 3}``); given, the exposed time is also split by the axes each
         collective's groups span (``exposed_by_axis``).
@@ -473,6 +474,9 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
                     f = attention_kernel_flops(ins.op_name, raw.get(name, "").split("custom-call(", 1)[-1])
                     if f:
                         kernel_us[name] = f / (ATTENTION_KERNEL_UTILIZATION * peak_tflops * 1e6)
+                    f8 = fp8_kernel_flops(ins.op_name, raw.get(name, ""))
+                    if f8:
+                        kernel_us[name] = f8 / (FP8_KERNEL_UTILIZATION * FP8_OVER_BF16 * peak_tflops * 1e6)
         profile.update(kernel_us)
         re_len, re_waits = _replay(ordered, pairs, latency, kernel_us)
         re_ex = sum(re_waits.values())
@@ -556,6 +560,33 @@ ATTENTION_KERNEL_UTILIZATION = 0.35
 # recomputes S and dP, then dQ += dS K (FlashAttention-2's backward, Dao 2023, arXiv 2307.08691,
 # Algorithm 2, split into two kernels: 7 matmuls where the fused one does 5)
 _ATTENTION_MATMULS = {"forward": (1, 1), "dkdv": (2, 2), "dq": (2, 1)}
+
+
+# moefast's FP8 GEMM kernels (kernels/fp8_matmul, launched through jax-triton; XLA charges each
+# launch a flat 10 µs) are costed in the replay at this share of the GPU's dense FP8 peak, which is
+# FP8_OVER_BF16 x its bf16 peak on Hopper (H100 SXM: 1,979 vs 989 TFLOP/s). An assumption, not a
+# measurement: below the 1,550 TFLOP/s (78 % of H800's peak) that DeepGEMM (deepseek-ai/DeepGEMM,
+# README) reports for GEMMs with the same 1 x 128 / 128 x 128 scaling, as this Triton kernel has
+# none of its TMA loads, warp specialisation or persistent scheduling; scripts/gpu_check.py times
+# the kernel on a GPU.
+FP8_KERNEL_UTILIZATION = 0.5
+FP8_OVER_BF16 = 2.0
+
+
+def fp8_kernel_flops(op_name: str, line: str) -> float:
+    """FLOPs of one launch of moefast's FP8 GEMM kernels (named scope ``moefast_fp8_gemm_*`` in
+    ``op_name``), ``2 M K N`` from the HLO ``line``: the result [M, N] (wgrad: [G, K, N]) and the
+    second operand (A [M, K]; wgrad: x transposed [K, M]) in ``operand_layout_constraints``. 0 for
+    any other instruction."""
+    m = re.search(r"moefast_fp8_gemm_(forward|dgrad|wgrad)", op_name or "")
+    result = re.search(r"=\s*\w+\[([\d,]+)\]", line)
+    ops = re.search(r"operand_layout_constraints=\{(.*?\})\}", line)
+    shapes = re.findall(r"\w+\[([\d,]+)\]", ops.group(1)) if ops else []
+    if not (m and result and len(shapes) >= 2):
+        return 0.0
+    a = [int(v) for v in shapes[1].split(",")]
+    n = int(result.group(1).split(",")[-1])
+    return 2.0 * a[0] * a[1] * n
 
 
 def attention_kernel_flops(op_name: str, operands: str) -> float:
