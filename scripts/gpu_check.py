@@ -581,6 +581,38 @@ def check_grouped_matmul(ctx: Context) -> list[dict]:
     return rows
 
 
+@register_check("fp8_gemm")
+def check_fp8_gemm(ctx: Context) -> list[dict]:
+    """``model.precision=fp8``'s GEMMs, forward + both backward products: the Triton FP8 kernels
+    (``moefast.kernels.fp8_matmul`` through ``moefast.parallel.fp8_gemm``, e4m3 with 1 x 128 / 128 x
+    128 scales) against the bf16 grouped GEMM and the bf16 reference (the error is e4m3's: a few %
+    of the largest value). The figures replace the estimate's assumed FP8 kernel utilization
+    (``moefast.bench.gpu_schedule.FP8_KERNEL_UTILIZATION``)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moefast.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+    from moefast.parallel.fp8_gemm import fp8_grouped_matmul
+
+    rows = []
+    shapes = [(256, 4, 128, 256)] if ctx.args.cpu_smoke else [(16384, 1, 7168, 2048), (32768, 8, 2048, 1408),
+                                                            (16384, 64, 2048, 1408)]
+    for n, e, i, o in shapes:
+        rng = np.random.default_rng(0)
+        sizes = rng.multinomial(n, rng.dirichlet(np.full(e, 0.5))).astype(np.int32) if e > 1 else np.array([n], np.int32)
+        x = jnp.asarray(rng.normal(size=(n, i)), jnp.bfloat16)
+        w = jnp.asarray(rng.normal(size=(e, i, o)) / np.sqrt(i), jnp.bfloat16)
+        gs = jnp.asarray(sizes)
+        ct = jnp.asarray(rng.normal(size=(n, o)), jnp.float32)
+        impls = {"fp8": lambda x, w, gs: fp8_grouped_matmul(x, w, gs, impl="pallas"),
+                 "bf16_pallas": lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"),
+                 "reference": grouped_matmul_reference}
+        row = {"shape": f"N{n} E{e} I{i} O{o}", "exact_gflop": 3 * 2 * n * i * o / 1e9}
+        for r in _against_reference(ctx, row, impls, (x, w, gs), ct):
+            rows.append({**r, "tflops_exact": r["exact_gflop"] / r["median_ms"]} if "median_ms" in r else r)
+    return rows
+
+
 @register_check("overlap")
 def check_overlap(ctx: Context) -> list[dict]:
     """``moefast bench overlap`` (:func:`moefast.bench.overlap.bench_overlap`) on an expert axis over

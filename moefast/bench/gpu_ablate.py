@@ -9,7 +9,11 @@ TFLOP/s per GPU, and the program's own peak memory. Two tables:
   (:data:`SEED_BASELINE`), and all together;
 * ``exchange`` (``--ablate exchange``): the expert exchange's levers (:data:`EXCHANGE_LEVERS`), each
   alone added to the config as given (the baseline), and all together; for expert-parallel
-  configs across hosts (``--network``).
+  configs across hosts (``--network``);
+* ``precision`` (``--ablate-precision``): the config with ``model.precision`` bf16, then fp8
+  (:data:`PRECISION_ROWS`). XLA's own estimate charges each launch of the FP8 kernels a flat
+  10 µs (a custom call): only the re-costed columns, which cost them from their FLOPs
+  (:data:`moefast.bench.gpu_schedule.FP8_KERNEL_UTILIZATION`), compare the two.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from __future__ import annotations
 import datetime
 from typing import Callable
 
-__all__ = ["EXCHANGE_LEVERS", "SEED_BASELINE", "SEED_LEVERS", "ablate", "format_ablation", "run_ablation"]
+__all__ = ["EXCHANGE_LEVERS", "PRECISION_ROWS", "SEED_BASELINE", "SEED_LEVERS", "ablate", "format_ablation",
+           "run_ablation"]
 
 # The levers of the seed's table, each a switch of its own (the baseline has them all off).
 SEED_BASELINE = ["cache.tables=false", "moe.dispatch=onehot", "moe.routing_impl=reference",
@@ -39,7 +44,12 @@ EXCHANGE_LEVERS = {
     "+2 sequence slices through the layers (one slice's exchange under the other's compute)":
         ["model.sequence_slices=2"],
 }
-TABLES = ("levers", "exchange")
+# The GEMMs' input format (model.precision), the rest of the config as given.
+PRECISION_ROWS = {
+    "bf16 GEMMs (model.precision=bf16)": ["model.precision=bf16"],
+    "fp8 GEMMs (e4m3, 1 x 128 / 128 x 128 scales; the Triton FP8 kernels)": ["model.precision=fp8"],
+}
+TABLES = ("levers", "exchange", "precision")
 
 
 def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: str = "h100", devices: str = "8",
@@ -75,6 +85,8 @@ def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: 
         base = SEED_BASELINE
         rows = [("baseline", [])] + [(k, v) for k, v in SEED_LEVERS.items() if ep > 1 or "overlap" not in k]
         rows.append(("all levers", [o for name, v in rows for o in v if "4 chunks" not in name]))  # 2 chunks
+    elif table == "precision":
+        base, rows = [], list(PRECISION_ROWS.items())
     else:
         if ep <= per_host or hosts == 1:
             raise ConfigError(f"--ablate-exchange compares ways of crossing hosts: the expert axis (mesh.expert={ep}) "
@@ -152,6 +164,10 @@ def run_ablation(table: str, *, json_out: str | None, config: str | None, overri
               f"{'network ' + network if network else 'XLA default network'}: an estimate, not a measurement), jax {jax.__version__}, {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%MZ')}; "
               f"config {config or 'configs/tiny.yaml'} {' '.join(overrides or [])}")
     text = format_ablation(rows)
+    if table == "precision":
+        text += ("\n\nXLA's own estimate (the first columns) charges each FP8 kernel launch a flat 10 µs: compare the "
+                 "re-costed columns, which cost the FP8 kernels from their FLOPs at an assumed "
+                 "moefast.bench.gpu_schedule.FP8_KERNEL_UTILIZATION of the FP8 peak.")
     print(f"\n{header}\n\n{text}")
     if json_out:
         from moefast.bench.process import write_results

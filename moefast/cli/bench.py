@@ -69,6 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     b.add_argument("--ablate-exchange", action="store_true",
                    help="gpu-compile: the expert exchange's levers across hosts (hierarchical exchange, FP8 dispatch, "
                         "collectives in flight, the exchange in 2 chunks, 2 sequence slices through the layers), each added to the config as given, and all together")
+    b.add_argument("--ablate-precision", action="store_true",
+                   help="gpu-compile: the config with model.precision=bf16, then fp8 (the FP8 GEMM kernels costed from "
+                        "their FLOPs in the re-costed columns)")
     b.add_argument("--quick", action="store_true",
                    help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
@@ -108,8 +111,8 @@ BENCH_OPTIONS = {
     "cache": {"json", "steps", "pairs", "cpu_devices"},
     "malloc": {"overrides", "config", "json", "steps", "rounds"},
     "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
-    "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "ablate_exchange", "network",
-                    "twin"},
+    "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "ablate_exchange",
+                    "ablate_precision", "network", "twin"},
     "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
     "precision": {"overrides", "config", "json", "steps"},
 }
@@ -202,10 +205,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from moefast.bench import gpu_ablate, gpu_compile
 
         try:
-            if args.ablate and args.ablate_exchange:
-                raise ConfigError("--ablate and --ablate-exchange are two tables: give one")
-            if args.ablate or args.ablate_exchange:
-                return gpu_ablate.run_ablation("exchange" if args.ablate_exchange else "levers", json_out=args.json,
+            if args.ablate + args.ablate_exchange + args.ablate_precision > 1:
+                raise ConfigError("--ablate, --ablate-exchange and --ablate-precision are three tables: give one")
+            if args.ablate or args.ablate_exchange or args.ablate_precision:
+                table = "exchange" if args.ablate_exchange else "precision" if args.ablate_precision else "levers"
+                return gpu_ablate.run_ablation(table, json_out=args.json,
                                                config=args.config, overrides=args.overrides, gpu=args.gpu,
                                                devices=args.devices, network=args.network, twin=args.twin,
                                                autotune=args.autotune)
