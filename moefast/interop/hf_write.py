@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -97,6 +98,39 @@ def _joined(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, np.ndarra
                             "tensor tables)")
 
 
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+"""config.json's ``quantization_config`` of an ``fp8`` export: DeepSeek-V3's block-quantized layout."""
+_FP8_TENSOR = re.compile(r"\.(self_attn|mlp)\.(.+\.)?\w*proj\w*(\.weight)?$")  # attention / MLP projections, experts'
+
+
+def _fp8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` [..., O, I] as float8_e4m3fn and its float32 ``scale_inv`` [..., ceil(O/128), ceil(I/128)]
+    (each block's max-abs / 448; 1 for an all-zero block), so that the reader's
+    ``q[..., r, c] * scale_inv[..., r // 128, c // 128]`` gives ``x`` to e4m3's precision (DeepSeek-V3
+    repo, ``inference/fp8_cast_bf16.py``)."""
+    x = np.asarray(x, np.float32)
+    *lead, o, i = x.shape
+    po, pi = -o % 128, -i % 128
+    xp = np.pad(x, [(0, 0)] * len(lead) + [(0, po), (0, pi)])
+    b = xp.reshape(*lead, (o + po) // 128, 128, (i + pi) // 128, 128)
+    amax = np.abs(b).max(axis=(-3, -1))
+    s = np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32)
+    q = np.clip(b / s[..., :, None, :, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return q.reshape(xp.shape)[..., :o, :i], s
+
+
+def _fp8_rows(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """The attention and MLP projections (routed and shared experts included; not the router, the
+    embeddings, the LM head or the norms) as FP8 blocks with their ``_scale_inv``; the rest in bfloat16."""
+    for name, x in tensors:
+        if np.ndim(x) >= 2 and _FP8_TENSOR.search(name):
+            q, s = _fp8_blocks(x)
+            yield name, q
+            yield name + "_scale_inv", s
+        else:
+            yield name, np.asarray(x).astype(ml_dtypes.bfloat16)
+
+
 def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None]:
     """BOS/EOS/PAD ids of the run's tokenizer for config.json (``None`` where it has none, or where
     an id is outside the model's vocabulary, e.g. the byte tokenizer's with a smaller model)."""
@@ -126,7 +160,10 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
       layout: ``"per_expert"`` (``experts.{e}.*`` tensors: what ``save_pretrained`` writes by
         default and older readers expect) or ``"fused"`` (``experts.gate_up_proj`` /
         ``experts.down_proj``).
-      dtype: ``"float32"`` or ``"bfloat16"`` for the saved tensors.
+      dtype: ``"float32"`` or ``"bfloat16"`` for the saved tensors, or ``"fp8"``: DeepSeek-V3's
+        block-quantized layout (the attention and MLP projections as float8_e4m3fn with a float32
+        ``weight_scale_inv`` per 128 x 128 block, the rest bfloat16, config.json's
+        ``quantization_config``: :data:`FP8_BLOCK_CONFIG`), which :func:`load_hf` reads back.
       max_shard_bytes: bytes per safetensors file; more makes shards and an index.
       family: HF ``model_type`` to write (e.g. ``"glm4_moe_lite"`` for a GLM-4.7-Flash fine-tune,
         which ``deepseek_v3`` represents too); ``None``: the first that fits (:func:`hf_family`).
@@ -145,9 +182,9 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
 
     if layout not in ("per_expert", "fused"):
         raise ValueError(f"layout={layout!r}: expected 'per_expert' or 'fused'")
-    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "fp8": np.float32}.get(dtype)
     if np_dtype is None:
-        raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16'")
+        raise ValueError(f"dtype={dtype!r}: expected 'float32', 'bfloat16' or 'fp8'")
     spec = families.REGISTRY[hf_family(cfg, family)]
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -186,7 +223,10 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
 
         tensors = ((name, x.astype(np_dtype)) for name, x in
                    _joined(name_x for p, leaf in leaves.items() for name_x in leaf.write(_host(values[p]))))
-        for name, x in itertools.chain(tensors, _copy_rows(spec, cfg, leaves, values, np_dtype), bias_rows):
+        rows = itertools.chain(tensors, _copy_rows(spec, cfg, leaves, values, np_dtype))
+        if dtype == "fp8":
+            rows = _fp8_rows(rows)
+        for name, x in itertools.chain(rows, bias_rows):
             x = np.ascontiguousarray(x)
             if pending and size + x.nbytes > max_shard_bytes:
                 flush()
@@ -205,7 +245,9 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
                          "weight_map": {t: names[k] for k, ts in enumerate(shards) for t in ts}}
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             special = _special_ids(cfg, vocab)
-            hf = _export_config(cfg, spec, vocab, dtype, special)
+            hf = _export_config(cfg, spec, vocab, "bfloat16" if dtype == "fp8" else dtype, special)
+            if dtype == "fp8":
+                hf["quantization_config"] = dict(FP8_BLOCK_CONFIG)
             (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
             gen = {k: v for k, v in special.items() if k != "pad_token_id" and v is not None}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch (a test dependency) is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 
-from moefast.interop import hf  # noqa: E402
+from moefast.interop import hf, hf_write  # noqa: E402
 from moefast.config import ConfigError, load_config  # noqa: E402
 from hf_oracle import hf_forward, module, ours, saved_layouts  # noqa: E402
 
@@ -712,6 +712,24 @@ def test_fp8_block_quantized_checkpoint_reads_as_its_dequantized_weights(fp8_dir
     assert sorted(got_sd) == sorted(want_sd)
     for name, w in want_sd.items():
         assert torch.equal(got_sd[name], w), name
+
+    # and back to FP8 (export-hf --dtype fp8): DeepSeek-V3's layout with 128 x 128 blocks, which this
+    # reader takes: the projections within e4m3's rounding of their block's largest value, the router,
+    # embeddings and norms bfloat16-rounded
+    out8 = hf.save_hf(cfg, params, tmp_path / "export-fp8", routing_state=routing, dtype="fp8")
+    assert json.loads((out8 / "config.json").read_text())["quantization_config"] == hf_write.FP8_BLOCK_CONFIG
+    files = hf._Files(out8)
+    try:
+        assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in files.fp8
+        assert not any(k.endswith(("mlp.gate.weight", "embed_tokens.weight", "lm_head.weight")) for k in files.fp8)
+    finally:
+        files.close()
+    with pytest.warns(UserWarning, match=r"FP8 block-quantized weights \(block 128×128\)"):
+        _, back = hf.load_hf(out8)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(back)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        bound = np.abs(a).max() * 2.0 ** -4 if a.ndim >= 2 else np.abs(a).max() * 2.0 ** -8
+        assert np.abs(a - b).max() <= bound, jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("quant,field", [
