@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import pytest
+
 from moefast.bench import routing as bench
 
 
@@ -119,3 +121,28 @@ def test_gpu_check_rejects_an_unknown_check_name(capsys, monkeypatch):
         module.main(["--cpu-smoke", "--only", "kernel,atention"])
     assert e.value.code == 2
     assert "no check named atention; the checks: lowering," in capsys.readouterr().err
+
+
+def test_precision_bench_verdict_is_on_the_means_over_seeds(capsys):
+    """moefast bench precision's figures from the runs' metrics records (final training loss: the
+    mean of the last logged records; eval loss at the end), averaged over the seeds, fp8 against
+    bf16 within 2 %; and its CLI help (a '%' in argparse help once crashed every bench --help)."""
+    from moefast.bench import precision
+    from moefast.cli import main
+
+    def records(*losses, eval_loss):
+        return [*({"kind": "train", "step": 10 * i, "loss": v} for i, v in enumerate(losses, 1)),
+                {"kind": "eval", "step": 10 * len(losses), "eval_loss": eval_loss}]
+
+    runs = [precision._summary("bf16", 0, records(9.0, 2.0, 2.0, eval_loss=1.70), 1.0, window=2),
+            precision._summary("fp8", 0, records(9.0, 2.1, 2.1, eval_loss=1.75), 1.0, window=2),
+            precision._summary("bf16", 1, records(9.0, 2.0, 2.0, eval_loss=1.80), 1.0, window=2),
+            precision._summary("fp8", 1, records(9.0, 1.9, 1.9, eval_loss=1.72), 1.0, window=2)]
+    r = precision._verdict(None, [], 30, 2, 0.02, runs, 2, "x")
+    assert r.mean_train == {"bf16": 2.0, "fp8": 2.0} and abs(r.relative_eval - (1.735 / 1.75 - 1)) < 1e-12
+    assert r.within and "mean of 2" in precision.format_table(r)
+    one = precision._verdict(None, [], 30, 2, 0.02, runs[:2], 1, "x")  # seed 0 alone: +5 % train loss
+    assert not one.within and "NOT within 2%" in precision.format_table(one)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "precision", "--help"])
+    assert e.value.code == 0 and "--seeds" in capsys.readouterr().out

@@ -42,8 +42,10 @@ def _gpu_compile(tmp_path, name, *args, expect_rc=0):
 # name -> the compile's overrides and options (each compiled once per session, on first use)
 CASES = {
     # data 2 x expert 4 with the fused routing kernel (compiled, not interpreted: the mesh is on
-    # GPUs), the expert exchange in 2 chunks (moe.overlap_chunks)
-    "ep-chunks2": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=2"],
+    # GPUs), the expert exchange in 2 chunks (moe.overlap_chunks), the GEMMs in FP8 (the Triton
+    # kernels through jax-triton)
+    "ep-chunks2": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=2",
+                   "model.precision=fp8"],
     # scanned, with each row's tokens split over a context axis (expert 4 x context 2): the fused
     # kernel with traced query offsets, the rows' order restored by collective permutes
     "ep-chunks2-scan-context": [*TINY, "mesh.data=1", "mesh.expert=4", "mesh.context=2", "moe.overlap_chunks=2",
@@ -163,6 +165,22 @@ def test_gpu_kernels_are_in_the_step(compiled):
     assert any(k.startswith("kernel grouped_matmul_m") for k in r["custom_calls"])
     assert any(k.startswith("kernel grouped_matmul_dw_") for k in r["custom_calls"])
     assert 1.0 <= r["grouped_flops"]["bound"] / r["grouped_flops"]["exact"] <= 1.1
+
+
+def test_fp8_gemms_are_e4m3_kernels_in_the_step(compiled):
+    """model.precision=fp8 on 8 H100s: every GEMM of the attention projections and the experts is a
+    launch of the FP8 kernels on e4m3 operands — forward, dgrad and wgrad, 2 layers x (2 attention
+    projections + 2 expert GEMMs in each of the 2 exchange chunks) = 12 each — costed in the replay
+    from their FLOPs; the dense layers' weight gradients still reach the shards as float32
+    reduce-scatters (test_gradients_are_reduced_in_float32). The kernels' instructions (Hopper's
+    e4m3 MMA): tests/kernels/test_fp8_matmul.py."""
+    r, md = compiled("ep-chunks2")
+    for kind in ("forward", "dgrad", "wgrad"):
+        assert r["custom_calls"].get(f"kernel moefast_fp8_gemm_{kind} (jax-triton, f8e4m3fn x f8e4m3fn)") == 12, (
+            kind, r["custom_calls"])
+    assert r["custom_calls"]["triton_kernel_call"] == 36
+    assert r["estimate"]["recosted"]["kernels"] >= 36 and "FP8 GEMM kernels at 50% of the FP8 peak" in md
+    assert any(c["kind"] == "reduce-scatter" and c["dtype"] == "f32" for c in r["collectives"])
 
 
 def test_dropless_exchange_is_ragged_and_the_estimate_says_its_units(compiled):

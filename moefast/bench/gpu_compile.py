@@ -297,11 +297,14 @@ def _custom_calls(text: str) -> dict[str, int]:
     calls.update(collections.Counter(
         "kernel " + m.group(1) for line in text.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line
         for m in [re.search(r'name = \\?"([\w.-]+)\\?"[^"]*$', line)] if m))
-    # jax-triton's launches (the FP8 GEMMs, moefast.kernels.fp8_matmul) by their named scope
-    calls.update(collections.Counter(
-        "kernel " + m.group(1) + " (jax-triton)" for line in text.splitlines()
-        if 'custom_call_target="triton_kernel_call"' in line for m in [re.search(r"(moefast_fp8_gemm_\w+?)/", line)]
-        if m))
+    # jax-triton's launches (the FP8 GEMMs, moefast.kernels.fp8_matmul) by their named scope and the
+    # dtypes of their two matrix operands (the second and fourth)
+    for line in text.splitlines():
+        m = re.search(r"(moefast_fp8_gemm_\w+?)/", line) if 'custom_call_target="triton_kernel_call"' in line else None
+        if m:
+            ops = re.findall(r"(\w+)\[[\d,]*\]", line.split("operand_layout_constraints={", 1)[-1])
+            kinds = f"{ops[1]} x {ops[3]}" if len(ops) >= 4 else "?"
+            calls[f"kernel {m.group(1)} (jax-triton, {kinds})"] += 1
     return dict(sorted(calls.items()))
 
 

@@ -1,11 +1,12 @@
 """``moefast bench precision``: the config trained with ``model.precision=bf16`` and ``=fp8`` (the
-same seed, data and steps, one ``moefast train`` process each) and their losses compared.
+same seeds, data and steps, one ``moefast train`` process each) and their losses compared.
 
-The loss figure is the mean training loss over the last ``window`` logged records (a single step's
-loss is one batch's: noisy) and the validation loss at the end. The verdict is the fp8 run's loss
-relative to the bf16 run's; the bound (default 2 %) is the issue's acceptance figure for the tiny
-config (``model.dtype=bfloat16`` both times). Only numbers are compared here, never speed: on CPU
-fp8 is emulated (:mod:`moefast.parallel.fp8_gemm`).
+The loss figures are the mean training loss over the last ``window`` logged records (a single
+step's loss is one batch's: noisy) and the validation loss at the end, each averaged over
+``seeds`` seeds (``train.seed`` = the config's, +1, ...): one short run's final loss moves by a few
+percent with the seed or any perturbation of its trajectory, so a bound of 2 % is read on the
+means. The verdict is fp8's mean relative to bf16's. Only numbers are compared here, never speed:
+on CPU fp8 is emulated (:mod:`moefast.parallel.fp8_gemm`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _EVAL_EVERY = "train.eval_every={steps}"
 @dataclasses.dataclass
 class PrecisionRun:
     precision: str
+    seed: int
     final_loss: float  # mean training loss over the last `window` logged records (nats/token)
     eval_loss: float | None
     losses: list[tuple[int, float]]  # (step, training loss) as logged
@@ -40,7 +42,10 @@ class PrecisionBenchResult:
     window: int
     bound: float
     runs: list[PrecisionRun]
-    relative_train: float  # fp8's final loss / bf16's - 1
+    seeds: int
+    mean_train: dict[str, float]  # precision -> mean over the seeds of the final training loss
+    mean_eval: dict[str, float | None]
+    relative_train: float  # fp8's mean final loss / bf16's - 1
     relative_eval: float | None
     within: bool
     jax: str
@@ -59,12 +64,14 @@ def _run(config, overrides, precision, steps, log_every, tmp) -> tuple[list[dict
 
 
 def bench_precision(config: str | None = None, overrides: list[str] | None = None, *, steps: int = 300,
-                    window: int = 5, log_every: int = 10, bound: float = 0.02, log=None) -> PrecisionBenchResult:
+                    seeds: int = 1, window: int = 5, log_every: int = 10, bound: float = 0.02,
+                    log=None) -> PrecisionBenchResult:
     """Trains the config in bf16 and in fp8 and compares the losses (module docstring).
 
     Args:
       config: YAML config (``None``: configs/tiny.yaml); overrides: ``section.key=value``.
       steps: optimizer steps of each run.
+      seeds: runs per precision, with ``train.seed`` the config's, +1, ...
       window: logged records the final training loss averages over.
       log_every: steps between logged records.
       bound: the largest relative loss difference reported as within.
@@ -75,48 +82,74 @@ def bench_precision(config: str | None = None, overrides: list[str] | None = Non
     """
     import jax
 
-    if steps < 1 or window < 1 or steps // log_every < window:
-        raise ValueError(f"steps={steps}, log_every={log_every}, window={window}: need steps >= 1 and at least "
-                         f"window logged records (steps / log_every >= window)")
+    from moefast.config import load_config
+
+    if steps < 1 or window < 1 or seeds < 1 or steps // log_every < window:
+        raise ValueError(f"steps={steps}, seeds={seeds}, log_every={log_every}, window={window}: need steps and "
+                         "seeds >= 1 and at least window logged records (steps / log_every >= window)")
     say = log or (lambda _: None)
     user = list(overrides or [])
+    seed0 = load_config(config, user).train.seed
     runs = []
     with tempfile.TemporaryDirectory(prefix="moefast-bench-precision-") as tmp:
-        for precision in ("bf16", "fp8"):
-            records, wall = _run(config, user, precision, steps, log_every, tmp)
-            train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
-            evals = [r for r in records if r["kind"] == "eval"]
-            final = sum(v for _, v in train[-window:]) / len(train[-window:])
-            nonfinite = int(sum(r.get("nonfinite", 0) for r in records if r["kind"] == "train"))
-            runs.append(PrecisionRun(precision, final, evals[-1]["eval_loss"] if evals else None, train, wall, nonfinite))
-            say(f"{precision}: final train loss {final:.4f} (mean of the last {window} logged), "
-                f"eval {runs[-1].eval_loss}, {wall:.0f} s")
-    bf, f8 = runs
-    rel = f8.final_loss / bf.final_loss - 1
-    rel_eval = f8.eval_loss / bf.eval_loss - 1 if bf.eval_loss and f8.eval_loss is not None else None
+        for seed in range(seed0, seed0 + seeds):
+            for precision in ("bf16", "fp8"):
+                records, wall = _run(config, [*user, f"train.seed={seed}"], precision, steps, log_every,
+                                     Path(tmp) / str(seed))
+                runs.append(_summary(precision, seed, records, wall, window))
+                r = runs[-1]
+                ev = "n/a" if r.eval_loss is None else f"{r.eval_loss:.4f}"
+                say(f"{precision}, seed {seed}: final train loss {r.final_loss:.4f} (mean of the last {window} "
+                    f"logged), eval {ev}, {wall:.0f} s")
+    return _verdict(config, user, steps, window, bound, runs, seeds, jax.__version__)
+
+
+def _summary(precision: str, seed: int, records: list[dict], wall: float, window: int) -> PrecisionRun:
+    """One run's figures from its ``metrics.jsonl`` records."""
+    train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    final = sum(v for _, v in train[-window:]) / len(train[-window:])
+    nonfinite = int(sum(r.get("nonfinite", 0) for r in records if r["kind"] == "train"))
+    return PrecisionRun(precision, seed, final, evals[-1]["eval_loss"] if evals else None, train, wall, nonfinite)
+
+
+def _verdict(config, user, steps, window, bound, runs, seeds, jax_version) -> PrecisionBenchResult:
+    """The means over the seeds and fp8's relative to bf16's; within when both are within ``bound``."""
+    def mean(precision, field):
+        vals = [getattr(r, field) for r in runs if r.precision == precision]
+        return None if any(v is None for v in vals) else sum(vals) / len(vals)
+
+    train = {p: mean(p, "final_loss") for p in ("bf16", "fp8")}
+    ev = {p: mean(p, "eval_loss") for p in ("bf16", "fp8")}
+    rel = train["fp8"] / train["bf16"] - 1
+    rel_eval = ev["fp8"] / ev["bf16"] - 1 if ev["bf16"] and ev["fp8"] is not None else None
     within = abs(rel) <= bound and (rel_eval is None or abs(rel_eval) <= bound)
-    return PrecisionBenchResult(config or "configs/tiny.yaml", user, steps, window, bound, runs, rel, rel_eval, within,
-                                jax.__version__, datetime.date.today().isoformat())
+    return PrecisionBenchResult(config or "configs/tiny.yaml", user, steps, window, bound, runs, seeds, train, ev, rel,
+                                rel_eval, within, jax_version, datetime.date.today().isoformat())
 
 
 def format_table(r: PrecisionBenchResult) -> str:
     """Markdown: one row per precision, then the verdict."""
-    lines = [f"| model.precision | train loss (mean of last {r.window} logged) | eval loss | steps with "
-             "non-finite values | wall s |", "|---|---|---|---|---|"]
+    f = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    lines = [f"| model.precision | seed | train loss (mean of last {r.window} logged) | eval loss | steps with "
+             "non-finite values | wall s |", "|---|---:|---:|---:|---:|---:|"]
     for x in r.runs:
-        ev = "n/a" if x.eval_loss is None else f"{x.eval_loss:.4f}"
-        lines.append(f"| {x.precision} | {x.final_loss:.4f} | {ev} | {x.nonfinite_steps} | {x.wall_s:.0f} |")
+        lines.append(f"| {x.precision} | {x.seed} | {x.final_loss:.4f} | {f(x.eval_loss)} | {x.nonfinite_steps} | "
+                     f"{x.wall_s:.0f} |")
+    if r.seeds > 1:
+        lines += [f"| {p} | mean of {r.seeds} | {r.mean_train[p]:.4f} | {f(r.mean_eval[p])} | | |" for p in ("bf16", "fp8")]
     ev = "n/a" if r.relative_eval is None else f"{r.relative_eval:+.2%}"
-    lines += ["", f"fp8 vs bf16: train loss {r.relative_train:+.2%}, eval loss {ev}: "
-              + ("within" if r.within else "NOT within") + f" {r.bound:.0%}"]
+    lines += ["", f"fp8 vs bf16{' (means over the seeds)' if r.seeds > 1 else ''}: train loss {r.relative_train:+.2%}, "
+              f"eval loss {ev}: " + ("within" if r.within else "NOT within") + f" {r.bound:.0%}"]
     return "\n".join(lines)
 
 
-def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | None, steps: int | None) -> int:
+def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | None, steps: int | None,
+            seeds: int = 2) -> int:
     """Returns 0 when fp8 is within the bound, 1 when not."""
-    r = bench_precision(config, overrides, steps=steps or 300, log=print)
+    r = bench_precision(config, overrides, steps=steps or 300, seeds=seeds, log=print)
     header = (f"bf16 vs fp8 training loss, config {r.config}" + (f" with {' '.join(r.overrides)}" if r.overrides else "")
-              + f", {r.steps} steps each, jax {r.jax}, {r.date}; numbers only (fp8 emulated off GPU)")
+              + f", {r.steps} steps each, {r.seeds} seed(s), jax {r.jax}, {r.date}; numbers only (fp8 emulated off GPU)")
     table = format_table(r)
     print(f"\n{header}\n\n{table}")
     if json_out:

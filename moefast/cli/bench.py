@@ -39,8 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "data: moefast prepare against Hugging Face datasets map(num_proc=2) (MB/s, tokens/s), then time "
                         "to first batch, peak host memory and batches/s of training from prepared shards against the "
                         "in-memory path for corpora of --sizes GB of tokens, and the tiny config's train steps/s; "
-                        "precision: the config trained --steps steps (default 300) with model.precision=bf16 and fp8, "
-                        "same seed and data, and their final losses compared (exits 1 when fp8 is not within 2 %)")
+                        "precision: the config trained --steps steps (default 300) with model.precision=bf16 and fp8 "
+                        "for --seeds seeds, same data, and their mean final losses compared (exits 1 when fp8 is not "
+                        "within 2 %%)")
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="train, memory, malloc, overlap, gpu-compile, precision: overrides of the benchmarked experiment")
     b.add_argument("--config", default=None,
@@ -91,6 +92,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="data: where the synthetic corpora are generated (default: a temporary directory), removed "
                         "after")
     b.add_argument("--pairs", type=int, default=2, help="cache: cold/warm process pairs (default 2)")
+    b.add_argument("--seeds", type=int, default=2,
+                   help="precision: runs per precision, train.seed the config's, +1, ...; the verdict is on the means "
+                        "(default 2)")
     b.add_argument("--rounds", type=int, default=3,
                    help="train: rounds over the variants (default 3); malloc: train processes per setting "
                         "(default 3); data: rounds of the prepare comparison (default 3); overlap: "
@@ -114,7 +118,7 @@ BENCH_OPTIONS = {
     "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "ablate_exchange",
                     "ablate_precision", "network", "twin"},
     "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
-    "precision": {"overrides", "config", "json", "steps"},
+    "precision": {"overrides", "config", "json", "steps", "seeds"},
 }
 
 
@@ -242,7 +246,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.steps is not None and args.steps < 50:
             raise ConfigError(f"--steps must be >= 50 (the final loss averages 5 records logged every 10 steps), "
                               f"got {args.steps}")
-        return precision.run_cli(json_out=args.json, config=args.config, overrides=args.overrides, steps=args.steps)
+        if args.seeds < 1:
+            raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+        return precision.run_cli(json_out=args.json, config=args.config, overrides=args.overrides, steps=args.steps,
+                                 seeds=args.seeds)
     if args.target == "cache":
         from moefast.bench import cache
 

@@ -35,8 +35,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="expert tensors: one per expert (default; what save_pretrained writes) or fused "
                         "gate_up_proj/down_proj")
     x.add_argument("--dtype", choices=["float32", "bfloat16", "fp8"], default="float32",
-                   help="saved tensors' dtype; fp8: DeepSeek-V3's block-quantized layout (the attention and MLP "
-                        "projections in e4m3 with a scale per 128 x 128 block, the rest bfloat16), which import-hf reads")
+                   help="saved tensors' dtype; fp8: DeepSeek-V3's block-quantized layout (every matrix but the routers', "
+                        "embeddings' and output heads' in e4m3 with a scale per 128 x 128 block, the rest bfloat16), "
+                        "which import-hf reads")
     x.add_argument("--family", default=None, metavar="MODEL_TYPE",
                    help="HF model_type to write, where several represent the model (a GLM-4.7-Flash fine-tune is "
                         "also a deepseek_v3 model); default: the family the run was imported from, else the first "

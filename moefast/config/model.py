@@ -58,9 +58,11 @@ class ModelConfig:
         in 1 x 128 tiles, weights in 128 x 128 blocks, float32 sums; forward and both backward
         GEMMs; :mod:`moefast.parallel.fp8_gemm`). Master weights, optimizer state, norms,
         router, attention scores, embeddings, the LM head and the losses keep ``dtype``/float32.
-        Every platform computes fp8's numbers from e4m3 values and their scales with float32
-        GEMMs (emulated: no speed-up yet; a GPU older than compute capability 8.9, without FP8
-        tensor cores, is refused).
+        On GPUs (compute capability 8.9 or later, with jax-triton) the GEMMs run in Triton FP8
+        kernels (:mod:`moefast.kernels.fp8_matmul`); elsewhere the same numbers are emulated from
+        the e4m3 values and their scales with float32 GEMMs (no speed-up); an older GPU is
+        refused. Checkpoints hold the same float32 master weights either way: a run may resume
+        with the other precision.
       dropout: dropout rate on attention and feed-forward outputs (training only).
       norm_eps: RMSNorm epsilon.
       init_std: standard deviation of the normal initialiser of weight matrices.

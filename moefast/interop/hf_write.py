@@ -100,7 +100,9 @@ def _joined(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, np.ndarra
 
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 """config.json's ``quantization_config`` of an ``fp8`` export: DeepSeek-V3's block-quantized layout."""
-_FP8_TENSOR = re.compile(r"\.(self_attn|mlp)\.(.+\.)?\w*proj\w*(\.weight)?$")  # attention / MLP projections, experts'
+# tensors an fp8 export keeps in bfloat16 (DeepSeek-V3 quantizes every Linear weight but its router's, the
+# embeddings' and the output head's): routers, embeddings, heads, norms, biases, convolutions, decay rates
+_NOT_FP8 = re.compile(r"embed_tokens|lm_head|shared_head|\.gate\.weight$|router|norm|bias|conv1d|A_log|sinks|scale")
 
 
 def _fp8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -120,10 +122,11 @@ def _fp8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fp8_rows(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
-    """The attention and MLP projections (routed and shared experts included; not the router, the
-    embeddings, the LM head or the norms) as FP8 blocks with their ``_scale_inv``; the rest in bfloat16."""
+    """Every matrix but the routers', the embeddings', the output heads' and convolutions'
+    (:data:`_NOT_FP8`: the attention and MLP projections, routed and shared experts in either layout)
+    as FP8 blocks with their ``_scale_inv``; the rest in bfloat16."""
     for name, x in tensors:
-        if np.ndim(x) >= 2 and _FP8_TENSOR.search(name):
+        if np.ndim(x) >= 2 and not _NOT_FP8.search(name):
             q, s = _fp8_blocks(x)
             yield name, q
             yield name + "_scale_inv", s
@@ -161,7 +164,8 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
         default and older readers expect) or ``"fused"`` (``experts.gate_up_proj`` /
         ``experts.down_proj``).
       dtype: ``"float32"`` or ``"bfloat16"`` for the saved tensors, or ``"fp8"``: DeepSeek-V3's
-        block-quantized layout (the attention and MLP projections as float8_e4m3fn with a float32
+        block-quantized layout (every matrix but the routers', embeddings' and output heads' --
+        attention and MLP projections, experts in either layout -- as float8_e4m3fn with a float32
         ``weight_scale_inv`` per 128 x 128 block, the rest bfloat16, config.json's
         ``quantization_config``: :data:`FP8_BLOCK_CONFIG`), which :func:`load_hf` reads back.
       max_shard_bytes: bytes per safetensors file; more makes shards and an index.

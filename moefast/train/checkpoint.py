@@ -86,7 +86,8 @@ _FIXED_SECTIONS = ("model", "moe", "data")
 # change them (like the mesh), e.g. the exchange's chunks after moving to another expert axis.
 # ``model.scan_layers`` changes where the parameters live, not what they are: a checkpoint of the
 # other layout is converted on restore (:func:`moefast.model.layout.to_layout`).
-_FREE_KEYS = {"model": {"remat", "scan_layers", "attention_impl", "linear_attention_impl"},
+# model.precision: the GEMMs' input format; the state holds the same float32 master weights either way
+_FREE_KEYS = {"model": {"remat", "scan_layers", "attention_impl", "linear_attention_impl", "precision"},
               "moe": {"grouped_matmul", "routing_impl", "dispatch", "overlap_chunks", "overlap_chain",
                       "dispatch_dtype", "exchange", "gpus_per_host"},
               "data": {"prefetch"}}

@@ -720,10 +720,17 @@ def test_fp8_block_quantized_checkpoint_reads_as_its_dequantized_weights(fp8_dir
     assert json.loads((out8 / "config.json").read_text())["quantization_config"] == hf_write.FP8_BLOCK_CONFIG
     files = hf._Files(out8)
     try:
-        assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in files.fp8
+        assert {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.experts.0.gate_proj.weight",
+                "model.layers.1.mlp.shared_experts.down_proj.weight"} <= set(files.fp8)
         assert not any(k.endswith(("mlp.gate.weight", "embed_tokens.weight", "lm_head.weight")) for k in files.fp8)
     finally:
         files.close()
+    # other families' names: Mixtral's per-expert w1/w2/w3 and fused experts are matrices too; routers not
+    names = {"model.layers.0.block_sparse_moe.experts.3.w2.weight": True, "model.layers.0.mlp.experts.gate_up_proj": True,
+             "model.layers.0.block_sparse_moe.gate.weight": False, "model.layers.0.mlp.router.weight": False,
+             "model.norm.weight": False, "model.layers.0.linear_attn.conv1d.weight": False}
+    got = {n for n, _ in hf_write._fp8_rows((n, np.ones((4, 256, 128), np.float32)) for n in names)}
+    assert {n for n, q in names.items() if q} == {n[:-len("_scale_inv")] for n in got if n.endswith("_scale_inv")}
     with pytest.warns(UserWarning, match=r"FP8 block-quantized weights \(block 128×128\)"):
         _, back = hf.load_hf(out8)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(back)):

@@ -166,12 +166,13 @@ def test_all_steps_corrupt_is_a_clear_error_and_moves_nothing(small_config, tmp_
 
 def test_implementation_choices_may_change_on_resume(small_config, tmp_path):
     """How the same model is computed (grouped matmul, routing kernel, exchange chunks, attention and
-    Gated DeltaNet kernels, remat) is not part of the checkpoint's identity, like the mesh."""
+    Gated DeltaNet kernels, remat, the GEMMs' precision: the state is float32 master weights either
+    way) is not part of the checkpoint's identity, like the mesh."""
     write_steps(tmp_path, small_config(), [1])
     ckpt = Checkpointer(tmp_path, log=lambda s: pytest.fail(f"unexpected message: {s}"))
     other = small_config("moe.grouped_matmul=ragged_dot", "moe.routing_impl=reference", "moe.overlap_chunks=2",
                          "moe.overlap_chain=true", "model.attention_impl=blocked",
-                         "model.linear_attention_impl=reference", "model.remat=full")
+                         "model.linear_attention_impl=reference", "model.remat=full", "model.precision=fp8")
     assert ckpt.restore(ABSTRACT, other).step == 1
     ckpt.close()
 
