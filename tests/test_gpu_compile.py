@@ -30,7 +30,8 @@ def _gpu_compile(tmp_path, name, *args, expect_rc=0):
         "the CUDA PJRT plugin is not installed next to this environment; install it as README's test command "
         "does: pip install -c constraints.txt --no-deps --target .venv/gpu-compile jax-cuda12-pjrt jax-cuda12-plugin jax-triton")
     out = tmp_path / f"{name}.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # no TRITON_INTERPRET (the session's, for the kernel tests): the compile builds jax-triton's kernels
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("TRITON_")}
     # one compilation per case (the program as compiled), except where the costing twin is tested
     args = [a for a in args if a != "--twin"] if "--twin" in args else [*args, "--no-twin"]
     proc = subprocess.run([sys.executable, "-m", "moefast", "bench", "gpu-compile", "--json", str(out), *args],
@@ -330,7 +331,8 @@ def test_a_target_file_and_a_step_that_does_not_fit(tmp_path):
     small = gpu_compile.target_config("h100").replace("device_memory_size: 84978434048",
                                                       f"device_memory_size: {2**20}")
     (tmp_path / "tiny_gpu.txtpb").write_text(small)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # no TRITON_INTERPRET (the session's, for the kernel tests): the compile builds jax-triton's kernels
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("TRITON_")}
     cmd = [sys.executable, "-m", "moefast", "bench", "gpu-compile", *TINY, "mesh.data=1", "--devices", "1"]
     proc = subprocess.run([*cmd, "--gpu", str(tmp_path / "tiny_gpu.txtpb")], capture_output=True, text=True,
                           env=env, timeout=600)

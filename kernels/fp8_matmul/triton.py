@@ -62,6 +62,8 @@ def available(platform: str | None = None) -> str | None:
     platform = platform or target_platform()
     if platform != "gpu":
         return f"the FP8 GEMM kernels run on GPUs (compiling for: {platform})"
+    if interpreting():
+        return "TRITON_INTERPRET=1 is set, which makes Triton interpret kernels instead of compiling them: unset it"
     try:
         import jax_triton  # noqa: F401
     except ModuleNotFoundError:
