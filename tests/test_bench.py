@@ -143,6 +143,8 @@ def test_precision_bench_verdict_is_on_the_means_over_seeds(capsys):
     assert r.within and "mean of 2" in precision.format_table(r)
     one = precision._verdict(None, [], 30, 2, 0.02, runs[:2], 1, "x")  # seed 0 alone: +5 % train loss
     assert not one.within and "NOT within 2%" in precision.format_table(one)
+    lower = precision._verdict(None, [], 30, 2, 0.02, runs[2:], 1, "x")  # seed 1: fp8 5 % lower is within
+    assert lower.relative_train < -0.02 and lower.within
     with pytest.raises(SystemExit) as e:
         main(["bench", "precision", "--help"])
     assert e.value.code == 0 and "--seeds" in capsys.readouterr().out
