@@ -554,29 +554,33 @@ def check_grouped_matmul(ctx: Context) -> list[dict]:
     """The dropless experts' grouped matmul, forward + both backward products: the Pallas kernel
     (``moefast.kernels.grouped_matmul`` ``pallas``) against ``jax.lax.ragged_dot`` (dense one-hot
     work on XLA:GPU 0.10.2) and the dense reference, random expert loads (some experts empty)."""
-    import jax
+    from moefast.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+
+    shapes = [(64, 4, 32, 48)] if ctx.args.cpu_smoke else [(4096, 8, 1024, 5120), (32768, 8, 1024, 5120),
+                                                           (16384, 64, 2048, 1408)]
+    impls = {"pallas": lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"),
+             "ragged_dot": lambda x, w, gs: grouped_matmul(x, w, gs, impl="ragged_dot"),
+             "reference": grouped_matmul_reference}
+    return _grouped_rows(ctx, shapes, impls)
+
+
+def _grouped_rows(ctx: Context, shapes, impls: dict) -> list[dict]:
+    """:func:`_against_reference` rows of grouped GEMMs ``impls`` (name -> fn(x, w, group_sizes)) for
+    each (rows, groups, in, out) of ``shapes``: random loads (some groups empty), bf16 inputs, the
+    TFLOP/s of the real rows' forward, dx and dw."""
     import jax.numpy as jnp
     import numpy as np
 
-    from moefast.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
-
     rows = []
-    shapes = [(64, 4, 32, 48)] if ctx.args.cpu_smoke else [(4096, 8, 1024, 5120), (32768, 8, 1024, 5120),
-                                                           (16384, 64, 2048, 1408)]
     for n, e, i, o in shapes:
         rng = np.random.default_rng(0)
-        loads = rng.dirichlet(np.full(e, 0.5))
-        sizes = rng.multinomial(n, loads).astype(np.int32)
+        sizes = rng.multinomial(n, rng.dirichlet(np.full(e, 0.5))).astype(np.int32)
         x = jnp.asarray(rng.normal(size=(n, i)), jnp.bfloat16)
         w = jnp.asarray(rng.normal(size=(e, i, o)) / np.sqrt(i), jnp.bfloat16)
-        gs = jnp.asarray(sizes)
         ct = jnp.asarray(rng.normal(size=(n, o)), jnp.float32)
-        impls = {"pallas": lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"),
-                 "ragged_dot": lambda x, w, gs: grouped_matmul(x, w, gs, impl="ragged_dot"),
-                 "reference": grouped_matmul_reference}
         row = {"shape": f"N{n} E{e} I{i} O{o}", "empty_experts": int(np.sum(sizes == 0)),
                "exact_gflop": 3 * 2 * n * i * o / 1e9}  # forward, dx and dw of the routed rows
-        for r in _against_reference(ctx, row, impls, (x, w, gs), ct):
+        for r in _against_reference(ctx, row, impls, (x, w, jnp.asarray(sizes)), ct):
             rows.append({**r, "tflops_exact": r["exact_gflop"] / r["median_ms"]} if "median_ms" in r else r)
     return rows
 
@@ -588,29 +592,15 @@ def check_fp8_gemm(ctx: Context) -> list[dict]:
     128 scales) against the bf16 grouped GEMM and the bf16 reference (the error is e4m3's: a few %
     of the largest value). The figures replace the estimate's assumed FP8 kernel utilization
     (``moefast.bench.gpu_schedule.FP8_KERNEL_UTILIZATION``)."""
-    import jax.numpy as jnp
-    import numpy as np
-
     from moefast.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
     from moefast.parallel.fp8_gemm import fp8_grouped_matmul
 
-    rows = []
     shapes = [(256, 4, 128, 256)] if ctx.args.cpu_smoke else [(16384, 1, 7168, 2048), (32768, 8, 2048, 1408),
                                                             (16384, 64, 2048, 1408)]
-    for n, e, i, o in shapes:
-        rng = np.random.default_rng(0)
-        sizes = rng.multinomial(n, rng.dirichlet(np.full(e, 0.5))).astype(np.int32) if e > 1 else np.array([n], np.int32)
-        x = jnp.asarray(rng.normal(size=(n, i)), jnp.bfloat16)
-        w = jnp.asarray(rng.normal(size=(e, i, o)) / np.sqrt(i), jnp.bfloat16)
-        gs = jnp.asarray(sizes)
-        ct = jnp.asarray(rng.normal(size=(n, o)), jnp.float32)
-        impls = {"fp8": lambda x, w, gs: fp8_grouped_matmul(x, w, gs, impl="pallas"),
-                 "bf16_pallas": lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"),
-                 "reference": grouped_matmul_reference}
-        row = {"shape": f"N{n} E{e} I{i} O{o}", "exact_gflop": 3 * 2 * n * i * o / 1e9}
-        for r in _against_reference(ctx, row, impls, (x, w, gs), ct):
-            rows.append({**r, "tflops_exact": r["exact_gflop"] / r["median_ms"]} if "median_ms" in r else r)
-    return rows
+    impls = {"fp8": lambda x, w, gs: fp8_grouped_matmul(x, w, gs, impl="pallas"),
+             "bf16_pallas": lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"),
+             "reference": grouped_matmul_reference}
+    return _grouped_rows(ctx, shapes, impls)
 
 
 @register_check("overlap")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 
-from ..routing.triton import _assembler_for_jax, interpreting
+from ..routing.triton import _assembler_for_jax, compile_kernel, interpreting
 from ..vma import vary_together
 
 __all__ = ["BLOCK", "available", "compile_for", "scaled_grouped_matmul", "scaled_grouped_matmul_torch",
@@ -232,10 +232,6 @@ def compile_for(kind: str = "forward", arch: int = 90, *, ptxas: str | None = No
     Raises:
       ValueError: an unknown ``kind``; triton.runtime.errors.PTXASError: ptxas rejected the PTX.
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ._triton_kernel import scaled_dw_kernel, scaled_grouped_kernel
 
     if kind in ("forward", "dgrad"):
@@ -250,12 +246,6 @@ def compile_for(kind: str = "forward", arch: int = 90, *, ptxas: str | None = No
         consts = dict(G=4, M=1024, K=512, N=384, BT=BLOCK, BI=BLOCK, BO=BLOCK)
     else:
         raise ValueError(f"kind={kind!r}: one of 'forward', 'dgrad', 'wgrad'")
-    signature = {**dict(zip(names, types)), **{c: "constexpr" for c in consts}}
-    src = ASTSource(triton.jit(fn), signature, constexprs=consts)
-    with triton.knobs.nvidia.scope():
-        chosen = _assembler_for_jax(ptxas)
-        if chosen:
-            triton.knobs.nvidia.ptxas_blackwell = chosen
-        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES})
+    kernel = compile_kernel(fn, dict(zip(names, types)), consts, arch=arch, ptxas=ptxas,
+                            options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES})
     return kernel.asm["ptx"]

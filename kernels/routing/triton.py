@@ -133,10 +133,6 @@ def compile_for(arch: int = 90, *, ptxas: str | None = None, top_k: int = 2, num
     Raises:
       triton.runtime.errors.PTXASError: ptxas rejected the PTX.
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ._triton_kernel import routing_kernel
 
     check_block_tokens(block_tokens)
@@ -146,14 +142,27 @@ def compile_for(arch: int = 90, *, ptxas: str | None = None, top_k: int = 2, num
     names = ["logits_ptr", "mask_ptr", "bias_ptr", "num_tokens", "num_experts", "index_ptr", "gates_ptr", "rank_ptr",
              "counts_ptr", "prob_sum_ptr", "z_ptr"]
     consts = {"TOP_K": top_k, "TB": block_tokens, "EP": ep, "KP": kp, **scoring_constexprs(scoring, num_experts)}
-    signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
-    src = ASTSource(triton.jit(routing_kernel), signature, constexprs=consts)
+    kernel = compile_kernel(routing_kernel, dict(zip(names, types)), consts, arch=arch, ptxas=ptxas,
+                            options={"num_warps": num_warps})
+    return kernel.asm["ptx"], kernel.asm["cubin"]
+
+
+def compile_kernel(fn, arg_types: dict, consts: dict, *, arch: int = 90, ptxas: str | None = None,
+                   options: dict | None = None):
+    """Triton's compiled kernel of the undecorated ``fn`` for compute capability ``arch`` (no GPU
+    needed): ``arg_types`` its arguments' Triton types (``"*fp32"``, ``"i32"``, ...), ``consts`` its
+    constexprs, with the PTX version of ``ptxas`` (:func:`compile_for`'s)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**arg_types, **{k: "constexpr" for k in consts}}
+    src = ASTSource(triton.jit(fn), signature, constexprs=consts)
     with triton.knobs.nvidia.scope():
         chosen = _assembler_for_jax(ptxas)
         if chosen:
             triton.knobs.nvidia.ptxas_blackwell = chosen
-        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-    return kernel.asm["ptx"], kernel.asm["cubin"]
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options or {})
 
 
 # Outputs of the kernel, in its parameter order: name, shape from (T, K, B, E), dtype.
