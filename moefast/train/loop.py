@@ -32,7 +32,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moefast import host_memory, parallel
-from moefast.parallel import xla_flags
+from moefast.parallel import fp8_gemm, xla_flags
 from moefast.config import ConfigError, ExperimentConfig
 from moefast.data import Corpus, eval_batches, get_tokenizer, load_corpus, train_dataset
 from moefast.parallel.distributed import assert_same_config
@@ -204,10 +204,8 @@ class Trainer:
             raise ConfigError(f"moe.dispatch_dtype: float8_e4m3fn needs FP8 hardware (compute capability 8.9 or later: "
                               f"Ada, Hopper, Blackwell); these {self.mesh.devices.flat[0].device_kind} GPUs are {cc}: "
                               "use moe.dispatch_dtype=compute")
-        if cfg.model.precision == "fp8":
-            from moefast.parallel.fp8_gemm import check_device
-
-            self._log(check_device(self.platform, self.mesh.devices.flat[0]))
+        if cfg.model.precision == "fp8":  # refuses GPUs without FP8 tensor cores; notes what runs the GEMMs
+            self._log(fp8_gemm.check_device(self.platform, self.mesh.devices.flat[0]))
         if cfg.moe.exchange == "hierarchical":
             self._check_hierarchical(cfg)
         if cfg.moe.routing_impl == "triton":
