@@ -15,7 +15,9 @@ class ConfigError(ValueError):
 
 
 def _suggest(name: str, valid) -> str:
-    close = difflib.get_close_matches(name, list(valid), n=1)
+    valid = list(valid)
+    same = [v for v in valid if v.lower() == name.lower()]  # a case-only slip ('FP8') first
+    close = same or difflib.get_close_matches(name, valid, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

@@ -188,3 +188,5 @@ def test_fp8_refused_on_gpus_without_fp8_tensor_cores():
     assert "emulated" in check_device("gpu", h100) and "cpu" in check_device("cpu", jax.devices()[0])
     with pytest.raises(ConfigError, match="precision"):
         load_config(None, ["model.precision=fp16"])
+    with pytest.raises(ConfigError, match="did you mean 'fp8'"):
+        load_config(None, ["model.precision=FP8"])
