@@ -1,7 +1,7 @@
 """Experiment configuration: frozen dataclasses, YAML files and ``section.key=value`` overrides.
 
 One :class:`ExperimentConfig` holds a section per part of the system (``model``, ``moe``, ``data``,
-``train``, ``mesh``, ``checkpoint``, ``cache``, ``monitor``). Every section validates its own invariants in
+``train``, ``mesh``, ``checkpoint``, ``cache``, ``monitor``, ``lora``). Every section validates its own invariants in
 ``__post_init__``; :class:`ExperimentConfig` validates the ones that span sections. Errors are
 :class:`ConfigError` (a ``ValueError``) with a message that names the key and what to change.
 
@@ -28,6 +28,7 @@ __all__ = [
     "DataConfig",
     "ExperimentConfig",
     "MeshConfig",
+    "LoRAConfig",
     "MoEConfig",
     "ModelConfig",
     "MonitorConfig",
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 from .fields import ConfigError, _coerce, _require, _suggest
+from .lora import LoRAConfig
 from .model import ModelConfig
 from .moe import MoEConfig
 from .run import (CacheConfig, CheckpointConfig, DataConfig, MeshConfig, MonitorConfig, OverlapConfig,  # noqa: F401
@@ -76,6 +78,7 @@ _SECTIONS = {
     "cache": CacheConfig,
     "overlap": OverlapConfig,
     "monitor": MonitorConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -93,6 +96,7 @@ class ExperimentConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     overlap: OverlapConfig = dataclasses.field(default_factory=OverlapConfig)
     monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",

@@ -26,7 +26,7 @@ from moefast.model.positional import apply_rope
 from moefast.parallel.context import (CONTEXT_AXIS, context_size, gather_context, gather_rows, natural_order,
                                       row_index)
 from moefast.parallel.mesh import on_own_rows, reshard_for_shard_map, token_shards
-from moefast.parallel.precision import dense
+from moefast.model.lora import project
 
 __all__ = ["ATTENTION_BLOCK", "Attention", "attend", "attention_impl", "causal_attention", "context_flash_attention",
            "fused_attention"]
@@ -323,7 +323,7 @@ class Attention(nnx.Module):
         ``kv_prefix`` ``(out, (keys, values) of the prefix and this slice)`` for the next slice."""
         b, t, _ = x_btd.shape
         h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = dense(x_btd, (self.qk if self.k_eq_v else self.qkv)[...], self.dtype, ("embed", "heads"), fp8=self.fp8)
+        qkv = project(self, "qk" if self.k_eq_v else "qkv", x_btd, self.dtype, ("embed", "heads"), fp8=self.fp8)
         if self.bias != "none":  # added in float32: the bias gradient sums tokens in float32
             qkv = (qkv.astype(jnp.float32) + self.qkv_bias[...][None, None]).astype(self.dtype)
         q, k = qkv[..., : h * hd], qkv[..., h * hd: (h + g) * hd]
@@ -349,9 +349,9 @@ class Attention(nnx.Module):
         o = attend(q, k, v, mask_b1ts, causal=cache is None, window=self.window, sinks_h=sinks, scale=self.scale,
                    q_start=None if cache is None else cache_index).reshape(b, t, h * hd)
         if self.output_gate:
-            g = dense(x_btd, self.gate[...], self.dtype, ("embed", "heads"), fp8=self.fp8)
+            g = project(self, "gate", x_btd, self.dtype, ("embed", "heads"), fp8=self.fp8)
             o = (o * jax.nn.sigmoid(g.astype(jnp.float32)).astype(o.dtype)).astype(self.dtype)
-        o = dense(o, self.out[...], self.dtype, ("heads", "embed"), fp8=self.fp8)
+        o = project(self, "out", o, self.dtype, ("heads", "embed"), fp8=self.fp8)
         if self.bias == "all":
             o = (o.astype(jnp.float32) + self.out_bias[...][None, None]).astype(self.dtype)
         return o, ((k, v) if kv_prefix is not None else new_cache)

@@ -21,7 +21,8 @@ from moefast.model.mla import MLAttention
 from moefast.model.moe import MoELayer
 from moefast.model.norm import rms_norm
 from moefast.model.positional import Yarn
-from moefast.parallel.precision import dense
+from moefast.model import lora
+from moefast.model.lora import project
 
 __all__ = ["DEFAULT_ROPE", "FULL_ROPE", "SLICE_SITE", "Block", "DenseMLP"]
 
@@ -46,14 +47,17 @@ class DenseMLP(nnx.Module):
                                logical_axes=("mlp", "embed"))
 
     def __call__(self, x_btd):
-        gate, up = jnp.split(dense(x_btd, self.w_in[...], self.dtype, ("embed", "mlp"), fp8=self.fp8), 2, axis=-1)
-        return dense(jax.nn.silu(gate) * up, self.w_out[...], self.dtype, ("mlp", "embed"), fp8=self.fp8)
+        gate, up = jnp.split(project(self, "w_in", x_btd, self.dtype, ("embed", "mlp"), fp8=self.fp8), 2, axis=-1)
+        return project(self, "w_out", jax.nn.silu(gate) * up, self.dtype, ("mlp", "embed"), fp8=self.fp8)
 
 
 DEFAULT_ROPE, FULL_ROPE = "default", "full_attention"
 """Names of the rotary tables the model passes its blocks as a mapping when its full-attention
 layers have RoPE of their own (``model.global_rope_base`` / ``global_rotary_fraction``): the
 model's, and the full layers'."""
+
+LORA_SITE = 1 << 29
+"""Layer i's adapters are drawn from ``fold_in(params key, LORA_SITE + i)`` (``lora``)."""
 
 SLICE_SITE = 1 << 30
 """Sequence slice i's random draws use ``fold_in(step_key, SLICE_SITE + i)`` as their step key
@@ -108,6 +112,10 @@ class Block(nnx.Module):
         else:
             self.ffn = DenseMLP(m.d_model, m.dense_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, fp8=fp8,
                                 rngs=rngs)
+        # adapters (lora.rank > 0) from a key of their own: the base's initial values do not depend on them
+        lora_key = jax.random.fold_in(rngs.params.key[...], LORA_SITE + layer)
+        lora.attach(self.attn, cfg.lora, jax.random.fold_in(lora_key, 0))
+        lora.attach(self.ffn, cfg.lora, jax.random.fold_in(lora_key, 1))
 
     def __call__(self, x, layer, rope, attn_mask, token_mask, cache=None, cache_index=0, step_key=None,
                  routing_state=None, routing_warmup=None, *, drop_tokens=True):

@@ -30,7 +30,7 @@ from flax import nnx
 from moefast.kernels.gated_delta_rule import gated_delta_rule, resolve
 from moefast.model.norm import gated_rms_norm
 from moefast.parallel.mesh import on_own_rows
-from moefast.parallel.precision import dense
+from moefast.model.lora import project
 
 __all__ = ["GatedDeltaNet", "causal_conv", "init_state"]
 
@@ -129,7 +129,7 @@ class GatedDeltaNet(nnx.Module):
         the updated cache or None)``."""
         b, t, _ = x_btd.shape
         hk, hv, kd, vd, c = self.hk, self.hv, self.k_dim, self.v_dim, self.channels
-        proj = dense(x_btd, self.in_proj[...], self.dtype, ("embed", "heads"))
+        proj = project(self, "in_proj", x_btd, self.dtype, ("embed", "heads"))
         qkv, z = proj[..., :c], proj[..., c: c + hv * vd]
         beta_in, a = proj[..., c + hv * vd: c + hv * vd + hv], proj[..., c + hv * vd + hv:]
         qkv, conv_state = causal_conv(qkv, self.conv[...], None if cache is None else cache["conv"],
@@ -151,5 +151,5 @@ class GatedDeltaNet(nnx.Module):
         else:
             o, state = run(q, k, v, g, beta, segment_ids=seg, initial_state=state0)
         o = gated_rms_norm(o, z.reshape(b, t, hv, vd), self.norm[...], self.norm_eps, self.dtype)
-        out = dense(o.reshape(b, t, hv * vd), self.out[...], self.dtype, ("heads", "embed"))
+        out = project(self, "out", o.reshape(b, t, hv * vd), self.dtype, ("heads", "embed"))
         return out, (None if cache is None else {"conv": conv_state, "state": state})

@@ -14,7 +14,8 @@ from moefast.model.attention import attend, causal_attention, context_flash_atte
 from moefast.model.norm import rms_norm
 from moefast.model.positional import apply_rope
 from moefast.parallel.context import context_size, gather_context
-from moefast.parallel.precision import dense, local_dense
+from moefast.model.lora import effective_weight, project
+from moefast.parallel.precision import local_dense
 
 __all__ = ["MLA_NORM_EPS", "MLAttention"]
 
@@ -85,13 +86,13 @@ class MLAttention(nnx.Module):
         b, t, _ = x_btd.shape
         h, n, r, c, hv = self.num_heads, self.nope, self.rope, self.kv_lora_rank, self.v_head_dim
         if self.q_lora_rank:
-            q = dense(x_btd, self.q_a_proj[...], self.dtype, ("embed", "lora"), fp8=self.fp8)
-            q = dense(self.q_a_layernorm(q).astype(self.dtype), self.q_b_proj[...], self.dtype, ("lora", "heads"), fp8=self.fp8)
+            q = project(self, "q_a_proj", x_btd, self.dtype, ("embed", "lora"), fp8=self.fp8)
+            q = project(self, "q_b_proj", self.q_a_layernorm(q).astype(self.dtype), self.dtype, ("lora", "heads"), fp8=self.fp8)
         else:
-            q = dense(x_btd, self.q_proj[...], self.dtype, ("embed", "heads"), fp8=self.fp8)
+            q = project(self, "q_proj", x_btd, self.dtype, ("embed", "heads"), fp8=self.fp8)
         q = q.reshape(b, t, h, n + r)
         q_nope, q_rope = q[..., :n], apply_rope(q[..., n:], *rope)
-        kv_a = dense(x_btd, self.kv_a_proj_with_mqa[...], self.dtype, ("embed", "lora"), fp8=self.fp8)
+        kv_a = project(self, "kv_a_proj_with_mqa", x_btd, self.dtype, ("embed", "lora"), fp8=self.fp8)
         c_kv = self.kv_a_layernorm(kv_a[..., :c]).astype(self.dtype)  # [B, T, C]
         k_rope = apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared by the heads
         if cache is None and kv_prefix is None and context_size() > 1 and not isinstance(mask_b1ts, tuple) \
@@ -103,12 +104,12 @@ class MLAttention(nnx.Module):
                 return k, kv[..., n:]
 
             o = context_flash_attention(jnp.concatenate([q_nope, q_rope], axis=-1), (c_kv, k_rope), mask_b1ts,
-                                        make_kv=make_kv, weights=(self.kv_b_proj[...],), scale=self.scale)
+                                        make_kv=make_kv, weights=(effective_weight(self, "kv_b_proj"),), scale=self.scale)
             new_cache = None
         elif cache is None:
             if not kv_prefix:  # the blocked einsums on a context axis: the row's latent and RoPE key gathered
                 c_kv, k_rope = gather_context(c_kv), gather_context(k_rope)
-            kv = dense(c_kv, self.kv_b_proj[...], self.dtype, ("lora", "heads"), fp8=self.fp8).reshape(b, t, h, n + hv)
+            kv = project(self, "kv_b_proj", c_kv, self.dtype, ("lora", "heads"), fp8=self.fp8).reshape(b, t, h, n + hv)
             k = jnp.concatenate([kv[..., :n], jnp.broadcast_to(k_rope[:, :, None], (b, t, h, r))], axis=-1)
             q, v = jnp.concatenate([q_nope, q_rope], axis=-1), kv[..., n:]
             if kv_prefix:
@@ -120,11 +121,11 @@ class MLAttention(nnx.Module):
             k_rope = jax.lax.dynamic_update_slice_in_dim(cache["k_rope"], k_rope.astype(cache["k_rope"].dtype),
                                                          cache_index, axis=1)
             new_cache = {"kv": c_kv, "k_rope": k_rope}
-            w = self.kv_b_proj[...].astype(self.dtype).reshape(c, h, n + hv)
+            w = effective_weight(self, "kv_b_proj").astype(self.dtype).reshape(c, h, n + hv)
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w[..., :n], preferred_element_type=jnp.float32)
             q = jnp.concatenate([q_lat.astype(self.dtype), q_rope], axis=-1)  # [B, T, H, C + R]
             k = jnp.concatenate([c_kv, k_rope], axis=-1).astype(self.dtype)[:, :, None]  # [B, S, 1, C + R]
             o_lat = causal_attention(q, k, c_kv.astype(self.dtype)[:, :, None], mask_b1ts, causal=False,
                                      scale=self.scale)  # [B, T, H, C]
             o = jnp.einsum("bthc,chv->bthv", o_lat, w[..., n:], preferred_element_type=jnp.float32).astype(self.dtype)
-        return dense(o.reshape(b, t, h * hv), self.o_proj[...], self.dtype, ("heads", "embed"), fp8=self.fp8), new_cache
+        return project(self, "o_proj", o.reshape(b, t, h * hv), self.dtype, ("heads", "embed"), fp8=self.fp8), new_cache

@@ -17,6 +17,7 @@ from moefast.config import MoEConfig
 from moefast.model.norm import rms
 from moefast.parallel.expert import MoEStats, RoutingSums, gated_unit, moe_ffn
 from moefast.parallel.mesh import check_mesh_axes
+from moefast.model.lora import expert_projection, project
 from moefast.parallel.precision import dense
 
 __all__ = ["MoELayer", "MoEStats"]
@@ -143,9 +144,9 @@ class MoELayer(nnx.Module):
             got = None if mask_bt is None else tuple(mask_bt.shape)
             raise ValueError(f"MoELayer: mask_bt must be a [batch, tokens] = {tuple(x_btd.shape[:2])} bool array "
                              f"(True for real tokens; jnp.ones(...) if every token is real), got {got}")
-        w_in, w_out = self.w_in[...], self.w_out[...]
-        if self.moe.expert_bias:
-            w_in, w_out = (w_in, self.b_in[...]), (w_out, self.b_out[...])
+        bias = self.moe.expert_bias
+        w_in = expert_projection(self, "w_in", self.b_in[...] if bias else None)
+        w_out = expert_projection(self, "w_out", self.b_out[...] if bias else None)
         routed_x, router_x = x_btd, None
         if self.moe.branch_norms:
             if residual_btd is None or residual_btd.shape != x_btd.shape:
@@ -162,9 +163,9 @@ class MoELayer(nnx.Module):
                            expert_scale_e=self.expert_scale[...] if self.moe.per_expert_scale else None)
         if self.moe.shared_expert_d_ff:
             x = x_btd.astype(self.dtype)
-            h = dense(x, self.shared_w_in[...], self.dtype, ("embed", "mlp"), fp8=self.fp8)
+            h = project(self, "shared_w_in", x, self.dtype, ("embed", "mlp"), fp8=self.fp8)
             act = gated_unit(h, self.moe.expert_activation, self.moe.swiglu_limit)
-            shared = dense(act, self.shared_w_out[...], self.dtype, ("mlp", "embed"), fp8=self.fp8)
+            shared = project(self, "shared_w_out", act, self.dtype, ("mlp", "embed"), fp8=self.fp8)
             if self.moe.shared_expert_gate:
                 shared = jax.nn.sigmoid(dense(x, self.shared_gate[...], self.dtype, ("embed", None))) * shared
             if self.moe.branch_norms:

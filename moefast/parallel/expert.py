@@ -54,7 +54,7 @@ from moefast.parallel.context import CONTEXT_AXIS
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map, state_spec
 from moefast.parallel.precision import expert_weights
 
-__all__ = ["EXPERT_IN", "EXPERT_OUT", "ROUTING", "MoEStats", "RoutingSums", "check_hierarchical", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
+__all__ = ["EXPERT_IN", "ExpertProjection", "EXPERT_OUT", "ROUTING", "MoEStats", "RoutingSums", "check_hierarchical", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
 
 EXPERT_AXIS = "expert"
 # Names of the values the "minimal" remat policy keeps (``jax.ad_checkpoint.checkpoint_name``): the
@@ -134,10 +134,33 @@ def gated_unit(h: jax.Array, activation: str = "silu", limit: float = 7.0) -> ja
     return ((up + 1) * (gate * jax.nn.sigmoid(gate * GPT_OSS_ALPHA))).astype(h.dtype)
 
 
+class ExpertProjection(NamedTuple):
+    """One projection of the routed experts as the expert path takes it (a pytree: absent parts are
+    ``None``). A plain array, or the pair ``(weight, bias)``, is read as one too."""
+
+    w: jax.Array  # [E, in, out] weight (float32 master, or a frozen bfloat16 base)
+    b: jax.Array | None = None  # [E, out] bias (moe.expert_bias)
+    lora_a: jax.Array | None = None  # [E, in, r] adapter A (lora)
+    lora_b: jax.Array | None = None  # [E, r, out] adapter B, already times alpha / r
+
+
+def _projection(w) -> ExpertProjection:
+    if isinstance(w, ExpertProjection):
+        return w
+    return ExpertProjection(*w) if isinstance(w, tuple) else ExpertProjection(w)
+
+
 def _weight_and_bias(w, dtype):
-    """An expert projection as moefast passes it: a weight, or ``(weight, bias)`` (``moe.expert_bias``)."""
-    w, b = w if isinstance(w, tuple) else (w, None)
-    return w.astype(dtype), None if b is None else b.astype(dtype)
+    """An expert projection (:class:`ExpertProjection`, a weight, or ``(weight, bias)``) in ``dtype``."""
+    return jax.tree.map(lambda a: a.astype(dtype), _projection(w))
+
+
+def _adapted(y, x, p: ExpertProjection, mm):
+    """``y`` plus the projection's low-rank adapter ``(x A) B`` by the matmul ``mm`` (each expert's
+    rows through its own A and B: two thin batched or grouped GEMMs), or ``y`` without one."""
+    if p.lora_a is None:
+        return y
+    return y + mm(mm(x, p.lora_a), p.lora_b).astype(y.dtype)
 
 
 def expert_ffn(x_ecd: jax.Array, w_in_edf, w_out_efd, dtype, activation: str = "silu",
@@ -156,13 +179,15 @@ def expert_ffn(x_ecd: jax.Array, w_in_edf, w_out_efd, dtype, activation: str = "
     Returns:
       [E, C, D] in ``dtype``. With biases, empty slots hold the biases' output (never combined).
     """
-    (w_in, b_in), (w_out, b_out) = _weight_and_bias(w_in_edf, dtype), _weight_and_bias(w_out_efd, dtype)
+    p_in, p_out = _weight_and_bias(w_in_edf, dtype), _weight_and_bias(w_out_efd, dtype)
     mm = functools.partial(fp8_matmul, dtype=dtype) if fp8 else jnp.matmul
-    h_ecf = mm(x_ecd.astype(dtype), w_in)
-    if b_in is not None:
-        h_ecf = h_ecf + b_in[:, None]
-    y = mm(gated_unit(h_ecf, activation, limit), w_out)
-    return y if b_out is None else y + b_out[:, None]
+    x = x_ecd.astype(dtype)
+    h_ecf = _adapted(mm(x, p_in.w), x, p_in, jnp.matmul)
+    if p_in.b is not None:
+        h_ecf = h_ecf + p_in.b[:, None]
+    a = gated_unit(h_ecf, activation, limit)
+    y = _adapted(mm(a, p_out.w), a, p_out, jnp.matmul)
+    return y if p_out.b is None else y + p_out.b[:, None]
 
 
 def _to_experts(x_ecd: jax.Array, ep: int) -> jax.Array:
@@ -341,15 +366,18 @@ def _experts_grouped(x_nd, counts, w_in_edf, w_out_efd, dtype, impl: str, activa
                      limit: float = 7.0, fp8: bool = False):
     """Gated experts (:func:`expert_ffn`'s, with its optional biases) on rows grouped by expert
     (:func:`moefast.kernels.grouped_matmul`; ``fp8``: :func:`~moefast.parallel.fp8_gemm.fp8_grouped_matmul`)."""
-    (w_in, b_in), (w_out, b_out) = _weight_and_bias(w_in_edf, dtype), _weight_and_bias(w_out_efd, dtype)
+    p_in, p_out = _weight_and_bias(w_in_edf, dtype), _weight_and_bias(w_out_efd, dtype)
     gmm = fp8_grouped_matmul if fp8 else grouped_matmul
-    h = gmm(x_nd, w_in, counts, impl=impl)
-    if b_in is not None or b_out is not None:  # each row's expert (rows past the counts: the last, unused)
+    thin = lambda x, w: grouped_matmul(x, w, counts, impl=impl)  # noqa: E731  (the adapters', in dtype)
+    x_nd = x_nd.astype(dtype)
+    h = _adapted(gmm(x_nd, p_in.w, counts, impl=impl), x_nd, p_in, thin)
+    if p_in.b is not None or p_out.b is not None:  # each row's expert (rows past the counts: the last, unused)
         eid = jnp.repeat(jnp.arange(counts.shape[0]), counts, total_repeat_length=x_nd.shape[0])
-    if b_in is not None:
-        h = h + b_in[eid]
-    y = gmm(gated_unit(h, activation, limit), w_out, counts, impl=impl)
-    return y if b_out is None else y + b_out[eid]
+    if p_in.b is not None:
+        h = h + p_in.b[eid]
+    a = gated_unit(h, activation, limit)
+    y = _adapted(gmm(a, p_out.w, counts, impl=impl), a, p_out, thin)
+    return y if p_out.b is None else y + p_out.b[eid]
 
 
 def _dropless_grouped(x_td, r, w_in_edf, w_out_efd, dtype, impl: str, **act):
@@ -563,11 +591,12 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         raise ValueError(f"moe_ffn: x_btd must be float hidden states (e.g. float32 or bfloat16), got {x_btd.dtype}; "
                          "token ids go through the model's embedding first")
     num_experts = moe.num_experts
-    w_lead = (w_in_edf[0] if isinstance(w_in_edf, tuple) else w_in_edf).shape[0]
+    w_in_edf, w_out_efd = _projection(w_in_edf), _projection(w_out_efd)
+    w_lead = w_in_edf.w.shape[0]
     if router_de.shape[1] != num_experts or w_lead != num_experts:
         raise ValueError(f"router [D, {router_de.shape[1]}] and experts [{w_lead}, ...] do not match "
                          f"moe.num_experts={num_experts}")
-    if isinstance(w_in_edf, tuple) != moe.expert_bias or isinstance(w_out_efd, tuple) != moe.expert_bias:
+    if (w_in_edf.b is not None) != moe.expert_bias or (w_out_efd.b is not None) != moe.expert_bias:
         raise ValueError(f"moe.expert_bias={moe.expert_bias}: pass each expert projection as "
                          f"{'(weight, bias)' if moe.expert_bias else 'a weight alone'}")
     if moe.router_bias and (router_bias_e is None or router_bias_e.shape != (num_experts,)):
@@ -613,9 +642,12 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         check_hierarchical(moe, ep, x_btd.shape[0] // shards * per_row if drop_tokens else None)
     # The expert weights enter as the train state holds them (float32 shards, split over expert,
     # fsdp and data) and are gathered inside in the compute dtype (moefast.parallel.precision).
-    names = ((("expert", "embed", "mlp"), ("expert", "mlp")), (("expert", "mlp", "embed"), ("expert", "embed")))
-    w_specs = tuple(tuple(state_spec(n, a.shape, mesh) for n, a in zip(ns, w)) if isinstance(w, tuple) else
-                    state_spec(ns[0], w.shape, mesh) for ns, w in zip(names, (w_in_edf, w_out_efd)))
+    names = (ExpertProjection(("expert", "embed", "mlp"), ("expert", "mlp"), ("expert", "embed", None),
+                              ("expert", None, "mlp")),
+             ExpertProjection(("expert", "mlp", "embed"), ("expert", "embed"), ("expert", "mlp", None),
+                              ("expert", None, "embed")))
+    w_specs = tuple(ExpertProjection(*(None if a is None else state_spec(n, a.shape, mesh) for n, a in zip(ns, w)))
+                    for ns, w in zip(names, (w_in_edf, w_out_efd)))
     all_axes = token_axes + ((context,) if context else ())
     fn = lambda *a: _moe_local(*a, ep=ep, reduce_axes=all_axes, w_specs=w_specs, **kw)
     tokens = P(token_axes, context) if context else P(token_axes)

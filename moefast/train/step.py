@@ -22,7 +22,7 @@ from flax import nnx
 from moefast import parallel
 from moefast.config import ExperimentConfig
 from moefast.kernels.platform import target_platform
-from moefast.model import ModelOutput, Transformer, build_model, init_routing_state
+from moefast.model import ModelOutput, Transformer, build_model, init_routing_state, lora
 from moefast.model.layout import is_stacked_path
 from moefast.model.transformer import shift_left
 
@@ -88,13 +88,26 @@ class ModelDef:
         self.vocab_size = vocab_size
         abstract = nnx.eval_shape(lambda: build_model(cfg, vocab_size))
         self.graphdef, self.abstract_model_state = nnx.split(abstract)  # keeps logical_axes metadata
-        self.abstract_params = nnx.to_pure_dict(self.abstract_model_state)
+        self.abstract_params = jax.eval_shape(self.stored, nnx.to_pure_dict(self.abstract_model_state))
         # True for parameters stacked on a leading layers axis (model.scan_layers)
         self.stacked = jax.tree_util.tree_map_with_path(lambda path, _: is_stacked_path(path), self.abstract_params)
 
     def init_params(self, seed: int) -> dict:
-        """Fresh float32 parameters (pure dict)."""
-        return nnx.to_pure_dict(nnx.state(build_model(self.cfg, self.vocab_size, seed=seed)))
+        """Fresh parameters (pure dict): float32, but for a frozen base (``lora``) in ``lora.base_dtype``."""
+        return self.stored(nnx.to_pure_dict(nnx.state(build_model(self.cfg, self.vocab_size, seed=seed))))
+
+    def stored(self, params: dict) -> dict:
+        """``params`` as the train state holds them: with adapters (``lora.rank`` > 0) the frozen
+        leaves in ``lora.base_dtype``'s storage dtype (:func:`moefast.model.lora.storage_dtype`),
+        the trainable ones float32; unchanged without adapters."""
+        return lora.stored(self.cfg.lora, params)
+
+    def split(self, params: dict) -> tuple[dict, dict]:
+        """``(trainable, frozen)`` parts of pure ``params`` (or of any tree of their structure):
+        everything and ``{}`` without adapters (:func:`moefast.model.lora.split`)."""
+        if not self.cfg.lora.enabled:
+            return params, {}
+        return lora.split(self.cfg.lora, params)
 
     def module(self, params: dict) -> Transformer:
         """The NNX module carrying ``params`` (cheap: no copy)."""
@@ -104,7 +117,7 @@ class ModelDef:
         """``{"params", "opt_state", "routing", "step"}``; ``routing`` is the non-trainable routing
         state (:func:`~moefast.model.init_routing_state`), which the optimizer never sees."""
         params = self.init_params(seed)
-        return {"params": params, "opt_state": make_optimizer(self.cfg).init(params),
+        return {"params": params, "opt_state": make_optimizer(self.cfg).init(self.split(params)[0]),
                 "routing": init_routing_state(self.cfg), "step": jnp.zeros((), jnp.int32)}
 
     def abstract_state(self) -> dict[str, Any]:
@@ -273,12 +286,14 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
+    train_params, frozen = model_def.split(state["params"])
+
     def update(old):
         params, opt_state, routing_state = old
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, update_routing_state(cfg, routing_state, moe)
 
-    old = (state["params"], state["opt_state"], state["routing"])
+    old = (train_params, state["opt_state"], state["routing"])
     if target_platform() == "cpu":
         # XLA:CPU runs the conditional's update in place on the donated buffers; a select there
         # took more temporaries for no speed gain (docs/perf.md, "The optimizer update in place").
@@ -308,7 +323,7 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
         metrics["mtp_loss"] = jnp.mean(mtp)
         for k in range(mtp.shape[0]):
             metrics[f"mtp_loss_depth_{k + 1}"] = mtp[k]
-    new_state = {"params": params,
+    new_state = {"params": lora.join(params, frozen),
                  "opt_state": opt_state,
                  "step": step + 1,
                  "routing": routing_state}
@@ -326,7 +341,7 @@ def _constrain_grads(model_def: ModelDef, grads: dict) -> dict:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return grads
-    return jax.lax.with_sharding_constraint(grads, model_def.param_state_specs(mesh))
+    return jax.lax.with_sharding_constraint(grads, model_def.split(model_def.param_state_specs(mesh))[0])
 
 
 def _num_tokens(batch: dict[str, jax.Array]) -> jax.Array:
@@ -366,7 +381,8 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
       ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses), grads)`` (see
       :func:`loss_fn`); ``grads`` in the parameters' shardings under a mesh.
     """
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, model_def), has_aux=True)
+    params, frozen = model_def.split(params)  # the gradient is the trainable parameters' (lora: the adapters')
+    grad_fn = jax.value_and_grad(lambda p, *a: loss_fn(model_def, lora.join(p, frozen), *a), has_aux=True)
     m = model_def.cfg.train.grad_accum_steps
     if m == 1:
         (loss, terms), grads = grad_fn(params, batch, step_key, routing_state, step)
@@ -414,7 +430,7 @@ def update_routing_state(cfg: ExperimentConfig, routing_state: dict[str, jax.Arr
       routing_state: ``{"bias", "load_ema"}`` float32 [L_moe, E] (empty without MoE layers).
       moe: this step's :class:`~moefast.model.MoEStats` stacked over MoE layers (or ``None``).
     """
-    if not routing_state or moe is None:
+    if not routing_state or moe is None or (cfg.lora.enabled and cfg.lora.routing == "frozen"):
         return routing_state
     load = moe.tokens_per_expert.astype(jnp.float32)  # [L_moe, E]
     share = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)

@@ -1,0 +1,165 @@
+"""Low-rank adapters (``lora``): the adapted model at step 0 is the base model, the routed experts'
+adapters' gradients equal a NumPy LoRA layer's on every expert path, every mesh gives the same
+loss and adapter gradients, and a trained run changes the adapters only."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moefast import routing
+from moefast.config import LoRAConfig, MoEConfig, load_config
+from moefast.model import lora
+from moefast.model.positional import document_positions
+from moefast.parallel import make_mesh
+from moefast.parallel.expert import ExpertProjection, moe_ffn
+from moefast.train.step import ModelDef, loss_and_grads
+
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.base_dtype=float32"]
+# every target kind in one small model: GQA attention with an output gate, a dense first layer,
+# a shared expert beside the routed ones
+ALL_TARGETS = ["model.num_dense_layers=1", "model.num_layers=3", "moe.shared_expert_d_ff=32",
+               "model.attention_output_gate=true", "model.num_kv_heads=1"]
+
+
+def _batch(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    b, t = cfg.data.batch_size, cfg.data.seq_len
+    tokens = jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32)
+    seg = jnp.ones((b, t), jnp.int32).at[:, t - 3:].set(0)
+    return dict(tokens=tokens, targets=jnp.roll(tokens, -1, 1), segment_ids=seg, positions=document_positions(seg),
+                loss_weight=(seg > 0).astype(jnp.float32))
+
+
+def _random_b(params, seed=1):
+    """``params`` with every adapter B drawn at random (B = 0 would give A no gradient)."""
+    keys = iter(jax.random.split(jax.random.key(seed), 1000))
+    return lora._walk(params, lambda p, v: 0.1 * jax.random.normal(next(keys), v.shape, v.dtype)
+                      if str(p[-1]).endswith(lora.LORA_B) else v)
+
+
+def test_step0_is_the_base_model_bitwise(small_config):
+    base_cfg = small_config(*ALL_TARGETS)
+    cfg = small_config(*ALL_TARGETS, *LORA)
+    base, adapted = ModelDef(base_cfg, 259), ModelDef(cfg, 259)
+    p0, p1 = base.init_params(0), adapted.init_params(0)
+    train, frozen = adapted.split(p1)
+    assert jax.tree.structure(frozen) == jax.tree.structure(p0)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(p0)))
+    names = {str(p[-1].key) for p, _ in jax.tree_util.tree_flatten_with_path(train)[0]}
+    # every kind of projection has its adapter: attention (qkv, gate, out), dense MLP, shared and routed experts
+    assert {"qkv_lora_a", "gate_lora_b", "out_lora_a", "w_in_lora_a", "w_out_lora_b", "shared_w_in_lora_a",
+            "shared_w_out_lora_b"} <= names
+    batch = _batch(cfg)
+    logits = [md.module(p)(batch["tokens"], batch["positions"], batch["segment_ids"]).logits
+              for md, p in ((base, p0), (adapted, p1))]
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def _silu(z):
+    return z / (1 + np.exp(-z))
+
+
+def _numpy_lora_experts(x, experts_tk, gates_tk, p_in, p_out, s, g):
+    """A NumPy LoRA SwiGLU layer: y_t = sum_k gate_tk FFN_{e_tk}(x_t), FFN_e(x) = down(silu(gate)
+    up) with each projection ``x W_e + s (x A_e) B_e``; and the gradients of sum(y * g) with
+    respect to every expert's A and B (backpropagated by hand, float64)."""
+    (w1, a1, b1), (w2, a2, b2) = p_in, p_out
+    grads = {k: np.zeros_like(v) for k, v in (("a_in", a1), ("b_in", b1), ("a_out", a2), ("b_out", b2))}
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, gt in zip(experts_tk[t], gates_tk[t]):
+            xt = x[t:t + 1]
+            h = xt @ w1[e] + s * (xt @ a1[e]) @ b1[e]
+            f = h.shape[1] // 2
+            gate, up = h[:, :f], h[:, f:]
+            act = _silu(gate) * up
+            y[t] += gt * (act @ w2[e] + s * (act @ a2[e]) @ b2[e])[0]
+            dy = gt * g[t:t + 1]
+            grads["b_out"][e] += s * (act @ a2[e]).T @ dy
+            grads["a_out"][e] += s * act.T @ (dy @ b2[e].T)
+            dact = dy @ w2[e].T + s * (dy @ b2[e].T) @ a2[e].T
+            sig = 1 / (1 + np.exp(-gate))
+            dh = np.concatenate([dact * up * sig * (1 + gate * (1 - sig)), dact * _silu(gate)], axis=1)
+            grads["b_in"][e] += s * (xt @ a1[e]).T @ dh
+            grads["a_in"][e] += s * xt.T @ (dh @ b1[e].T)
+    return y, grads
+
+
+@pytest.mark.parametrize("path,expert_axis", [("capacity", 1), ("dropless", 1), ("capacity", 4), ("dropless", 4)])
+def test_expert_adapter_gradients_equal_a_numpy_lora_layer(path, expert_axis, devices):
+    e, d, f, r, s = 4, 8, 12, 3, 1.5
+    moe = MoEConfig(num_experts=e, top_k=2, capacity_factor=0.0 if path == "dropless" else 4.0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 2, d)).astype(np.float32)  # 8 rows: one per device of an 8-device mesh
+    router = rng.normal(size=(d, e)).astype(np.float32)
+    w1, w2 = rng.normal(size=(e, d, 2 * f)) * 0.3, rng.normal(size=(e, f, d)) * 0.3
+    a1, b1 = rng.normal(size=(e, d, r)) * 0.3, rng.normal(size=(e, r, 2 * f)) * 0.3
+    a2, b2 = rng.normal(size=(e, f, r)) * 0.3, rng.normal(size=(e, r, d)) * 0.3
+    g = rng.normal(size=(16, d))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+
+    def loss(a1_, b1_, a2_, b2_):
+        y, _ = moe_ffn(jnp.asarray(x), jnp.ones((8, 2), bool), jnp.asarray(router),
+                       ExpertProjection(f32(w1), None, a1_, s * b1_), ExpertProjection(f32(w2), None, a2_, s * b2_),
+                       moe, drop_tokens=True)
+        return jnp.sum(y.reshape(16, d) * f32(g)), y
+
+    args = tuple(map(f32, (a1, b1, a2, b2)))
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    if expert_axis > 1:
+        cfg = load_config(None, ["mesh.data=2", f"mesh.expert={expert_axis}", "moe.num_experts=4"])
+        with jax.set_mesh(make_mesh(cfg, devices)):
+            (_, y), grads = run(*args)
+    else:
+        (_, y), grads = run(*args)
+    # the routing the layer made (float32 router logits, top-2 softmax renormalised like MoEConfig's default)
+    r_ = routing.route(jnp.asarray(x.reshape(16, d)) @ jnp.asarray(router), top_k=2, capacity=16,
+                       renormalize=moe.norm_topk_prob)
+    y_ref, g_ref = _numpy_lora_experts(x.reshape(16, d).astype(np.float64), np.asarray(r_.expert_index),
+                                       np.asarray(r_.gates, np.float64), (w1, a1, b1), (w2, a2, b2), s, g)
+    np.testing.assert_allclose(np.asarray(y).reshape(16, d), y_ref, rtol=1e-5, atol=1e-5)
+    for got, name in zip(grads, ("a_in", "b_in", "a_out", "b_out")):
+        # the layer receives s * B, so its B gradient is s times the one of its argument
+        np.testing.assert_allclose(np.asarray(got), g_ref[name], rtol=2e-5,
+                                   atol=2e-5, err_msg=name)
+
+
+def _adapter_loss_and_grads(cfg, devices=None):
+    md = ModelDef(cfg, 259)
+    params = _random_b(md.init_params(0))
+    batch = _batch(cfg)
+    f = jax.jit(lambda p: loss_and_grads(md, p, {}, batch, None, jnp.zeros((), jnp.int32)))
+    if devices is None:
+        loss, _, grads = f(params)
+    else:
+        with jax.set_mesh(make_mesh(cfg, devices)):
+            loss, _, grads = f(params)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+def test_adapter_gradients_equal_on_every_mesh(small_config, devices):
+    """1 device = data 2 x expert 4 = fsdp 2 x expert 2 (x data 2): loss and adapter gradients (1e-6)."""
+    common = (*ALL_TARGETS, *LORA, "moe.capacity_factor=0", "model.dtype=float32")
+    ref_loss, ref = _adapter_loss_and_grads(small_config(*common))
+    assert {str(p[-1].key) for p, _ in jax.tree_util.tree_flatten_with_path(ref)[0]} <= {
+        n + s for n in ("qkv", "gate", "out", "w_in", "w_out", "shared_w_in", "shared_w_out")
+        for s in (lora.LORA_A, lora.LORA_B)}  # the gradient holds adapters only
+    for mesh in (["mesh.data=2", "mesh.expert=4"], ["mesh.fsdp=2", "mesh.expert=2"]):
+        loss, grads = _adapter_loss_and_grads(small_config(*common, *mesh), devices)
+        assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), mesh
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(b).max()),
+                                       err_msg=f"{mesh} {jax.tree_util.keystr(path)}")
+
+
+def test_config_rejects_unknown_targets():
+    with pytest.raises(ValueError, match="lora.targets"):
+        LoRAConfig(rank=4, targets=("experts", "router"))
+    with pytest.raises(ValueError, match="lora.train"):
+        LoRAConfig(rank=4, train=("experts",))
+    assert LoRAConfig(rank=8, alpha=16).scale("attention") == 2.0
+    assert LoRAConfig(rank=8, alpha=16, expert_rank=4).scale("experts") == 4.0
+    assert dataclasses.replace(LoRAConfig(), rank=0).enabled is False
