@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -148,3 +149,29 @@ def test_precision_bench_verdict_is_on_the_means_over_seeds(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "precision", "--help"])
     assert e.value.code == 0 and "--seeds" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", [None, "train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile",
+                                    "data", "precision"])
+def test_each_bench_target_has_its_own_help(target, capsys, monkeypatch):
+    """moefast bench TARGET --help: that benchmark's description and its options only (it once printed
+    the whole bench help); bench --help: every option."""
+    from moefast.cli import BENCH_OPTIONS, _parser, main
+    from moefast.cli.bench import BENCH_TARGETS
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line a help: the texts compare whole
+    assert list(BENCH_TARGETS) == list(BENCH_OPTIONS)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *([target] if target else []), "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    bench_actions = [a for a in _parser().bench_parser._actions if a.option_strings and a.dest != "help"]
+    listed = set(re.findall(r"^  (-[-\w]+)", out.split("\noptions:\n")[1], re.M)) - {"-h"}
+    if target is None:
+        assert out.startswith("usage: moefast bench [-h]") and listed == {a.option_strings[0] for a in bench_actions}
+        return
+    assert out.startswith(f"usage: moefast bench {target} [-h]") and f"\n\n{BENCH_TARGETS[target]}\n\n" in out
+    assert listed == {a.option_strings[0] for a in bench_actions if a.dest in BENCH_OPTIONS[target]}
+    assert ("section.key=value" in out) == ("overrides" in BENCH_OPTIONS[target])
+    steps = re.search(r"^  --steps STEPS +(.*)$", out, re.M)  # its help says what it is to this target alone
+    assert steps is None or not re.search(r"\b(train|memory|cache|malloc|overlap|data|precision): ", steps[1])

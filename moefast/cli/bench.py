@@ -5,43 +5,93 @@ apply to which target; any other is an error), their checks, and the call into
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 
 from moefast.cli.common import CPU_DEVICES_HELP
 
 
+# What each benchmark measures: its own --help's description, and the bench help's list of targets.
+BENCH_TARGETS = {
+    "train": "tokens/s, step time, MFU, memory and compile time of the config's train step; with --ablate the "
+             "baseline (no levers), each lever alone and all levers (caching, overlap, slot dispatch, fused routing "
+             "on GPU), interleaved in rounds",
+    "memory": "per-device bytes of parameters, optimizer state, compiled arguments and temporaries of the config's "
+              "train step for each model.remat policy, scan_layers off/on and train.grad_accum_steps 2 and 4 (keys "
+              "given as overrides are not varied), from XLA's memory_analysis without running a step, and compile "
+              "time",
+    "routing": "routing + dispatch + combine, forward+backward",
+    "cache": "step time with cached tables on vs off and time to first step with a cold vs warm compilation cache",
+    "malloc": "moefast train processes with moefast's host malloc settings vs glibc's defaults "
+              "(MOEFAST_HOST_MALLOC=keep vs system): page faults per step, tokens/s",
+    "overlap": "train-step time for moe.overlap_chunks 1, 2, 4 on a mesh with an expert axis (default mesh.data=2 "
+               "mesh.expert=4 on 8 CPU devices), the compiled step's all-to-alls, and moefast train tokens/s with "
+               "device prefetch on vs off",
+    "gpu-compile": "compiles (never runs) the config's train step for --devices GPUs of kind --gpu on this machine, "
+                   "no GPU needed, and reports per device: compile time, memory against the GPU's, host-synced "
+                   "conditionals and state copies, collectives (dtype, bytes, async or not), kernels and XLA's "
+                   "scheduling estimate; exits 1 when the step does not fit (needs the CUDA PJRT plugin: README, "
+                   "'Compiling for GPUs without a GPU')",
+    "data": "moefast prepare against Hugging Face datasets map(num_proc=2) (MB/s, tokens/s), then time to first "
+            "batch, peak host memory and batches/s of training from prepared shards against the in-memory path for "
+            "corpora of --sizes GB of tokens, and the tiny config's train steps/s",
+    "precision": "the config trained --steps steps (default 300) with model.precision=bf16 and fp8 for --seeds seeds, "
+                 "same data, and their mean final losses compared (exits 1 when fp8 is not within 2 %)",
+}
+
+
+class _Help(argparse.Action):
+    """``-h``/``--help`` of ``bench``: after a target (``bench gpu-compile --help``), that benchmark's
+    description and options only (:func:`_target_parser`); before one, the whole ``bench`` help."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        target = getattr(namespace, "target", None)
+        (_target_parser(parser, target) if target else parser).print_help()
+        parser.exit()
+
+
+def _target_parser(b: argparse.ArgumentParser, target: str) -> argparse.ArgumentParser:
+    """A parser that only prints help: ``bench TARGET``'s description and its options
+    (:data:`BENCH_OPTIONS`), each option's help cut to what it says of TARGET."""
+    p = argparse.ArgumentParser(prog=f"{b.prog} {target}", description=BENCH_TARGETS[target], add_help=False)
+    for action in b._actions:
+        if action.dest in BENCH_OPTIONS[target] or isinstance(action, _Help):
+            own = copy.copy(action)
+            own.help = "show this help message and exit" if isinstance(action, _Help) else _help_of(action.help, target)
+            p._add_action(own)
+    return p
+
+
+def _help_of(text: str | None, target: str) -> str | None:
+    """What an option's help says of ``target``: helps are ``"a, b: ...; c: ..."`` (the targets each
+    part is about), or have no such prefix (all targets)."""
+    parts: dict[str, list[str]] = {}
+    owners = None
+    for part in (text or "").split("; "):
+        head, sep, rest = part.partition(": ")
+        names = head.split(", ")
+        if sep and all(n in BENCH_TARGETS for n in names):
+            owners = names
+            part = rest
+        if owners is None:
+            return text
+        for n in owners:
+            parts.setdefault(n, []).append(part)
+    return "; ".join(parts[target]) if target in parts else text
+
+
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """The ``bench`` subcommand; returns its parser (:func:`_unused_bench_options` reads its defaults)."""
-    b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)")
-    b.add_argument("target", choices=["train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile", "data",
-                                      "precision"],
-                   help="train: tokens/s, step time, MFU, memory and compile time of the config's train step; "
-                        "with --ablate the baseline (no levers), each lever alone and all levers (caching, overlap, "
-                        "slot dispatch, fused routing on GPU), interleaved in rounds; "
-                        "memory: per-device bytes of parameters, optimizer state, compiled arguments and "
-                        "temporaries of the config's train step for each model.remat policy, scan_layers off/on "
-                        "and train.grad_accum_steps 2 and 4 (keys given as overrides are not varied), from XLA's "
-                        "memory_analysis without running a step, and compile time; "
-                        "routing: routing + dispatch + combine, "
-                        "forward+backward; cache: step time with "
-                        "cached tables on vs off and time to first step with a cold vs warm compilation cache; "
-                        "malloc: moefast train processes with moefast's host malloc settings vs glibc's "
-                        "defaults (MOEFAST_HOST_MALLOC=keep vs system): page faults per step, tokens/s; "
-                        "overlap: train-step time for "
-                        "moe.overlap_chunks 1, 2, 4 on a mesh with an expert axis (default mesh.data=2 "
-                        "mesh.expert=4 on 8 CPU devices), the compiled step's all-to-alls, and moefast train "
-                        "tokens/s with device prefetch on vs off; gpu-compile: compiles (never runs) the config's "
-                        "train step for --devices GPUs of kind --gpu on this machine, no GPU needed, and reports per "
-                        "device: compile time, memory against the GPU's, host-synced conditionals and state copies, "
-                        "collectives (dtype, bytes, async or not), kernels and XLA's scheduling estimate; exits 1 "
-                        "when the step does not fit (needs the CUDA PJRT plugin: README, 'Compiling for GPUs without a GPU'); "
-                        "data: moefast prepare against Hugging Face datasets map(num_proc=2) (MB/s, tokens/s), then time "
-                        "to first batch, peak host memory and batches/s of training from prepared shards against the "
-                        "in-memory path for corpora of --sizes GB of tokens, and the tiny config's train steps/s; "
-                        "precision: the config trained --steps steps (default 300) with model.precision=bf16 and fp8 "
-                        "for --seeds seeds, same data, and their mean final losses compared (exits 1 when fp8 is not "
-                        "within 2 %%)")
+    b = sub.add_parser("bench", help="benchmarks (JSON + markdown table)", add_help=False)
+    b.add_argument("-h", "--help", action=_Help,
+                   help="show this help message and exit (after TARGET: that benchmark's options only, e.g. "
+                        "moefast bench gpu-compile --help)")
+    b.add_argument("target", choices=list(BENCH_TARGETS),
+                   help="; ".join(f"{t}: {text}" for t, text in BENCH_TARGETS.items()).replace("%", "%%"))
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="train, memory, malloc, overlap, gpu-compile, precision: overrides of the benchmarked experiment")
     b.add_argument("--config", default=None,
@@ -66,7 +116,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(default on a GPU: its own limit)")
     b.add_argument("--ablate", action="store_true",
                    help="train: the lever table (baseline, +caching, +overlap, +slot dispatch, +fused routing kernel on GPU, all "
-                        "levers); gpu-compile: that table estimated from XLA's schedule for the GPUs compiled for")
+                        "levers); gpu-compile: the lever table estimated from XLA's schedule for the GPUs compiled for")
     b.add_argument("--ablate-exchange", action="store_true",
                    help="gpu-compile: the expert exchange's levers across hosts (hierarchical exchange, FP8 dispatch, "
                         "collectives in flight, the exchange in 2 chunks, 2 sequence slices through the layers), each added to the config as given, and all together")

@@ -144,6 +144,21 @@ def _special_ids(cfg: ExperimentConfig, vocab_size: int) -> dict[str, int | None
     return {k: (v if v is not None and v < vocab_size else None) for k, v in ids.items()}
 
 
+def _written_as(family: str | None, spec: FamilySpec) -> str:
+    """Why ``spec``'s ``model_type`` is written when ``family`` was asked for (one that moefast
+    reads but writes as another: :attr:`FamilySpec.export_as`); ``""`` when it is the same."""
+    if family is None or family == spec.model_type:
+        return ""
+    asked = families.REGISTRY[family]
+    if asked.text_config_key:  # a vision-language (multimodal) checkpoint: moefast holds its language model
+        why = (f"moefast holds the language model of {asked.name} only, written as its text model "
+               f"({spec.architecture}, which transformers' AutoModelForCausalLM loads)")
+    else:
+        why = (f"transformers does not know {family}; {spec.model_type} ({spec.architecture}) is the same "
+               "architecture")
+    return f"; model_type {spec.model_type}, not {family}: {why}"
+
+
 def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing_state: dict | None = None,
             layout: str = "per_expert", dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
             family: str | None = None, log: Callable[[str], None] | None = None) -> Path:
@@ -171,7 +186,10 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
       max_shard_bytes: bytes per safetensors file; more makes shards and an index.
       family: HF ``model_type`` to write (e.g. ``"glm4_moe_lite"`` for a GLM-4.7-Flash fine-tune,
         which ``deepseek_v3`` represents too); ``None``: the first that fits (:func:`hf_family`).
-      log: printer for a one-line summary.
+        A family written as another (``FamilySpec.export_as``: ``qwen3_5_moe`` as
+        ``qwen3_5_moe_text``, ``kimi_k2`` as ``deepseek_v3``) is written as that one.
+      log: printer for a one-line summary (with, for a ``family`` written as another, which
+        ``model_type`` was written and why).
 
     Returns:
       ``out_dir`` as a ``Path``.
@@ -266,7 +284,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
             os.replace(tmp, out_dir)
             if log is not None:
                 log(f"wrote {spec.model_type} ({layout} experts, {dtype}) to {out_dir}: {n} safetensors file(s), "
-                    f"{total / 2**20:,.1f} MiB")
+                    f"{total / 2**20:,.1f} MiB" + _written_as(family, spec))
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -350,7 +350,7 @@ def test_multi_token_prediction_layers_are_read_exactly_and_round_trip(saved, tm
                  {k: v for k, v in params.items() if k != "mtp"}, params0)
     with pytest.raises(hf.HFFormatError, match="no place for"):
         hf.load_hf(_edit_config(src, tmp_path / "no-mtp", num_nextn_predict_layers=0))
-    with pytest.raises(hf.HFFormatError, match="holds 1 multi-token-prediction layers"):
+    with pytest.raises(hf.HFFormatError, match=r"holds 1 multi-token-prediction layer \("):
         hf.load_hf(src, ["model.mtp_depth=2"])
     from safetensors.numpy import save_file
 
@@ -374,9 +374,13 @@ def test_kimi_k2_reads_as_deepseek_v3_and_exports_as_it(saved, tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params_k)
     routing = hf.load_hf_routing(kimi, cfg_k)
     assert hf.hf_family(cfg_k) == hf.hf_family(cfg_k, "kimi_k2") == "deepseek_v3"  # transformers has no kimi_k2
-    out = hf.save_hf(cfg_k, params_k, tmp_path / "out", routing_state=routing, family="kimi_k2")
+    lines = []
+    out = hf.save_hf(cfg_k, params_k, tmp_path / "out", routing_state=routing, family="kimi_k2", log=lines.append)
     written = json.loads((out / "config.json").read_text())
     assert written["model_type"] == "deepseek_v3"
+    assert lines[0].startswith("wrote deepseek_v3 ") and lines[0].endswith(
+        "; model_type deepseek_v3, not kimi_k2: transformers does not know kimi_k2; deepseek_v3 "
+        "(DeepseekV3ForCausalLM) is the same architecture"), lines
     # as the hub's DeepSeek-V3 config.json: vLLM and SGLang create the selection bias only for noaux_tc
     assert (written["topk_method"], written["scoring_func"]) == ("noaux_tc", "sigmoid")
     with pytest.raises(hf.HFFormatError, match=r"qwen3_moe cannot represent this model: it has .*model.attention=mla"):

@@ -174,7 +174,8 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
     """Both expert layouts: transformers loads the export (Qwen3.5-MoE's as its text model) with
     every weight bit-equal to the original's language model and the same logits; load_hf of the
     export is the imported model exactly. The first family that fits, Qwen3-Next, represents every
-    one of them: a Qwen3.5 model exported as qwen3_next computes the same logits in transformers."""
+    one of them: a Qwen3.5 model exported as qwen3_next computes the same logits in transformers.
+    The export's log line says which model_type it wrote, and why when not the family asked for."""
     family, model, dirs = saved
     cfg, params, _ = _load_quietly(dirs["per_expert"])
     routing_state = hf.load_hf_routing(dirs["per_expert"], cfg)
@@ -188,9 +189,15 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
     want, _ = hf_forward(model, tokens, mask)
     real = mask.astype(bool)
     for layout in ("per_expert", "fused"):
-        out = hf.save_hf(cfg, params, tmp_path / layout, routing_state=routing_state, layout=layout, family=family)
+        lines = []
+        out = hf.save_hf(cfg, params, tmp_path / layout, routing_state=routing_state, layout=layout, family=family,
+                         log=lines.append)
         written = json.loads((out / "config.json").read_text())
         assert (written["model_type"], written["architectures"]) == (text_family, [hf.FAMILIES[text_family]])
+        assert len(lines) == 1 and lines[0].startswith(f"wrote {text_family} ({layout} experts, float32)")
+        assert ("not qwen3_5_moe: moefast holds the language model of Qwen3.5-MoE (vision-language) only, written "
+                "as its text model (Qwen3_5MoeForCausalLM" in lines[0]) == (family == "qwen3_5_moe"), lines
+        assert ", not " not in lines[0] or family == "qwen3_5_moe", lines
         assert written["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
         reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                             output_loading_info=True)
@@ -252,8 +259,12 @@ def test_bad_checkpoints_are_one_clear_error(saved, tmp_path):
     prefix = TEXT_PREFIX.get(family, "model.")
     missing = prefix + ("layers.1.linear_attn.in_proj_ba.weight" if family == "qwen3_next"
                         else "layers.1.linear_attn.in_proj_a.weight")
-    with pytest.raises(hf.HFFormatError, match=rf"1 tensors that config.json implies are missing, e.g. \['{missing}'\]"):
+    with pytest.raises(hf.HFFormatError, match=rf"1 tensor that config.json implies is missing: \['{missing}'\]"):
         hf.load_hf(_rewrite(src, tmp_path / "no-a", drop=[missing]))
+    layer = [n for n in _tensors(src) if n.startswith(prefix + "layers.1.linear_attn.")]
+    with pytest.raises(hf.HFFormatError, match=rf"{len(layer)} tensors that config.json implies are missing, "
+                                               rf"e.g. \['{prefix}layers.1.linear_attn.[^']*', '"):
+        hf.load_hf(_rewrite(src, tmp_path / "no-layer", drop=layer))
     conv = prefix + "layers.2.linear_attn.conv1d.weight"
     with pytest.raises(hf.HFFormatError, match=rf"\['{conv}'\]"):
         hf.load_hf(_rewrite(src, tmp_path / "no-conv", drop=[conv]))

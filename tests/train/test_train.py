@@ -8,7 +8,7 @@ import pytest
 
 from moefast.data import load_corpus
 from moefast.model.layout import to_layout
-from moefast.train import Checkpointer, Trainer
+from moefast.train import CheckpointError, Checkpointer, Trainer
 
 
 def read_records(run_dir, kind):
@@ -160,11 +160,29 @@ def test_checkpoint_converts_between_scanned_and_unrolled_layers(small_config, t
 
 
 def test_resume_with_incompatible_config_fails_clearly(small_config, tmp_path):
+    """A refused resume compiles nothing first: not the train step, nor the CPU peak probe of the
+    MFU line (measured again here; it once ran before the checkpoint was checked)."""
+    from jax import monitoring
+
+    from moefast.train import mfu
+
     # a plain run (its step comes from the session's compilation cache)
     Trainer(small_config(*PLAIN), tmp_path, log=None, progress=False).run()
     other = Trainer(small_config("train.steps=4", "moe.num_experts=8"), tmp_path, log=None, progress=False)
-    with pytest.raises(Exception, match="different 'moe' config"):
-        other.run()
+    mfu.cpu_matmul_peak.cache_clear()
+    compiled = []  # every backend compile, a compilation-cache hit included
+
+    def listen(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kw.get("fun_name", "?"))
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with pytest.raises(CheckpointError, match="different 'moe' config"):
+            other.run()
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert compiled == [], f"compiled before the resume was refused: {compiled}"
 
 
 def test_loss_falls_on_default_corpus(small_config, tmp_path):

@@ -1,0 +1,127 @@
+"""What a run asks of the platform its step is compiled for, checked before anything compiles or is
+restored: one small function a check, each refusing with one :class:`~moefast.config.ConfigError`
+line that names the setting and what to use instead, or returning a note for the log.
+
+:class:`~moefast.train.Trainer` calls :func:`check_run` as soon as its mesh exists. A new check is
+one function ``(cfg, mesh) -> note or None`` added to :data:`CHECKS`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+
+from moefast import host_memory, parallel
+from moefast.config import ConfigError, ExperimentConfig
+from moefast.parallel import fp8_gemm
+
+__all__ = ["CHECKS", "check_run"]
+
+
+def _host_malloc(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> str | None:
+    """A note: on CPU, the host malloc keeps glibc's defaults."""
+    if parallel.platform(mesh) == "cpu" and host_memory.status() in (None, "too-late"):
+        return ("note: the host malloc keeps glibc's defaults, so XLA:CPU's freed step memory goes back to the OS "
+                "after every step (slower steps on CPU; docs/perf.md, 'Host memory'): call "
+                "moefast.host_memory.configure() before any JAX computation (the moefast command does)")
+    return None
+
+
+def _pallas_routing(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> None:
+    """``moe.routing_impl=pallas`` on a CPU mesh of several devices (the interpreter cannot run in
+    the expert-parallel ``shard_map``)."""
+    if cfg.moe.routing_impl == "pallas" and parallel.platform(mesh) == "cpu" and mesh.size > 1:
+        raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
+                          f"inside the expert-parallel shard_map over {mesh.size} devices; use "
+                          "'reference' or 'auto' here, or a mesh of one CPU device (devices=jax.devices()[:1]; "
+                          "--cpu-devices 1 on the command line)")
+
+
+def _fp8_dispatch(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> None:
+    """``moe.dispatch_dtype=float8_e4m3fn`` on GPUs without FP8 (compute capability below 8.9)."""
+    device = mesh.devices.flat[0]
+    cc = getattr(device, "compute_capability", None) if parallel.platform(mesh) == "gpu" else None
+    if cfg.moe.dispatch_dtype == "float8_e4m3fn" and cc is not None and float(cc) < 8.9:
+        raise ConfigError(f"moe.dispatch_dtype: float8_e4m3fn needs FP8 hardware (compute capability 8.9 or later: "
+                          f"Ada, Hopper, Blackwell); these {device.device_kind} GPUs are {cc}: "
+                          "use moe.dispatch_dtype=compute")
+
+
+def _fp8_gemms(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> str | None:
+    """``model.precision=fp8``: refuses GPUs without FP8 tensor cores; a note on what runs the GEMMs
+    (:func:`~moefast.parallel.fp8_gemm.check_device`)."""
+    if cfg.model.precision == "fp8":
+        return fp8_gemm.check_device(parallel.platform(mesh), mesh.devices.flat[0])
+    return None
+
+
+def _hierarchical(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> None:
+    """``moe.exchange=hierarchical`` fits this mesh (:func:`~moefast.parallel.expert.check_hierarchical`,
+    with each device's tokens per MoE call: a micro-batch's, over ``model.sequence_slices``) and, on
+    GPUs, each block of ``moe.gpus_per_host`` consecutive expert ranks is one host's (one process's)
+    devices."""
+    if cfg.moe.exchange != "hierarchical":
+        return
+    from moefast.parallel.expert import check_hierarchical
+
+    ep, g = mesh.shape.get("expert", 1), cfg.moe.gpus_per_host
+    # per MoE call: a micro-batch's rows, in model.sequence_slices slices
+    tokens = (cfg.data.batch_size // cfg.train.grad_accum_steps * cfg.data.seq_len // mesh.size
+              // cfg.model.sequence_slices)
+    try:
+        check_hierarchical(cfg.moe, ep, tokens)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if parallel.platform(mesh) == "gpu":
+        procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+        lines = procs.reshape(-1, ep // g, g)  # each expert axis: its blocks of g consecutive ranks
+        whole = (lines == lines[..., :1]).all() and all(len(set(line[:, 0])) == ep // g for line in lines)
+        if not whole:
+            raise ConfigError(f"moe.exchange=hierarchical: moe.gpus_per_host={g} does not match this mesh's hosts: "
+                              f"each block of {g} consecutive expert ranks must be one host's GPUs and the "
+                              f"{ep // g} blocks of an expert axis on {ep // g} different hosts; set "
+                              "moe.gpus_per_host to the GPUs per host, with the expert axis innermost (mesh order "
+                              "data, fsdp, expert)")
+
+
+def _triton_routing(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> None:
+    """``moe.routing_impl=triton`` where its kernel cannot run (not a GPU, no jax-triton)."""
+    if cfg.moe.routing_impl != "triton":
+        return
+    from moefast.kernels.routing import triton as triton_kernel
+
+    platform = parallel.platform(mesh)
+    why = triton_kernel.available(platform)
+    if why:
+        others = "'auto' or 'reference'" if platform == "cpu" and mesh.size > 1 else "'auto', 'reference' or 'pallas'"
+        raise ConfigError(f"moe.routing_impl: {why}; use {others} here")
+
+
+Check = Callable[[ExperimentConfig, jax.sharding.Mesh], str | None]
+
+# In the order they run: the first refusal is the one reported.
+CHECKS: tuple[Check, ...] = (_host_malloc, _pallas_routing, _fp8_dispatch, _fp8_gemms, _hierarchical,
+                             _triton_routing)
+
+
+def check_run(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> list[str]:
+    """Refuses a config that the platform of ``mesh`` cannot run, before anything compiles or is
+    restored.
+
+    Args:
+      cfg: the experiment.
+      mesh: the run's mesh (:func:`moefast.parallel.make_mesh`); its devices decide the platform
+        (:func:`moefast.parallel.platform`), and a GPU's ``compute_capability`` is read.
+
+    Returns:
+      Notes for the run's log (``"note: ..."``), in the order of :data:`CHECKS`.
+
+    Raises:
+      ConfigError: the first check that refuses: ``moe.routing_impl=pallas`` on a CPU mesh of
+        several devices; FP8 dispatch (``moe.dispatch_dtype``) or GEMMs (``model.precision``) on
+        GPUs without FP8 (compute capability below 8.9); ``moe.exchange=hierarchical`` that does
+        not fit the mesh or its hosts; ``moe.routing_impl=triton`` where its kernel cannot run.
+    """
+    return [note for check in CHECKS if (note := check(cfg, mesh))]
