@@ -95,7 +95,7 @@ def _import_hf(args, signals: _ImportSignals) -> None:
                   "not the tokenizer the model was trained with")
     trainer = Trainer(cfg, run_dir, progress=False)  # checks the config against the devices and tokenizer
     main = trainer.is_main  # with several processes (a shared run dir), process 0 writes the files and prints
-    params = hf.load_hf_params(src, cfg, shardings=trainer.state_sharding["params"],
+    params = hf.load_hf_params(src, cfg, shardings=trainer.base_param_sharding,
                                log=lambda s: print(f"note: {s}") if main else None)
     routing = hf.load_hf_routing(src, cfg, shardings=trainer.state_sharding["routing"])
     # the routing state is replicated: this process's copy, no collective (other processes skip this)

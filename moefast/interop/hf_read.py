@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from moefast.config import ExperimentConfig
+from moefast.config import ExperimentConfig, LoRAConfig
 from moefast.interop import families
 from moefast.interop.families import FamilySpec
 from moefast.model.layout import layer_layout, to_layout
@@ -25,6 +25,16 @@ from moefast.interop.hf_configs import _IGNORED_TENSORS, _hf_sections, _language
 def _flat_paths(tree: Any) -> list[tuple[tuple, Any]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return [(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path), v) for path, v in flat]
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun`` in its number: ``1 tensor``, ``3 tensors``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _examples(names: list[str], shown: int = 3) -> str:
+    """The tail of a message listing ``names``: all of them, or the first ``shown`` as examples."""
+    return f", e.g. {names[:shown]}" if len(names) > shown else f": {names}"
 
 
 def _abstract_params(cfg: ExperimentConfig, vocab_size: int) -> dict:
@@ -66,6 +76,7 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     path = Path(path)
     spec = _family_of(path)
     files = _Files(path)
+    cfg = cfg.replace(lora=LoRAConfig())  # the base model's parameters (adapters: moefast.model.lora.from_base)
     m = cfg.model
     vocab = m.vocab_size
     if vocab is None:
@@ -74,7 +85,8 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     _check_mtp(spec, hf, m, path)
     on_disk = _mtp_layers_held(files.where, spec, hf)
     if m.mtp_depth > on_disk:
-        raise HFFormatError(f"model.mtp_depth={m.mtp_depth}, but {path} holds {on_disk} multi-token-prediction layers "
+        held = _count(on_disk, "multi-token-prediction layer")
+        raise HFFormatError(f"model.mtp_depth={m.mtp_depth}, but {path} holds {held} "
                             f"({spec.mtp_key}={hf.get(spec.mtp_key) if spec.mtp_key else None} in config.json); "
                             f"import with model.mtp_depth<={on_disk}")
     target = _abstract_params(cfg, vocab)
@@ -90,35 +102,35 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
               if n in files.where}
     missing = [n for n in expected if n not in files.where]
     if missing:
-        raise HFFormatError(f"{path}: {len(missing)} tensors that config.json implies are missing, e.g. "
-                            f"{missing[:3]}")
+        raise HFFormatError(f"{path}: {_count(len(missing), 'tensor')} that config.json implies "
+                            f"{'is' if len(missing) == 1 else 'are'} missing{_examples(missing)}")
     unexpected = [n for n in files.where if n not in expected and n not in copies
                   and not n.endswith(_IGNORED_TENSORS)]
     mtp = _mtp_tensors(spec, hf, unexpected, m.mtp_depth)
     if mtp:
         unexpected = [n for n in unexpected if n not in mtp]
-        note = (f"{path}: {len(mtp)} tensors of the checkpoint's multi-token-prediction layers "
-                f"({spec.mtp_key}={hf[spec.mtp_key]} in config.json) are not read (model.mtp_depth="
-                f"{m.mtp_depth} reads the first {m.mtp_depth} whole layers)" +
+        note = (f"{path}: {_count(len(mtp), 'tensor')} of the checkpoint's multi-token-prediction layers "
+                f"({spec.mtp_key}={hf[spec.mtp_key]} in config.json) {'is' if len(mtp) == 1 else 'are'} not read "
+                f"(model.mtp_depth={m.mtp_depth} reads the first {m.mtp_depth} whole layers)" +
                 ("; the imported model predicts the next token only, as transformers' does" if not m.mtp_depth else ""))
         (log or warnings.warn)(note)
     skipped = {p: [n for n in unexpected if n.startswith(p)] for p in spec.skipped_tensors}
     skipped = {p: names for p, names in skipped.items() if names}
     if skipped:
         unexpected = [n for n in unexpected if not n.startswith(tuple(skipped))]
-        (log or warnings.warn)(f"{path}: {sum(map(len, skipped.values()))} tensors not read (moefast reads "
+        (log or warnings.warn)(f"{path}: {_count(sum(map(len, skipped.values())), 'tensor')} not read (moefast reads "
                                f"{spec.name}'s language model only): " +
                                "; ".join(f"{spec.skipped_tensors[p]}: {len(names)}" for p, names in skipped.items()))
     if unexpected:
-        raise HFFormatError(f"{path}: {len(unexpected)} tensors moefast has no place for, e.g. {unexpected[:3]} "
-                            "(an architecture option moefast does not implement?)")
+        raise HFFormatError(f"{path}: {_count(len(unexpected), 'tensor')} moefast has no place for"
+                            f"{_examples(unexpected)} (an architecture option moefast does not implement?)")
     if files.fp8:
         bo, bi = files.block
         (log or warnings.warn)(f"{path}: FP8 block-quantized weights (block {bo}×{bi}) dequantized to float32 "
-                               f"({len(files.fp8)} tensors, config.json's quantization_config)")
+                               f"({_count(len(files.fp8), 'tensor')}, config.json's quantization_config)")
     if files.mxfp4:
-        (log or warnings.warn)(f"{path}: MXFP4 expert weights dequantized to float32 ({len(files.mxfp4)} tensors, "
-                               "config.json's quantization_config)")
+        (log or warnings.warn)(f"{path}: MXFP4 expert weights dequantized to float32 "
+                               f"({_count(len(files.mxfp4), 'tensor')}, config.json's quantization_config)")
     for n, want in expected.items():
         _check_shape(files, n, want)
     for n, main in copies.items():  # moefast shares these with the main model: they must be exact copies

@@ -74,6 +74,8 @@ _PARTS: dict[str, Callable] = {
 def parts_of(module: nnx.Module, name: str) -> tuple[int, ...]:
     """The output widths of the parts ``module.{name}`` fuses (one adapter each), in column order."""
     shape = getattr(module, name).shape
+    if hasattr(module, name + LORA_B):  # the weight's own width (an NF4-stored one holds packed codes)
+        shape = (*shape[:-1], getattr(module, name + LORA_B).shape[-1])
     fn = _PARTS.get(type(module).__name__)
     return fn(module, name, shape) if fn else (shape[-1],)
 
@@ -271,8 +273,8 @@ def stored(cfg: LoRAConfig, params: dict) -> dict:
 def from_base(cfg: LoRAConfig, base: dict, fresh: dict) -> dict:
     """The stored parameters (:func:`stored`) of an adapted model whose base is ``base`` (pure
     float params of the model without adapters, e.g. imported) and whose adapters are ``fresh``'s
-    (a new adapted model's pure params: its structure and initial adapters); NF4-stored bases are
-    quantized from ``base`` here.
+    (a new adapted model's pure params: its initial adapters; its other leaves only give shapes and
+    dtypes, so ``jax.ShapeDtypeStruct`` s will do); NF4-stored bases are quantized from ``base`` here.
 
     Raises:
       ValueError: ``base`` lacks a parameter of the adapted model, or has another shape.
@@ -284,7 +286,9 @@ def from_base(cfg: LoRAConfig, base: dict, fresh: dict) -> dict:
         for k, v in f.items():
             if isinstance(v, dict):
                 out[k] = go(b.get(k, {}), v, path + (k,))
-            elif is_adapter((k,)) or str(k).endswith(ABSMAX):
+            elif str(k).endswith(ABSMAX):
+                continue  # with its codes, below
+            elif is_adapter((k,)):
                 out[k] = v
             elif k not in b:
                 raise ValueError(f"the base parameters lack {'/'.join(map(str, path + (k,)))}")

@@ -81,7 +81,7 @@ class Restored:
 
 
 # Sections whose change makes a checkpoint unusable (shapes or data stream differ).
-_FIXED_SECTIONS = ("model", "moe", "data")
+_FIXED_SECTIONS = ("model", "moe", "data", "lora")
 # Keys of those sections that choose how the same model is computed, not what it is: a resume may
 # change them (like the mesh), e.g. the exchange's chunks after moving to another expert axis.
 # ``model.scan_layers`` changes where the parameters live, not what they are: a checkpoint of the
@@ -90,7 +90,8 @@ _FIXED_SECTIONS = ("model", "moe", "data")
 _FREE_KEYS = {"model": {"remat", "scan_layers", "attention_impl", "linear_attention_impl", "precision"},
               "moe": {"grouped_matmul", "routing_impl", "dispatch", "overlap_chunks", "overlap_chain",
                       "dispatch_dtype", "exchange", "gpus_per_host"},
-              "data": {"prefetch"}}
+              "data": {"prefetch"},
+              "lora": {"routing"}}
 
 
 def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:

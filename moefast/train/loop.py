@@ -10,7 +10,8 @@ The parts: :mod:`~moefast.train.resume` (fresh state or exact resume from the ru
 checkpoint), :mod:`~moefast.train.timing` (metrics read back one step late, log lines, tokens/s,
 the non-finite-step policy), :mod:`~moefast.train.evaluation`, :mod:`~moefast.train.signals`
 (SIGTERM / SIGINT stop after a step with a checkpoint), :mod:`~moefast.train.profiling`,
-:mod:`~moefast.train.run_dir` (the run dir's checks, ``config.yaml`` and write errors) and
+:mod:`~moefast.train.run_dir` (the run dir's checks, ``config.yaml`` and write errors),
+:mod:`~moefast.train.checks` (what the platform cannot run, refused before anything compiles) and
 :mod:`~moefast.train.checkpoint`. :class:`Trainer` owns the mesh, the shardings and the compiled
 steps, and :meth:`Trainer.run` holds the loop.
 """
@@ -32,12 +33,13 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moefast import host_memory, parallel
-from moefast.parallel import fp8_gemm, xla_flags
-from moefast.config import ConfigError, ExperimentConfig
+from moefast.parallel import xla_flags
+from moefast.config import ExperimentConfig
 from moefast.data import Corpus, eval_batches, get_tokenizer, load_corpus, train_dataset
 from moefast.parallel.distributed import assert_same_config
 from moefast.train import run_dir as run_dir_lib
 from moefast.train.checkpoint import Checkpointer, CheckpointError, quiet_orbax_aftermath
+from moefast.train.checks import check_run
 from moefast.train.compile_cache import configure_compilation_cache
 from moefast.train.evaluation import Evaluator, format_eval
 from moefast.model import init_routing_state
@@ -64,9 +66,12 @@ def config_warnings(cfg: ExperimentConfig) -> list[str]:
         out.append(f"moe.warmup_steps={moe.warmup_steps} > train.steps={tc.steps}: routing is randomised "
                    f"({moe.warmup_routing} warm-up) for the whole run, so the router never trains on its own "
                    "choices; lower moe.warmup_steps")
-    if tc.warmup_steps > tc.steps:
-        out.append(f"train.warmup_steps={tc.warmup_steps} > train.steps={tc.steps}: the learning rate never "
-                   f"reaches train.learning_rate={tc.learning_rate}; lower train.warmup_steps")
+    if tc.warmup_steps > tc.steps:  # the schedule cuts the warm-up to train.steps (learning_rate_schedule)
+        n = tc.steps
+        out.append(f"train.warmup_steps={tc.warmup_steps} > train.steps={n}: the warm-up is cut to the run's {n} "
+                   f"steps, so the learning rate climbs linearly from 0 for the whole run (step k at (k-1)/{n} of "
+                   f"train.learning_rate={tc.learning_rate}, the last step at {(n - 1) / n:.3g} of it) and never "
+                   "decays (no cosine phase); lower train.warmup_steps below train.steps")
     return out
 
 
@@ -152,10 +157,12 @@ class Trainer:
     Raises:
       ValueError: ``profile`` is not ``1 <= start <= end``.
       ConfigError: ``run_dir`` does not exist and cannot be created (a path component is a file,
-        or the directory above it is not writable); a routing implementation this mesh cannot run;
-        a relative ``data.source``/``data.tokenizer`` of an existing run that is not found from the
-        working directory (:func:`moefast.train.run_dir.absolute_data_paths`; found ones are made
-        absolute in :attr:`cfg`).
+        or the directory above it is not writable); a config this mesh's platform cannot run
+        (:func:`moefast.train.checks.check_run`: Pallas or Triton routing, FP8, the hierarchical
+        exchange), before anything compiles; a relative ``data.source``/``data.tokenizer`` of an
+        existing run that is not found from the working directory
+        (:func:`moefast.train.run_dir.absolute_data_paths`; found ones are made absolute in
+        :attr:`cfg`).
       CheckpointError: ``run_dir`` exists and is not a directory, or holds files but no run
         (:func:`moefast.train.run_dir.check_run_dir`): refused before anything is read or restored.
 
@@ -190,32 +197,8 @@ class Trainer:
         self.host_malloc = host_memory.status() or "system (not configured)"
         self.mesh = parallel.make_mesh(cfg, devices)
         self.platform = parallel.platform(self.mesh)  # what the steps are compiled for
-        if self.platform == "cpu" and host_memory.status() in (None, "too-late"):
-            self._log("note: the host malloc keeps glibc's defaults, so XLA:CPU's freed step memory goes back to the "
-                      "OS after every step (slower steps on CPU; docs/perf.md, 'Host memory'): call "
-                      "moefast.host_memory.configure() before any JAX computation (the moefast command does)")
-        if cfg.moe.routing_impl == "pallas" and self.platform == "cpu" and self.mesh.size > 1:
-            raise ConfigError("moe.routing_impl: 'pallas' runs in the Pallas interpreter on CPU, which cannot run "
-                              f"inside the expert-parallel shard_map over {self.mesh.size} devices; use "
-                              "'reference' or 'auto' here, or a mesh of one CPU device (devices=jax.devices()[:1]; "
-                              "--cpu-devices 1 on the command line)")
-        cc = getattr(self.mesh.devices.flat[0], "compute_capability", None) if self.platform == "gpu" else None
-        if cfg.moe.dispatch_dtype == "float8_e4m3fn" and cc is not None and float(cc) < 8.9:
-            raise ConfigError(f"moe.dispatch_dtype: float8_e4m3fn needs FP8 hardware (compute capability 8.9 or later: "
-                              f"Ada, Hopper, Blackwell); these {self.mesh.devices.flat[0].device_kind} GPUs are {cc}: "
-                              "use moe.dispatch_dtype=compute")
-        if cfg.model.precision == "fp8":  # refuses GPUs without FP8 tensor cores; notes what runs the GEMMs
-            self._log(fp8_gemm.check_device(self.platform, self.mesh.devices.flat[0]))
-        if cfg.moe.exchange == "hierarchical":
-            self._check_hierarchical(cfg)
-        if cfg.moe.routing_impl == "triton":
-            from moefast.kernels.routing import triton as triton_kernel
-
-            why = triton_kernel.available(self.platform)
-            if why:
-                others = "'auto' or 'reference'" if self.platform == "cpu" and self.mesh.size > 1 else \
-                    "'auto', 'reference' or 'pallas'"
-                raise ConfigError(f"moe.routing_impl: {why}; use {others} here")
+        for note in check_run(cfg, self.mesh):  # refuses what this platform cannot run, before anything compiles
+            self._log(note)
         if corpus is not None:
             self.corpus = corpus  # else read on first use (cached_property): compiling needs only the tokenizer
         self.data_cfg = cfg.data  # with a run-dir-relative tokenizer path resolved
@@ -286,7 +269,7 @@ class Trainer:
         param_spec = self.model_def.param_state_specs(mesh)
         abstract = self.model_def.abstract_state()
         opt_spec = optax.tree_utils.tree_map_params(
-            make_optimizer(self.cfg), lambda p, spec: spec, abstract["opt_state"], param_spec,
+            make_optimizer(self.cfg), lambda p, spec: spec, abstract["opt_state"], self.model_def.split(param_spec)[0],
             transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
         specs = {"params": param_spec, "opt_state": opt_spec, "step": P(),
                  "routing": jax.tree.map(lambda _: P(), abstract["routing"])}
@@ -303,31 +286,6 @@ class Trainer:
         """Shapes, dtypes and shardings of the train state (the restore target)."""
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.model_def.abstract_state(), self.state_sharding)
-
-    def _check_hierarchical(self, cfg) -> None:
-        """``moe.exchange=hierarchical`` fits this mesh (:func:`~moefast.parallel.expert.check_hierarchical`,
-        with each device's tokens per MoE call: a micro-batch's, over ``model.sequence_slices``) and, on GPUs, each block of ``moe.gpus_per_host``
-        consecutive expert ranks is one host's (one process's) devices."""
-        from moefast.parallel.expert import check_hierarchical
-
-        ep, g = self.mesh.shape.get("expert", 1), cfg.moe.gpus_per_host
-        # per MoE call: a micro-batch's rows, in model.sequence_slices slices
-        tokens = (cfg.data.batch_size // cfg.train.grad_accum_steps * cfg.data.seq_len // self.mesh.size
-                  // cfg.model.sequence_slices)
-        try:
-            check_hierarchical(cfg.moe, ep, tokens)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if self.platform == "gpu":
-            procs = np.vectorize(lambda d: d.process_index)(self.mesh.devices)
-            lines = procs.reshape(-1, ep // g, g)  # each expert axis: its blocks of g consecutive ranks
-            whole = (lines == lines[..., :1]).all() and all(len(set(line[:, 0])) == ep // g for line in lines)
-            if not whole:
-                raise ConfigError(f"moe.exchange=hierarchical: moe.gpus_per_host={g} does not match this mesh's hosts: "
-                                  f"each block of {g} consecutive expert ranks must be one host's GPUs and the "
-                                  f"{ep // g} blocks of an expert axis on {ep // g} different hosts; set "
-                                  "moe.gpus_per_host to the GPUs per host, with the expert axis innermost (mesh order "
-                                  "data, fsdp, expert)")
 
     def lower_train_step(self) -> jax.stages.Lowered:
         """The train step lowered for this run's exact shapes and shardings (nothing runs; works for
@@ -499,6 +457,7 @@ class Trainer:
         begin = start_or_resume(cfg, ckpt, data_iter, init_state=self.init_state,
                                 abstract_state=self.abstract_state, log=self._log, identity=self.identity())
         start, last = begin.step, tc.last_step
+        self._log_peak()
         writer = self._open_metrics(ckpt, start)
         if start >= last:
             self._log(f"run is already at step {start} (train.stop_at/train.steps = {last}); nothing to train")
@@ -529,13 +488,25 @@ class Trainer:
         self._log(f"model: {n_params / 1e6:.2f}M parameters | mesh {dict(self.mesh.shape)} on "
                   f"{jax.device_count()} {jax.devices()[0].platform} device(s) | compilation cache "
                   f"{self.compile_cache_dir or 'off'} | host malloc {self.host_malloc}")
+        if cfg.lora.enabled:
+            train, frozen = self.model_def.split(self.model_def.abstract_params)
+            size = lambda t: sum(x.size for x in jax.tree.leaves(t))  # noqa: E731
+            nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
+            self._log(f"lora: rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)} | trainable {size(train) / 1e6:,.3f}M "
+                      f"parameters ({nbytes(train) / 2**20:,.1f} MiB float32, optimizer {2 * nbytes(train) / 2**20:,.1f} "
+                      f"MiB) | frozen base {size(frozen) / 1e6:,.2f}M parameters ({nbytes(frozen) / 2**20:,.1f} MiB, "
+                      f"{cfg.lora.base_dtype})")
+        for warning in config_warnings(cfg) + self.corpus.warnings(cfg.data):
+            self._log(f"warning: {warning}")
+
+    def _log_peak(self) -> None:
+        """The MFU line: FLOPs per token and the peak (on CPU measured by compiling and timing a matmul,
+        so only once the state is fresh or restored: a refused resume compiles nothing)."""
         peak = self.peak
         self._log(f"MFU: {self.flops_per_token / 1e6:,.1f} MFLOP per token (6 x active parameters + attention); peak "
                   + (f"{peak.flops_per_s / 1e12:,.3g} TFLOP/s" + (f" ({peak.devices} x {peak.per_device_tflops:,.4g})"
                                                                    if peak.devices > 1 else "")
                      if peak.flops_per_s else "unknown") + f" [{peak.source}]")
-        for warning in config_warnings(cfg) + self.corpus.warnings(cfg.data):
-            self._log(f"warning: {warning}")
 
     def _open_metrics(self, ckpt: Checkpointer, start: int) -> MetricsWriter:
         """Writes the run's config.yaml (only once the config is known to fit the run dir's
@@ -645,6 +616,8 @@ class Trainer:
             a, b = (jax.tree.map(lambda x: (x.shape, x.dtype), t) for t in (a, b))
             return jax.tree.structure(a) == jax.tree.structure(b) and jax.tree.leaves(a) == jax.tree.leaves(b)
 
+        if self.cfg.lora.enabled and not same(self.model_def.abstract_params, params):
+            params = self._with_adapters(params)
         if not same(self.model_def.abstract_params, params):
             raise ValueError("params do not have the structure, shapes and dtypes of this config's model")
         if routing is not None and not same(jax.eval_shape(lambda: init_routing_state(self.cfg)), routing):
@@ -660,7 +633,7 @@ class Trainer:
                 sharding = self.state_sharding
                 with jax.set_mesh(self.mesh):
                     params = jax.device_put(params, sharding["params"])
-                    rest = jax.jit(lambda p: {"opt_state": make_optimizer(self.cfg).init(p),
+                    rest = jax.jit(lambda p: {"opt_state": make_optimizer(self.cfg).init(self.model_def.split(p)[0]),
                                               "routing": init_routing_state(self.cfg),
                                               "step": jnp.zeros((), jnp.int32)},
                                    out_shardings={k: sharding[k] for k in ("opt_state", "routing", "step")})(params)
@@ -673,6 +646,34 @@ class Trainer:
         if self.is_main:
             run_dir_lib.write_run_config(self.run_dir, self.cfg)
         return ckpt.directory / "0"
+
+    @functools.cached_property
+    def base_param_sharding(self) -> dict:
+        """Shardings of the parameters of the model without adapters (what :meth:`initialize` takes
+        with ``lora``; e.g. :func:`moefast.interop.hf.load_hf_params`'s ``shardings``); without
+        adapters, ``state_sharding["params"]``."""
+        if not self.cfg.lora.enabled:
+            return self.state_sharding["params"]
+        base = ModelDef(self.cfg.replace(lora=dataclasses.replace(self.cfg.lora, rank=0)), self.model_def.vocab_size)
+        return parallel.shardings(self.mesh, base.param_state_specs(self.mesh))
+
+    def _with_adapters(self, base: dict) -> dict:
+        """The adapted model's stored parameters from the base model's ``base`` (float32, e.g.
+        imported): base weights in ``lora.base_dtype``, fresh adapters from ``train.seed``
+        (:func:`moefast.model.lora.from_base`)."""
+        from moefast.model import lora
+
+        seed = self.cfg.train.seed
+        with jax.set_mesh(self.mesh):
+            adapters = jax.jit(lambda: self.model_def.split(self.model_def.init_params(seed))[0],
+                               out_shardings=self.model_def.split(self.state_sharding["params"])[0])()
+            frozen = self.model_def.split(self.model_def.abstract_params)[1]  # shapes and dtypes
+            try:
+                return jax.jit(lambda b, a: lora.from_base(self.cfg.lora, b, lora.join(a, frozen)),
+                               out_shardings=self.state_sharding["params"])(base, adapters)
+            except ValueError as e:
+                raise ValueError(f"params are neither this config's model nor its base model without adapters: {e}") \
+                    from None
 
     def restore_params(self, *, corpus: bool = False) -> tuple[int, dict, dict]:
         """Step, parameters and routing state of the latest checkpoint in the run dir.

@@ -9,11 +9,12 @@ import sys
 import textwrap
 
 import jax
+import numpy as np
 import pytest
 
 from conftest import SMALL_MODEL
 from moefast.data import load_corpus
-from moefast.train import Trainer, config_warnings
+from moefast.train import Trainer, config_warnings, learning_rate_schedule
 from moefast.train.monitor import ExpertLoadMonitor
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -100,7 +101,13 @@ def test_config_warnings_and_a_one_document_corpus(small_config, tmp_path):
     said = config_warnings(cfg)
     assert len(said) == 2
     assert said[0].startswith("moe.warmup_steps=10 > train.steps=3: routing is randomised")
-    assert said[1].startswith("train.warmup_steps=5 > train.steps=3: the learning rate never reaches")
+    # what the schedule does with it: a linear climb over the whole run, never the peak, never a decay
+    assert said[1].startswith("train.warmup_steps=5 > train.steps=3: the warm-up is cut to the run's 3 steps, so the "
+                              "learning rate climbs linearly from 0 for the whole run (step k at (k-1)/3 of "
+                              f"train.learning_rate={cfg.train.learning_rate}, the last step at 0.667 of it) and "
+                              "never decays"), said[1]
+    applied = [float(learning_rate_schedule(cfg)(k - 1)) / cfg.train.learning_rate for k in (1, 2, 3)]  # step k's
+    np.testing.assert_allclose(applied, [0, 1 / 3, 2 / 3], rtol=1e-6)
     assert config_warnings(small_config("train.steps=30", "moe.warmup_steps=10")) == []
 
     one = tmp_path / "one"
