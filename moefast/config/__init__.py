@@ -122,6 +122,18 @@ class ExperimentConfig:
                  "mesh.context=1")
         _require(c == 1 or self.model.sequence_slices == 1, "mesh.context",
                  f"{c} with model.sequence_slices={self.model.sequence_slices}: use one or the other")
+        if self.lora.enabled and self.lora.targets is not None:  # a named target that adapts nothing would leave what the user meant frozen, silently
+            m = self.model
+            moe_layers = any(m.is_moe_layer(i) for i in range(m.num_layers))
+            has = {"attention": True, "experts": moe_layers, "shared_experts": moe_layers and self.moe.shared_expert_d_ff > 0,
+                   "mlp": any(not m.is_moe_layer(i) for i in range(m.num_layers))}
+            what = {"experts": "MoE layers", "shared_experts": "shared experts", "mlp": "dense MLP layers"}
+            for t in (t for t in self.lora.targets if not has[t]):
+                rest = [x for x in self.lora.targets if has[x]]
+                _require(False, "lora.targets", f"{t!r} adapts nothing in this model (it has no {what[t]}); leave it "
+                         f"out (lora.targets=[{', '.join(rest)}])" if rest else
+                         f"{t!r} adapts nothing in this model (it has no {what[t]}); use lora.targets=null (every "
+                         "kind the model has)")
         _require(self.moe.dispatch_dtype == "compute" or self.model.d_model % 128 == 0, "moe.dispatch_dtype",
                  f"FP8 dispatch scales each 128 channels of a row; model.d_model={self.model.d_model} is not a "
                  "multiple of 128: use moe.dispatch_dtype=compute")

@@ -27,9 +27,10 @@ class LoRAConfig:
       rank: r, the adapters' rank; 0 (default) = no adapters (every parameter trains).
       alpha: the scale's numerator, ``alpha / r`` (PEFT's ``lora_alpha``); ``None``: ``rank``
         (scale 1). The routed experts use ``alpha / expert_rank``.
-      targets: which projections get adapters (:data:`LORA_TARGETS`). Every routed expert gets its
-        own ``A`` [in, r] and ``B`` [r, out], stored as [E, in, r] and [E, r, out] and sharded like
-        the experts' weights.
+      targets: which projections get adapters (:data:`LORA_TARGETS`); ``None`` (default): every
+        kind the model has. Named explicitly, each must adapt something (the config refuses
+        ``experts`` for a model without MoE layers). Every routed expert gets its own ``A`` [in, r]
+        and ``B`` [r, out], stored as [E, in, r] and [E, r, out] and sharded like the experts' weights.
       expert_rank: the routed experts' rank; ``None``: ``rank``.
       init: ``A``'s initialiser, ``B`` always starting at 0 so the adapted model at step 0 is the
         base model bitwise: ``"kaiming_uniform"`` (PEFT's default: uniform in +-1/sqrt(in)) or
@@ -47,7 +48,7 @@ class LoRAConfig:
 
     rank: int = 0
     alpha: float | None = None
-    targets: tuple[str, ...] = LORA_TARGETS
+    targets: tuple[str, ...] | None = None
     expert_rank: int | None = None
     init: Literal["kaiming_uniform", "gaussian"] = "kaiming_uniform"
     base_dtype: Literal["bfloat16", "float32", "nf4"] = "bfloat16"
@@ -60,16 +61,21 @@ class LoRAConfig:
         _require(self.alpha is None or self.alpha > 0, "lora.alpha", f"must be null (= rank) or > 0, got {self.alpha}")
         _require(self.expert_rank is None or self.expert_rank >= 1, "lora.expert_rank",
                  f"must be null (= lora.rank) or >= 1, got {self.expert_rank}")
-        for t in self.targets:
+        for t in self.targets or ():
             _require(t in LORA_TARGETS, "lora.targets", f"{t!r} is not one of {list(LORA_TARGETS)}")
         for t in self.train:
             _require(t in LORA_TRAIN, "lora.train", f"{t!r} is not one of {list(LORA_TRAIN)}")
-        _require(not self.rank or bool(self.targets), "lora.targets",
-                 f"is empty with lora.rank={self.rank}: name at least one of {list(LORA_TARGETS)}")
+        _require(self.targets is None or bool(self.targets), "lora.targets",
+                 f"is empty: name at least one of {list(LORA_TARGETS)}, or null for every kind the model has")
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def target_kinds(self) -> tuple[str, ...]:
+        """``targets``, ``None`` read as every kind (:data:`LORA_TARGETS`)."""
+        return LORA_TARGETS if self.targets is None else self.targets
 
     def rank_of(self, target: str) -> int:
         """The rank of ``target``'s adapters (``expert_rank`` for ``"experts"``)."""

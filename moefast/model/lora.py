@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from moefast.config import ExperimentConfig, LoRAConfig
 from moefast.parallel.precision import dense
@@ -36,6 +37,7 @@ __all__ = ["ABSMAX", "LORA_A", "LORA_B", "TARGETS", "adapted", "attach", "from_b
 
 LORA_A, LORA_B = "_lora_a", "_lora_b"
 ABSMAX = "_nf4_absmax"  # an NF4-stored base weight's block scales (lora.base_dtype: nf4)
+NF4_WEIGHT = "lora_nf4_weight"  # the name of a dequantized NF4 weight (recomputed in the backward pass)
 
 
 def _attention_parts(m, name, shape):
@@ -95,7 +97,7 @@ def attach(module: nnx.Module, cfg: LoRAConfig, key: jax.Array) -> None:
     if not cfg.enabled:
         return
     for site, (name, target) in enumerate(TARGETS.get(type(module).__name__, {}).items()):
-        if target not in cfg.targets or not hasattr(module, name):
+        if target not in cfg.target_kinds or not hasattr(module, name):
             continue
         rngs = nnx.Rngs(params=jax.random.fold_in(key, site))
         w = getattr(module, name)
@@ -142,7 +144,20 @@ def base_weight(module: nnx.Module, name: str, dtype) -> jax.Array:
     from moefast.parallel.nf4 import NF4, nf4_dequantize
 
     width = getattr(module, name + LORA_B).shape[-1]
-    return nf4_dequantize(NF4(w, getattr(module, name + ABSMAX)[...], width), dtype)
+    return checkpoint_name(nf4_dequantize(NF4(w, getattr(module, name + ABSMAX)[...], width), dtype), NF4_WEIGHT)
+
+
+def is_nf4(module: nnx.Module) -> bool:
+    """``module`` holds an NF4-stored weight (``lora.base_dtype: nf4``)."""
+    return any(hasattr(module, n + ABSMAX) for n in TARGETS.get(type(module).__name__, {}))
+
+
+def recompute_dequantized(fn: Callable) -> Callable:
+    """``fn`` whose NF4 weights' dequantized copies (:func:`base_weight`) are not kept for the
+    backward pass but dequantized again there from the codes (``jax.checkpoint`` saving anything
+    else), so the backward never holds more than the layer's dequantized weights at a time, as
+    QLoRA's backward dequantizes again (Dettmers et al. 2023, sec. 3)."""
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_anything_except_these_names(NF4_WEIGHT))
 
 
 def effective_weight(module: nnx.Module, name: str) -> jax.Array:
@@ -164,6 +179,12 @@ def project(module: nnx.Module, name: str, x: jax.Array, dtype, names: tuple, *,
     Args:
       x: [..., in] activations. Returns: [..., out] in ``dtype``.
     """
+    if hasattr(module, name + ABSMAX):
+        return recompute_dequantized(lambda x: _project(module, name, x, dtype, names, fp8))(x)
+    return _project(module, name, x, dtype, names, fp8)
+
+
+def _project(module, name, x, dtype, names, fp8):
     y = dense(x, base_weight(module, name, dtype), dtype, names, fp8=fp8)
     if not hasattr(module, name + LORA_A):
         return y
@@ -200,7 +221,7 @@ _TRAIN_GROUPS: dict[str, Callable[[tuple], bool]] = {
     "norms": lambda p: "norm" in str(p[-1]) or p[-1] in ("scale", "router_scale"),
     "embeddings": lambda p: p[-1] == "embed",
     "head": lambda p: p[-1] == "lm_head",
-    "biases": lambda p: str(p[-1]).endswith("bias") and p[-1] not in ("router_bias", "dt_bias"),
+    "biases": lambda p: (str(p[-1]).endswith("bias") and p[-1] not in ("router_bias", "dt_bias")) or p[-1] in ("b_in", "b_out"),
 }
 
 

@@ -17,7 +17,7 @@ from moefast.config import MoEConfig
 from moefast.model.norm import rms
 from moefast.parallel.expert import MoEStats, RoutingSums, gated_unit, moe_ffn
 from moefast.parallel.mesh import check_mesh_axes
-from moefast.model.lora import expert_projection, project
+from moefast.model.lora import expert_projection, is_nf4, project, recompute_dequantized
 from moefast.parallel.precision import dense
 
 __all__ = ["MoELayer", "MoEStats"]
@@ -144,9 +144,6 @@ class MoELayer(nnx.Module):
             got = None if mask_bt is None else tuple(mask_bt.shape)
             raise ValueError(f"MoELayer: mask_bt must be a [batch, tokens] = {tuple(x_btd.shape[:2])} bool array "
                              f"(True for real tokens; jnp.ones(...) if every token is real), got {got}")
-        bias = self.moe.expert_bias
-        w_in = expert_projection(self, "w_in", self.b_in[...] if bias else None)
-        w_out = expert_projection(self, "w_out", self.b_out[...] if bias else None)
         routed_x, router_x = x_btd, None
         if self.moe.branch_norms:
             if residual_btd is None or residual_btd.shape != x_btd.shape:
@@ -155,12 +152,20 @@ class MoELayer(nnx.Module):
             eps = self.norm_eps
             routed_x = rms(residual_btd, eps, self.routed_in_norm[...]).astype(x_btd.dtype)
             router_x = rms(residual_btd, eps, self.router_scale[...]) * d_model ** -0.5  # float32
-        y, stats = moe_ffn(routed_x, mask_bt, self.router[...], w_in, w_out, self.moe,
-                           drop_tokens=drop_tokens, dtype=self.dtype, fp8=self.fp8, bias_e=bias_e, load_ema_e=load_ema_e,
-                           warmup_key=warmup_key, warmup_active=warmup_active, reduce_stats=reduce_stats,
+
+        def routed(routed_x, router_x):
+            bias = self.moe.expert_bias
+            w_in = expert_projection(self, "w_in", self.b_in[...] if bias else None)
+            w_out = expert_projection(self, "w_out", self.b_out[...] if bias else None)
+            return moe_ffn(routed_x, mask_bt, self.router[...], w_in, w_out, self.moe, drop_tokens=drop_tokens,
+                           dtype=self.dtype, fp8=self.fp8, bias_e=bias_e, load_ema_e=load_ema_e, warmup_key=warmup_key,
+                           warmup_active=warmup_active, reduce_stats=reduce_stats,
                            router_bias_e=self.router_bias[...] if self.moe.router_bias else None,
                            router_x_btd=router_x,
                            expert_scale_e=self.expert_scale[...] if self.moe.per_expert_scale else None)
+
+        # NF4 experts (lora.base_dtype: nf4): dequantized again in the backward pass, never kept
+        y, stats = (recompute_dequantized(routed) if is_nf4(self) else routed)(routed_x, router_x)
         if self.moe.shared_expert_d_ff:
             x = x_btd.astype(self.dtype)
             h = project(self, "shared_w_in", x, self.dtype, ("embed", "mlp"), fp8=self.fp8)

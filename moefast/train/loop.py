@@ -492,7 +492,8 @@ class Trainer:
             train, frozen = self.model_def.split(self.model_def.abstract_params)
             size = lambda t: sum(x.size for x in jax.tree.leaves(t))  # noqa: E731
             nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
-            self._log(f"lora: rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)} | trainable {size(train) / 1e6:,.3f}M "
+            kinds = cfg.lora.targets or ("every projection",)
+            self._log(f"lora: rank {cfg.lora.rank} on {', '.join(kinds)} | trainable {size(train) / 1e6:,.3f}M "
                       f"parameters ({nbytes(train) / 2**20:,.1f} MiB float32, optimizer {2 * nbytes(train) / 2**20:,.1f} "
                       f"MiB) | frozen base {size(frozen) / 1e6:,.2f}M parameters ({nbytes(frozen) / 2**20:,.1f} MiB, "
                       f"{cfg.lora.base_dtype})")

@@ -215,3 +215,10 @@ def test_trained_run_changes_the_adapters_only_and_resumes_exactly(small_config,
         delta = np.einsum("leir,lero->leio", ffn[name + lora.LORA_A], ffn[name + lora.LORA_B])
         moved = np.abs(delta).max(axis=(2, 3)) > 0  # [L, E]
         assert np.array_equal(moved, tokens > 0), (name, moved, tokens)
+
+
+def test_a_named_target_must_adapt_something():
+    assert load_config(None, ["lora.rank=4"]).lora.target_kinds == ("attention", "mlp", "shared_experts", "experts")
+    with pytest.raises(ValueError, match=r"lora.targets: 'mlp' adapts nothing in this model \(it has no dense MLP "
+                                         r"layers\); leave it out \(lora.targets=\[experts\]\)"):
+        load_config(None, ["lora.rank=4", "lora.targets=[mlp,experts]"])
