@@ -1,11 +1,13 @@
-"""``moefast bench precision``: the config trained with ``model.precision=bf16`` and ``=fp8`` (the
-same seeds, data and steps, one ``moefast train`` process each) and their losses compared.
+"""``moefast bench precision``: the config trained with a baseline and a candidate value of one
+key (``vary``; by default ``model.precision=bf16`` and ``=fp8``; e.g. ``lora.base_dtype=bfloat16``
+and ``=nf4``: LoRA on a bfloat16 base against QLoRA), the same seeds, data and steps, one
+``moefast train`` process each, and their losses compared.
 
 The loss figures are the mean training loss over the last ``window`` logged records (a single
 step's loss is one batch's: noisy) and the validation loss at the end, each averaged over
 ``seeds`` seeds (``train.seed`` = the config's, +1, ...): one short run's final loss moves by a few
 percent with the seed or any perturbation of its trajectory, so a bound of 2 % is read on the
-means, one-sided: fp8's mean losses at most 2 % above bf16's (lower is within). Only numbers are compared here, never speed:
+means, one-sided: the candidate's mean losses at most 2 % above the baseline's (lower is within). Only numbers are compared here, never speed:
 on CPU fp8 is emulated (:mod:`moefast.parallel.fp8_gemm`).
 """
 
@@ -45,18 +47,19 @@ class PrecisionBenchResult:
     seeds: int
     mean_train: dict[str, float]  # precision -> mean over the seeds of the final training loss
     mean_eval: dict[str, float | None]
-    relative_train: float  # fp8's mean final loss / bf16's - 1
+    relative_train: float  # the candidate's mean final loss / the baseline's - 1
     relative_eval: float | None
     within: bool
     jax: str
     date: str
+    vary: tuple[str, str, str] = ("model.precision", "bf16", "fp8")  # key, baseline, candidate
 
 
-def _run(config, overrides, precision, steps, log_every, tmp) -> tuple[list[dict], float]:
+def _run(config, overrides, key, value, steps, log_every, tmp) -> tuple[list[dict], float]:
     from moefast.bench.process import train_process
 
-    run_dir = Path(tmp) / precision
-    _, wall = train_process(run_dir, [*overrides, f"model.precision={precision}", f"train.steps={steps}",
+    run_dir = Path(tmp) / value
+    _, wall = train_process(run_dir, [*overrides, f"{key}={value}", f"train.steps={steps}",
                                       f"train.log_every={log_every}", _EVAL_EVERY.format(steps=steps),
                                       f"train.checkpoint_every={steps}"], config)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -65,11 +68,13 @@ def _run(config, overrides, precision, steps, log_every, tmp) -> tuple[list[dict
 
 def bench_precision(config: str | None = None, overrides: list[str] | None = None, *, steps: int = 300,
                     seeds: int = 1, window: int = 5, log_every: int = 10, bound: float = 0.02,
-                    log=None) -> PrecisionBenchResult:
-    """Trains the config in bf16 and in fp8 and compares the losses (module docstring).
+                    vary: tuple[str, str, str] = ("model.precision", "bf16", "fp8"), log=None) -> PrecisionBenchResult:
+    """Trains the config with the baseline and the candidate value of a key and compares the losses
+    (module docstring).
 
     Args:
       config: YAML config (``None``: configs/tiny.yaml); overrides: ``section.key=value``.
+      vary: ``(key, baseline, candidate)``, e.g. ``("lora.base_dtype", "bfloat16", "nf4")``.
       steps: optimizer steps of each run.
       seeds: runs per precision, with ``train.seed`` the config's, +1, ...
       window: logged records the final training loss averages over.
@@ -89,19 +94,22 @@ def bench_precision(config: str | None = None, overrides: list[str] | None = Non
                          "seeds >= 1 and at least window logged records (steps / log_every >= window)")
     say = log or (lambda _: None)
     user = list(overrides or [])
+    key, *values = vary
     seed0 = load_config(config, user).train.seed
+    for v in values:  # a bad key or value: one clear error before any run
+        load_config(config, [*user, f"{key}={v}"])
     runs = []
     with tempfile.TemporaryDirectory(prefix="moefast-bench-precision-") as tmp:
         for seed in range(seed0, seed0 + seeds):
-            for precision in ("bf16", "fp8"):
-                records, wall = _run(config, [*user, f"train.seed={seed}"], precision, steps, log_every,
+            for precision in values:
+                records, wall = _run(config, [*user, f"train.seed={seed}"], key, precision, steps, log_every,
                                      Path(tmp) / str(seed))
                 runs.append(_summary(precision, seed, records, wall, window))
                 r = runs[-1]
                 ev = "n/a" if r.eval_loss is None else f"{r.eval_loss:.4f}"
-                say(f"{precision}, seed {seed}: final train loss {r.final_loss:.4f} (mean of the last {window} "
+                say(f"{key}={precision}, seed {seed}: final train loss {r.final_loss:.4f} (mean of the last {window} "
                     f"logged), eval {ev}, {wall:.0f} s")
-    return _verdict(config, user, steps, window, bound, runs, seeds, jax.__version__)
+    return _verdict(config, user, steps, window, bound, runs, seeds, jax.__version__, tuple(vary))
 
 
 def _summary(precision: str, seed: int, records: list[dict], wall: float, window: int) -> PrecisionRun:
@@ -113,44 +121,50 @@ def _summary(precision: str, seed: int, records: list[dict], wall: float, window
     return PrecisionRun(precision, seed, final, evals[-1]["eval_loss"] if evals else None, train, wall, nonfinite)
 
 
-def _verdict(config, user, steps, window, bound, runs, seeds, jax_version) -> PrecisionBenchResult:
-    """The means over the seeds and fp8's relative to bf16's; within when neither of fp8's is more than
-    ``bound`` above bf16's (a lower fp8 loss is within)."""
+def _verdict(config, user, steps, window, bound, runs, seeds, jax_version,
+             vary=("model.precision", "bf16", "fp8")) -> PrecisionBenchResult:
+    """The means over the seeds and the candidate's relative to the baseline's; within when neither of
+    the candidate's is more than ``bound`` above the baseline's (a lower loss is within)."""
+    _, base, cand = vary
     def mean(precision, field):
         vals = [getattr(r, field) for r in runs if r.precision == precision]
         return None if any(v is None for v in vals) else sum(vals) / len(vals)
 
-    train = {p: mean(p, "final_loss") for p in ("bf16", "fp8")}
-    ev = {p: mean(p, "eval_loss") for p in ("bf16", "fp8")}
-    rel = train["fp8"] / train["bf16"] - 1
-    rel_eval = ev["fp8"] / ev["bf16"] - 1 if ev["bf16"] and ev["fp8"] is not None else None
+    train = {p: mean(p, "final_loss") for p in (base, cand)}
+    ev = {p: mean(p, "eval_loss") for p in (base, cand)}
+    rel = train[cand] / train[base] - 1
+    rel_eval = ev[cand] / ev[base] - 1 if ev[base] and ev[cand] is not None else None
     within = rel <= bound and (rel_eval is None or rel_eval <= bound)
     return PrecisionBenchResult(config or "configs/tiny.yaml", user, steps, window, bound, runs, seeds, train, ev, rel,
-                                rel_eval, within, jax_version, datetime.date.today().isoformat())
+                                rel_eval, within, jax_version, datetime.date.today().isoformat(), tuple(vary))
 
 
 def format_table(r: PrecisionBenchResult) -> str:
     """Markdown: one row per precision, then the verdict."""
     f = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
-    lines = [f"| model.precision | seed | train loss (mean of last {r.window} logged) | eval loss | steps with "
+    key, base, cand = r.vary
+    lines = [f"| {key} | seed | train loss (mean of last {r.window} logged) | eval loss | steps with "
              "non-finite values | wall s |", "|---|---:|---:|---:|---:|---:|"]
     for x in r.runs:
         lines.append(f"| {x.precision} | {x.seed} | {x.final_loss:.4f} | {f(x.eval_loss)} | {x.nonfinite_steps} | "
                      f"{x.wall_s:.0f} |")
     if r.seeds > 1:
-        lines += [f"| {p} | mean of {r.seeds} | {r.mean_train[p]:.4f} | {f(r.mean_eval[p])} | | |" for p in ("bf16", "fp8")]
+        lines += [f"| {p} | mean of {r.seeds} | {r.mean_train[p]:.4f} | {f(r.mean_eval[p])} | | |" for p in (base, cand)]
     ev = "n/a" if r.relative_eval is None else f"{r.relative_eval:+.2%}"
-    lines += ["", f"fp8 vs bf16{' (means over the seeds)' if r.seeds > 1 else ''}: train loss {r.relative_train:+.2%}, "
+    lines += ["", f"{cand} vs {base}{' (means over the seeds)' if r.seeds > 1 else ''}: train loss {r.relative_train:+.2%}, "
               f"eval loss {ev}: " + ("within" if r.within else "NOT within") + f" {r.bound:.0%}"]
     return "\n".join(lines)
 
 
 def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | None, steps: int | None,
-            seeds: int = 2) -> int:
-    """Returns 0 when fp8 is within the bound, 1 when not."""
-    r = bench_precision(config, overrides, steps=steps or 300, seeds=seeds, log=print)
-    header = (f"bf16 vs fp8 training loss, config {r.config}" + (f" with {' '.join(r.overrides)}" if r.overrides else "")
-              + f", {r.steps} steps each, {r.seeds} seed(s), jax {r.jax}, {r.date}; numbers only (fp8 emulated off GPU)")
+            seeds: int = 2, vary: tuple[str, str, str] = ("model.precision", "bf16", "fp8")) -> int:
+    """Returns 0 when the candidate is within the bound, 1 when not."""
+    r = bench_precision(config, overrides, steps=steps or 300, seeds=seeds, vary=vary, log=print)
+    key, base, cand = r.vary
+    header = (f"{key}: {base} vs {cand} training loss, config {r.config}" +
+              (f" with {' '.join(r.overrides)}" if r.overrides else "") +
+              f", {r.steps} steps each, {r.seeds} seed(s), jax {r.jax}, {r.date}; numbers only" +
+              (" (fp8 emulated off GPU)" if key == "model.precision" else ""))
     table = format_table(r)
     print(f"\n{header}\n\n{table}")
     if json_out:

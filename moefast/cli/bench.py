@@ -36,8 +36,9 @@ BENCH_TARGETS = {
     "data": "moefast prepare against Hugging Face datasets map(num_proc=2) (MB/s, tokens/s), then time to first "
             "batch, peak host memory and batches/s of training from prepared shards against the in-memory path for "
             "corpora of --sizes GB of tokens, and the tiny config's train steps/s",
-    "precision": "the config trained --steps steps (default 300) with model.precision=bf16 and fp8 for --seeds seeds, "
-                 "same data, and their mean final losses compared (exits 1 when fp8 is not within 2 %)",
+    "precision": "the config trained --steps steps (default 300) with a baseline and a candidate value of --vary "
+                 "(default model.precision=bf16,fp8; e.g. lora.base_dtype=bfloat16,nf4) for --seeds seeds, same data, "
+                 "and their mean final losses compared (exits 1 when the candidate is not within 2 %)",
 }
 
 
@@ -142,6 +143,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="data: where the synthetic corpora are generated (default: a temporary directory), removed "
                         "after")
     b.add_argument("--pairs", type=int, default=2, help="cache: cold/warm process pairs (default 2)")
+    b.add_argument("--vary", default="model.precision=bf16,fp8", metavar="KEY=BASELINE,CANDIDATE",
+                   help="precision: the key and its two values compared (default model.precision=bf16,fp8)")
     b.add_argument("--seeds", type=int, default=2,
                    help="precision: runs per precision, train.seed the config's, +1, ...; the verdict is on the means "
                         "(default 2)")
@@ -168,7 +171,7 @@ BENCH_OPTIONS = {
     "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "ablate_exchange",
                     "ablate_precision", "network", "twin"},
     "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
-    "precision": {"overrides", "config", "json", "steps", "seeds"},
+    "precision": {"overrides", "config", "json", "steps", "seeds", "vary"},
 }
 
 
@@ -298,8 +301,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               f"got {args.steps}")
         if args.seeds < 1:
             raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+        key, _, values = args.vary.partition("=")
+        if not key or values.count(",") != 1 or not all(values.split(",")):
+            raise ConfigError(f"--vary {args.vary!r}: expected KEY=BASELINE,CANDIDATE (e.g. lora.base_dtype=bfloat16,nf4)")
         return precision.run_cli(json_out=args.json, config=args.config, overrides=args.overrides, steps=args.steps,
-                                 seeds=args.seeds)
+                                 seeds=args.seeds, vary=(key, *values.split(",")))
     if args.target == "cache":
         from moefast.bench import cache
 

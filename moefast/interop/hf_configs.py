@@ -311,8 +311,8 @@ def config_from_hf(path: str | Path, overrides: list[str] | None = None, *,
     if (path / "tokenizer.json").is_file():
         raw["data"] = {**raw["data"], "tokenizer": str(path.resolve())}
     extra = parse_overrides(list(overrides or []))
-    for sec, keys in PARAMETER_KEYS.items():
-        for k in keys:
+    for sec in ("model", "moe"):  # config.json fixes these; the lora section is the run's choice
+        for k in PARAMETER_KEYS[sec]:
             if k in extra.get(sec, {}):
                 raise HFFormatError(f"{sec}.{k} is fixed by {path / 'config.json'} (the weights' shapes or "
                                     "their meaning depend on it); drop the override")

@@ -222,3 +222,24 @@ def test_a_named_target_must_adapt_something():
     with pytest.raises(ValueError, match=r"lora.targets: 'mlp' adapts nothing in this model \(it has no dense MLP "
                                          r"layers\); leave it out \(lora.targets=\[experts\]\)"):
         load_config(None, ["lora.rank=4", "lora.targets=[mlp,experts]"])
+
+
+def test_no_dense_expert_delta_in_the_compiled_step(small_config):
+    """The experts' adapters run as thin GEMMs on the routed tokens: no dot of the compiled LoRA
+    step yields an [E, in, out] tensor (a base weight's gradient or a merged delta), while the full
+    fine-tuning step computes the experts' weight gradients as such dots."""
+    from moefast.train.step import train_step
+
+    def expert_sized_dots(*overrides):
+        cfg = small_config(*overrides)
+        md = ModelDef(cfg, 259)
+        state = jax.eval_shape(lambda: md.init_state(0))
+        batch = jax.eval_shape(lambda: _batch(cfg))
+        hlo = jax.jit(lambda s, b: train_step(md, s, b, jax.random.key(0))).lower(state, batch).compile().as_text()
+        e, d, f = cfg.moe.num_experts, cfg.model.d_model, cfg.model.d_ff
+        shapes = [f"[{e},{d},{2 * f}]", f"[{e},{f},{d}]"]
+        return sum(1 for line in hlo.splitlines() if " dot(" in line and any(s in line.split("=")[1].split("dot(")[0]
+                                                                              for s in shapes))
+
+    assert expert_sized_dots() >= 2
+    assert expert_sized_dots("lora.rank=4", "lora.targets=[experts]") == 0
