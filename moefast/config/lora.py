@@ -19,9 +19,12 @@ LORA_TRAIN = ("router", "norms", "embeddings", "head", "biases")
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-    """Low-rank adaptation (Hu et al. 2021, LoRA, arXiv 2106.09685, eq. 3): each targeted
-    projection ``W`` [in, out] computes ``x W + (alpha / r) (x A) B`` with trainable ``A`` [in, r]
-    and ``B`` [r, out]; the base weights are frozen (no gradients, no optimizer state).
+    """Fine-tuning with low-rank adapters on a frozen base (LoRA and QLoRA).
+
+    Each targeted projection ``W`` [in, out] computes ``x W + (alpha / r) (x A) B`` with trainable
+    ``A`` [in, r] and ``B`` [r, out] (LoRA: Hu et al. 2021, arXiv 2106.09685, eq. 3); the base
+    weights are frozen (no gradients, no optimizer state). ``moefast import-hf ... lora.rank=16``
+    starts such a run from a downloaded model; docs/finetuning.md.
 
     Attributes:
       rank: r, the adapters' rank; 0 (default) = no adapters (every parameter trains).

@@ -162,16 +162,17 @@ def _where_from(leaf: _Leaf, shape: tuple[int, ...], what: str) -> list[tuple[st
         row, e = rest % small[-2], rest // small[-2]
         n_in = small[-2]
         if expert:  # [E, out, in] (in on axis 2, transformers' default) or [E, in, out] (x @ w: gpt-oss)
-            in_axis = 2 if np.array_equal(row, np.broadcast_to(np.arange(n_in), row.shape)) else 1
-            if not (np.array_equal(e, np.broadcast_to(np.arange(small[0])[:, None, None], e.shape))
-                    and np.array_equal(row, np.broadcast_to(np.expand_dims(np.arange(n_in), 3 - in_axis), row.shape))):
+            in_axis = next((k for k in (2, 1) if x.shape[k] == n_in and np.array_equal(
+                row, np.broadcast_to(np.expand_dims(np.arange(n_in), tuple({0, 1, 2} - {k})), row.shape))), None)
+            if in_axis is None or x.shape[0] != small[0] or not np.array_equal(
+                    e, np.broadcast_to(np.arange(small[0])[:, None, None], e.shape)):
                 raise HFFormatError(f"{what}: {name} reorders the experts or their input rows")
-            cols = col[0, 0, :] if in_axis == 1 else col[0, :, 0]
-            total = x.shape[3 - in_axis]
+            cols = col[0, :, 0] if in_axis == 2 else col[0, 0, :]
+            total = len(cols)
             rows = np.arange(total)
-            same = np.all(col == (cols[None, None, :] if in_axis == 1 else cols[None, :, None]))
+            same = np.all(col == np.expand_dims(cols, (0, in_axis)))
         else:
-            if not np.array_equal(row, np.broadcast_to(np.arange(n_in), row.shape)):
+            if x.shape[1] != n_in or not np.array_equal(row, np.broadcast_to(np.arange(n_in), row.shape)):
                 raise HFFormatError(f"{what}: {name} is not a linear weight [out, in] with the input rows in order")
             cols, same = col[:, 0], np.all(col == col[:, :1])
             total = x.shape[0] if total is None else total
@@ -310,7 +311,8 @@ def save_peft_adapter(cfg: ExperimentConfig, params: dict, out_dir: str | Path, 
     lc, tensors, ranks, alphas = cfg.lora, {}, {}, {}
     for site in sites:
         a, b = _site_weights(lc, site, values)
-        tensors[site.key + ".lora_A.weight"], tensors[site.key + ".lora_B.weight"] = a, b
+        tensors[site.key + ".lora_A.weight"] = np.ascontiguousarray(a)  # safetensors writes the buffer as it is
+        tensors[site.key + ".lora_B.weight"] = np.ascontiguousarray(b)
         ranks[site.peft_name] = _rank(lc, site)
         alphas[site.peft_name] = lc.scale(site.blocks[0].target) * ranks[site.peft_name]
     r, alpha = lc.rank, float(lc.rank if lc.alpha is None else lc.alpha)

@@ -161,6 +161,25 @@ def test_adapter_gradients_equal_on_every_mesh(small_config, devices):
                                        err_msg=f"{mesh} {jax.tree_util.keystr(path)}")
 
 
+MLA = ["model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=12", "model.qk_nope_head_dim=8",
+       "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.num_dense_layers=1", "model.num_layers=3",
+       "model.scan_layers=true", "model.remat=full", "model.attention_impl=flash"]
+
+
+def test_mla_adapters_under_context_parallelism_equal_whole_rows(small_config, devices):
+    """MLA's projections adapted (the context-parallel kernel up-projects the gathered latent with
+    the adapted kv_b weight), scanned layers under full remat: context 2 x data 4 equals one device."""
+    common = (*MLA, *LORA, "model.dtype=float32", "moe.capacity_factor=0")
+    ref_loss, ref = _adapter_loss_and_grads(small_config(*common))
+    assert {"q_a_proj_lora_a", "q_b_proj_lora_b", "kv_a_proj_with_mqa_lora_a", "kv_b_proj_lora_b", "o_proj_lora_a"} <= {
+        str(p[-1].key) for p, _ in jax.tree_util.tree_flatten_with_path(ref)[0]}
+    loss, grads = _adapter_loss_and_grads(small_config(*common, "mesh.context=2"), devices)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6 * max(1.0, np.abs(b).max()),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
 def test_config_rejects_unknown_targets():
     with pytest.raises(ValueError, match="lora.targets"):
         LoRAConfig(rank=4, targets=("experts", "router"))
