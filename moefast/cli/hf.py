@@ -22,15 +22,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     i.add_argument("hf_dir", metavar="DIR", help="local Hugging Face model directory (config.json, *.safetensors, "
                                                  "tokenizer.json if any)")
     i.add_argument("--run-dir", required=True, help="new run directory; continue with moefast train --run-dir")
+    i.add_argument("--adapter", default=None, metavar="ADAPTER_DIR",
+                   help="a PEFT LoRA adapter of this model (adapter_config.json, adapter_model.safetensors) to "
+                        "continue training: the run's lora section takes its rank, alpha, expert rank and targets "
+                        "(lora.* overrides must agree with them); projections it does not adapt get fresh adapters")
     i.add_argument("--cpu-devices", type=int, default=None, help=CPU_DEVICES_HELP)
     _distributed_options(i)
     i.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="settings of the run that the checkpoint does not fix, e.g. data.source=my.jsonl "
                         "moe.capacity_factor=0 model.scan_layers=true (the data and moe sections can only be "
                         "chosen here, not changed later; train.* can change at any moefast train)")
-    x = sub.add_parser("export-hf", help="write a run's latest checkpoint as a Hugging Face model directory")
-    x.add_argument("out_dir", metavar="OUT_DIR", help="new directory for config.json, *.safetensors and the tokenizer")
+    x = sub.add_parser("export-hf", help="write a run's latest checkpoint as a Hugging Face model directory "
+                                         "and/or, for a LoRA run, its adapters as a PEFT adapter directory")
+    x.add_argument("out_dir", metavar="OUT_DIR", nargs="?", default=None,
+                   help="new directory for config.json, *.safetensors and the tokenizer; a LoRA run's model is "
+                        "written with its adapters merged into the weights (W + alpha/r A B)")
     x.add_argument("--run-dir", required=True, help="run directory written by moefast train or import-hf")
+    x.add_argument("--adapter", default=None, metavar="ADAPTER_DIR",
+                   help="(a LoRA run) new directory for its adapters alone as a PEFT adapter (adapter_config.json, "
+                        "adapter_model.safetensors) that PeftModel.from_pretrained puts on the base model (the "
+                        "imported one, or the family's export without adapters); with or instead of OUT_DIR")
     x.add_argument("--layout", choices=["per_expert", "fused"], default="per_expert",
                    help="expert tensors: one per expert (default; what save_pretrained writes) or fused "
                         "gate_up_proj/down_proj")
@@ -70,6 +81,10 @@ def _import_hf(args, signals: _ImportSignals) -> None:
         src = src.parent  # the directory was meant
     cfg = hf.config_from_hf(src, args.overrides)
     hf_cfg = hf.hf_config(src)
+    if args.adapter:  # the lora section that holds the adapter (rank, alpha, targets from it, or checked)
+        from moefast.interop import hf_adapter
+
+        cfg = cfg.replace(lora=hf_adapter.adapter_lora_config(cfg, args.adapter, family=hf_cfg["model_type"]))
     tok_files = []
     if (src / "tokenizer.json").is_file() and cfg.data.tokenizer == str(src.resolve()):
         tok_files = [src / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -97,6 +112,10 @@ def _import_hf(args, signals: _ImportSignals) -> None:
     main = trainer.is_main  # with several processes (a shared run dir), process 0 writes the files and prints
     params = hf.load_hf_params(src, cfg, shardings=trainer.base_param_sharding,
                                log=lambda s: print(f"note: {s}") if main else None)
+    if args.adapter:  # the imported base with the run's fresh adapters, those the adapter holds read from it
+        params = hf_adapter.load_peft_adapter(cfg, args.adapter, trainer.with_adapters(params),
+                                              family=hf_cfg["model_type"],
+                                              log=lambda s: print(f"note: {s}") if main else None)
     routing = hf.load_hf_routing(src, cfg, shardings=trainer.state_sharding["routing"])
     # the routing state is replicated: this process's copy, no collective (other processes skip this)
     if main and routing and routing["bias"].addressable_data(0).any():
@@ -141,7 +160,8 @@ def _import_hf(args, signals: _ImportSignals) -> None:
         raise
     n = sum(x.size for x in jax.tree.leaves(params))
     if main:
-        print(f"imported {hf_cfg['model_type']} ({n / 1e6:,.2f}M parameters) from {src} into {where}; "
+        print(f"imported {hf_cfg['model_type']} ({n / 1e6:,.2f}M parameters) from {src}"
+              + (f" with the adapter {args.adapter}" if args.adapter else "") + f" into {where}; "
               f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
 
 
@@ -176,17 +196,36 @@ def _changed_from_hf(src, cfg) -> list[tuple[str, object]]:
 
 
 def _export_hf(args: argparse.Namespace) -> None:
-    """``moefast export-hf``: the run's latest checkpoint as a Hugging Face model directory."""
+    """``moefast export-hf``: the run's latest checkpoint as a Hugging Face model directory (a LoRA
+    run's with its adapters merged), and/or a LoRA run's adapters as a PEFT adapter directory."""
+    from pathlib import Path
+
     from moefast.interop import hf
     from moefast.train import Trainer, load_run_config
 
+    if args.out_dir is None and args.adapter is None:
+        raise ValueError("export-hf: give OUT_DIR (the model), --adapter ADAPTER_DIR (a LoRA run's adapters), "
+                         "or both")
     cfg = _inference_config(load_run_config(args.run_dir))
+    if args.adapter and not cfg.lora.enabled:
+        raise ValueError(f"--adapter: {args.run_dir} has no LoRA adapters (lora.rank=0); export its model with "
+                         "OUT_DIR")
     trainer = Trainer(cfg, args.run_dir, progress=False)
     family = args.family or _imported_family(args.run_dir, cfg)
     step, params, routing = trainer.restore_params()
-    hf.save_hf(cfg.replace(data=trainer.data_cfg), params, args.out_dir, routing_state=routing,
-               layout=args.layout, dtype=args.dtype, family=family,
-               log=lambda s: print(f"step {step}: {s}"))  # logged by process 0, which writes
-    if cfg.data.tokenizer == "byte" and trainer.is_main:
+    log = lambda s: print(f"step {step}: {s}")  # noqa: E731 - logged by process 0, which writes
+    if args.adapter:
+        from moefast.interop import hf_adapter
+
+        base = None
+        try:
+            base = json.loads((Path(args.run_dir) / IMPORTED_FROM).read_text())["path"]
+        except (OSError, ValueError, KeyError):
+            pass
+        hf_adapter.save_peft_adapter(cfg, params, args.adapter, family=family, base_model=base, log=log)
+    if args.out_dir is not None:
+        hf.save_hf(cfg.replace(data=trainer.data_cfg), params, args.out_dir, routing_state=routing,
+                   layout=args.layout, dtype=args.dtype, family=family, log=log)
+    if args.out_dir is not None and cfg.data.tokenizer == "byte" and trainer.is_main:
         print("note: the run uses the byte tokenizer, which has no tokenizer.json: ids 0-255 are the UTF-8 "
               "bytes, 256/257/258 PAD/BOS/EOS (in config.json)")

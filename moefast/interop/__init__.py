@@ -5,7 +5,8 @@ generic engine; one :class:`~moefast.interop.families.FamilySpec` per family in
 Depends on :mod:`moefast.config` and :mod:`moefast.model` only (never on training code).
 """
 
-from moefast.interop.hf import (FAMILIES, HFFormatError, config_from_hf, load_hf, load_hf_params, load_hf_routing,
-                                save_hf)
+from moefast.interop.hf import (FAMILIES, HFFormatError, adapter_lora_config, config_from_hf, load_hf, load_hf_params,
+                                load_hf_routing, load_peft_adapter, save_hf, save_peft_adapter)
 
-__all__ = ["FAMILIES", "HFFormatError", "config_from_hf", "load_hf", "load_hf_params", "load_hf_routing", "save_hf"]
+__all__ = ["FAMILIES", "HFFormatError", "adapter_lora_config", "config_from_hf", "load_hf", "load_hf_params",
+           "load_hf_routing", "load_peft_adapter", "save_hf", "save_peft_adapter"]

@@ -41,6 +41,9 @@ and writes any of them and names none.
 * :func:`load_hf_routing` reads a router's selection bias (``e_score_correction_bias`` [E] per MoE
   layer) into moefast's routing state ``{"bias": [L_moe, E], "load_ema": [L_moe, E]}`` float32,
   where moefast keeps it (out of the parameters and the optimizer).
+* :func:`save_peft_adapter`, :func:`load_peft_adapter` and :func:`adapter_lora_config`: a LoRA
+  run's adapters as a PEFT adapter directory and back (:mod:`.hf_adapter`); :func:`save_hf` writes
+  a LoRA run with its adapters merged.
 * :func:`save_hf` writes the reverse: safetensors (sharded above ``max_shard_bytes``, with the
   index; the routing state's bias as each MoE layer's ``e_score_correction_bias``; the MTP
   modules as layers ``num_hidden_layers + k - 1`` with ``num_nextn_predict_layers``, or as
@@ -61,7 +64,8 @@ once per parameter by the family's ``rope_interleave`` table at import and back 
 Where things are: :mod:`.hf_files` (the checkpoint's files: safetensors headers and shards, FP8
 blocks, :class:`HFFormatError`), :mod:`.hf_tables` (which HF tensor holds which parameter, per
 layer and per MTP layer), :mod:`.hf_configs` (``config.json`` in and out, the family a model is
-written as), :mod:`.hf_read` and :mod:`.hf_write` (the weights in and out). This module is the
+written as), :mod:`.hf_read` and :mod:`.hf_write` (the weights in and out), :mod:`.hf_adapter`
+(LoRA adapters out and in). This module is the
 public face: the names below import from here.
 """
 
@@ -69,8 +73,10 @@ from moefast.interop.hf_configs import FAMILIES, _hf_sections, config_from_hf, f
 from moefast.interop.hf_files import HFFormatError, _Files, hf_config
 from moefast.interop.hf_read import _abstract_params, load_hf, load_hf_params, load_hf_routing
 from moefast.interop.hf_write import save_hf
+from moefast.interop.hf_adapter import adapter_lora_config, load_peft_adapter, save_peft_adapter
 
-__all__ = ["FAMILIES", "HFFormatError", "config_from_hf", "family_spec", "hf_config", "hf_family", "load_hf",
-           "load_hf_params", "load_hf_routing", "save_hf"]
+__all__ = ["FAMILIES", "HFFormatError", "adapter_lora_config", "config_from_hf", "family_spec", "hf_config",
+           "hf_family", "load_hf", "load_hf_params", "load_hf_routing", "load_peft_adapter", "save_hf",
+           "save_peft_adapter"]
 # private names other moefast modules and the tests use
 _PRIVATE = (_Files, _abstract_params, _hf_sections)

@@ -7,8 +7,11 @@ A PEFT (0.21) adapter directory holds ``adapter_config.json`` and ``adapter_mode
 ``save_hf`` writes for the run without adapters, or the one it was imported from). Each adapter is
 on one *site* of that model:
 
-* a linear module (``target_modules``, here one regular expression naming exactly the adapted
-  modules): ``lora_A.weight`` [R, in], ``lora_B.weight`` [out, R], delta ``W [out, in] += s B A``;
+* a linear module: ``lora_A.weight`` [R, in], ``lora_B.weight`` [out, R], delta ``W [out, in] +=
+  s B A``; named in ``target_modules`` (one regular expression naming exactly the adapted modules),
+  or by its ``.weight`` in ``target_parameters`` where PEFT 0.21 would take its name for one of
+  transformers 4's per-expert modules (:data:`_V4_EXPERT_NAMES`: a dense MLP's or shared expert's
+  ``gate_proj``, ``up_proj``, ``down_proj``), which is the same arithmetic and the same keys;
 * a routed experts' tensor (``target_parameters``: PEFT's ``ParamWrapper``, transformers 5 keeps
   the experts fused in memory): ``lora_A.weight`` [E·R, in] whose row ``e·R + j`` is expert e's
   row j, ``lora_B.weight`` [out, R·E] whose column ``j·E + e`` is expert e's column j; in and out
@@ -27,7 +30,7 @@ maps must factorise (each HF row one moefast output column, the input axis and t
 passed through in order: checked on their first 3 rows) and carry no scaling (a probe of ones).
 A site whose rows come from several moefast adapters (the parts of a fused projection, or two
 parameters: Qwen3-Next/Qwen3.5's ``q_proj`` holds the query of ``qkv`` and the output ``gate``,
-Qwen3-Next's ``in_proj_qkvz`` two parts of ``in_proj``) gets their adapters stacked: rank
+Qwen3-Next's ``in_proj_qkvz`` two parts of ``in_proj``) gets its P adapters stacked: rank
 ``P·r``, ``A`` their ``A`` s one above the other, ``B`` block-diagonal, exactly the same delta. A
 site fed by one adapter has rank ``r``.
 
@@ -72,6 +75,14 @@ __all__ = ["adapter_lora_config", "load_peft_adapter", "merged_base", "save_peft
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PEFT's key prefix: the PeftModel's base_model (LoraModel), its model
+_V4_EXPERT_NAMES = ("gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+"""Module names that PEFT 0.21.2 takes, in ``target_modules`` of a model whose experts transformers 5
+fuses (Qwen2-MoE- and Mixtral-style conversions: DeepSeek, GLM, Qwen3-MoE, Qwen3-Next, OLMoE,
+MiniMax, ...), for transformers 4's per-expert modules, rewriting them to the fused experts'
+tensors at twice the rank and alpha (``peft/utils/transformers_weight_conversion.py``,
+``_convert_peft_config_moe``): a dense MLP's or shared expert's ``gate_proj`` there would lose its
+adapter. Such linear weights are named in ``target_parameters`` instead (its ``.weight``; PEFT's
+``ParamWrapper`` on a 2-D weight computes the same ``W + s B A``, and keys it the same)."""
 _PROBE_ROWS = 3  # input rows (and experts) the probes carry: enough to see an axis reordered or moved
 
 
@@ -96,7 +107,10 @@ def merged_base(cfg: ExperimentConfig, params: dict) -> tuple[ExperimentConfig, 
       ``(config, params)``: ``cfg`` without ``lora`` and unrolled (``model.scan_layers`` false),
       and float32 numpy parameters of that model (held on this host).
     """
-    unrolled = to_layout(params, cfg.model, scanned=False)
+    from moefast.interop.hf_write import _host as host
+
+    # on this host as stored (every process gathers its share's missing shards: multi-host runs too)
+    unrolled = jax.tree.map(host, to_layout(params, cfg.model, scanned=False))
     graphdef, state = nnx.split(_abstract(cfg, int(unrolled["embed"].shape[0])))
     nnx.replace_by_pure_dict(state, unrolled)
     merged = lora.merged_params(nnx.merge(graphdef, state), unrolled)
@@ -128,8 +142,15 @@ class _Site:
     key: str = ""  # the site's lora_A/lora_B key stem (set by _sites)
 
     @property
-    def peft_name(self) -> str:  # what PEFT matches: the module (target_modules) or the parameter
-        return self.name[:-len(".weight")] if not self.expert else self.name
+    def as_parameter(self) -> bool:
+        """Named in ``target_parameters`` (PEFT's ``ParamWrapper``): the experts' tensors, and the
+        linear weights whose module names PEFT 0.21 would take for transformers 4's per-expert
+        modules (:data:`_V4_EXPERT_NAMES`)."""
+        return self.expert or self.name.rsplit(".", 2)[-2] in _V4_EXPERT_NAMES
+
+    @property
+    def peft_name(self) -> str:  # what PEFT matches: the parameter (target_parameters) or the module
+        return self.name if self.as_parameter else self.name[:-len(".weight")]
 
 
 def _ids(shape: tuple[int, ...]) -> np.ndarray:
@@ -148,7 +169,7 @@ def _where_from(leaf: _Leaf, shape: tuple[int, ...], what: str) -> list[tuple[st
     small = (min(shape[0], _PROBE_ROWS),) * expert + (min(shape[-2], _PROBE_ROWS), shape[-1])
     out = []
     for (name, x), (_, ones) in zip(leaf.write(_ids(small)), leaf.write(np.ones(small))):
-        rows, total = np.arange(np.shape(x)[-2 if not expert else 0]), None
+        rows = total = None  # a whole tensor's; a Part: the rows of a tensor that parameters share
         if isinstance(x, families.Part):
             rows, total, x, ones = x.index, x.rows, x.value, ones.value
         x, ones = np.asarray(x), np.asarray(ones)
@@ -175,19 +196,11 @@ def _where_from(leaf: _Leaf, shape: tuple[int, ...], what: str) -> list[tuple[st
             if x.shape[1] != n_in or not np.array_equal(row, np.broadcast_to(np.arange(n_in), row.shape)):
                 raise HFFormatError(f"{what}: {name} is not a linear weight [out, in] with the input rows in order")
             cols, same = col[:, 0], np.all(col == col[:, :1])
-            total = x.shape[0] if total is None else total
+            rows, total = (np.arange(x.shape[0]), x.shape[0]) if rows is None else (rows, total)
         if not same:
             raise HFFormatError(f"{what}: {name} mixes the parameter's output columns within a row")
         out.append((name, rows, cols, total))
     return out
-
-
-def _adapter_problems(cfg: ExperimentConfig) -> list[str]:
-    """What a PEFT adapter cannot hold of ``cfg``'s run (empty: nothing)."""
-    if cfg.lora.train:
-        return [f"lora.train={list(cfg.lora.train)} trains those parameters in full, and a PEFT LoRA adapter holds "
-                "only the low-rank adapters"]
-    return []
 
 
 def _sites(cfg: ExperimentConfig, vocab: int, family: str | None) -> tuple[families.FamilySpec, list[_Site]]:
@@ -228,11 +241,11 @@ def _sites(cfg: ExperimentConfig, vocab: int, family: str | None) -> tuple[famil
                                 f"{len(site.blocks)} moefast adapters, and PEFT's experts' tensor has one")
     by_module: dict[str, list[_Site]] = {}  # experts' tensors of one module nest, the first innermost
     for site in sites.values():
-        stem = site.peft_name.rsplit(".", 1)[0] if site.expert else site.peft_name
+        stem = site.name.rsplit(".", 1)[0]  # the module
         by_module.setdefault(stem, []).append(site)
     for stem, group in by_module.items():
         for k, site in enumerate(group):
-            site.key = PREFIX + stem + ".base_layer" * (len(group) - 1 - k if site.expert else 0)
+            site.key = PREFIX + stem + ".base_layer" * (len(group) - 1 - k)
     return spec, list(sites.values())
 
 
@@ -243,17 +256,19 @@ def _rank(cfg: LoRAConfig, site: _Site) -> int:
 def _module_regex(sites: list[_Site]) -> str | None:
     """One regular expression that ``re.fullmatch`` es exactly the adapted modules of every layer:
     each site's name with its layer index as ``\\d+``; ``None`` when no module is adapted."""
-    names = sorted({re.sub(r"\\\.(\d+)\\\.", r"\\.\\d+\\.", re.escape(s.peft_name)) for s in sites if not s.expert})
+    names = sorted({re.sub(r"\\\.(\d+)\\\.", r"\\.\\d+\\.", re.escape(s.peft_name)) for s in sites
+                    if not s.as_parameter})
     return "|".join(names) or None
 
 
 def _shortest_keys(names: list[str], value: dict[str, Any], among: list[str]) -> dict[str, Any]:
-    """``{key: value}`` with, for each of ``names``, its shortest dotted suffix whose matches among
-    ``among`` (names ending in ``.key``) all have its value (PEFT's ``rank_pattern`` matching)."""
+    """``{key: value}`` with, for each of ``names``, its shortest dotted suffix (two names at least)
+    whose matches among ``among`` (names ending in ``.key``) all have its value (PEFT's
+    ``rank_pattern`` matching)."""
     out = {}
     for n in names:
         parts = n.split(".")
-        for k in range(len(parts) - 1, -1, -1):
+        for k in range(len(parts) - 2, -1, -1):  # at least the module and the parameter: "experts.down_proj"
             key = ".".join(parts[k:])
             if all(value[m] == value[n] for m in among if m == key or m.endswith("." + key)):
                 out[key] = value[n]
@@ -298,13 +313,14 @@ def save_peft_adapter(cfg: ExperimentConfig, params: dict, out_dir: str | Path, 
 
     if not cfg.lora.enabled:
         raise ValueError("the run has no adapters (lora.rank=0): export its model with save_hf")
-    problems = _adapter_problems(cfg)
-    if problems:
-        raise HFFormatError("this run cannot be exported as a PEFT adapter: " + "; ".join(problems) +
-                            "; export the merged model instead")
+    if cfg.lora.train:
+        raise HFFormatError(f"this run cannot be exported as a PEFT adapter: lora.train={list(cfg.lora.train)} trains "
+                            "those parameters in full, and a PEFT LoRA adapter holds only the low-rank adapters; "
+                            "export the merged model instead")
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise HFFormatError(f"{out_dir} exists and is not an empty directory; choose a new one (nothing is overwritten)")
+        raise HFFormatError(f"{out_dir} exists and is not an empty directory; choose a new one (nothing is "
+                            "overwritten)")
     unrolled = to_layout(params, cfg.model, scanned=False)
     spec, sites = _sites(cfg, int(unrolled["embed"].shape[0]), family)
     values = dict(_flat_paths(unrolled))
@@ -320,8 +336,7 @@ def save_peft_adapter(cfg: ExperimentConfig, params: dict, out_dir: str | Path, 
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": r,
         "lora_alpha": alpha, "target_modules": _module_regex(sites),
-        "target_parameters": sorted(set(_shortest_keys([s.name for s in sites if s.expert], ranks,
-                                                       [s.name for s in sites if s.expert]))) or None,
+        "target_parameters": [s.peft_name for s in sites if s.as_parameter] or None,
         "rank_pattern": _shortest_keys([n for n in names if ranks[n] != r], ranks, names),
         "alpha_pattern": _shortest_keys([n for n in names if alphas[n] != alpha], alphas, names),
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
@@ -340,7 +355,7 @@ def save_peft_adapter(cfg: ExperimentConfig, params: dict, out_dir: str | Path, 
             stacked = sum(len(s.blocks) > 1 for s in sites)
             log(f"wrote a PEFT LoRA adapter for {spec.model_type} ({spec.architecture}) to {out_dir}: {len(sites)} "
                 f"sites, rank {r}, alpha {alpha:g}, {n / 1e6:,.3f}M parameters" +
-                (f"; {stacked} sites hold several moefast adapters stacked (rank_pattern)" if stacked else ""))
+                (f"; {stacked} of them hold several moefast adapters stacked (rank_pattern)" if stacked else ""))
     return out_dir
 
 
@@ -366,8 +381,9 @@ def _site_weights(lc: LoRAConfig, site: _Site, values: dict) -> tuple[np.ndarray
 
 
 # --------------------------------------------------------------------------------------- reading
-def _read(adapter_dir: str | Path) -> tuple[dict, Any]:
-    """``(adapter_config.json, safetensors file)`` of a PEFT LoRA adapter directory.
+def _read(adapter_dir: str | Path) -> tuple[dict, dict[str, tuple[int, ...]], Path]:
+    """``(adapter_config.json, tensor name -> shape, the safetensors file)`` of a PEFT LoRA adapter
+    directory.
 
     Raises:
       HFFormatError: the files are missing, or the adapter uses what moefast's LoRA does not have.
@@ -385,9 +401,9 @@ def _read(adapter_dir: str | Path) -> tuple[dict, Any]:
         if conf.get(k) not in ok:
             raise HFFormatError(f"{d / CONFIG}: {k}={conf.get(k)!r}: moefast's LoRA has only low-rank adapters "
                                 f"(LoRA, without biases, DoRA or fully trained modules); expected {ok[0]!r}")
-    return conf, safe_open(str(d / WEIGHTS), framework="numpy")
-
-
+    with safe_open(str(d / WEIGHTS), framework="numpy") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    return conf, shapes, d / WEIGHTS
 
 
 def _file_scale(conf: dict, site: _Site, rank: int) -> float:
@@ -429,15 +445,17 @@ def adapter_lora_config(cfg: ExperimentConfig, adapter_dir: str | Path, *, famil
         or ``cfg.lora`` differs from it (rank, scale, expert rank, or a target it lacks), naming
         the setting.
     """
-    conf, f = _read(adapter_dir)
+    conf, shapes, _ = _read(adapter_dir)
     every = cfg.replace(lora=dataclasses.replace(cfg.lora, rank=1, expert_rank=None, alpha=None, targets=None,
                                                  train=()))  # every kind the model has
     spec, sites = _sites(every, cfg.model.vocab_size or 256, family)
-    held = _check_keys(set(f.keys()), sites, adapter_dir, spec)
+    held = _check_keys(set(shapes), sites, adapter_dir, spec)
+    if not held:
+        raise HFFormatError(f"{adapter_dir}: its tensors adapt none of {spec.name}'s projections")
     r = int(conf["r"])
     expert_ranks = set()
     for s in held:
-        rows = f.get_slice(s.key + ".lora_A.weight").get_shape()[0]
+        rows = shapes[s.key + ".lora_A.weight"][0]
         if s.expert:
             expert_ranks.add(rows // s.experts)
         elif rows not in (r, r * len(s.blocks)):
@@ -457,7 +475,8 @@ def adapter_lora_config(cfg: ExperimentConfig, adapter_dir: str | Path, *, famil
     if lc.rank == r and lc.scale("attention") != alpha / r:
         wrong.append(f"lora.alpha={lc.alpha} (the adapter's: {alpha:g})")
     if expert_rank is not None and lc.rank_of("experts") != expert_rank:
-        wrong.append(f"lora.expert_rank={lc.expert_rank} (the adapter's: {expert_rank})")
+        same = f"= lora.rank {lc.rank}; " if lc.expert_rank is None else ""
+        wrong.append(f"lora.expert_rank={lc.expert_rank} ({same}the adapter's: {expert_rank})")
     wrong += [f"lora.targets={list(lc.target_kinds)} lacks {t!r}" for t in targets if t not in lc.target_kinds]
     if wrong:
         raise HFFormatError(f"{adapter_dir} does not fit the run's lora section: {'; '.join(wrong)}; leave lora.rank "
@@ -489,45 +508,56 @@ def load_peft_adapter(cfg: ExperimentConfig, adapter_dir: str | Path, params: di
     if not cfg.lora.enabled:
         raise ValueError("the run has no adapters (lora.rank=0): adapter_lora_config(cfg, adapter_dir) gives the "
                          "lora section that holds this adapter")
+    from safetensors import safe_open
+
     lc = adapter_lora_config(cfg, adapter_dir, family=family)
-    conf, f = _read(adapter_dir)
+    conf, shapes, weights = _read(adapter_dir)
     unrolled = to_layout(params, cfg.model, scanned=False)
     spec, sites = _sites(cfg, int(unrolled["embed"].shape[0]), family)
-    held = _check_keys(set(f.keys()), sites, adapter_dir, spec)
+    held = _check_keys(set(shapes), sites, adapter_dir, spec)
     values = dict(_flat_paths(unrolled))
     new: dict[tuple, np.ndarray] = {}
 
-    def leaf(blk: _Block, suffix: str) -> np.ndarray:
+    def leaf(blk: _Block, suffix: str) -> np.ndarray:  # the adapter matrix being filled (host, float32)
         path = blk.path[:-1] + (blk.path[-1] + suffix,)
         if path not in new:
             new[path] = _host(values[path]).copy()
         return new[path]
 
-    for site in held:
-        a, b = (np.asarray(f.get_tensor(site.key + f".lora_{x}.weight"), np.float32) for x in "AB")
-        if site.expert:
-            (blk,) = site.blocks
-            r = a.shape[0] // site.experts
-            ratio = _file_scale(conf, site, r) / lc.scale(blk.target)
-            leaf(blk, lora.LORA_A)[...] = a.reshape(site.experts, r, -1).transpose(0, 2, 1)
-            leaf(blk, lora.LORA_B)[:, :, blk.cols] = _times(b.reshape(site.out, r, site.experts)[blk.rows], ratio
-                                                            ).transpose(2, 1, 0)
-            continue
-        ranks = [lc.rank_of(blk.target) for blk in site.blocks]
-        stacked = len(ranks) > 1 and a.shape[0] == sum(ranks)
-        starts = np.cumsum([0] + ranks) if stacked else [0] * len(ranks)
-        for blk, r, at in zip(site.blocks, ranks, starts):
-            rows_b = b[blk.rows]
-            if stacked and (np.any(rows_b[:, :at]) or np.any(rows_b[:, at + r:])):
-                raise HFFormatError(f"{adapter_dir}: {site.peft_name}'s lora_B mixes the {len(ranks)} moefast adapters "
-                                    f"its rank {a.shape[0]} stacks (non-zero off its diagonal blocks)")
-            ratio = _file_scale(conf, site, a.shape[0]) / lc.scale(blk.target)
-            leaf(blk, lora.LORA_A)[:, blk.part * r:(blk.part + 1) * r] = a[at:at + r].T
-            leaf(blk, lora.LORA_B)[:, blk.cols] = _times(rows_b[:, at:at + r], ratio).T
+    with safe_open(str(weights), framework="numpy") as f:
+        for site in held:
+            a, b = (np.asarray(f.get_tensor(site.key + f".lora_{x}.weight"), np.float32) for x in "AB")
+            _read_site(site, a, b, conf, lc, leaf, adapter_dir)
     if log is not None:
         log(f"read {len(held)} of the {len(sites)} adapted sites of {spec.name} from {adapter_dir}"
             + (f"; the other {len(sites) - len(held)} keep fresh adapters (B = 0)" if len(held) < len(sites) else ""))
     return to_layout(_replaced(unrolled, new), cfg.model, scanned=cfg.model.scan_layers)
+
+
+def _read_site(site: _Site, a: np.ndarray, b: np.ndarray, conf: dict, lc: LoRAConfig,
+               leaf: Callable[[_Block, str], np.ndarray], adapter_dir: Any) -> None:
+    """``site``'s PEFT ``lora_A`` ``a`` and ``lora_B`` ``b`` (float32, module docstring) into its
+    moefast adapters (``leaf(block, LORA_A or LORA_B)``: the matrices to fill), ``B`` rescaled from
+    PEFT's scale to the run's."""
+    if site.expert:
+        (blk,) = site.blocks
+        r = a.shape[0] // site.experts
+        ratio = _file_scale(conf, site, r) / lc.scale(blk.target)
+        leaf(blk, lora.LORA_A)[...] = a.reshape(site.experts, r, -1).transpose(0, 2, 1)
+        b_ore = _times(b.reshape(site.out, r, site.experts)[blk.rows], ratio)  # [out, r, E]
+        leaf(blk, lora.LORA_B)[:, :, blk.cols] = b_ore.transpose(2, 1, 0)
+        return
+    ranks = [lc.rank_of(blk.target) for blk in site.blocks]
+    stacked = len(ranks) > 1 and a.shape[0] == sum(ranks)  # else one A for every part (PEFT's own)
+    starts = np.cumsum([0] + ranks) if stacked else [0] * len(ranks)
+    for blk, r, at in zip(site.blocks, ranks, starts):
+        rows_b = b[blk.rows]
+        if stacked and (np.any(rows_b[:, :at]) or np.any(rows_b[:, at + r:])):
+            raise HFFormatError(f"{adapter_dir}: {site.peft_name}'s lora_B mixes the {len(ranks)} moefast adapters its "
+                                f"rank {a.shape[0]} stacks (non-zero off its diagonal blocks)")
+        ratio = _file_scale(conf, site, a.shape[0]) / lc.scale(blk.target)
+        leaf(blk, lora.LORA_A)[:, blk.part * r:(blk.part + 1) * r] = a[at:at + r].T
+        leaf(blk, lora.LORA_B)[:, blk.cols] = _times(rows_b[:, at:at + r], ratio).T
 
 
 def _times(x: np.ndarray, ratio: float) -> np.ndarray:

@@ -168,7 +168,10 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
     interrupted export never leaves a half-written model under ``out_dir``.
 
     Args:
-      cfg: the experiment the parameters belong to.
+      cfg: the experiment the parameters belong to. A run with ``lora`` is written as its model
+        with the adapters merged (:func:`moefast.interop.hf_adapter.merged_base`: ``W + (alpha /
+        r) A B`` per projection and expert, float32, from the base as stored), a model of the base
+        architecture; its adapters alone are :func:`~moefast.interop.hf_adapter.save_peft_adapter`'s.
       params: the parameters (either layer layout; jax arrays, sharded or not, or numpy).
       routing_state: the run's routing state (``{"bias": [L_moe, E], ...}``, the train state's
         ``routing``): its ``bias`` rows are written as the MoE layers' selection biases
@@ -207,6 +210,12 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "fp8": np.float32}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"dtype={dtype!r}: expected 'float32', 'bfloat16' or 'fp8'")
+    merged = ""
+    if cfg.lora.enabled:
+        from moefast.interop.hf_adapter import merged_base
+
+        cfg, params = merged_base(cfg, params)
+        merged = ", LoRA adapters merged into the weights"
     spec = families.REGISTRY[hf_family(cfg, family)]
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -283,7 +292,7 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
                 out_dir.rmdir()  # empty (checked above)
             os.replace(tmp, out_dir)
             if log is not None:
-                log(f"wrote {spec.model_type} ({layout} experts, {dtype}) to {out_dir}: {n} safetensors file(s), "
+                log(f"wrote {spec.model_type} ({layout} experts, {dtype}{merged}) to {out_dir}: {n} safetensors file(s), "
                     f"{total / 2**20:,.1f} MiB" + _written_as(family, spec))
     finally:
         if tmp is not None and tmp.exists():

@@ -618,7 +618,7 @@ class Trainer:
             return jax.tree.structure(a) == jax.tree.structure(b) and jax.tree.leaves(a) == jax.tree.leaves(b)
 
         if self.cfg.lora.enabled and not same(self.model_def.abstract_params, params):
-            params = self._with_adapters(params)
+            params = self.with_adapters(params)
         if not same(self.model_def.abstract_params, params):
             raise ValueError("params do not have the structure, shapes and dtypes of this config's model")
         if routing is not None and not same(jax.eval_shape(lambda: init_routing_state(self.cfg)), routing):
@@ -658,7 +658,7 @@ class Trainer:
         base = ModelDef(self.cfg.replace(lora=dataclasses.replace(self.cfg.lora, rank=0)), self.model_def.vocab_size)
         return parallel.shardings(self.mesh, base.param_state_specs(self.mesh))
 
-    def _with_adapters(self, base: dict) -> dict:
+    def with_adapters(self, base: dict) -> dict:
         """The adapted model's stored parameters from the base model's ``base`` (float32, e.g.
         imported): base weights in ``lora.base_dtype``, fresh adapters from ``train.seed``
         (:func:`moefast.model.lora.from_base`)."""
