@@ -332,3 +332,41 @@ def test_cli_imports_an_adapter_and_exports_it_and_the_merged_model(run, tmp_pat
     np.testing.assert_allclose(run.logits, _logits(merged), atol=1e-4, rtol=0)
     assert cli.main(["export-hf", "--run-dir", str(r)]) == 2
     assert "give OUT_DIR (the model), --adapter ADAPTER_DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("run", ["qwen3_moe"], indirect=True)
+def test_import_train_export_gives_peft_the_trained_model(run, tmp_path, text_dir):
+    """The whole path a user takes: ``import-hf ... lora.*``, 20 steps of ``moefast train`` (the
+    loss falls; the base, bitwise as imported; the optimizer state, adapters only), ``export-hf
+    --adapter``: PEFT on transformers' base model gives the trained moefast model's logits."""
+    from moefast import cli
+    from moefast.train import Trainer, load_run_config
+
+    r = tmp_path / "run"
+    assert cli.main(["import-hf", str(run.hf_dir), "--run-dir", str(r), "lora.rank=4", "lora.base_dtype=float32",
+                     f"data.source={text_dir}", "data.seq_len=32", "data.batch_size=8", "train.steps=20",
+                     "train.log_every=5", "train.eval_every=0", "train.checkpoint_every=0", "train.learning_rate=3e-2",
+                     "train.warmup_steps=2"]) == 0
+    assert cli.main(["train", "--run-dir", str(r), "--no-progress"]) == 0
+    losses = [rec["loss"] for rec in map(json.loads, (r / "metrics.jsonl").read_text().splitlines())
+              if rec["kind"] == "train"]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    trainer = Trainer(load_run_config(r), r, progress=False)
+    step, params, routing = trainer.restore_params()
+    assert step == 20
+    trained, frozen = trainer.model_def.split(jax.tree.map(np.asarray, params))
+    base = lora.stored(trainer.cfg.lora, jax.tree.map(np.asarray, run.base))
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(frozen)[0], jax.tree.leaves(lora.split(
+            trainer.cfg.lora, base)[1])):
+        assert np.array_equal(a, b), jax.tree_util.keystr(path)
+    opt = jax.tree_util.tree_flatten_with_path(trainer.abstract_state()["opt_state"])[0]
+    assert all(str(p[-1].key).endswith((lora.LORA_A, lora.LORA_B)) for p, _ in opt if hasattr(p[-1], "key"))
+    assert all(np.abs(b).max() > 0 for p, b in jax.tree_util.tree_flatten_with_path(trained)[0]
+               if str(p[-1].key).endswith(lora.LORA_B))  # every adapter trained
+    assert cli.main(["export-hf", "--run-dir", str(r), "--adapter", str(tmp_path / "a")]) == 0
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(trainer.model_def.module(params)(jnp.asarray(_tokens()),
+                                                           segment_ids_bt=jnp.ones((B, T), jnp.int32),
+                                                           drop_tokens=False, routing_state=routing).logits)
+    theirs = _logits(peft.PeftModel.from_pretrained(copy.deepcopy(run.model), tmp_path / "a").eval())
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
