@@ -64,7 +64,7 @@ from moefast.config import ExperimentConfig, LoRAConfig
 from moefast.config.lora import LORA_TARGETS
 from moefast.interop import families
 from moefast.interop.hf_configs import hf_family
-from moefast.interop.hf_files import HFFormatError
+from moefast.interop.hf_files import HFFormatError, _host as host
 from moefast.interop.hf_read import _flat_paths
 from moefast.interop.hf_tables import _Leaf, _leaves
 from moefast.model import lora
@@ -107,8 +107,6 @@ def merged_base(cfg: ExperimentConfig, params: dict) -> tuple[ExperimentConfig, 
       ``(config, params)``: ``cfg`` without ``lora`` and unrolled (``model.scan_layers`` false),
       and float32 numpy parameters of that model (held on this host).
     """
-    from moefast.interop.hf_write import _host as host
-
     # on this host as stored (every process gathers its share's missing shards: multi-host runs too)
     unrolled = jax.tree.map(host, to_layout(params, cfg.model, scanned=False))
     graphdef, state = nnx.split(_abstract(cfg, int(unrolled["embed"].shape[0])))
@@ -278,8 +276,6 @@ def _shortest_keys(names: list[str], value: dict[str, Any], among: list[str]) ->
 
 # --------------------------------------------------------------------------------------- writing
 def _host(x: Any) -> np.ndarray:
-    from moefast.interop.hf_write import _host as host
-
     return np.asarray(host(x), np.float32)
 
 

@@ -16,6 +16,17 @@ import numpy as np
 from moefast.config import ConfigError
 
 
+def _host(x: Any) -> np.ndarray:
+    """``x`` as a NumPy array on this host (a multi-host array gathered from every process)."""
+    import jax
+
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 class HFFormatError(ConfigError):
     """A Hugging Face checkpoint (or a config to export as one) uses something moefast cannot
     represent, or its files do not match its ``config.json``."""

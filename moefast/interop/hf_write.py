@@ -21,18 +21,10 @@ from moefast.config import ExperimentConfig
 from moefast.interop import families
 from moefast.interop.families import FamilySpec
 from moefast.model.layout import to_layout
-from moefast.interop.hf_files import HFFormatError
+from moefast.interop.hf_files import HFFormatError, _host
 from moefast.interop.hf_tables import _Leaf, _leaves, _mtp_copies
 from moefast.interop.hf_configs import _TOKENIZER_FILES, _export_config, hf_family
 from moefast.interop.hf_read import _bias_names, _flat_paths
-
-
-def _host(x: Any) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
 
 
 def _bias_rows(spec: FamilySpec, cfg: ExperimentConfig, routing_state: dict | None,

@@ -32,8 +32,9 @@ from jax.ad_checkpoint import checkpoint_name
 from moefast.config import ExperimentConfig, LoRAConfig
 from moefast.parallel.precision import dense
 
-__all__ = ["ABSMAX", "LORA_A", "LORA_B", "TARGETS", "adapted", "attach", "from_base", "merged_params", "stored", "effective_weight", "expert_projection", "is_adapter", "merged", "parts_of",
-           "project", "trainable"]
+__all__ = ["ABSMAX", "LORA_A", "LORA_B", "TARGETS", "adapted", "attach", "base_weight", "count", "effective_weight",
+           "expert_projection", "from_base", "is_adapter", "is_nf4", "join", "merged", "merged_params", "parts_of",
+           "project", "recompute_dequantized", "split", "stored", "trainable"]
 
 LORA_A, LORA_B = "_lora_a", "_lora_b"
 ABSMAX = "_nf4_absmax"  # an NF4-stored base weight's block scales (lora.base_dtype: nf4)
@@ -270,6 +271,17 @@ def merged(w: np.ndarray, a: np.ndarray, b: np.ndarray, parts: tuple[int, ...], 
     if w.ndim == 3:
         return w + np.float32(scale) * np.einsum("eir,ero->eio", a, b)
     return w + np.float32(scale) * (a @ np.asarray(_block_b(jnp.asarray(b), parts)))
+
+
+def count(params: dict) -> tuple[int, int]:
+    """``(parameters, bytes)`` of pure ``params`` as stored: an NF4 weight's codes hold two values
+    a byte, its block scales count as bytes only."""
+    n = b = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        b += x.size * np.dtype(x.dtype).itemsize
+        if not str(getattr(path[-1], "key", path[-1])).endswith(ABSMAX):
+            n += 2 * x.size if np.dtype(x.dtype) == np.uint8 else x.size
+    return n, b
 
 
 def storage_dtype(cfg: LoRAConfig) -> Any:

@@ -43,6 +43,7 @@ from moefast.train.checks import check_run
 from moefast.train.compile_cache import configure_compilation_cache
 from moefast.train.evaluation import Evaluator, format_eval
 from moefast.model import init_routing_state
+from moefast.model.lora import count as lora_count
 from moefast.model.flops import model_flops_per_token
 from moefast.train import mfu as mfu_lib
 from moefast.train.metrics import MetricsWriteError, MetricsWriter
@@ -66,6 +67,11 @@ def config_warnings(cfg: ExperimentConfig) -> list[str]:
         out.append(f"moe.warmup_steps={moe.warmup_steps} > train.steps={tc.steps}: routing is randomised "
                    f"({moe.warmup_routing} warm-up) for the whole run, so the router never trains on its own "
                    "choices; lower moe.warmup_steps")
+    if cfg.lora.enabled and cfg.lora.routing == "update" and moe.aux_free_bias_rate > 0:
+        out.append(f"lora with moe.aux_free_bias_rate={moe.aux_free_bias_rate}: the selection bias keeps moving while the "
+                   "adapters train; the merged export carries it, a PEFT adapter (export-hf --adapter) does not, so "
+                   "the base with the adapter routes otherwise than this run; lora.routing=frozen keeps the imported "
+                   "bias")
     if tc.warmup_steps > tc.steps:  # the schedule cuts the warm-up to train.steps (learning_rate_schedule)
         n = tc.steps
         out.append(f"train.warmup_steps={tc.warmup_steps} > train.steps={n}: the warm-up is cut to the run's {n} "
@@ -484,19 +490,16 @@ class Trainer:
     def _log_setup(self) -> None:
         cfg = self.cfg
         self._log(f"corpus: {self.corpus.summary()}")
-        n_params = sum(x.size for x in jax.tree.leaves(self.model_def.abstract_params))
+        n_params = lora_count(self.model_def.abstract_params)[0]  # an NF4 base counted by its values
         self._log(f"model: {n_params / 1e6:.2f}M parameters | mesh {dict(self.mesh.shape)} on "
                   f"{jax.device_count()} {jax.devices()[0].platform} device(s) | compilation cache "
                   f"{self.compile_cache_dir or 'off'} | host malloc {self.host_malloc}")
         if cfg.lora.enabled:
-            train, frozen = self.model_def.split(self.model_def.abstract_params)
-            size = lambda t: sum(x.size for x in jax.tree.leaves(t))  # noqa: E731
-            nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
+            (n_train, b_train), (n_frozen, b_frozen) = map(lora_count, self.model_def.split(self.model_def.abstract_params))
             kinds = cfg.lora.targets or ("every projection",)
-            self._log(f"lora: rank {cfg.lora.rank} on {', '.join(kinds)} | trainable {size(train) / 1e6:,.3f}M "
-                      f"parameters ({nbytes(train) / 2**20:,.1f} MiB float32, optimizer {2 * nbytes(train) / 2**20:,.1f} "
-                      f"MiB) | frozen base {size(frozen) / 1e6:,.2f}M parameters ({nbytes(frozen) / 2**20:,.1f} MiB, "
-                      f"{cfg.lora.base_dtype})")
+            self._log(f"lora: rank {cfg.lora.rank} on {', '.join(kinds)} | trainable {n_train / 1e6:,.3f}M parameters "
+                      f"({b_train / 2**20:,.1f} MiB float32, optimizer {2 * b_train / 2**20:,.1f} MiB) | frozen base "
+                      f"{n_frozen / 1e6:,.2f}M parameters ({b_frozen / 2**20:,.1f} MiB, {cfg.lora.base_dtype})")
         for warning in config_warnings(cfg) + self.corpus.warnings(cfg.data):
             self._log(f"warning: {warning}")
 

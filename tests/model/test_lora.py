@@ -94,10 +94,14 @@ def _numpy_lora_experts(x, experts_tk, gates_tk, p_in, p_out, s, g):
     return y, grads
 
 
-@pytest.mark.parametrize("path,expert_axis", [("capacity", 1), ("dropless", 1), ("capacity", 4), ("dropless", 4)])
+@pytest.mark.parametrize("path,expert_axis", [("capacity", 1), ("dropless", 1), ("capacity", 4), ("dropless", 4),
+                                              ("hierarchical", 4)])
 def test_expert_adapter_gradients_equal_a_numpy_lora_layer(path, expert_axis, devices):
+    """Every expert path: capacity buffers, dropless grouped GEMMs, each over an expert axis too,
+    and the hierarchical exchange (2 hosts x 2 GPUs)."""
     e, d, f, r, s = 4, 8, 12, 3, 1.5
-    moe = MoEConfig(num_experts=e, top_k=2, capacity_factor=0.0 if path == "dropless" else 4.0)
+    two_hops = dict(exchange="hierarchical", gpus_per_host=2, min_capacity=1) if path == "hierarchical" else {}
+    moe = MoEConfig(num_experts=e, top_k=2, capacity_factor=0.0 if path == "dropless" else 4.0, **two_hops)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, 2, d)).astype(np.float32)  # 8 rows: one per device of an 8-device mesh
     router = rng.normal(size=(d, e)).astype(np.float32)
@@ -159,25 +163,6 @@ def test_adapter_gradients_equal_on_every_mesh(small_config, devices):
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(b).max()),
                                        err_msg=f"{mesh} {jax.tree_util.keystr(path)}")
-
-
-MLA = ["model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=12", "model.qk_nope_head_dim=8",
-       "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.num_dense_layers=1", "model.num_layers=3",
-       "model.scan_layers=true", "model.remat=full", "model.attention_impl=flash"]
-
-
-def test_mla_adapters_under_context_parallelism_equal_whole_rows(small_config, devices):
-    """MLA's projections adapted (the context-parallel kernel up-projects the gathered latent with
-    the adapted kv_b weight), scanned layers under full remat: context 2 x data 4 equals one device."""
-    common = (*MLA, *LORA, "model.dtype=float32", "moe.capacity_factor=0")
-    ref_loss, ref = _adapter_loss_and_grads(small_config(*common))
-    assert {"q_a_proj_lora_a", "q_b_proj_lora_b", "kv_a_proj_with_mqa_lora_a", "kv_b_proj_lora_b", "o_proj_lora_a"} <= {
-        str(p[-1].key) for p, _ in jax.tree_util.tree_flatten_with_path(ref)[0]}
-    loss, grads = _adapter_loss_and_grads(small_config(*common, "mesh.context=2"), devices)
-    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref)):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6 * max(1.0, np.abs(b).max()),
-                                   err_msg=jax.tree_util.keystr(path))
 
 
 def test_config_rejects_unknown_targets():
@@ -262,3 +247,20 @@ def test_no_dense_expert_delta_in_the_compiled_step(small_config):
 
     assert expert_sized_dots() >= 2
     assert expert_sized_dots("lora.rank=4", "lora.targets=[experts]") == 0
+
+
+def test_routing_state_frozen_or_updating_and_the_bias_warning():
+    from moefast.model import MoEStats
+    from moefast.train import config_warnings
+    from moefast.train.step import update_routing_state
+
+    stats = MoEStats(tokens_per_expert=jnp.asarray([[5, 1, 1, 1]], jnp.int32), aux_loss=jnp.zeros(1),
+                     z_loss=jnp.zeros(1), dropped_fraction=jnp.zeros(1), router_entropy=jnp.zeros(1))
+    state = {"bias": jnp.zeros((1, 4)), "load_ema": jnp.full((1, 4), 0.25)}
+    moving = ["lora.rank=4", "moe.aux_free_bias_rate=0.01"]
+    updated = update_routing_state(load_config(None, moving), state, stats)
+    assert not np.array_equal(updated["bias"], state["bias"])
+    frozen = update_routing_state(load_config(None, [*moving, "lora.routing=frozen"]), state, stats)
+    assert all(np.array_equal(frozen[k], state[k]) for k in state)
+    assert any("a PEFT adapter (export-hf --adapter) does not" in w for w in config_warnings(load_config(None, moving)))
+    assert not any("PEFT" in w for w in config_warnings(load_config(None, [*moving, "lora.routing=frozen"])))

@@ -31,7 +31,10 @@ CASES = {  # name -> (architecture, attention path, mesh)
     # DeepSeek-V3's blocks: MLA (the latent gathered), scanned layers under full remat, a dense
     # first layer and a multi-token prediction module (its loss in the total)
     "mla-mtp-blocked-context2-fsdp2-expert2": (MLA, "blocked", ["mesh.context=2", "mesh.fsdp=2", "mesh.expert=2"]),
-    "mla-mtp-flash-context4-data2": (MLA, "flash", ["mesh.context=4"]),
+    # with adapters on every projection (B drawn at random): the kernel up-projects the gathered
+    # latent with kv_b's adapted weight; the gradients compared are the adapters'
+    "mla-mtp-lora-flash-context4-data2": ([*MLA, "lora.rank=4", "lora.alpha=8", "lora.base_dtype=float32"], "flash",
+                                          ["mesh.context=4"]),
 }
 _reference: dict[str, tuple] = {}
 
@@ -41,6 +44,11 @@ def _loss_and_grads(cfg, devices=None):
     random cuts (crossing the chunks' boundaries) and 3 padding tokens at its end."""
     md = ModelDef(cfg, 259)
     params = md.init_params(0)
+    if cfg.lora.enabled:  # every adapter's B drawn (at 0, A would get no gradient)
+        keys = iter(jax.random.split(jax.random.key(1), 1000))
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, v: 0.1 * jax.random.normal(next(keys), v.shape) if str(p[-1].key).endswith("_lora_b") else v,
+            params)
     rng = np.random.default_rng(0)
     b, t = cfg.data.batch_size, cfg.data.seq_len
     tokens = jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32)
@@ -62,7 +70,7 @@ def test_context_parallel_step_equals_whole_rows(case, small_config, devices):
     gradients to 2e-6 of each parameter's largest."""
     arch, impl, mesh = CASES[case]
     common = ["moe.capacity_factor=8", *arch]
-    key = arch[0]
+    key = tuple(arch)
     if key not in _reference:  # whole rows on one device, the blocked einsums
         _reference[key] = _loss_and_grads(small_config(*common, "model.attention_impl=blocked"))
     g1, (l1, *_, mtp1) = _reference[key]
