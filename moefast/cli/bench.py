@@ -146,7 +146,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     b.add_argument("--vary", default="model.precision=bf16,fp8", metavar="KEY=BASELINE,CANDIDATE",
                    help="precision: the key and its two values compared (default model.precision=bf16,fp8)")
     b.add_argument("--seeds", type=int, default=2,
-                   help="precision: runs per precision, train.seed the config's, +1, ...; the verdict is on the means "
+                   help="precision: runs per value of --vary, train.seed the config's, +1, ...; the verdict is on the means "
                         "(default 2)")
     b.add_argument("--rounds", type=int, default=3,
                    help="train: rounds over the variants (default 3); malloc: train processes per setting "

@@ -25,7 +25,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--adapter", default=None, metavar="ADAPTER_DIR",
                    help="a PEFT LoRA adapter of this model (adapter_config.json, adapter_model.safetensors) to "
                         "continue training: the run's lora section takes its rank, alpha, expert rank and targets "
-                        "(lora.* overrides must agree with them); projections it does not adapt get fresh adapters")
+                        "(lora.rank, alpha, expert_rank given must agree; lora.targets may add kinds, whose "
+                        "projections get fresh adapters; lora.base_dtype, train, init, routing are yours)")
     i.add_argument("--cpu-devices", type=int, default=None, help=CPU_DEVICES_HELP)
     _distributed_options(i)
     i.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -79,12 +80,15 @@ def _import_hf(args, signals: _ImportSignals) -> None:
     src = Path(args.hf_dir)
     if src.name == "config.json" and src.is_file():
         src = src.parent  # the directory was meant
-    cfg = hf.config_from_hf(src, args.overrides)
+    # with --adapter, the adapter decides the lora section's shapes; the lora.* overrides go on top of it
+    given = [o for o in args.overrides if o.startswith("lora.")] if args.adapter else []
+    cfg = hf.config_from_hf(src, [o for o in args.overrides if o not in given])
     hf_cfg = hf.hf_config(src)
-    if args.adapter:  # the lora section that holds the adapter (rank, alpha, targets from it, or checked)
+    if args.adapter:
         from moefast.interop import hf_adapter
 
-        cfg = cfg.replace(lora=hf_adapter.adapter_lora_config(cfg, args.adapter, family=hf_cfg["model_type"]))
+        cfg = cfg.replace(lora=_adapter_lora(hf_adapter.adapter_lora_config(cfg, args.adapter,
+                                                                            family=hf_cfg["model_type"]), given))
     tok_files = []
     if (src / "tokenizer.json").is_file() and cfg.data.tokenizer == str(src.resolve()):
         tok_files = [src / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -165,6 +169,30 @@ def _import_hf(args, signals: _ImportSignals) -> None:
               f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
 
 
+def _adapter_lora(held, overrides: list[str]):
+    """The run's lora section: ``held`` (what the adapter holds: rank, alpha, expert rank, targets)
+    with the ``lora.*`` ``overrides`` on it; those four must agree with the adapter (more targets
+    than it adapts: the others start fresh), the rest (base dtype, train, init, routing) are free.
+
+    Raises:
+      ConfigError: an override that disagrees with the adapter, naming both values."""
+    import dataclasses
+
+    from moefast.config import ConfigError, LoRAConfig, _build_section, parse_overrides
+
+    lora = _build_section("lora", LoRAConfig, {**dataclasses.asdict(held), **parse_overrides(overrides).get("lora", {})})
+    wrong = [f"lora.{k}={getattr(lora, k)} (the adapter's: {getattr(held, k)})" for k in ("rank", "expert_rank")
+             if lora.rank_of("experts" if k == "expert_rank" else "attention") != held.rank_of(
+                 "experts" if k == "expert_rank" else "attention")]
+    if not wrong and any(lora.scale(t) != held.scale(t) for t in ("attention", "experts")):
+        wrong.append(f"lora.alpha={lora.alpha} (the adapter's: {held.alpha if held.alpha is not None else held.rank})")
+    wrong += [f"lora.targets={list(lora.target_kinds)} lacks the adapter's {t!r}" for t in held.target_kinds
+              if t not in lora.target_kinds]
+    if wrong:
+        raise ConfigError(f"--adapter: {'; '.join(wrong)}; leave these out to take them from the adapter")
+    return lora
+
+
 IMPORTED_FROM = "imported_from.json"
 """File in a run dir written by ``moefast import-hf``: the HF ``model_type`` and the directory read."""
 
@@ -206,6 +234,14 @@ def _export_hf(args: argparse.Namespace) -> None:
     if args.out_dir is None and args.adapter is None:
         raise ValueError("export-hf: give OUT_DIR (the model), --adapter ADAPTER_DIR (a LoRA run's adapters), "
                          "or both")
+    dirs = [Path(d).resolve() for d in (args.out_dir, args.adapter) if d is not None]
+    if len(dirs) == 2 and (dirs[0] == dirs[1] or dirs[0] in dirs[1].parents or dirs[1] in dirs[0].parents):
+        raise ValueError(f"export-hf: OUT_DIR {args.out_dir} and --adapter {args.adapter} must be two separate "
+                         "directories, neither inside the other")
+    for d in dirs:  # before anything is written (each is written whole, then renamed into place)
+        if d.exists() and (not d.is_dir() or any(d.iterdir())):
+            raise hf.HFFormatError(f"{d} exists and is not an empty directory; choose a new one (nothing is "
+                                   "overwritten)")
     cfg = _inference_config(load_run_config(args.run_dir))
     if args.adapter and not cfg.lora.enabled:
         raise ValueError(f"--adapter: {args.run_dir} has no LoRA adapters (lora.rank=0); export its model with "

@@ -75,6 +75,12 @@ class LoRAConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
+    def set_without_rank(self) -> list[str]:
+        """The keys set to other than their defaults while ``rank`` is 0 (where they do nothing)."""
+        if self.rank:
+            return []
+        return [f.name for f in dataclasses.fields(self) if f.name != "rank" and getattr(self, f.name) != f.default]
+
     @property
     def target_kinds(self) -> tuple[str, ...]:
         """``targets``, ``None`` read as every kind (:data:`LORA_TARGETS`)."""

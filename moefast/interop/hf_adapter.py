@@ -95,6 +95,14 @@ def _abstract(cfg: ExperimentConfig, vocab: int) -> nnx.Module:
     return nnx.eval_shape(lambda: build_model(_unrolled(cfg), vocab))
 
 
+def _base_config(cfg: ExperimentConfig) -> ExperimentConfig:
+    """``cfg`` without adapters, as the base model it exports: a routing state the run kept frozen
+    (``lora.routing=frozen``) never moved, so no selection-bias rate is the model's."""
+    if cfg.lora.enabled and cfg.lora.routing == "frozen":
+        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, aux_free_bias_rate=0.0))
+    return cfg.replace(lora=LoRAConfig())
+
+
 def merged_base(cfg: ExperimentConfig, params: dict) -> tuple[ExperimentConfig, dict]:
     """The model without adapters whose weights are the run's with its adapters merged:
     ``W + (alpha / r) A B`` per projection (per expert for the routed experts), float32, from the
@@ -112,7 +120,7 @@ def merged_base(cfg: ExperimentConfig, params: dict) -> tuple[ExperimentConfig, 
     graphdef, state = nnx.split(_abstract(cfg, int(unrolled["embed"].shape[0])))
     nnx.replace_by_pure_dict(state, unrolled)
     merged = lora.merged_params(nnx.merge(graphdef, state), unrolled)
-    return _unrolled(cfg).replace(lora=LoRAConfig()), merged
+    return _base_config(_unrolled(cfg)), merged
 
 
 # -------------------------------------------------------------------------------------- the map
@@ -208,7 +216,7 @@ def _sites(cfg: ExperimentConfig, vocab: int, family: str | None) -> tuple[famil
     Raises:
       HFFormatError: no family represents the model, or an adapter PEFT cannot hold (module docstring).
     """
-    base = cfg.replace(lora=LoRAConfig())
+    base = _base_config(cfg)
     checked = hf_family(base, family)
     spec = families.REGISTRY[family or checked]  # an asked family's own names (Qwen3.5's vision-language model)
     shapes = {p: tuple(v.shape) for p, v in _flat_paths(nnx.to_pure_dict(nnx.state(_abstract(base, vocab))))}
@@ -349,8 +357,10 @@ def save_peft_adapter(cfg: ExperimentConfig, params: dict, out_dir: str | Path, 
         if log is not None:
             n = sum(x.size for x in tensors.values())
             stacked = sum(len(s.blocks) > 1 for s in sites)
+            er = cfg.lora.rank_of("experts")
+            experts = f" (the experts' {er}: rank_pattern)" if er != r and any(s.expert for s in sites) else ""
             log(f"wrote a PEFT LoRA adapter for {spec.model_type} ({spec.architecture}) to {out_dir}: {len(sites)} "
-                f"sites, rank {r}, alpha {alpha:g}, {n / 1e6:,.3f}M parameters" +
+                f"sites, rank {r}{experts}, alpha {alpha:g}, {n / 1e6:,.3f}M parameters" +
                 (f"; {stacked} of them hold several moefast adapters stacked (rank_pattern)" if stacked else ""))
     return out_dir
 
@@ -443,7 +453,8 @@ def adapter_lora_config(cfg: ExperimentConfig, adapter_dir: str | Path, *, famil
     """
     conf, shapes, _ = _read(adapter_dir)
     every = cfg.replace(lora=dataclasses.replace(cfg.lora, rank=1, expert_rank=None, alpha=None, targets=None,
-                                                 train=()))  # every kind the model has
+                                                 train=()),  # every kind the model has
+                        moe=dataclasses.replace(cfg.moe, aux_free_bias_rate=0.0))  # the sites: not the routing
     spec, sites = _sites(every, cfg.model.vocab_size or 256, family)
     held = _check_keys(set(shapes), sites, adapter_dir, spec)
     if not held:

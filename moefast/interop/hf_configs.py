@@ -381,7 +381,8 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
                    "routing)")
     if e.routed_scaling_factor != 1 and r.scaling_key is None:
         out.append(f"moe.routed_scaling_factor={e.routed_scaling_factor} ({name} never scales its gates)")
-    if e.aux_free_bias_rate > 0 and r.selection_bias is None:
+    frozen = cfg.lora.enabled and cfg.lora.routing == "frozen"  # the bias never moves: as imported
+    if e.aux_free_bias_rate > 0 and r.selection_bias is None and not frozen:
         out.append(f"moe.aux_free_bias_rate={e.aux_free_bias_rate} ({name}'s router has no selection bias, which "
                    "changes the chosen experts)")
     out += _mtp_problems(spec, m)

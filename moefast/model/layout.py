@@ -78,10 +78,14 @@ def layer_layout(model_cfg) -> LayerLayout:
     return LayerLayout(prefix=tuple(range(nd)), groups=groups, tail=tuple(range(nd + g * period, n)))
 
 
+_LAYER_KEYS = ("blocks", "prefix", "groups", "tail")
+
+
 def is_param_dict(x: Any) -> bool:
-    """Whether ``x`` is a whole model's parameter tree (pure dict) in either layout, e.g. the
-    parameters themselves or an Adam moment inside the optimizer state."""
-    return isinstance(x, dict) and "embed" in x and "final_norm" in x
+    """Whether ``x`` is a model's parameter tree (pure dict) in either layout, e.g. the parameters
+    themselves or an Adam moment inside the optimizer state: a whole one, or the part of one that
+    trains (``lora``: the adapters' tree, holding some layers' leaves only)."""
+    return isinstance(x, dict) and (("embed" in x and "final_norm" in x) or any(k in x for k in _LAYER_KEYS))
 
 
 def is_stacked_path(path) -> bool:
@@ -118,28 +122,33 @@ def _take_block(stack: Any, i: int) -> Any:
 
 
 def _scan_params(layout: LayerLayout, p: dict) -> dict:
-    blocks = p["blocks"]
+    blocks = p.get("blocks", {})  # a trainable part (lora) may lack layers whose leaves are all frozen
     out = {k: v for k, v in p.items() if k != "blocks"}
-    if layout.prefix:
+    if layout.prefix and all(i in blocks for i in layout.prefix):
         out["prefix"] = _stack_blocks([blocks[i] for i in layout.prefix])
-    if layout.groups:
-        out["groups"] = {j: _stack_blocks([blocks[i] for i in ids]) for j, ids in enumerate(layout.groups)}
-    if layout.tail:
-        out["tail"] = {j: blocks[i] for j, i in enumerate(layout.tail)}
+    groups = {j: _stack_blocks([blocks[i] for i in ids]) for j, ids in enumerate(layout.groups)
+              if all(i in blocks for i in ids)}
+    if groups:
+        out["groups"] = groups
+    tail = {j: blocks[i] for j, i in enumerate(layout.tail) if i in blocks}
+    if tail:
+        out["tail"] = tail
     return out
 
 
 def _unroll_params(layout: LayerLayout, p: dict) -> dict:
     out = {k: v for k, v in p.items() if k not in ("prefix", "groups", "tail")}
     blocks = {}
-    for k, i in enumerate(layout.prefix):
+    for k, i in enumerate(layout.prefix if "prefix" in p else ()):
         blocks[i] = _take_block(p["prefix"], k)
     for j, ids in enumerate(layout.groups):
-        for k, i in enumerate(ids):
+        for k, i in enumerate(ids if j in p.get("groups", {}) else ()):
             blocks[i] = _take_block(p["groups"][j], k)
     for j, i in enumerate(layout.tail):
-        blocks[i] = p["tail"][j]
-    out["blocks"] = {i: blocks[i] for i in sorted(blocks)}
+        if j in p.get("tail", {}):
+            blocks[i] = p["tail"][j]
+    if blocks:
+        out["blocks"] = {i: blocks[i] for i in sorted(blocks)}
     return out
 
 
@@ -156,11 +165,11 @@ def to_layout(tree: Any, model_cfg, scanned: bool) -> Any:
     layout = layer_layout(model_cfg)
 
     def convert(x):
-        if not is_param_dict(x) or ("blocks" not in x) == scanned:
+        if not is_param_dict(x) or not any(k in x for k in _LAYER_KEYS) or ("blocks" not in x) == scanned:
             return x
         if not scanned:
             return _unroll_params(layout, x)
-        if sorted(x["blocks"]) != list(range(model_cfg.num_layers)):
+        if "embed" in x and sorted(x["blocks"]) != list(range(model_cfg.num_layers)):
             raise ValueError(f"parameters hold blocks {sorted(x['blocks'])}, the model has "
                              f"model.num_layers={model_cfg.num_layers}")
         return _scan_params(layout, x)

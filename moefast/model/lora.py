@@ -32,7 +32,8 @@ from jax.ad_checkpoint import checkpoint_name
 from moefast.config import ExperimentConfig, LoRAConfig
 from moefast.parallel.precision import dense
 
-__all__ = ["ABSMAX", "LORA_A", "LORA_B", "TARGETS", "adapted", "attach", "base_weight", "count", "effective_weight",
+__all__ = ["ABSMAX", "LORA_A", "LORA_B", "TARGETS", "adapted", "attach", "base_weight", "count",
+           "sizes", "effective_weight",
            "expert_projection", "from_base", "is_adapter", "is_nf4", "join", "merged", "merged_params", "parts_of",
            "project", "recompute_dequantized", "split", "stored", "trainable"]
 
@@ -121,9 +122,10 @@ def attach(module: nnx.Module, cfg: LoRAConfig, key: jax.Array) -> None:
         if cfg.base_dtype == "nf4":  # QLoRA: the adapted base weight as 4-bit codes and block scales
             from moefast.parallel.nf4 import nf4_quantize
 
-            q = nf4_quantize(w[...])
-            setattr(module, name, nnx.Param(q.codes, logical_axes=axes))
-            setattr(module, name + ABSMAX, nnx.Param(q.absmax, logical_axes=axes))
+            q = nf4_quantize(w[...])  # blocks along the last axis, which stays whole on each device
+            packed = (*axes[:-1], None)
+            setattr(module, name, nnx.Param(q.codes, logical_axes=packed))
+            setattr(module, name + ABSMAX, nnx.Param(q.absmax, logical_axes=packed))
 
 
 def _block_b(b: jax.Array, parts: tuple[int, ...]) -> jax.Array:
@@ -273,15 +275,29 @@ def merged(w: np.ndarray, a: np.ndarray, b: np.ndarray, parts: tuple[int, ...], 
     return w + np.float32(scale) * (a @ np.asarray(_block_b(jnp.asarray(b), parts)))
 
 
+def sizes(params: dict) -> dict:
+    """Pure ``params`` (arrays or shapes) -> the same tree of ``(parameters, bytes)`` per leaf as
+    stored: an NF4 weight's codes stand for its values (the width its adapter's ``B`` gives, no
+    padding), its block scales for bytes only."""
+    def go(d):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out[k] = go(v)
+                continue
+            nbytes = int(v.size * np.dtype(v.dtype).itemsize)
+            n = 0 if str(k).endswith(ABSMAX) else int(v.size)
+            if np.dtype(v.dtype) == np.uint8 and str(k) + LORA_B in d:
+                n = int(np.prod(v.shape[:-1])) * d[str(k) + LORA_B].shape[-1]
+            out[k] = (n, nbytes)
+        return out
+    return go(params)
+
+
 def count(params: dict) -> tuple[int, int]:
-    """``(parameters, bytes)`` of pure ``params`` as stored: an NF4 weight's codes hold two values
-    a byte, its block scales count as bytes only."""
-    n = b = 0
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        b += x.size * np.dtype(x.dtype).itemsize
-        if not str(getattr(path[-1], "key", path[-1])).endswith(ABSMAX):
-            n += 2 * x.size if np.dtype(x.dtype) == np.uint8 else x.size
-    return n, b
+    """``(parameters, bytes)`` summed over a tree of :func:`sizes`."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, tuple))
+    return sum(n for n, _ in leaves), sum(b for _, b in leaves)
 
 
 def storage_dtype(cfg: LoRAConfig) -> Any:

@@ -91,7 +91,7 @@ _FREE_KEYS = {"model": {"remat", "scan_layers", "attention_impl", "linear_attent
               "moe": {"grouped_matmul", "routing_impl", "dispatch", "overlap_chunks", "overlap_chain",
                       "dispatch_dtype", "exchange", "gpus_per_host"},
               "data": {"prefetch"},
-              "lora": {"routing"}}
+              "lora": {"routing", "init"}}  # init: A's initial values, nothing after step 0
 
 
 def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:

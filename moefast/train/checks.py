@@ -102,8 +102,18 @@ def _triton_routing(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> None:
 Check = Callable[[ExperimentConfig, jax.sharding.Mesh], str | None]
 
 # In the order they run: the first refusal is the one reported.
+def _lora_without_rank(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> None:
+    """``lora.*`` keys set with ``lora.rank`` 0: the run would silently train every parameter in
+    float32 (about 16 bytes a parameter with AdamW) instead of adapters."""
+    given = cfg.lora.set_without_rank()
+    if given:
+        raise ConfigError(f"lora.{given[0]}: is set but lora.rank is 0 (no adapters: every parameter trains); set "
+                          f"lora.rank (e.g. 16) to fine-tune with adapters, or leave out "
+                          f"{', '.join('lora.' + g for g in given)}")
+
+
 CHECKS: tuple[Check, ...] = (_host_malloc, _pallas_routing, _fp8_dispatch, _fp8_gemms, _hierarchical,
-                             _triton_routing)
+                             _triton_routing, _lora_without_rank)
 
 
 def check_run(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> list[str]:

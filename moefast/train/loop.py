@@ -43,7 +43,7 @@ from moefast.train.checks import check_run
 from moefast.train.compile_cache import configure_compilation_cache
 from moefast.train.evaluation import Evaluator, format_eval
 from moefast.model import init_routing_state
-from moefast.model.lora import count as lora_count
+from moefast.model.lora import count as lora_count, sizes as lora_sizes
 from moefast.model.flops import model_flops_per_token
 from moefast.train import mfu as mfu_lib
 from moefast.train.metrics import MetricsWriteError, MetricsWriter
@@ -69,9 +69,9 @@ def config_warnings(cfg: ExperimentConfig) -> list[str]:
                    "choices; lower moe.warmup_steps")
     if cfg.lora.enabled and cfg.lora.routing == "update" and moe.aux_free_bias_rate > 0:
         out.append(f"lora with moe.aux_free_bias_rate={moe.aux_free_bias_rate}: the selection bias keeps moving while the "
-                   "adapters train; the merged export carries it, a PEFT adapter (export-hf --adapter) does not, so "
-                   "the base with the adapter routes otherwise than this run; lora.routing=frozen keeps the imported "
-                   "bias")
+                   "adapters train; a PEFT adapter (export-hf --adapter) does not carry it, so the base with the "
+                   "adapter routes otherwise than this run, and a family whose router has no selection bias cannot "
+                   "be exported at all; lora.routing=frozen keeps the imported bias")
     if tc.warmup_steps > tc.steps:  # the schedule cuts the warm-up to train.steps (learning_rate_schedule)
         n = tc.steps
         out.append(f"train.warmup_steps={tc.warmup_steps} > train.steps={n}: the warm-up is cut to the run's {n} "
@@ -490,14 +490,20 @@ class Trainer:
     def _log_setup(self) -> None:
         cfg = self.cfg
         self._log(f"corpus: {self.corpus.summary()}")
-        n_params = lora_count(self.model_def.abstract_params)[0]  # an NF4 base counted by its values
+        n_params = lora_count(lora_sizes(self.model_def.abstract_params))[0]  # an NF4 base counted by its values
         self._log(f"model: {n_params / 1e6:.2f}M parameters | mesh {dict(self.mesh.shape)} on "
                   f"{jax.device_count()} {jax.devices()[0].platform} device(s) | compilation cache "
                   f"{self.compile_cache_dir or 'off'} | host malloc {self.host_malloc}")
         if cfg.lora.enabled:
-            (n_train, b_train), (n_frozen, b_frozen) = map(lora_count, self.model_def.split(self.model_def.abstract_params))
-            kinds = cfg.lora.targets or ("every projection",)
-            self._log(f"lora: rank {cfg.lora.rank} on {', '.join(kinds)} | trainable {n_train / 1e6:,.3f}M parameters "
+            (n_train, b_train), (n_frozen, b_frozen) = map(
+                lora_count, self.model_def.split(lora_sizes(self.model_def.abstract_params)))
+            lc = cfg.lora
+            kinds = ", ".join(lc.targets or ("every projection",))
+            if lc.expert_rank not in (None, lc.rank) and "experts" in lc.target_kinds:
+                kinds += f" (experts rank {lc.expert_rank})"
+            if lc.train:
+                kinds += f" | in full: {', '.join(lc.train)}"
+            self._log(f"lora: rank {lc.rank} on {kinds} | trainable {n_train / 1e6:,.3f}M parameters "
                       f"({b_train / 2**20:,.1f} MiB float32, optimizer {2 * b_train / 2**20:,.1f} MiB) | frozen base "
                       f"{n_frozen / 1e6:,.2f}M parameters ({b_frozen / 2**20:,.1f} MiB, {cfg.lora.base_dtype})")
         for warning in config_warnings(cfg) + self.corpus.warnings(cfg.data):
@@ -658,7 +664,7 @@ class Trainer:
         adapters, ``state_sharding["params"]``."""
         if not self.cfg.lora.enabled:
             return self.state_sharding["params"]
-        base = ModelDef(self.cfg.replace(lora=dataclasses.replace(self.cfg.lora, rank=0)), self.model_def.vocab_size)
+        base = ModelDef(self.cfg.replace(lora=type(self.cfg.lora)()), self.model_def.vocab_size)
         return parallel.shardings(self.mesh, base.param_state_specs(self.mesh))
 
     def with_adapters(self, base: dict) -> dict:

@@ -370,3 +370,29 @@ def test_import_train_export_gives_peft_the_trained_model(run, tmp_path, text_di
                                                            drop_tokens=False, routing_state=routing).logits)
     theirs = _logits(peft.PeftModel.from_pretrained(copy.deepcopy(run.model), tmp_path / "a").eval())
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("run", ["qwen3_moe"], indirect=True)
+def test_cli_checks_before_it_writes(run, tmp_path, capsys):
+    """import-hf --adapter: lora.* overrides that disagree with the adapter are refused, the others
+    taken; export-hf: both destinations checked before anything is written; a run whose selection
+    bias stayed frozen exports to a family without one."""
+    from moefast import cli
+    from moefast.train import load_run_config
+
+    for bad in ("lora.expert_rank=4", "lora.rank=8", "lora.targets=[attention]"):
+        assert cli.main(["import-hf", str(run.hf_dir), "--run-dir", str(tmp_path / "x"), "--adapter",
+                         str(run.adapter), bad]) == 2
+        assert "--adapter: lora." in capsys.readouterr().err and not (tmp_path / "x" / "checkpoints").exists()
+    r = tmp_path / "r"
+    assert cli.main(["import-hf", str(run.hf_dir), "--run-dir", str(r), "--adapter", str(run.adapter),
+                     "lora.base_dtype=nf4", "lora.routing=frozen", "moe.aux_free_bias_rate=0.01"]) == 0
+    cfg = load_run_config(r)
+    assert (cfg.lora.base_dtype, cfg.lora.rank, cfg.lora.expert_rank) == ("nf4", 4, 2)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "f").write_text("x")
+    for out, adapter in ((tmp_path / "m", tmp_path / "taken"), (tmp_path / "m2", tmp_path / "m2" / "a")):
+        assert cli.main(["export-hf", "--run-dir", str(r), str(out), "--adapter", str(adapter)]) == 2
+        capsys.readouterr()
+        assert not out.exists() and not (adapter.exists() and adapter != tmp_path / "taken")
+    assert cli.main(["export-hf", "--run-dir", str(r), str(tmp_path / "m"), "--adapter", str(tmp_path / "a")]) == 0

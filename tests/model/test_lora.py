@@ -264,3 +264,28 @@ def test_routing_state_frozen_or_updating_and_the_bias_warning():
     assert all(np.array_equal(frozen[k], state[k]) for k in state)
     assert any("a PEFT adapter (export-hf --adapter) does not" in w for w in config_warnings(load_config(None, moving)))
     assert not any("PEFT" in w for w in config_warnings(load_config(None, [*moving, "lora.routing=frozen"])))
+
+
+@pytest.mark.parametrize("extra", [[], ["lora.targets=[experts]", "model.num_dense_layers=1", "model.num_layers=3"]])
+def test_a_lora_state_converts_between_layer_layouts(extra):
+    """A resume may change model.scan_layers: the adapters' optimizer moments (a tree of some
+    layers' leaves only; with experts alone, the dense layer has none) convert with the parameters."""
+    from moefast.model.layout import to_layout
+
+    scanned, unrolled = (load_config(None, [f"model.scan_layers={s}", "lora.rank=4", *extra]) for s in ("true", "false"))
+    states = [jax.eval_shape(lambda c=c: ModelDef(c, 259).init_state(0)) for c in (scanned, unrolled)]
+    for state, other, to_scanned in ((states[0], states[1], False), (states[1], states[0], True)):
+        converted = to_layout(state, scanned.model, scanned=to_scanned)
+        assert jax.tree.structure(converted) == jax.tree.structure(other)
+        assert [a.shape for a in jax.tree.leaves(converted)] == [a.shape for a in jax.tree.leaves(other)]
+
+
+def test_lora_keys_without_a_rank_are_refused(devices):
+    """lora.* set with lora.rank 0 would silently train every parameter in float32: refused with
+    the platform's checks, before anything compiles."""
+    from moefast.train.checks import check_run
+
+    mesh = make_mesh(load_config(None, ["mesh.data=1"]), devices[:1])
+    with pytest.raises(ValueError, match=r"lora.base_dtype: is set but lora.rank is 0 .*set lora.rank"):
+        check_run(load_config(None, ["lora.base_dtype=nf4", "mesh.data=1"]), mesh)
+    check_run(load_config(None, ["lora.rank=4", "lora.base_dtype=nf4", "mesh.data=1"]), mesh)
