@@ -116,6 +116,7 @@ def _import_hf(args, signals: _ImportSignals) -> None:
     main = trainer.is_main  # with several processes (a shared run dir), process 0 writes the files and prints
     params = hf.load_hf_params(src, cfg, shardings=trainer.base_param_sharding,
                                log=lambda s: print(f"note: {s}") if main else None)
+    n = sum(x.size for x in jax.tree.leaves(params))  # the imported model's (before adapters and their storage)
     if args.adapter:  # the imported base with the run's fresh adapters, those the adapter holds read from it
         params = hf_adapter.load_peft_adapter(cfg, args.adapter, trainer.with_adapters(params),
                                               family=hf_cfg["model_type"],
@@ -162,7 +163,6 @@ def _import_hf(args, signals: _ImportSignals) -> None:
         for p in made if main else ():
             shutil.rmtree(p, ignore_errors=True)
         raise
-    n = sum(x.size for x in jax.tree.leaves(params))
     if main:
         print(f"imported {hf_cfg['model_type']} ({n / 1e6:,.2f}M parameters) from {src}"
               + (f" with the adapter {args.adapter}" if args.adapter else "") + f" into {where}; "
@@ -181,13 +181,16 @@ def _adapter_lora(held, overrides: list[str]):
     from moefast.config import ConfigError, LoRAConfig, _build_section, parse_overrides
 
     lora = _build_section("lora", LoRAConfig, {**dataclasses.asdict(held), **parse_overrides(overrides).get("lora", {})})
-    wrong = [f"lora.{k}={getattr(lora, k)} (the adapter's: {getattr(held, k)})" for k in ("rank", "expert_rank")
-             if lora.rank_of("experts" if k == "expert_rank" else "attention") != held.rank_of(
-                 "experts" if k == "expert_rank" else "attention")]
-    if not wrong and any(lora.scale(t) != held.scale(t) for t in ("attention", "experts")):
+    wrong = []
+    if lora.rank != held.rank:
+        wrong.append(f"lora.rank={lora.rank} (the adapter's: {held.rank})")
+    elif lora.rank_of("experts") != held.rank_of("experts"):
+        wrong.append(f"lora.expert_rank={lora.expert_rank} (the adapter's experts have rank {held.rank_of('experts')})")
+    elif any(lora.scale(t) != held.scale(t) for t in ("attention", "experts")):
         wrong.append(f"lora.alpha={lora.alpha} (the adapter's: {held.alpha if held.alpha is not None else held.rank})")
-    wrong += [f"lora.targets={list(lora.target_kinds)} lacks the adapter's {t!r}" for t in held.target_kinds
-              if t not in lora.target_kinds]
+    lacks = [t for t in held.target_kinds if t not in lora.target_kinds]
+    if lacks:
+        wrong.append(f"lora.targets={list(lora.target_kinds)} lacks the adapter's {', '.join(map(repr, lacks))}")
     if wrong:
         raise ConfigError(f"--adapter: {'; '.join(wrong)}; leave these out to take them from the adapter")
     return lora
