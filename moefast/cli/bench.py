@@ -194,6 +194,66 @@ PEERS_MOVED = ("moefast bench peers moved out of the installed package: run pyth
                "checkout of the repository (same options; needs pip install -c constraints.txt -e '.[peers]')")
 
 
+def _gpu_compile(args) -> int:
+    """``moefast bench gpu-compile`` (or one of its ablation tables)."""
+    from moefast.config import ConfigError
+    from moefast.bench import gpu_ablate, gpu_compile
+
+    try:
+        if args.ablate + args.ablate_exchange + args.ablate_precision > 1:
+            raise ConfigError("--ablate, --ablate-exchange and --ablate-precision are three tables: give one")
+        if args.ablate or args.ablate_exchange or args.ablate_precision:
+            table = "exchange" if args.ablate_exchange else "precision" if args.ablate_precision else "levers"
+            return gpu_ablate.run_ablation(table, json_out=args.json,
+                                           config=args.config, overrides=args.overrides, gpu=args.gpu,
+                                           devices=args.devices, network=args.network, twin=args.twin,
+                                           autotune=args.autotune)
+        return gpu_compile.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
+                                   gpu=args.gpu, devices=args.devices, autotune=args.autotune,
+                                   network=args.network, twin=args.twin)
+    except (ValueError, RuntimeError) as e:  # bad --devices; the CUDA plugin missing
+        if isinstance(e, ConfigError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _data(args) -> int:
+    """``moefast bench data``."""
+    from moefast.config import ConfigError
+    from moefast.bench import data as data_bench
+
+    steps = 50 if args.steps is None else args.steps
+    try:
+        sizes = tuple(float(x) for x in args.sizes.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) <= 0 or not args.prepare_mb > 0 or steps < 1 or args.rounds < 1:
+        raise ConfigError(f"--sizes must be positive GB separated by commas (got {args.sizes!r}), "
+                          f"--prepare-mb > 0, --steps and --rounds >= 1")
+    if args.work_dir is not None and not os.path.isdir(args.work_dir):
+        raise ConfigError(f"--work-dir {args.work_dir}: not a directory")
+    return data_bench.run_cli(json_out=args.json, sizes_gb=sizes, prepare_mb=args.prepare_mb,
+                              rounds=args.rounds, batches=steps, work_dir=args.work_dir)
+
+
+def _precision(args) -> int:
+    """``moefast bench precision``."""
+    from moefast.config import ConfigError
+    from moefast.bench import precision
+
+    if args.steps is not None and args.steps < 50:
+        raise ConfigError(f"--steps must be >= 50 (the final loss averages 5 records logged every 10 steps), "
+                          f"got {args.steps}")
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+    key, _, values = args.vary.partition("=")
+    if not key or values.count(",") != 1 or not all(values.split(",")):
+        raise ConfigError(f"--vary {args.vary!r}: expected KEY=BASELINE,CANDIDATE (e.g. lora.base_dtype=bfloat16,nf4)")
+    return precision.run_cli(json_out=args.json, config=args.config, overrides=args.overrides, steps=args.steps,
+                             seeds=args.seeds, vary=(key, *values.split(",")))
+
+
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``moefast bench TARGET``: the options checked, then the benchmark run; its exit status.
 
@@ -258,54 +318,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               f"and {args.rounds}")
         return malloc.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
                               overrides=args.overrides)
-    if args.target == "gpu-compile":
-        from moefast.bench import gpu_ablate, gpu_compile
-
-        try:
-            if args.ablate + args.ablate_exchange + args.ablate_precision > 1:
-                raise ConfigError("--ablate, --ablate-exchange and --ablate-precision are three tables: give one")
-            if args.ablate or args.ablate_exchange or args.ablate_precision:
-                table = "exchange" if args.ablate_exchange else "precision" if args.ablate_precision else "levers"
-                return gpu_ablate.run_ablation(table, json_out=args.json,
-                                               config=args.config, overrides=args.overrides, gpu=args.gpu,
-                                               devices=args.devices, network=args.network, twin=args.twin,
-                                               autotune=args.autotune)
-            return gpu_compile.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
-                                       gpu=args.gpu, devices=args.devices, autotune=args.autotune,
-                                       network=args.network, twin=args.twin)
-        except (ValueError, RuntimeError) as e:  # bad --devices; the CUDA plugin missing
-            if isinstance(e, ConfigError):
-                raise
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    if args.target == "data":
-        from moefast.bench import data as data_bench
-
-        steps = 50 if args.steps is None else args.steps
-        try:
-            sizes = tuple(float(x) for x in args.sizes.split(","))
-        except ValueError:
-            sizes = ()
-        if not sizes or min(sizes) <= 0 or not args.prepare_mb > 0 or steps < 1 or args.rounds < 1:
-            raise ConfigError(f"--sizes must be positive GB separated by commas (got {args.sizes!r}), "
-                              f"--prepare-mb > 0, --steps and --rounds >= 1")
-        if args.work_dir is not None and not os.path.isdir(args.work_dir):
-            raise ConfigError(f"--work-dir {args.work_dir}: not a directory")
-        return data_bench.run_cli(json_out=args.json, sizes_gb=sizes, prepare_mb=args.prepare_mb,
-                                  rounds=args.rounds, batches=steps, work_dir=args.work_dir)
-    if args.target == "precision":
-        from moefast.bench import precision
-
-        if args.steps is not None and args.steps < 50:
-            raise ConfigError(f"--steps must be >= 50 (the final loss averages 5 records logged every 10 steps), "
-                              f"got {args.steps}")
-        if args.seeds < 1:
-            raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
-        key, _, values = args.vary.partition("=")
-        if not key or values.count(",") != 1 or not all(values.split(",")):
-            raise ConfigError(f"--vary {args.vary!r}: expected KEY=BASELINE,CANDIDATE (e.g. lora.base_dtype=bfloat16,nf4)")
-        return precision.run_cli(json_out=args.json, config=args.config, overrides=args.overrides, steps=args.steps,
-                                 seeds=args.seeds, vary=(key, *values.split(",")))
+    if args.target in ("gpu-compile", "data", "precision"):
+        return {"gpu-compile": _gpu_compile, "data": _data, "precision": _precision}[args.target](args)
     if args.target == "cache":
         from moefast.bench import cache
 

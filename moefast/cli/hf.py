@@ -80,44 +80,16 @@ def _import_hf(args, signals: _ImportSignals) -> None:
     src = Path(args.hf_dir)
     if src.name == "config.json" and src.is_file():
         src = src.parent  # the directory was meant
-    # with --adapter, the adapter decides the lora section's shapes; the lora.* overrides go on top of it
-    given = [o for o in args.overrides if o.startswith("lora.")] if args.adapter else []
-    cfg = hf.config_from_hf(src, [o for o in args.overrides if o not in given])
-    hf_cfg = hf.hf_config(src)
-    if args.adapter:
-        from moefast.interop import hf_adapter
-
-        cfg = cfg.replace(lora=_adapter_lora(hf_adapter.adapter_lora_config(cfg, args.adapter,
-                                                                            family=hf_cfg["model_type"]), given))
-    tok_files = []
-    if (src / "tokenizer.json").is_file() and cfg.data.tokenizer == str(src.resolve()):
-        tok_files = [src / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                       "chat_template.jinja", "config.json", "generation_config.json")
-                     if (src / n).is_file()]
-    elif cfg.data.tokenizer == "byte":
-        from moefast.data import ByteTokenizer
-
-        byte_ids = ByteTokenizer().vocab_size
-        if cfg.model.vocab_size < byte_ids:
-            raise hf.HFFormatError(f"{src} has no tokenizer.json and its vocabulary ({cfg.model.vocab_size} ids) is "
-                                   f"smaller than the byte tokenizer's {byte_ids}: put the model's tokenizer.json in "
-                                   f"{src} or pass data.tokenizer=PATH")
-        tok = ByteTokenizer()
-        ours = all(hf_cfg.get(k) == v for k, v in (("pad_token_id", tok.pad_id), ("bos_token_id", tok.bos_id),
-                                                     ("eos_token_id", tok.eos_id)))
-        if jax.process_index() == 0 and ours:  # moefast's export of a byte-tokenizer run: its special ids
-            print(f"note: {src} has no tokenizer.json and its config.json gives the byte tokenizer's PAD/BOS/EOS ids "
-                  f"({tok.pad_id}/{tok.bos_id}/{tok.eos_id}, as moefast export-hf writes them): the run uses the byte "
-                  "tokenizer")
-        elif jax.process_index() == 0:
-            print(f"note: {src} has no tokenizer.json; the run uses the byte tokenizer (ids 0-{byte_ids - 1}), which is "
-                  "not the tokenizer the model was trained with")
+    cfg, hf_cfg = _import_config(src, args.overrides, args.adapter)
+    tok_files = _tokenizer_files(src, cfg, hf_cfg)
     trainer = Trainer(cfg, run_dir, progress=False)  # checks the config against the devices and tokenizer
     main = trainer.is_main  # with several processes (a shared run dir), process 0 writes the files and prints
     params = hf.load_hf_params(src, cfg, shardings=trainer.base_param_sharding,
                                log=lambda s: print(f"note: {s}") if main else None)
     n = sum(x.size for x in jax.tree.leaves(params))  # the imported model's (before adapters and their storage)
     if args.adapter:  # the imported base with the run's fresh adapters, those the adapter holds read from it
+        from moefast.interop import hf_adapter
+
         params = hf_adapter.load_peft_adapter(cfg, args.adapter, trainer.with_adapters(params),
                                               family=hf_cfg["model_type"],
                                               log=lambda s: print(f"note: {s}") if main else None)
@@ -167,6 +139,59 @@ def _import_hf(args, signals: _ImportSignals) -> None:
         print(f"imported {hf_cfg['model_type']} ({n / 1e6:,.2f}M parameters) from {src}"
               + (f" with the adapter {args.adapter}" if args.adapter else "") + f" into {where}; "
               f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
+
+
+def _tokenizer_files(src, cfg, hf_cfg: dict) -> list:
+    """The tokenizer files of ``src`` the run keeps a copy of (none for the byte tokenizer, with a
+    note saying what that means).
+
+    Raises:
+      HFFormatError: no tokenizer.json and a vocabulary smaller than the byte tokenizer's."""
+    import jax
+
+    from moefast.interop import hf
+
+    tok_files = []
+    if (src / "tokenizer.json").is_file() and cfg.data.tokenizer == str(src.resolve()):
+        tok_files = [src / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                       "chat_template.jinja", "config.json", "generation_config.json")
+                     if (src / n).is_file()]
+    elif cfg.data.tokenizer == "byte":
+        from moefast.data import ByteTokenizer
+
+        byte_ids = ByteTokenizer().vocab_size
+        if cfg.model.vocab_size < byte_ids:
+            raise hf.HFFormatError(f"{src} has no tokenizer.json and its vocabulary ({cfg.model.vocab_size} ids) is "
+                                   f"smaller than the byte tokenizer's {byte_ids}: put the model's tokenizer.json in "
+                                   f"{src} or pass data.tokenizer=PATH")
+        tok = ByteTokenizer()
+        ours = all(hf_cfg.get(k) == v for k, v in (("pad_token_id", tok.pad_id), ("bos_token_id", tok.bos_id),
+                                                     ("eos_token_id", tok.eos_id)))
+        if jax.process_index() == 0 and ours:  # moefast's export of a byte-tokenizer run: its special ids
+            print(f"note: {src} has no tokenizer.json and its config.json gives the byte tokenizer's PAD/BOS/EOS ids "
+                  f"({tok.pad_id}/{tok.bos_id}/{tok.eos_id}, as moefast export-hf writes them): the run uses the byte "
+                  "tokenizer")
+        elif jax.process_index() == 0:
+            print(f"note: {src} has no tokenizer.json; the run uses the byte tokenizer (ids 0-{byte_ids - 1}), which is "
+                  "not the tokenizer the model was trained with")
+    return tok_files
+
+
+def _import_config(src, overrides: list[str], adapter):
+    """The run's config from ``src``'s config.json and ``overrides`` (with an ``adapter``, its lora
+    section from the adapter, the ``lora.*`` overrides on top: :func:`_adapter_lora`), and the
+    config.json itself."""
+    from moefast.interop import hf
+
+    given = [o for o in overrides if o.startswith("lora.")] if adapter else []
+    cfg = hf.config_from_hf(src, [o for o in overrides if o not in given])
+    hf_cfg = hf.hf_config(src)
+    if adapter:
+        from moefast.interop import hf_adapter
+
+        held = hf_adapter.adapter_lora_config(cfg, adapter, family=hf_cfg["model_type"])
+        cfg = cfg.replace(lora=_adapter_lora(held, given))
+    return cfg, hf_cfg
 
 
 def _adapter_lora(held, overrides: list[str]):

@@ -33,8 +33,8 @@ from moefast.config import ExperimentConfig, LoRAConfig
 from moefast.parallel.precision import dense
 
 __all__ = ["ABSMAX", "LORA_A", "LORA_B", "TARGETS", "adapted", "attach", "base_weight", "count",
-           "sizes", "effective_weight",
-           "expert_projection", "from_base", "is_adapter", "is_nf4", "join", "merged", "merged_params", "parts_of",
+           "sizes", "summary", "effective_weight",
+           "expert_projection", "from_base", "is_adapter", "is_nf4", "join", "merged_params", "parts_of",
            "project", "recompute_dequantized", "split", "stored", "trainable"]
 
 LORA_A, LORA_B = "_lora_a", "_lora_b"
@@ -163,6 +163,14 @@ def recompute_dequantized(fn: Callable) -> Callable:
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_anything_except_these_names(NF4_WEIGHT))
 
 
+def _merged(w: jax.Array, a: jax.Array, b: jax.Array, parts: tuple[int, ...], scale: float) -> jax.Array:
+    """``W + scale · A B`` in float32: a projection [in, out] with the block ``A`` [in, P·r] of its
+    P ``parts``, or experts [E, in, out] with ``A`` [E, in, r], ``B`` [E, r, out]."""
+    w, a, b = (jnp.asarray(x, jnp.float32) for x in (w, a, b))
+    delta = jnp.einsum("eir,ero->eio", a, b) if w.ndim == 3 else a @ _block_b(b, parts)
+    return w + jnp.float32(scale) * delta
+
+
 def effective_weight(module: nnx.Module, name: str) -> jax.Array:
     """``W + (alpha / r) A B`` of a (non-expert) projection in float32, for the paths that use the
     weight itself rather than :func:`project`'s product (MLA's absorbed decoding, its context-parallel
@@ -170,8 +178,8 @@ def effective_weight(module: nnx.Module, name: str) -> jax.Array:
     w = base_weight(module, name, jnp.float32).astype(jnp.float32)
     if not hasattr(module, name + LORA_A):
         return w
-    b = _block_b(getattr(module, name + LORA_B)[...], parts_of(module, name))
-    return w + getattr(module, name + "_lora_scale") * (getattr(module, name + LORA_A)[...] @ b)
+    return _merged(w, getattr(module, name + LORA_A)[...], getattr(module, name + LORA_B)[...],
+                   parts_of(module, name), getattr(module, name + "_lora_scale"))
 
 
 def project(module: nnx.Module, name: str, x: jax.Array, dtype, names: tuple, *, fp8: bool = False) -> jax.Array:
@@ -266,15 +274,6 @@ def join(a: dict, b: dict) -> dict:
     return out
 
 
-def merged(w: np.ndarray, a: np.ndarray, b: np.ndarray, parts: tuple[int, ...], scale: float) -> np.ndarray:
-    """``W + scale · A B`` in float32 (NumPy): a projection [in, out] with the block ``A`` [in,
-    P·r] of its P ``parts``, or experts [E, in, out] with ``A`` [E, in, r], ``B`` [E, r, out]."""
-    w, a, b = (np.asarray(x, np.float32) for x in (w, a, b))
-    if w.ndim == 3:
-        return w + np.float32(scale) * np.einsum("eir,ero->eio", a, b)
-    return w + np.float32(scale) * (a @ np.asarray(_block_b(jnp.asarray(b), parts)))
-
-
 def sizes(params: dict) -> dict:
     """Pure ``params`` (arrays or shapes) -> the same tree of ``(parameters, bytes)`` per leaf as
     stored: an NF4 weight's codes stand for its values (the width its adapter's ``B`` gives, no
@@ -298,6 +297,21 @@ def count(params: dict) -> tuple[int, int]:
     """``(parameters, bytes)`` summed over a tree of :func:`sizes`."""
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, tuple))
     return sum(n for n, _ in leaves), sum(b for _, b in leaves)
+
+
+def summary(cfg: LoRAConfig, split_sizes: tuple[dict, dict]) -> str:
+    """The run's ``lora:`` line: ranks and targets, what trains in full, the trainable parameters
+    and their bytes (and their AdamW moments'), the frozen base's; ``split_sizes`` is the
+    ``(trainable, frozen)`` split of :func:`sizes` of the stored parameters."""
+    (n_train, b_train), (n_frozen, b_frozen) = map(count, split_sizes)
+    kinds = ", ".join(cfg.targets or ("every projection",))
+    if cfg.expert_rank not in (None, cfg.rank) and "experts" in cfg.target_kinds:
+        kinds += f" (experts rank {cfg.expert_rank})"
+    if cfg.train:
+        kinds += f" | in full: {', '.join(cfg.train)}"
+    return (f"lora: rank {cfg.rank} on {kinds} | trainable {n_train / 1e6:,.3f}M parameters ({b_train / 2**20:,.1f} "
+            f"MiB float32, optimizer {2 * b_train / 2**20:,.1f} MiB) | frozen base {n_frozen / 1e6:,.2f}M parameters "
+            f"({b_frozen / 2**20:,.1f} MiB, {cfg.base_dtype})")
 
 
 def storage_dtype(cfg: LoRAConfig) -> Any:
@@ -369,9 +383,9 @@ def merged_params(model: nnx.Module, params: dict) -> dict:
     expert for the routed experts. ``model`` carries ``params`` (unrolled layout)."""
     merged_w = {}
     for path, module, name in adapted(model):
-        w = np.asarray(base_weight(module, name, jnp.float32), np.float32)
-        a, b = (np.asarray(getattr(module, name + s)[...], np.float32) for s in (LORA_A, LORA_B))
-        merged_w[path + (name,)] = merged(w, a, b, parts_of(module, name), getattr(module, name + "_lora_scale"))
+        a, b = (getattr(module, name + s)[...] for s in (LORA_A, LORA_B))
+        merged_w[path + (name,)] = np.asarray(_merged(base_weight(module, name, jnp.float32), a, b,
+                                                      parts_of(module, name), getattr(module, name + "_lora_scale")))
 
     def leaf(path, v):
         return merged_w.get(path, v)

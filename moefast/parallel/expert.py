@@ -642,10 +642,10 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         check_hierarchical(moe, ep, x_btd.shape[0] // shards * per_row if drop_tokens else None)
     # The expert weights enter as the train state holds them (float32 shards, split over expert,
     # fsdp and data) and are gathered inside in the compute dtype (moefast.parallel.precision).
-    names = (ExpertProjection(("expert", "embed", "mlp"), ("expert", "mlp"), ("expert", "embed", None),
-                              ("expert", None, "mlp")),
-             ExpertProjection(("expert", "mlp", "embed"), ("expert", "embed"), ("expert", "mlp", None),
-                              ("expert", None, "embed")))
+    def names(e, i, o):  # each part's logical axes; the adapters' rank dimension is not split
+        return ExpertProjection((e, i, o), (e, o), (e, i, None), (e, None, o))
+
+    names = (names("expert", "embed", "mlp"), names("expert", "mlp", "embed"))
     w_specs = tuple(ExpertProjection(*(None if a is None else state_spec(n, a.shape, mesh) for n, a in zip(ns, w)))
                     for ns, w in zip(names, (w_in_edf, w_out_efd)))
     all_axes = token_axes + ((context,) if context else ())

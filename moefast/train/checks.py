@@ -1,5 +1,5 @@
 """What a run asks of the platform its step is compiled for, checked before anything compiles or is
-restored: one small function a check, each refusing with one :class:`~moefast.config.ConfigError`
+restored (and :func:`config_warnings`: settings that are valid but almost certainly not meant): one small function a check, each refusing with one :class:`~moefast.config.ConfigError`
 line that names the setting and what to use instead, or returning a note for the log.
 
 :class:`~moefast.train.Trainer` calls :func:`check_run` as soon as its mesh exists. A new check is
@@ -17,7 +17,7 @@ from moefast import host_memory, parallel
 from moefast.config import ConfigError, ExperimentConfig
 from moefast.parallel import fp8_gemm
 
-__all__ = ["CHECKS", "check_run"]
+__all__ = ["CHECKS", "check_run", "config_warnings"]
 
 
 def _host_malloc(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> str | None:
@@ -135,3 +135,25 @@ def check_run(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> list[str]:
         not fit the mesh or its hosts; ``moe.routing_impl=triton`` where its kernel cannot run.
     """
     return [note for check in CHECKS if (note := check(cfg, mesh))]
+
+
+def config_warnings(cfg: ExperimentConfig) -> list[str]:
+    """Settings that are valid but almost certainly not meant (the run logs each as a warning)."""
+    out = []
+    tc, moe = cfg.train, cfg.moe
+    if moe.warmup_steps > tc.steps:
+        out.append(f"moe.warmup_steps={moe.warmup_steps} > train.steps={tc.steps}: routing is randomised "
+                   f"({moe.warmup_routing} warm-up) for the whole run, so the router never trains on its own "
+                   "choices; lower moe.warmup_steps")
+    if cfg.lora.enabled and cfg.lora.routing == "update" and moe.aux_free_bias_rate > 0:
+        out.append(f"lora with moe.aux_free_bias_rate={moe.aux_free_bias_rate}: the selection bias keeps moving while the "
+                   "adapters train; a PEFT adapter (export-hf --adapter) does not carry it, so the base with the "
+                   "adapter routes otherwise than this run, and a family whose router has no selection bias cannot "
+                   "be exported at all; lora.routing=frozen keeps the imported bias")
+    if tc.warmup_steps > tc.steps:  # the schedule cuts the warm-up to train.steps (learning_rate_schedule)
+        n = tc.steps
+        out.append(f"train.warmup_steps={tc.warmup_steps} > train.steps={n}: the warm-up is cut to the run's {n} "
+                   f"steps, so the learning rate climbs linearly from 0 for the whole run (step k at (k-1)/{n} of "
+                   f"train.learning_rate={tc.learning_rate}, the last step at {(n - 1) / n:.3g} of it) and never "
+                   "decays (no cosine phase); lower train.warmup_steps below train.steps")
+    return out

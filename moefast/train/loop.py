@@ -39,11 +39,11 @@ from moefast.data import Corpus, eval_batches, get_tokenizer, load_corpus, train
 from moefast.parallel.distributed import assert_same_config
 from moefast.train import run_dir as run_dir_lib
 from moefast.train.checkpoint import Checkpointer, CheckpointError, quiet_orbax_aftermath
-from moefast.train.checks import check_run
+from moefast.train.checks import check_run, config_warnings
 from moefast.train.compile_cache import configure_compilation_cache
 from moefast.train.evaluation import Evaluator, format_eval
 from moefast.model import init_routing_state
-from moefast.model.lora import count as lora_count, sizes as lora_sizes
+from moefast.model import lora
 from moefast.model.flops import model_flops_per_token
 from moefast.train import mfu as mfu_lib
 from moefast.train.metrics import MetricsWriteError, MetricsWriter
@@ -56,29 +56,7 @@ from moefast.train.step import BATCH_KEYS, ModelDef, make_optimizer, train_step
 from moefast.train.summary import TrainingError, TrainSummary
 from moefast.train.timing import StepBook
 
-__all__ = ["Trainer", "TrainSummary", "TrainingError", "config_warnings", "load_run_config"]
-
-
-def config_warnings(cfg: ExperimentConfig) -> list[str]:
-    """Settings that are valid but almost certainly not meant (the run logs each as a warning)."""
-    out = []
-    tc, moe = cfg.train, cfg.moe
-    if moe.warmup_steps > tc.steps:
-        out.append(f"moe.warmup_steps={moe.warmup_steps} > train.steps={tc.steps}: routing is randomised "
-                   f"({moe.warmup_routing} warm-up) for the whole run, so the router never trains on its own "
-                   "choices; lower moe.warmup_steps")
-    if cfg.lora.enabled and cfg.lora.routing == "update" and moe.aux_free_bias_rate > 0:
-        out.append(f"lora with moe.aux_free_bias_rate={moe.aux_free_bias_rate}: the selection bias keeps moving while the "
-                   "adapters train; a PEFT adapter (export-hf --adapter) does not carry it, so the base with the "
-                   "adapter routes otherwise than this run, and a family whose router has no selection bias cannot "
-                   "be exported at all; lora.routing=frozen keeps the imported bias")
-    if tc.warmup_steps > tc.steps:  # the schedule cuts the warm-up to train.steps (learning_rate_schedule)
-        n = tc.steps
-        out.append(f"train.warmup_steps={tc.warmup_steps} > train.steps={n}: the warm-up is cut to the run's {n} "
-                   f"steps, so the learning rate climbs linearly from 0 for the whole run (step k at (k-1)/{n} of "
-                   f"train.learning_rate={tc.learning_rate}, the last step at {(n - 1) / n:.3g} of it) and never "
-                   "decays (no cosine phase); lower train.warmup_steps below train.steps")
-    return out
+__all__ = ["Trainer", "TrainSummary", "TrainingError", "config_warnings", "load_run_config"]  # config_warnings: checks.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,22 +468,12 @@ class Trainer:
     def _log_setup(self) -> None:
         cfg = self.cfg
         self._log(f"corpus: {self.corpus.summary()}")
-        n_params = lora_count(lora_sizes(self.model_def.abstract_params))[0]  # an NF4 base counted by its values
+        n_params = lora.count(lora.sizes(self.model_def.abstract_params))[0]  # an NF4 base counted by its values
         self._log(f"model: {n_params / 1e6:.2f}M parameters | mesh {dict(self.mesh.shape)} on "
                   f"{jax.device_count()} {jax.devices()[0].platform} device(s) | compilation cache "
                   f"{self.compile_cache_dir or 'off'} | host malloc {self.host_malloc}")
         if cfg.lora.enabled:
-            (n_train, b_train), (n_frozen, b_frozen) = map(
-                lora_count, self.model_def.split(lora_sizes(self.model_def.abstract_params)))
-            lc = cfg.lora
-            kinds = ", ".join(lc.targets or ("every projection",))
-            if lc.expert_rank not in (None, lc.rank) and "experts" in lc.target_kinds:
-                kinds += f" (experts rank {lc.expert_rank})"
-            if lc.train:
-                kinds += f" | in full: {', '.join(lc.train)}"
-            self._log(f"lora: rank {lc.rank} on {kinds} | trainable {n_train / 1e6:,.3f}M parameters "
-                      f"({b_train / 2**20:,.1f} MiB float32, optimizer {2 * b_train / 2**20:,.1f} MiB) | frozen base "
-                      f"{n_frozen / 1e6:,.2f}M parameters ({b_frozen / 2**20:,.1f} MiB, {cfg.lora.base_dtype})")
+            self._log(lora.summary(cfg.lora, self.model_def.split(lora.sizes(self.model_def.abstract_params))))
         for warning in config_warnings(cfg) + self.corpus.warnings(cfg.data):
             self._log(f"warning: {warning}")
 

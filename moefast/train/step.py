@@ -88,18 +88,15 @@ class ModelDef:
         self.vocab_size = vocab_size
         abstract = nnx.eval_shape(lambda: build_model(cfg, vocab_size))
         self.graphdef, self.abstract_model_state = nnx.split(abstract)  # keeps logical_axes metadata
-        self.abstract_params = jax.eval_shape(self.stored, nnx.to_pure_dict(self.abstract_model_state))
+        # as the state stores them (lora: the frozen base in lora.base_dtype)
+        self.abstract_params = jax.eval_shape(lambda p: lora.stored(cfg.lora, p),
+                                              nnx.to_pure_dict(self.abstract_model_state))
         # True for parameters stacked on a leading layers axis (model.scan_layers)
         self.stacked = jax.tree_util.tree_map_with_path(lambda path, _: is_stacked_path(path), self.abstract_params)
 
     def init_params(self, seed: int) -> dict:
         """Fresh parameters (pure dict): float32, but for a frozen base (``lora``) in ``lora.base_dtype``."""
-        return self.stored(nnx.to_pure_dict(nnx.state(build_model(self.cfg, self.vocab_size, seed=seed))))
-
-    def stored(self, params: dict) -> dict:
-        """``params`` as the train state holds them: with adapters (``lora.rank`` > 0) the frozen
-        leaves in ``lora.base_dtype``'s storage dtype (:func:`moefast.model.lora.storage_dtype`),
-        the trainable ones float32; unchanged without adapters."""
+        params = nnx.to_pure_dict(nnx.state(build_model(self.cfg, self.vocab_size, seed=seed)))
         return lora.stored(self.cfg.lora, params)
 
     def split(self, params: dict) -> tuple[dict, dict]:
