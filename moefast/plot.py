@@ -16,6 +16,9 @@ One figure per question, each a PNG (matplotlib, no display needed):
   capacity) per log record, relative to a uniform split (1 = 1/E), so any E reads alike.
 * ``routing.png`` — is routing healthy? Fraction of assignments dropped by capacity and the router
   entropy (nats; ``log(num_experts)`` is uniform) per MoE layer (and MTP module) against step.
+* ``attention.png`` — are the attention logits bounded? The largest pre-softmax logit of each
+  softmax-attention layer (and MTP module) per log record (``max_logit_per_layer``: what QK-clip
+  bounds; Kimi K2, arXiv 2507.20534, sec. 2.1), with ``train.qk_clip``'s tau where the run set it.
 
 Expert-load alerts (``kind: alert`` records) are marked on every step axis (red dashes; on the
 heatmaps, a red tick above the layer that raised one). A run resumed after a crash may log a
@@ -35,7 +38,7 @@ import numpy as np
 
 __all__ = ["FIGURES", "plot_run", "read_metrics", "run_figures"]
 
-FIGURES = ("loss", "throughput", "expert_load", "routing")
+FIGURES = ("loss", "throughput", "expert_load", "routing", "attention")
 
 
 def read_metrics(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
@@ -75,11 +78,11 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
     return {k: sorted(v.values(), key=lambda r: r["step"]) for k, v in by_kind.items()}  # stable: order kept
 
 
-def _run_shape(run_dir: Path) -> tuple[int | None, list[int] | None, list[str] | None]:
+def _run_shape(run_dir: Path) -> tuple[int | None, list[int] | None, list[str] | None, float | None]:
     """From ``config.yaml``, if readable: tokens per step (``data.batch_size * data.seq_len``, what
-    tokens/s counts), the block index of each MoE layer of the main model and the name of each row
+    tokens/s counts), the block index of each MoE layer of the main model, the name of each row
     of the per-layer statistics (``ModelConfig.moe_layer_names``: MTP modules after the main
-    model's MoE layers)."""
+    model's MoE layers) and QK-clip's tau (``train.qk_clip``, ``None``: off)."""
     import yaml
 
     from moefast.config import ExperimentConfig
@@ -87,9 +90,9 @@ def _run_shape(run_dir: Path) -> tuple[int | None, list[int] | None, list[str] |
     try:
         cfg = ExperimentConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     except Exception:  # a missing or hand-edited config: plot without it
-        return None, None, None
+        return None, None, None, None
     blocks = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)]
-    return cfg.data.batch_size * cfg.data.seq_len, blocks, cfg.model.moe_layer_names()
+    return cfg.data.batch_size * cfg.data.seq_len, blocks, cfg.model.moe_layer_names(), cfg.train.qk_clip
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -157,6 +160,7 @@ class _Run:
     layer_names: list[str] | None  # name of each per-layer row (config.yaml's; MTP modules last)
     last_step: int
     title: str
+    qk_clip: float | None = None  # train.qk_clip's tau (config.yaml's), None: off or unknown
 
     @functools.cached_property
     def mtp_depth(self) -> int:
@@ -336,6 +340,38 @@ def _routing_figure(run: _Run):
     return fig
 
 
+def _attention_figure(run: _Run):
+    """``attention.png``: the largest pre-softmax logit per softmax-attention layer, and tau."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    s, v = _per_layer(run.train, "max_logit_per_layer")  # [S, L_attn]
+    if s.size:
+        rows = v.shape[1]
+        names = next((r["attention_layer_names"] for r in reversed(run.train)
+                      if isinstance(r.get("attention_layer_names"), list) and len(r["attention_layer_names"]) == rows),
+                     [f"attention row {i}" for i in range(rows)])
+        for layer, color in zip(range(rows), _layer_colors(rows)):
+            ax.plot(s, v[:, layer], ".-", color=color, label=names[layer])
+    else:
+        _no_data(ax, "max_logit_per_layer (no softmax attention layer?)")
+    if run.qk_clip is not None:
+        ax.axhline(run.qk_clip, color="tab:red", linestyle="--", label=f"train.qk_clip: tau = {run.qk_clip:g}")
+    _mark_skipped(ax, run.skipped)
+    _mark_alerts(ax, run.alert_steps)
+    ax.set_xlabel("step")
+    ax.set_ylabel("largest pre-softmax logit (q·k·scale)")
+    ax.set_title(f"{run.title}: attention logits")
+    ax.grid(alpha=0.3)
+    handles, _ = ax.get_legend_handles_labels()
+    if len(handles) > 6:  # many layers: beside the axes, not over the data
+        ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    elif handles:
+        ax.legend(fontsize="small", loc="best")
+    return fig
+
+
 def run_figures(run_dir: str | Path) -> dict[str, Any]:
     """The figures of the module docstring as ``matplotlib.figure.Figure`` objects (not registered
     with pyplot: no display or backend is needed; in a notebook, show one by evaluating it or save it
@@ -354,14 +390,14 @@ def run_figures(run_dir: str | Path) -> dict[str, Any]:
     if not train and not evals:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has no training or evaluation records yet (the first comes "
                          "after train.log_every steps)")
-    tokens_per_step, moe_blocks, layer_names = _run_shape(run_dir)
+    tokens_per_step, moe_blocks, layer_names, qk_clip = _run_shape(run_dir)
     run = _Run(train=train, evals=evals, alerts=rec.get("alert", []),
                alert_steps=sorted({a["step"] for a in rec.get("alert", [])}),
                skipped=sorted({r["step"] for r in rec.get("nonfinite", [])}), tokens_per_step=tokens_per_step,
                moe_blocks=moe_blocks, layer_names=layer_names, last_step=max(r["step"] for r in train + evals),
-               title=run_dir.resolve().name)
+               title=run_dir.resolve().name, qk_clip=qk_clip)
     return {"loss": _loss_figure(run), "throughput": _throughput_figure(run), "expert_load": _expert_load_figure(run),
-            "routing": _routing_figure(run)}
+            "routing": _routing_figure(run), "attention": _attention_figure(run)}
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, dpi: int = 110) -> dict[str, Path]:

@@ -51,7 +51,7 @@ def test_quickstart(tmp_path):
     assert "(2, 16, 259) (2, 8)" in text  # the model called directly
     assert len(images) == 2  # loss and expert load, inline
     assert {p.name for p in (run / "plots").glob("*.png")} == {"loss.png", "throughput.png", "expert_load.png",
-                                                              "routing.png"}
+                                                              "routing.png", "attention.png"}
 
 
 def test_routing(tmp_path):

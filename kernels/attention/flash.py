@@ -26,6 +26,9 @@ memory is linear in T and S: nothing of size T × S is ever stored. Beyond a pla
   in the forward's last step. The backward kernels need nothing new (the saved log-sum-exp holds
   the sink); the sink's gradient, ``dσ_h = Σ_t exp(σ_h − lse_t) (dlse_t − D_t)``, is a sum over
   the saved rows outside the kernels: no second pass over the keys;
+* **each query's largest logit as an output** (``return_max``), not differentiated: the forward's
+  running row maximum before the sink joins it, in natural units (the logit ``q·k·scale``), for
+  QK-clip (MuonClip; Kimi K2, arXiv 2507.20534, sec. 2.1) at no extra pass over the keys;
 * rows whose every key is masked give zeros (and a log-sum-exp of −inf), not NaN.
 
 On GPU the kernels are compiled by Triton; on CPU they run in the Pallas interpreter (slow: tests).
@@ -150,8 +153,11 @@ def _offset(mask: _Mask, off_ref) -> _Mask:
     return mask if off_ref is None else dataclasses.replace(mask, q_offset=jnp.max(off_ref[...]))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sink_ref, off_ref, o_ref, lse_ref, *, scale,
+def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sink_ref, off_ref, o_ref, lse_ref, *max_ref, scale,
                     mask: _Mask, block_k, hd, hv):
+    """One query block of one head: the output rows, their base-2 log-sum-exp and, with a
+    ``max_ref`` (``_Static.record_max``), each row's largest scaled logit in natural units (−inf for
+    a row that sees no key; the sink not included)."""
     block_q = q_ref.shape[0]
     mask = _offset(mask, off_ref)
     i = pl.program_id(0)
@@ -175,6 +181,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sink_ref, off_ref, 
     carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     o, m, l = lax.fori_loop(*mask.key_blocks(i, block_q, block_k, k_ref.shape[0] // block_k), body, carry)
+    if max_ref:  # the running maximum is base-2 (scaled by log2 e): back to the logit q·k·scale
+        max_ref[0][...] = m / _LOG2E
     if sink_ref is not None:  # the head's sink logit joins the denominator (no value: it adds nothing to o)
         sink2 = sink_ref[...].astype(jnp.float32) * _LOG2E  # [1], not scaled: a logit as it is
         m_new = jnp.maximum(m, sink2)
@@ -253,6 +261,7 @@ class _Static:
     bwd_q: int
     bwd_k: int
     interpret: bool
+    record_max: bool = False  # the forward also writes each query row's largest logit [B, H, T]
 
 
 def _offset_spec(c: _Static):
@@ -266,6 +275,8 @@ def _forward(q, k, v, qseg, kseg, sinks, qoff, c: _Static):
     kernel = functools.partial(_forward_kernel, scale=c.scale, mask=c.mask, block_k=c.block_k, hd=hd, hv=hv)
     bq = c.block_q
     sink_spec = pl.BlockSpec((1,), lambda i, bi, hi: (hi,)) if c.sinks else None
+    rows = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
+    row_shape = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     return pl.pallas_call(
         kernel,
         grid=(t // bq, b, h),
@@ -275,9 +286,9 @@ def _forward(q, k, v, qseg, kseg, sinks, qoff, c: _Static):
                   pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, i)),
                   pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
                   sink_spec, _offset_spec(c)],
-        out_specs=[pl.BlockSpec((None, bq, None, wv), lambda i, bi, hi: (bi, i, hi, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))],
-        out_shape=[jax.ShapeDtypeStruct((b, t, h, hv), q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+        out_specs=[pl.BlockSpec((None, bq, None, wv), lambda i, bi, hi: (bi, i, hi, 0)), rows,
+                   *([rows] if c.record_max else [])],
+        out_shape=[jax.ShapeDtypeStruct((b, t, h, hv), q.dtype), row_shape, *([row_shape] if c.record_max else [])],
         compiler_params=_params(bq, c.block_k, max(wq, wv)),
         interpret=c.interpret, name=kernel_name("forward", bq, c.block_k, c.mask),
     )(q, k, v, qseg, kseg, sinks if c.sinks else None, qoff if c.dynamic else None)
@@ -336,18 +347,19 @@ def _backward(q, k, v, qseg, kseg, sinks, qoff, o, lse2, do, dlse, c: _Static):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _flash(q, k, v, qseg, kseg, sinks, qoff, c: _Static):
-    o, lse2 = _forward(q, k, v, qseg, kseg, sinks, qoff, c)
-    return o, lse2 * math.log(2.0)
+    """``(o, natural lse)``, and the rows' largest logits with ``c.record_max`` (not differentiated:
+    the backward ignores their cotangent)."""
+    return _flash_fwd(q, k, v, qseg, kseg, sinks, qoff, c)[0]
 
 
 def _flash_fwd(q, k, v, qseg, kseg, sinks, qoff, c: _Static):
-    o, lse2 = _forward(q, k, v, qseg, kseg, sinks, qoff, c)
-    return (o, lse2 * math.log(2.0)), (q, k, v, qseg, kseg, sinks, qoff, o, lse2)
+    o, lse2, *row_max = _forward(q, k, v, qseg, kseg, sinks, qoff, c)
+    return (o, lse2 * math.log(2.0), *row_max), (q, k, v, qseg, kseg, sinks, qoff, o, lse2)
 
 
 def _flash_bwd(c: _Static, res, cotangents):
     q, k, v, qseg, kseg, sinks, qoff, o, lse2 = res
-    do, dlse = cotangents
+    do, dlse = cotangents[:2]  # a third, the row maxima's, is ignored (they are not differentiated)
     dq, dk, dv, dsinks = _backward(q, k, v, qseg, kseg, sinks, qoff, o, lse2, do, dlse.astype(jnp.float32), c)
     return dq, dk, dv, None, None, dsinks, None
 
@@ -357,9 +369,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array, *,
                     kv_segment_ids_bs: jax.Array | None = None, q_offset: int = 0, window: int | None = None,
-                    sinks_h: jax.Array | None = None, return_lse: bool = False, sm_scale: float | None = None,
-                    block: int = BLOCK, interpret: bool | None = None,
-                    dynamic_q_offset: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    sinks_h: jax.Array | None = None, return_lse: bool = False, return_max: bool = False,
+                    sm_scale: float | None = None, block: int = BLOCK, interpret: bool | None = None,
+                    dynamic_q_offset: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """Causal grouped-query attention inside each packed document, without a [T, S] matrix.
 
     Args:
@@ -385,6 +397,11 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
       return_lse: also return the [B, H, T] float32 natural log-sum-exp of each query's scaled
         logits (the sink's included; −inf where a query sees no key and there is no sink),
         differentiable: two attentions over disjoint keys merge exactly through it.
+      return_max: also return the [B, H, T] float32 largest scaled logit ``q·k·sm_scale`` of each
+        query over the keys it sees (the logit entering the softmax; masked keys and the sink
+        excluded; −inf where it sees none): the forward kernel's running row maximum, written
+        beside the log-sum-exp (no extra pass). Not differentiated (``stop_gradient``: its
+        cotangent is ignored). For QK-clip (MuonClip; Kimi K2, arXiv 2507.20534, sec. 2.1).
       sm_scale: logit scale; ``None``: ``Hd ** -0.5``.
       block: rows of the forward kernel's query and key blocks (a power of two >= 16); at most 64
         for head widths above 128 and 32 above 256 (shared memory).
@@ -392,7 +409,8 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
         (:func:`~moefast.kernels.platform.target_platform`).
 
     Returns:
-      [B, T, H, Hv] in the queries' dtype (and the log-sum-exp when ``return_lse``);
+      [B, T, H, Hv] in the queries' dtype, then the log-sum-exp when ``return_lse``, then the
+      largest logits when ``return_max`` (a tuple when either is asked for);
       differentiable (``jax.grad``/``jax.vjp``; not ``jax.jvp``) with respect to q, k, v and the
       sinks. Equals
       :func:`.reference.attention_reference` to float rounding; queries that see no key give 0.
@@ -441,10 +459,12 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
         raise ValueError(f"dynamic_q_offset must be an int [] array, got {jnp.result_type(dynamic_q_offset)}"
                          f"{list(jnp.shape(dynamic_q_offset))}")
     static = _Static(scale, _Mask(int(q_offset), s, int(window or 0)), sinks_h is not None, dynamic, block_q, block_k,
-                     bwd_q, bwd_k, bool(interpret))
+                     bwd_q, bwd_k, bool(interpret), bool(return_max))
     sink_arr = jnp.zeros((h,), jnp.float32) if sinks_h is None else sinks_h
     qoff = jnp.reshape(jnp.asarray(dynamic_q_offset, jnp.int32), (1,)) if dynamic else jnp.zeros((1,), jnp.int32)
-    o, lse = _flash(q, k, v, qseg, kseg, sink_arr, qoff, static)
+    o, lse, *row_max = _flash(q, k, v, qseg, kseg, sink_arr, qoff, static)
+    row_max = [lax.stop_gradient(m) for m in row_max]
     if tp != t:
-        o, lse = o[:, :t], lse[..., :t]
-    return (o, lse) if return_lse else o
+        o, lse, row_max = o[:, :t], lse[..., :t], [m[..., :t] for m in row_max]
+    out = (o, *((lse,) if return_lse else ()), *row_max)
+    return out if len(out) > 1 else o

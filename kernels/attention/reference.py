@@ -71,8 +71,8 @@ def validate_options(num_heads: int, q_offset, window, sinks_h) -> None:
 
 def attention_reference(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array,
                         *, kv_segment_ids_bs: jax.Array | None = None, q_offset: int = 0, window: int | None = None,
-                        sinks_h: jax.Array | None = None, return_lse: bool = False,
-                        sm_scale: float | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                        sinks_h: jax.Array | None = None, return_lse: bool = False, return_max: bool = False,
+                        sm_scale: float | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """Causal grouped-query attention inside each packed document, on the full [T, S] matrix.
 
     Args:
@@ -86,11 +86,14 @@ def attention_reference(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array,
       sinks_h: [H] sink logits (unscaled), or ``None``.
       return_lse: also return the [B, H, T] float32 natural log-sum-exp of the scaled logits and
         the sink (−inf for a query that sees no key and has no sink).
+      return_max: also return the [B, H, T] float32 largest scaled logit of each query over the
+        keys it sees (the sink excluded; −inf where it sees none), not differentiated.
       sm_scale: logit scale; ``None``: ``Hd ** -0.5``.
 
     Returns:
       [B, T, H, Hv] in the queries' dtype (logits, softmax and the weighted sum in float32; 0 for a
-      query that sees no key), and the log-sum-exp when ``return_lse``.
+      query that sees no key), then the log-sum-exp when ``return_lse``, then the largest logits
+      when ``return_max``.
     """
     validate(q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_segment_ids_bs)
     validate_options(q_bthd.shape[2], q_offset, window, sinks_h)
@@ -104,10 +107,13 @@ def attention_reference(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array,
     causal = (dist >= 0) & (dist < window) if window else dist >= 0
     same = segment_ids_bt[:, :, None] == kv_ids[:, None, :]
     mask = (causal[None] & same)[:, None, None]
-    lse = jax.nn.logsumexp(jnp.where(mask, s, -jnp.inf), axis=-1)  # [B, G, R, T]
+    masked = jnp.where(mask, s, -jnp.inf)
+    lse = jax.nn.logsumexp(masked, axis=-1)  # [B, G, R, T]
     if sinks_h is not None:
         lse = jnp.logaddexp(lse, sinks_h.astype(jnp.float32).reshape(g, h // g)[None, :, :, None])
     p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     o = jnp.einsum("bgrts,bsgd->btgrd", p, v_bsgd.astype(jnp.float32))
     o = o.reshape(b, t, h, v_bsgd.shape[-1]).astype(q_bthd.dtype)
-    return (o, lse.reshape(b, h, t)) if return_lse else o
+    out = (o, *((lse.reshape(b, h, t),) if return_lse else ()),
+           *((jax.lax.stop_gradient(jnp.max(masked, axis=-1)).reshape(b, h, t),) if return_max else ()))
+    return out if len(out) > 1 else o

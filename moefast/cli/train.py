@@ -24,6 +24,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="write a jax.profiler trace of optimizer steps START to END (1-based, inclusive) into "
                         "RUN_DIR/profile (ui.perfetto.dev opens its *.trace.json.gz; TensorBoard needs "
                         "tensorboard-plugin-profile); those steps are left out of tokens/s")
+    t.add_argument("--reset-optimizer", action="store_true",
+                   help="resume the run dir's checkpoint with a fresh optimizer state (weights, routing state, step, "
+                        "data position and learning-rate schedule kept): needed to change train.optimizer")
     t.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="config overrides, e.g. train.steps=200 moe.top_k=1; the keys are the fields of "
                         "the config sections in moefast/config/, documented there (configs/tiny.yaml sets "
@@ -48,7 +51,8 @@ def _train(args: argparse.Namespace, cfg, profile: tuple[int, int] | None, argv:
     """``moefast train``: ``cfg`` is the loaded config, ``profile`` the steps of ``--profile``."""
     from moefast.train import Trainer
 
-    trainer = Trainer(cfg, args.run_dir, progress=not args.no_progress, profile=profile)
+    trainer = Trainer(cfg, args.run_dir, progress=not args.no_progress, profile=profile,
+                      reset_optimizer=args.reset_optimizer)
     summary = trainer.run()
     if trainer.is_main:
         print(f"done: {summary.format()}")

@@ -110,6 +110,22 @@ class TrainConfig:
         each ``L_MTP^k`` the mean cross-entropy of module k's valid targets. DeepSeek-V3 used 0.3,
         then 0.1. Ignored when ``model.mtp_depth`` is 0 (any value >= 0 is accepted then); 0 with
         modules trains them not at all but still logs their losses.
+      optimizer: ``"adamw"`` or ``"muon"``: Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is
+        Scalable for LLM Training", arXiv 2502.16982) on the hidden weight matrices, each
+        orthogonalised on its own (attention's q, k, v and o, each expert's gate, up and down),
+        AdamW (``b1``, ``b2``) on the rest; which parameter gets which is one table,
+        :data:`moefast.train.optimizer.PARAM_KINDS` (docs/optimizer.md). Both take
+        ``learning_rate``, its schedule, ``weight_decay`` and ``grad_clip``. Changing it on resume
+        needs ``moefast train --reset-optimizer`` (the weights kept, the optimizer state new).
+      muon_scale: Muon's update scale: ``"moonlight"`` multiplies each orthogonalised matrix of
+        [m, n] by ``0.2 * sqrt(max(m, n))``, which gives it AdamW's update RMS so AdamW's learning
+        rate and weight decay carry over (arXiv 2502.16982, sec. 2.2, eq. 4); ``"none"`` keeps
+        Keller Jordan's ``sqrt(max(1, n / m))`` (n outputs, m inputs), which needs a learning rate
+        of its own (about 0.02).
+      qk_clip: MuonClip's tau (Kimi K2, arXiv 2507.20534, sec. 2.1): after each update, every
+        attention head whose largest pre-softmax logit of the step exceeded tau has its query and
+        key weights scaled down so it would be tau (:mod:`moefast.train.qk_clip`); ``None`` = off.
+        Any optimizer; Kimi K2 used 100. The per-layer largest logit is logged either way.
     """
 
     steps: int = 600
@@ -130,6 +146,9 @@ class TrainConfig:
     peak_tflops: float | None = None
     grad_accum_steps: int = 1
     mtp_loss_coef: float = 0.3
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_scale: Literal["moonlight", "none"] = "moonlight"
+    qk_clip: float | None = None
 
     def __post_init__(self):
         _check_choices(self, "train")
@@ -157,6 +176,8 @@ class TrainConfig:
                  f"must be >= 1, got {self.max_consecutive_nonfinite}")
         _require(math.isfinite(self.mtp_loss_coef) and self.mtp_loss_coef >= 0, "train.mtp_loss_coef",
                  f"must be a finite number >= 0, got {self.mtp_loss_coef}")
+        _require(self.qk_clip is None or (math.isfinite(self.qk_clip) and self.qk_clip > 0), "train.qk_clip",
+                 f"must be null (off) or a logit threshold tau > 0 (Kimi K2 used 100), got {self.qk_clip}")
 
     @property
     def last_step(self) -> int:

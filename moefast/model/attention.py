@@ -13,6 +13,7 @@ Multi-head latent attention (DeepSeek) is :mod:`moefast.model.mla`.
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +36,13 @@ __all__ = ["ATTENTION_BLOCK", "Attention", "attend", "attention_impl", "causal_a
 ATTENTION_BLOCK = 128  # query rows per block of :func:`causal_attention` (chosen by measurement: docs/perf.md)
 
 
-def _attend(q_btghd, k_bsgd, v_bsgd, mask_b11ts, sinks_gr=None):
+def _attend(q_btghd, k_bsgd, v_bsgd, mask_b11ts, sinks_gr=None, return_max: bool = False):
     """Softmax attention of one query block: [B, T, G, R, Hd] queries (already scaled), [B, S, G, Hd]
     keys and values, bool mask broadcastable to [B, G, R, T, S], optional [G, R] sink logits (a
-    column of the softmax, dropped after it); logits and softmax in float32."""
+    column of the softmax, dropped after it); logits and softmax in float32. Returns [B, T, G, R,
+    Hv] in the queries' dtype, and with ``return_max`` also the float32 [G, R] largest logit per
+    head (over batch, queries and unmasked keys; the sink excluded; ``finfo.min`` for a head that
+    sees nothing), not differentiated."""
     s = jnp.einsum("btgrd,bsgd->bgrts", q_btghd, k_bsgd, preferred_element_type=jnp.float32)
     s = jnp.where(mask_b11ts, s, jnp.finfo(jnp.float32).min)  # finite: a fully masked row stays finite
     if sinks_gr is not None:
@@ -46,12 +50,18 @@ def _attend(q_btghd, k_bsgd, v_bsgd, mask_b11ts, sinks_gr=None):
         p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1].astype(v_bsgd.dtype)
     else:
         p = jax.nn.softmax(s, axis=-1).astype(v_bsgd.dtype)
-    return jnp.einsum("bgrts,bsgd->btgrd", p, v_bsgd, preferred_element_type=jnp.float32).astype(q_btghd.dtype)
+    o = jnp.einsum("bgrts,bsgd->btgrd", p, v_bsgd, preferred_element_type=jnp.float32).astype(q_btghd.dtype)
+    if not return_max:
+        return o
+    # the row maxima as jax.nn.softmax takes them (same reduction: XLA's CSE computes it once without sinks)
+    row_max = jnp.max(jax.lax.stop_gradient(s), axis=-1, initial=-jnp.inf, keepdims=True)  # [B, G, R, T, 1]
+    return o, jnp.max(row_max, axis=(0, 3, 4))
 
 
 def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask_b1ts: jax.Array, *,
                      causal: bool, block: int = ATTENTION_BLOCK, scale: float | None = None,
-                     sinks_h: jax.Array | None = None) -> jax.Array:
+                     sinks_h: jax.Array | None = None, return_max: bool = False
+                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention (Vaswani et al. 2017, eq. 1) with grouped-query heads, computing
     only the key blocks a causal mask can reach.
 
@@ -72,9 +82,15 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
       block: query rows per block (static).
       scale: logit scale, a dimensionless multiplier; ``None``: ``Hd ** -0.5``.
       sinks_h: [H] sink logits joining each softmax's denominator, unscaled (gpt-oss), or ``None``.
+      return_max: also return each head's largest pre-softmax logit (QK-clip, Kimi K2, arXiv
+        2507.20534, sec. 2.1): the scaled logit ``q·k·scale`` entering the softmax, over the batch,
+        the queries and the keys the mask lets them see (the sink excluded), taken from the
+        softmax's own row maxima (no extra pass over the logits without sinks).
 
     Returns:
-      [B, T, H, Hv] in the queries' dtype; logits and softmax are computed in float32.
+      [B, T, H, Hv] in the queries' dtype; logits and softmax are computed in float32. With
+      ``return_max`` the pair (that, float32 [H] maxima: query head h = g·R + r of key/value head
+      g, −inf for a head that sees no key), the maxima not differentiated.
 
     Raises:
       ValueError: ``causal`` with T != S, or H not divisible by G.
@@ -94,13 +110,17 @@ def causal_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, ma
     mask = mask_b1ts[:, :, None]  # [B, 1, 1, T, S]
     sinks = None if sinks_h is None else sinks_h.reshape(g, h // g)
     if not causal or t <= block:
-        o = _attend(q, k_bsgd, v_bsgd, mask, sinks)
+        parts = [_attend(q, k_bsgd, v_bsgd, mask, sinks, return_max)]
     else:
-        o = jnp.concatenate([
-            _attend(q[:, i: i + block], k_bsgd[:, : i + block], v_bsgd[:, : i + block],
-                    mask[..., i: i + block, : i + block], sinks)
-            for i in range(0, t, block)], axis=1)
-    return o.reshape(b, t, h, v_bsgd.shape[-1])
+        parts = [_attend(q[:, i: i + block], k_bsgd[:, : i + block], v_bsgd[:, : i + block],
+                         mask[..., i: i + block, : i + block], sinks, return_max)
+                 for i in range(0, t, block)]
+    outs = [p[0] if return_max else p for p in parts]
+    o = (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)).reshape(b, t, h, v_bsgd.shape[-1])
+    if not return_max:
+        return o
+    max_h = functools.reduce(jnp.maximum, [p[1] for p in parts]).reshape(h)
+    return o, jnp.where(max_h > jnp.finfo(jnp.float32).min, max_h, -jnp.inf)  # a masked logit is finfo.min
 
 
 def attention_impl(impl: str, batch: int) -> str:
@@ -123,7 +143,8 @@ def attention_impl(impl: str, batch: int) -> str:
 
 def fused_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array, *,
                     kv_segment_ids_bs: jax.Array | None = None, scale: float | None = None,
-                    window: int | None = None, sinks_h: jax.Array | None = None) -> jax.Array:
+                    window: int | None = None, sinks_h: jax.Array | None = None,
+                    return_max: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal grouped-query attention inside packed documents with the fused kernel
     (:func:`moefast.kernels.attention.flash_attention`), each device on its own rows.
 
@@ -140,12 +161,16 @@ def fused_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
       scale: logit scale; ``None``: ``Hd ** -0.5``.
       window: a sliding window of that many keys (:func:`~moefast.kernels.attention.flash_attention`).
       sinks_h: [H] sink logits, or ``None``.
+      return_max: also return each head's largest pre-softmax logit (the kernel's ``return_max``,
+        reduced over rows and queries with a max), as :func:`causal_attention`.
 
     Returns:
-      [B, T, H, Hv] in the queries' dtype.
+      [B, T, H, Hv] in the queries' dtype; with ``return_max`` the pair (that, float32 [H]), the
+      maxima not differentiated.
     """
     interpret = target_platform() == "cpu"
-    kw = dict(q_offset=k_bsgd.shape[1] - q_bthd.shape[1], window=window, sm_scale=scale, interpret=interpret)
+    kw = dict(q_offset=k_bsgd.shape[1] - q_bthd.shape[1], window=window, sm_scale=scale, interpret=interpret,
+              return_max=return_max)
     kv_ids = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
     arrays = [q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_ids]
     if sinks_h is not None:  # as rows, so that every operand is split over the token axes: device i's
@@ -153,21 +178,24 @@ def fused_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
         arrays.append(jnp.broadcast_to(sinks_h, (q_bthd.shape[0], *sinks_h.shape)))
 
     def run(q, k, v, seg, kv_seg, *sinks_bh):
-        return flash_attention(q, k, v, seg, kv_segment_ids_bs=kv_seg, sinks_h=sinks_bh[0][0] if sinks_bh else None,
-                               **kw)
+        out = flash_attention(q, k, v, seg, kv_segment_ids_bs=kv_seg, sinks_h=sinks_bh[0][0] if sinks_bh else None,
+                              **kw)
+        return (out[0], jnp.max(out[1], axis=2)) if return_max else out  # maxima [B, H, T] -> [B, H]
 
     if context_size() > 1:  # the keys and values arrive split along the axis: gathered inside
         if kv_segment_ids_bs is not None:
             raise ValueError("context parallelism: sequence slices (keys before the queries) are not supported on a "
                              "context axis")
         return context_flash_attention(q_bthd, (k_bsgd, v_bsgd), segment_ids_bt, scale=scale, window=window,
-                                       sinks_h=sinks_h)
-    return on_own_rows(run, *arrays, where="attention")
+                                       sinks_h=sinks_h, return_max=return_max)
+    out = on_own_rows(run, *arrays, where="attention")
+    return (out[0], jnp.max(out[1], axis=0)) if return_max else out
 
 
 def context_flash_attention(q_bthd: jax.Array, kv_parts: tuple[jax.Array, ...], segment_ids_bt: jax.Array, *,
                             make_kv=None, weights: tuple[jax.Array, ...] = (), scale: float | None = None,
-                            window: int | None = None, sinks_h: jax.Array | None = None) -> jax.Array:
+                            window: int | None = None, sinks_h: jax.Array | None = None,
+                            return_max: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal attention of rows split over the mesh's ``context`` axis with the fused kernel
     (:mod:`moefast.parallel.context`), inside ``jax.shard_map``.
 
@@ -188,10 +216,11 @@ def context_flash_attention(q_bthd: jax.Array, kv_parts: tuple[jax.Array, ...], 
       make_kv: ``(*whole_parts, *weights) -> (keys, values)`` on one device's whole rows, or
         ``None`` (the parts are the keys and values).
       weights: arrays ``make_kv`` reads, whole on every device (their gradients summed over the mesh).
-      scale, window, sinks_h: as :func:`fused_attention`.
+      scale, window, sinks_h, return_max: as :func:`fused_attention`.
 
     Returns:
-      [B, T, H, Hv] in the balanced order, split like the queries.
+      [B, T, H, Hv] in the balanced order, split like the queries; with ``return_max`` the pair
+      (that, float32 [H] largest logits: each device's chunks reduced, then the devices').
 
     Raises:
       ValueError: T not a multiple of 2 x the context axis's size.
@@ -202,7 +231,7 @@ def context_flash_attention(q_bthd: jax.Array, kv_parts: tuple[jax.Array, ...], 
         raise ValueError(f"context parallelism over {c} devices: the row length {t} must be a multiple of {2 * c}")
     chunk = t // (2 * c)
     rows = token_shards("attention")[0] or None
-    kw = dict(window=window, sm_scale=scale, interpret=target_platform() == "cpu")
+    kw = dict(window=window, sm_scale=scale, interpret=target_platform() == "cpu", return_max=return_max)
     n_parts, n_weights = len(kv_parts), len(weights)
 
     def local(q, seg, *rest):
@@ -219,32 +248,39 @@ def context_flash_attention(q_bthd: jax.Array, kv_parts: tuple[jax.Array, ...], 
             outs.append(flash_attention(q[:, mine], k, v, seg[:, mine], kv_segment_ids_bs=kv_seg,
                                         sinks_h=sinks[0] if sinks else None, q_offset=mean,
                                         dynamic_q_offset=offset, **kw))
-        return jnp.concatenate(outs, axis=1)
+        if not return_max:
+            return jnp.concatenate(outs, axis=1)
+        # this device's largest logits [B, 1, H] (its two chunks): a row per device along the axis
+        return jnp.concatenate([o for o, _ in outs], axis=1), jnp.maximum(*(m.max(axis=2) for _, m in outs))[:, None]
 
     split = P(rows, CONTEXT_AXIS)
     args = (q_bthd, segment_ids_bt, *kv_parts, *weights, *(() if sinks_h is None else (sinks_h,)))
     specs = (split, split, *(split,) * n_parts, *(P(),) * (len(args) - 2 - n_parts))
-    return jax.shard_map(local, in_specs=specs, out_specs=split, check_vma=False)(*reshard_for_shard_map(args, specs))
+    out = jax.shard_map(local, in_specs=specs, out_specs=(split, split) if return_max else split,
+                        check_vma=False)(*reshard_for_shard_map(args, specs))
+    return (out[0], jnp.max(out[1], axis=(0, 1))) if return_max else out
 
 
 def attend(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask, *, scale: float | None = None,
            causal: bool = True, window: int | None = None, sinks_h: jax.Array | None = None,
-           q_start: jax.Array | int | None = None) -> jax.Array:
+           q_start: jax.Array | int | None = None, return_max: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The attention of a block over the mask the model passes: the fused kernel for segment ids
     (an int [B, T] array, or the pair ([B, T] queries' ids, [B, S] keys' ids) of a later sequence
     slice), else :func:`causal_attention` over a bool [B or 1, 1, T, S] mask (its causal key
     blocks skipped when ``causal`` and S = T), narrowed to a sliding ``window`` of keys, query t
     at key position ``q_start + t`` (``None``: S - T; a KV cache: the cache index). Other
-    arguments and the result as :func:`fused_attention`."""
+    arguments and the result (with ``return_max``: and each head's largest pre-softmax logit,
+    float32 [H]) as :func:`fused_attention`."""
     c = context_size() if causal else 1
     if c > 1 and not (isinstance(mask, tuple) or mask.ndim == 2):  # the blocked einsums on a context axis:
         # the row's keys and values on every device (the fused path gathers them itself)
         k_bsgd, v_bsgd = gather_context(k_bsgd), gather_context(v_bsgd)
     if isinstance(mask, tuple):
         return fused_attention(q_bthd, k_bsgd, v_bsgd, mask[0], kv_segment_ids_bs=mask[1], scale=scale,
-                               window=window, sinks_h=sinks_h)
+                               window=window, sinks_h=sinks_h, return_max=return_max)
     if mask.ndim == 2:
-        return fused_attention(q_bthd, k_bsgd, v_bsgd, mask, scale=scale, window=window, sinks_h=sinks_h)
+        return fused_attention(q_bthd, k_bsgd, v_bsgd, mask, scale=scale, window=window, sinks_h=sinks_h,
+                               return_max=return_max)
     t, s_len = q_bthd.shape[1], k_bsgd.shape[1]
     if window:
         if c > 1:  # the balanced order: each token's place in the row
@@ -254,7 +290,7 @@ def attend(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, mask, *, sca
         mask = mask & ((q_pos[:, None] - k_pos[None, :]) < window)[None, None]
     # the causal key blocks are those of the row's order: in the balanced order the mask says all
     return causal_attention(q_bthd, k_bsgd, v_bsgd, mask, causal=causal and t == s_len and c == 1, scale=scale,
-                            sinks_h=sinks_h)
+                            sinks_h=sinks_h, return_max=return_max)
 
 
 class Attention(nnx.Module):
@@ -310,7 +346,8 @@ class Attention(nnx.Module):
             self.q_norm = rms_norm(q_dim, norm_eps, dtype, rngs, zero_centered=zero_centered)
             self.k_norm = rms_norm(k_dim, norm_eps, dtype, rngs, zero_centered=zero_centered)
 
-    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None):
+    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None, *,
+                 record_max: bool = False):
         """``rope``: ``(cos, sin)`` float32 [B, T, 1, Hd/2] from :func:`rope_cos_sin`, or ``None``
         (no rotation: sinusoidal encodings were added to the embeddings); ``mask_b1ts``: bool
         [B or 1, 1, T, S], True where a query may attend to a key (:func:`causal_attention`), or
@@ -320,7 +357,10 @@ class Attention(nnx.Module):
         ``kv_prefix`` (a sequence slice, ``model.sequence_slices``; no cache): ``()`` for the first
         slice, else the earlier slices' ``(keys [B, S0, G, Hd], values)``, which these queries
         attend to before their own. Returns ``(out [B, T, D], new cache or None)``, or with a
-        ``kv_prefix`` ``(out, (keys, values) of the prefix and this slice)`` for the next slice."""
+        ``kv_prefix`` ``(out, (keys, values) of the prefix and this slice)`` for the next slice.
+        With ``record_max`` a third result: each head's largest pre-softmax logit of these queries,
+        float32 [H] (:func:`causal_attention`'s ``return_max``; QK-clip), not differentiated, or
+        ``None`` with a cache (generation records nothing)."""
         b, t, _ = x_btd.shape
         h, g, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = project(self, "qk" if self.k_eq_v else "qkv", x_btd, self.dtype, ("embed", "heads"), fp8=self.fp8)
@@ -346,12 +386,16 @@ class Attention(nnx.Module):
         if kv_prefix:
             k, v = (jnp.concatenate([p, a], axis=1) for p, a in zip(kv_prefix, (k, v)))
         sinks = self.sinks[...] if self.has_sinks else None
+        record = record_max and cache is None
         o = attend(q, k, v, mask_b1ts, causal=cache is None, window=self.window, sinks_h=sinks, scale=self.scale,
-                   q_start=None if cache is None else cache_index).reshape(b, t, h * hd)
+                   q_start=None if cache is None else cache_index, return_max=record)
+        o, max_h = o if record else (o, None)
+        o = o.reshape(b, t, h * hd)
         if self.output_gate:
             g = project(self, "gate", x_btd, self.dtype, ("embed", "heads"), fp8=self.fp8)
             o = (o * jax.nn.sigmoid(g.astype(jnp.float32)).astype(o.dtype)).astype(self.dtype)
         o = project(self, "out", o, self.dtype, ("heads", "embed"), fp8=self.fp8)
         if self.bias == "all":
             o = (o.astype(jnp.float32) + self.out_bias[...][None, None]).astype(self.dtype)
-        return o, ((k, v) if kv_prefix is not None else new_cache)
+        out = (o, (k, v) if kv_prefix is not None else new_cache)
+        return (*out, max_h) if record_max else out

@@ -118,7 +118,7 @@ class Block(nnx.Module):
         lora.attach(self.ffn, cfg.lora, jax.random.fold_in(lora_key, 1))
 
     def __call__(self, x, layer, rope, attn_mask, token_mask, cache=None, cache_index=0, step_key=None,
-                 routing_state=None, routing_warmup=None, *, drop_tokens=True):
+                 routing_state=None, routing_warmup=None, *, drop_tokens=True, record_max=False):
         """One block; ``layer`` is its index (an int, or a traced int32 under ``scan_layers``),
         ``attn_mask`` the attention mask (or the fused kernel's segment ids), or the pair (that,
         the [B, T] segment ids that reset a Gated DeltaNet layer's states; ``None``: one document),
@@ -130,33 +130,43 @@ class Block(nnx.Module):
         (the first of the pair) and ``token_mask`` are n-tuples, one entry per slice in order;
         slice i attends to the keys of slices 0..i (each slice's keys and values computed once, in
         its own attention) and routes its own tokens; its random draws use ``step_key`` folded with
-        ``SLICE_SITE + i``. Returns the n-tuple of slices and the sums over them."""
+        ``SLICE_SITE + i``. Returns the n-tuple of slices and the sums over them.
+
+        ``record_max``: a fourth result, the attention's largest pre-softmax logit per head of this
+        block (over the batch, the queries and the slices), float32 [H], not differentiated
+        (QK-clip: Kimi K2, arXiv 2507.20534, sec. 2.1); ``None`` for a Gated DeltaNet block (no
+        softmax) or with a cache."""
         if not isinstance(x, tuple):
-            return self._forward(x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
-                                 routing_warmup, drop_tokens, None)
+            out = self._forward(x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
+                                routing_warmup, drop_tokens, None, record_max)
+            return out if record_max else out[:3]
         masks, segment_ids = attn_mask
-        out, sums, prefix = [], None, ()
+        out, sums, prefix, max_h = [], None, (), None
         for i, x_i in enumerate(x):
             key_i = None if step_key is None else jax.random.fold_in(step_key, SLICE_SITE + i)
-            x_i, s_i, prefix = self._forward(x_i, layer, rope[i] if rope is not None else None,
-                                             (masks[i], segment_ids), token_mask[i], None, cache_index, key_i,
-                                             routing_state, routing_warmup, drop_tokens, prefix)
+            x_i, s_i, prefix, m_i = self._forward(x_i, layer, rope[i] if rope is not None else None,
+                                                  (masks[i], segment_ids), token_mask[i], None, cache_index, key_i,
+                                                  routing_state, routing_warmup, drop_tokens, prefix, record_max)
             out.append(x_i)
             sums = s_i if sums is None else jax.tree.map(jnp.add, sums, s_i)  # every field is a sum
-        return tuple(out), sums, None
+            max_h = m_i if max_h is None else jnp.maximum(max_h, m_i)
+        return (tuple(out), sums, None, max_h) if record_max else (tuple(out), sums, None)
 
     def _forward(self, x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
-                 routing_warmup, drop_tokens, kv_prefix):
-        """One block on one [B, T, D] slice (:meth:`__call__`); with a ``kv_prefix`` (a sequence
-        slice) the third result is the keys and values for the next slice."""
+                 routing_warmup, drop_tokens, kv_prefix, record_max=False):
+        """One block on one [B, T, D] slice (:meth:`__call__`): ``(x, stats, cache, largest logits
+        [H] or None)``; with a ``kv_prefix`` (a sequence slice) the third result is the keys and
+        values for the next slice."""
         mask, segment_ids = attn_mask if isinstance(attn_mask, tuple) else (attn_mask, None)
         xn = self.attn_norm(x).astype(x.dtype)
-        if self.linear:
+        max_h = None
+        if self.linear:  # no softmax: nothing to record
             a, new_cache = self.attn(xn, segment_ids, cache)
         else:
             if isinstance(rope, dict):
                 rope = rope[self.rope_table]
-            a, new_cache = self.attn(xn, rope, mask, cache, cache_index, kv_prefix)
+            a, new_cache, *found = self.attn(xn, rope, mask, cache, cache_index, kv_prefix, record_max=record_max)
+            max_h = found[0] if found else None
         if self.sandwich:
             a = self.post_attn_norm(a).astype(x.dtype)
         x = x + _dropout(a, self.dropout, step_key, 3 * layer)
@@ -178,7 +188,7 @@ class Block(nnx.Module):
         if self.has_layer_scalar:
             # in float32: the scalar's gradient sums every token's product in float32, then reduces
             x = (x.astype(jnp.float32) * self.layer_scalar[...].reshape(1, 1, 1)).astype(x.dtype)
-        return x, stats, new_cache
+        return x, stats, new_cache, max_h
 
 
 def _slices(a_bt: jax.Array, n: int) -> tuple[jax.Array, ...]:

@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["LayerLayout", "STACKED_KEYS", "is_param_dict", "is_stacked_path", "layer_kinds", "layer_layout", "to_layout"]
+__all__ = ["LayerLayout", "STACKED_KEYS", "attention_layer_names", "is_param_dict", "is_stacked_path", "layer_kinds",
+           "layer_layout", "softmax_attention_layers", "to_layout"]
 
 STACKED_KEYS = ("prefix", "groups")  # top-level parameter entries whose leaves carry a leading layers axis
 
@@ -57,6 +58,24 @@ class LayerLayout:
 def layer_kinds(model_cfg) -> tuple[tuple[str, bool], ...]:
     """Each block's kind, (token mixer, MoE feed-forward), of a :class:`~moefast.config.ModelConfig`."""
     return tuple((model_cfg.layer_type(i), model_cfg.is_moe_layer(i)) for i in range(model_cfg.num_layers))
+
+
+def softmax_attention_layers(model_cfg) -> tuple[int, ...]:
+    """The block of each row of the per-layer largest attention logits
+    (:attr:`~moefast.model.ModelOutput.max_logits`, the step's ``max_logit_per_layer``): the main
+    stack's softmax-attention blocks in layer order (every token mixer but ``linear_attention``,
+    which has no softmax), then the ``mtp_depth`` multi-token prediction blocks, numbered L .. L + D - 1
+    (full attention, :meth:`~moefast.config.ModelConfig.layer_type`)."""
+    n = model_cfg.num_layers
+    main = tuple(i for i in range(n) if model_cfg.layer_type(i) != "linear_attention")
+    return main + tuple(range(n, n + model_cfg.mtp_depth))
+
+
+def attention_layer_names(model_cfg) -> list[str]:
+    """What each row of :func:`softmax_attention_layers` is, as logs and TensorBoard name it:
+    ``"attention layer i"`` (i the block index), then ``"MTP module k"`` (k = 1 .. D)."""
+    n = model_cfg.num_layers
+    return [f"attention layer {i}" if i < n else f"MTP module {i - n + 1}" for i in softmax_attention_layers(model_cfg)]
 
 
 def layer_layout(model_cfg) -> LayerLayout:

@@ -77,12 +77,15 @@ class MLAttention(nnx.Module):
         self.o_proj = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * v_head_dim, d_model)),
                                 logical_axes=("heads", "embed"), fp8=self.fp8)
 
-    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None):
+    def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None, *,
+                 record_max: bool = False):
         """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin);
         ``cache``: ``{"kv": [B, S, C], "k_rope": [B, S, R]}`` (:func:`init_cache`) or ``None``.
         Returns ``([B, T, D] in the compute dtype, the updated cache or None)``; with a
         ``kv_prefix`` (a sequence slice), the per-head keys [B, S, H, N + R] and values [B, S, H,
-        Hv] of the prefix and this slice in place of the cache."""
+        Hv] of the prefix and this slice in place of the cache. With ``record_max`` a third
+        result: each head's largest pre-softmax logit ``[q^C, q^R]·[k^C, k^R] · scale`` of these
+        queries, float32 [H], not differentiated (QK-clip), or ``None`` with a cache."""
         b, t, _ = x_btd.shape
         h, n, r, c, hv = self.num_heads, self.nope, self.rope, self.kv_lora_rank, self.v_head_dim
         if self.q_lora_rank:
@@ -104,7 +107,8 @@ class MLAttention(nnx.Module):
                 return k, kv[..., n:]
 
             o = context_flash_attention(jnp.concatenate([q_nope, q_rope], axis=-1), (c_kv, k_rope), mask_b1ts,
-                                        make_kv=make_kv, weights=(effective_weight(self, "kv_b_proj"),), scale=self.scale)
+                                        make_kv=make_kv, weights=(effective_weight(self, "kv_b_proj"),),
+                                        scale=self.scale, return_max=record_max)
             new_cache = None
         elif cache is None:
             if not kv_prefix:  # the blocked einsums on a context axis: the row's latent and RoPE key gathered
@@ -114,7 +118,7 @@ class MLAttention(nnx.Module):
             q, v = jnp.concatenate([q_nope, q_rope], axis=-1), kv[..., n:]
             if kv_prefix:
                 k, v = (jnp.concatenate([p, a], axis=1) for p, a in zip(kv_prefix, (k, v)))
-            o = attend(q, k, v, mask_b1ts, scale=self.scale)
+            o = attend(q, k, v, mask_b1ts, scale=self.scale, return_max=record_max)
             new_cache = (k, v) if kv_prefix is not None else None
         else:
             c_kv = jax.lax.dynamic_update_slice_in_dim(cache["kv"], c_kv.astype(cache["kv"].dtype), cache_index, axis=1)
@@ -128,4 +132,7 @@ class MLAttention(nnx.Module):
             o_lat = causal_attention(q, k, c_kv.astype(self.dtype)[:, :, None], mask_b1ts, causal=False,
                                      scale=self.scale)  # [B, T, H, C]
             o = jnp.einsum("bthc,chv->bthv", o_lat, w[..., n:], preferred_element_type=jnp.float32).astype(self.dtype)
-        return project(self, "o_proj", o.reshape(b, t, h * hv), self.dtype, ("heads", "embed"), fp8=self.fp8), new_cache
+        o, max_h = o if record_max and cache is None else (o, None)
+        out = (project(self, "o_proj", o.reshape(b, t, h * hv), self.dtype, ("heads", "embed"), fp8=self.fp8),
+               new_cache)
+        return (*out, max_h) if record_max else out

@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moefast.config import ExperimentConfig
@@ -69,6 +70,12 @@ class ModelOutput(NamedTuple):
     # multi-token prediction (model.mtp_depth = D > 0, no cache): D arrays [B, T, V] float32, entry
     # k - 1 holding module k's logits for token t_{i+k+1} at row i; None otherwise
     mtp_logits: tuple[jax.Array, ...] | None = None
+    # float32 [L_attn, H], not differentiated: each softmax-attention layer's largest pre-softmax
+    # logit per head (the scaled q·k over batch, queries and the keys each may see; QK-clip, Kimi K2,
+    # arXiv 2507.20534, sec. 2.1), one row per such layer of the main stack in layer order, then the
+    # MTP modules' blocks (moefast.model.layout.softmax_attention_layers); None with a cache or
+    # without softmax attention layers (Gated DeltaNet layers have no row)
+    max_logits: jax.Array | None = None
 
 
 def shift_left(a_bt: jax.Array, k: int, fill=0) -> jax.Array:
@@ -129,15 +136,16 @@ class MTPModule(nnx.Module):
         return self.block.is_moe
 
     def __call__(self, h_btd, emb_btd, layer, rope, attn_mask, token_mask, cache=None, cache_index=0,
-                 step_key=None, routing_state=None, routing_warmup=None, *, drop_tokens=True):
+                 step_key=None, routing_state=None, routing_warmup=None, *, drop_tokens=True, record_max=False):
         """One module: ``h_btd`` [B, T, D] = h^{k-1} (compute dtype), ``emb_btd`` [B, T, D] =
         Emb(t_{i+k}) at row i; the rest as :meth:`Block.__call__` (``layer`` = L + k - 1).
-        Returns ``(h^k [B, T, D] in the compute dtype, stats or None, None)``."""
+        Returns ``(h^k [B, T, D] in the compute dtype, stats or None, None)``, with ``record_max``
+        and the block's largest logits per head, float32 [H]."""
         x = jnp.concatenate([self.enorm(emb_btd), self.hnorm(h_btd)], axis=-1).astype(self.dtype)
         x = dense(x, self.eh_proj[...], self.dtype, (None, "embed"))
-        x, stats, _ = self.block(x, layer, rope, attn_mask, token_mask, None, cache_index, step_key,
-                                 routing_state, routing_warmup, drop_tokens=drop_tokens)
-        return self.head_norm(x).astype(self.dtype), stats, None
+        x, stats, _, *max_h = self.block(x, layer, rope, attn_mask, token_mask, None, cache_index, step_key,
+                                         routing_state, routing_warmup, drop_tokens=drop_tokens, record_max=record_max)
+        return self.head_norm(x).astype(self.dtype), stats, None, *max_h
 
 
 MINIMAL_SAVED = (ROUTING, EXPERT_IN, EXPERT_OUT)
@@ -152,17 +160,31 @@ REMAT_POLICIES = {
 """``model.remat`` -> ``jax.checkpoint`` policy of each block (``None``: no rematerialisation)."""
 
 
-def _block_fn(graphdef, remat: str, drop_tokens: bool):
+def _block_fn(graphdef, remat: str, drop_tokens: bool, record_max: bool = False):
     """``f(state, x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
-    routing_warmup) -> (x, stats, cache)``: the block of ``graphdef`` as a pure function, under
-    ``jax.checkpoint`` with the policy of ``remat``."""
+    routing_warmup) -> (x, stats, cache)``, with ``record_max`` also the block's largest logits
+    per head (float32 [H] or ``None``, :meth:`Block.__call__`): the block of ``graphdef`` as a pure
+    function, under ``jax.checkpoint`` with the policy of ``remat``."""
 
     def f(state, *args):
-        return nnx.merge(graphdef, state)(*args, drop_tokens=drop_tokens)
+        return nnx.merge(graphdef, state)(*args, drop_tokens=drop_tokens, record_max=record_max)
 
     if REMAT_POLICIES[remat] is None:
         return f
     return jax.checkpoint(f, policy=REMAT_POLICIES[remat])
+
+
+def _rows_in_layer_order(parts: list[tuple[tuple[int, ...], jax.Array | None]]) -> jax.Array | None:
+    """One [n, H] array from ``(layer indices, [len(indices), H] rows or None)`` parts given in any
+    layer order (the scanned layout's prefix, groups and tail): the rows sorted by layer, the
+    ``None`` parts (Gated DeltaNet blocks) left out; ``None`` when nothing is left."""
+    parts = [(ids, rows) for ids, rows in parts if rows is not None]
+    if not parts:
+        return None
+    ids = np.concatenate([np.asarray(i, np.int64) for i, _ in parts])
+    rows = jnp.concatenate([r for _, r in parts], axis=0) if len(parts) > 1 else parts[0][1]
+    order = np.argsort(ids, kind="stable")
+    return rows if np.array_equal(order, np.arange(ids.size)) else rows[order]
 
 
 def _stack_modules(blocks: list[Block]) -> Block:
@@ -257,7 +279,9 @@ class Transformer(nnx.Module):
             randomised with keys folded from ``step_key``. Ignored without a ``step_key``.
 
         Returns:
-          :class:`ModelOutput` with float32 logits [B, T, V].
+          :class:`ModelOutput` with float32 logits [B, T, V] and, without a cache, each
+          softmax-attention layer's largest pre-softmax logit per head, float32 [L_attn, H]
+          (``max_logits``; recorded in the layers' own attention, not differentiated).
 
         Raises:
           ValueError: T (or cache length) exceeds ``max_seq_len``, or concrete positions are out of
@@ -335,21 +359,24 @@ class Transformer(nnx.Module):
         else:
             layer_make = make
         if self.scan_layers and cache is None:
-            x, moe = self._scanned(x, layer_make, routing_state, **layer_args)
+            x, moe, max_logits = self._scanned(x, layer_make, routing_state, **layer_args)
             new_cache = None
         else:
-            x, moe, new_cache = self._unrolled(x, layer_make, routing_state, cache, **layer_args)
+            x, moe, new_cache, max_logits = self._unrolled(x, layer_make, routing_state, cache, **layer_args)
         if n > 1:
             x = jnp.concatenate(x, axis=1)
             layer_args["token_mask"] = token_mask  # the MTP modules run on whole rows
         x = self.final_norm(x).astype(x.dtype)
         logits = self._head(restore_order(x))  # the row's order again
         if self.mtp_depth and cache is None:
-            mtp_logits, mtp_moe = self._mtp(x, tokens_bt, make, routing_state, context=context, **layer_args)
+            mtp_logits, mtp_moe, mtp_max = self._mtp(x, tokens_bt, make, routing_state, context=context, **layer_args)
             if mtp_moe is not None:
                 moe = mtp_moe if moe is None else RoutingSums.concatenate([moe, mtp_moe])
-            return ModelOutput(logits=logits, moe=self._moe_stats(moe), cache=None, mtp_logits=mtp_logits)
-        return ModelOutput(logits=logits, moe=self._moe_stats(moe), cache=new_cache)
+            max_logits = mtp_max if max_logits is None else jnp.concatenate([max_logits, mtp_max], axis=0)
+            return ModelOutput(logits=logits, moe=self._moe_stats(moe), cache=None, mtp_logits=mtp_logits,
+                               max_logits=jax.lax.stop_gradient(max_logits))
+        return ModelOutput(logits=logits, moe=self._moe_stats(moe), cache=new_cache,
+                           max_logits=None if max_logits is None else jax.lax.stop_gradient(max_logits))
 
     def _moe_stats(self, sums: RoutingSums | None) -> MoEStats | None:
         """Every MoE layer's routing sums [L_moe, S, ...], reduced over the token shards once here
@@ -383,8 +410,8 @@ class Transformer(nnx.Module):
         rotary attention depends only on position differences, which are the same). On a context
         axis ``h_btd`` and the tables are in its balanced order and ``tokens_bt`` in the row's: the
         shifted tokens are reordered, the logits put back in the row's order. Returns
-        ``(D logits [B, T, V] float32, MoE statistics [D, ...] or None)``."""
-        logits, stats = [], []
+        ``(D logits [B, T, V] float32, MoE statistics [D, ...] or None, largest logits [D, H])``."""
+        logits, stats, maxes = [], [], []
         for k, module in enumerate(self.mtp, start=1):
             emb = self._embed(balanced_order(shift_left(tokens_bt, k), context))
             rs = None
@@ -392,14 +419,15 @@ class Transformer(nnx.Module):
                 rs = {n: v[self.mtp_routing_row + k - 1] for n, v in routing_state.items()}
             attn_mask, rope = make()
             graphdef, state = nnx.split(module)
-            h_btd, s_k, _ = _block_fn(graphdef, self.remat, drop_tokens)(
+            h_btd, s_k, _, max_k = _block_fn(graphdef, self.remat, drop_tokens, record_max=True)(
                 state, h_btd, emb, self.num_layers + k - 1, rope, attn_mask, kw["token_mask"], None,
                 kw["cache_index"], kw["step_key"], rs, kw["routing_warmup"])
             logits.append(self._head(restore_order(h_btd)))
+            maxes.append(max_k)
             if s_k is not None:
                 stats.append(s_k)
         moe = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
-        return tuple(logits), moe
+        return tuple(logits), moe, jnp.stack(maxes)
 
     def layer_modules(self) -> list[Block]:
         """The L blocks in order, as modules (scanned stacks sliced, so each holds one layer's
@@ -422,30 +450,36 @@ class Transformer(nnx.Module):
         return [out[i] for i in range(self.num_layers)]
 
     def _unrolled(self, x, make, routing_state, cache, *, drop_tokens, **kw):
-        """Every block in a Python loop (the unrolled layout, and any layout with a KV cache)."""
-        stats, new_cache = [], [] if cache is not None else None
+        """Every block in a Python loop (the unrolled layout, and any layout with a KV cache).
+        Returns ``(x, routing sums or None, new cache or None, largest logits [L_attn, H] or None)``
+        (no logits recorded with a cache)."""
+        stats, new_cache, maxes = [], [] if cache is not None else None, []
         for i, block in enumerate(self.layer_modules()):
             rs = None
             if routing_state is not None and block.is_moe:
                 rs = {k: v[len(stats)] for k, v in routing_state.items()}
             attn_mask, rope = make()
             graphdef, state = nnx.split(block)
-            x, s_i, c_i = _block_fn(graphdef, self.remat, drop_tokens)(
+            x, s_i, c_i, *max_i = _block_fn(graphdef, self.remat, drop_tokens, record_max=cache is None)(
                 state, x, i, rope, attn_mask, kw["token_mask"], None if cache is None else cache[i],
                 kw["cache_index"], kw["step_key"], rs, kw["routing_warmup"])
             if s_i is not None:
                 stats.append(s_i)
             if cache is not None:
                 new_cache.append(c_i)
+            if max_i and max_i[0] is not None:  # a softmax-attention block (without a cache)
+                maxes.append(max_i[0])
         moe = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
-        return x, moe, new_cache
+        return x, moe, new_cache, jnp.stack(maxes) if maxes else None
 
     def _scanned(self, x, make, routing_state, *, drop_tokens, **kw):
         """The scanned layout: ``jax.lax.scan`` over the prefix stack and over the whole groups
         (each iteration runs one group's blocks in order), then the tail unrolled. MoE layer j's
         routing-state row and statistics stay row j of [L_moe, ...] (layer order: the groups' MoE
-        blocks, group by group, then the tail's)."""
+        blocks, group by group, then the tail's). Returns ``(x, routing sums or None, largest
+        logits [L_attn, H] in layer order or None)``."""
         layout = self.layout
+        maxes = []  # (layer indices, their largest logits [n, H] or None)
         rest = (kw["token_mask"], None, kw["cache_index"], kw["step_key"])
 
         def run(fn, state, x, layer, rs):  # make(): the cached tables, or (baseline) built in this layer
@@ -454,37 +488,42 @@ class Transformer(nnx.Module):
 
         if layout.prefix:
             graphdef, state = nnx.split(self.prefix)
-            fn = _block_fn(graphdef, self.remat, drop_tokens)
+            fn = _block_fn(graphdef, self.remat, drop_tokens, record_max=True)
 
             def prefix_body(x, xs):
                 st, layer = xs
-                return run(fn, st, x, layer, None)[0], None
+                out = run(fn, st, x, layer, None)
+                return out[0], out[3]
 
-            x, _ = jax.lax.scan(prefix_body, x, (state, jnp.asarray(layout.prefix, jnp.int32)))
+            x, prefix_max = jax.lax.scan(prefix_body, x, (state, jnp.asarray(layout.prefix, jnp.int32)))
+            maxes.append((layout.prefix, prefix_max))
         stats = []
         moe_rows = 0  # routing-state rows used so far (MoE layers in layer order)
         if layout.groups:
             g = layout.num_groups
             parts = [nnx.split(stack) for stack in self.groups]
-            fns = [_block_fn(gd, self.remat, drop_tokens) for gd, _ in parts]
+            fns = [_block_fn(gd, self.remat, drop_tokens, record_max=True) for gd, _ in parts]
             moe_pos = [j for j, stack in enumerate(self.groups) if stack.is_moe]  # MoE positions of the pattern
             m = len(moe_pos)
             rs_groups = None
             if routing_state is not None and m:  # group k's MoE layers are rows k * m .. k * m + m - 1
                 rs_groups = {k: v[: g * m].reshape(g, m, *v.shape[1:]) for k, v in routing_state.items()}
 
-            def group_body(x, xs):  # the pattern's blocks in order; statistics of its MoE blocks
+            def group_body(x, xs):  # the pattern's blocks in order; statistics of its MoE blocks, each one's logits
                 states, layers, rs = xs
-                group_stats = []
+                group_stats, group_max = [], []
                 for j in range(len(fns)):
                     rs_j = None if rs is None or j not in moe_pos else {k: v[moe_pos.index(j)] for k, v in rs.items()}
-                    x, s_j, _ = run(fns[j], states[j], x, layers[j], rs_j)
+                    x, s_j, _, m_j = run(fns[j], states[j], x, layers[j], rs_j)
+                    group_max.append(m_j)
                     if s_j is not None:
                         group_stats.append(s_j)
-                return x, (jax.tree.map(lambda *a: jnp.stack(a), *group_stats) if group_stats else None)
+                return x, (jax.tree.map(lambda *a: jnp.stack(a), *group_stats) if group_stats else None, group_max)
 
             layers = jnp.asarray(layout.groups, jnp.int32)  # [P, G]
-            x, group_stats = jax.lax.scan(group_body, x, ([st for _, st in parts], list(layers), rs_groups))
+            x, (group_stats, group_max) = jax.lax.scan(group_body, x, ([st for _, st in parts], list(layers),
+                                                                       rs_groups))
+            maxes.extend(zip(layout.groups, group_max))  # position j's [G, H] (None: Gated DeltaNet)
             if group_stats is not None:  # [G, m, ...] -> [G * m, ...]: layer order
                 stats.append(jax.tree.map(lambda a: a.reshape(g * m, *a.shape[2:]), group_stats))
             moe_rows = g * m
@@ -495,11 +534,12 @@ class Transformer(nnx.Module):
                     rs = {k: v[moe_rows] for k, v in routing_state.items()}
                     moe_rows += 1
                 graphdef, state = nnx.split(self.tail[j])
-                x, s_i, _ = run(_block_fn(graphdef, self.remat, drop_tokens), state, x, i, rs)
+                x, s_i, _, m_i = run(_block_fn(graphdef, self.remat, drop_tokens, record_max=True), state, x, i, rs)
+                maxes.append(((i,), None if m_i is None else m_i[None]))
                 if s_i is not None:
                     stats.append(jax.tree.map(lambda a: a[None], s_i))
         moe = RoutingSums.concatenate(stats) if stats else None
-        return x, moe
+        return x, moe, _rows_in_layer_order(maxes)
 
 
 def build_model(cfg: ExperimentConfig, vocab_size: int, *, seed: int | None = None) -> Transformer:

@@ -281,7 +281,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ restoring
     def restore(self, abstract_state: dict[str, Any], cfg: ExperimentConfig,
                 step: int | None = None, *, tokenizer: dict[str, Any] | None = None,
-                corpus: str | None = None) -> Restored:
+                corpus: str | None = None, opt_state_of: Callable[[ExperimentConfig], Any] | None = None) -> Restored:
         """Restores ``step`` (default: latest) into the structure/shardings of ``abstract_state``.
 
         With ``step=None``, steps are tried newest first: a step whose files cannot be read
@@ -303,6 +303,10 @@ class Checkpointer:
             (:func:`~moefast.data.prepared.corpus_identity`), or ``None`` (not checked); checked
             against the one the checkpoint was trained on before any array is read (a step with no
             data position, an imported step 0, was trained on none).
+          opt_state_of: for a run that resets its optimizer (``moefast train --reset-optimizer``):
+            the abstract optimizer state (with shardings) of the checkpoint's own config, read in
+            place of ``abstract_state["opt_state"]``, which lets a checkpoint of another
+            ``train.optimizer`` restore. Without it such a checkpoint is refused.
 
         Raises:
           TypeError: ``abstract_state`` is ``None`` (orbax would then guess the structure from the
@@ -313,7 +317,8 @@ class Checkpointer:
             message names both); one trained on another prepared corpus than ``corpus`` (at
             once: ``data.source`` was prepared again since); no step could be restored (names the
             directory and, for each step tried, what is wrong with its files); or the given
-            ``step`` could not be restored.
+            ``step`` could not be restored; one written with another ``train.optimizer`` and no
+            ``opt_state_of`` (at once: the message names both and ``--reset-optimizer``).
         """
         if abstract_state is None:
             raise TypeError("Checkpointer.restore needs the target structure: pass the train state's abstract "
@@ -322,7 +327,7 @@ class Checkpointer:
         self._wait_pending()
         if step is not None:
             try:
-                return self._restore_step(abstract_state, cfg, int(step), tokenizer, corpus)
+                return self._restore_step(abstract_state, cfg, int(step), tokenizer, corpus, opt_state_of)
             except _Unreadable as e:
                 raise CheckpointError(f"checkpoint {self._step_dir(step)} could not be restored: {e.reason}") from e
         steps = self.all_steps()[::-1]
@@ -332,7 +337,7 @@ class Checkpointer:
         skipped: list[tuple[int, str]] = []
         for s in steps:
             try:
-                restored = self._restore_step(abstract_state, cfg, s, tokenizer, corpus)
+                restored = self._restore_step(abstract_state, cfg, s, tokenizer, corpus, opt_state_of)
             except _Unreadable as e:
                 skipped.append((s, e.reason))
                 continue
@@ -345,7 +350,8 @@ class Checkpointer:
             "or use a new run dir")
 
     def _restore_step(self, abstract_state: dict[str, Any], cfg: ExperimentConfig, step: int,
-                      tokenizer: dict[str, Any] | None = None, corpus: str | None = None) -> Restored:
+                      tokenizer: dict[str, Any] | None = None, corpus: str | None = None,
+                      opt_state_of: Callable[[ExperimentConfig], Any] | None = None) -> Restored:
         """Restores one step. Raises :class:`_Unreadable` when its files cannot be read (on any
         process), :class:`CheckpointError` when its config, tokenizer or corpus does not fit."""
         meta, error = None, None
@@ -391,11 +397,11 @@ class Checkpointer:
                 "evaluation would use another validation split (perhaps holding documents the run trained on); "
                 "prepare it again from the files and with the arguments it was prepared from, or train on this "
                 "corpus in a new run dir")
+        wanted = target = self._optimizer_target(abstract_state, cfg, step, saved, opt_state_of)
         scanned_now = cfg.model.scan_layers
         scanned_then = bool((saved.get("model") or {}).get("scan_layers", False))
-        target = abstract_state
         if scanned_then != scanned_now:  # read in the checkpoint's layout, then convert
-            target = layout.to_layout(abstract_state, cfg.model, scanned_then)
+            target = layout.to_layout(target, cfg.model, scanned_then)
         r, error = None, None
         try:
             r = self.manager.restore(step, args=ocp.args.Composite(
@@ -407,12 +413,29 @@ class Checkpointer:
             raise self._failed(step, error)
         state = r.state
         if scanned_then != scanned_now:
-            out_shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
+            out_shardings = jax.tree.map(lambda a: a.sharding, wanted)
             # not donated: the stacked and unstacked buffers differ in shape, so none could be reused
             state = jax.jit(lambda t: layout.to_layout(t, cfg.model, scanned_now), out_shardings=out_shardings)(state)
             self._note(f"checkpoint {self._step_dir(step)} was written with model.scan_layers={scanned_then}; "
                        f"its layers were converted to scan_layers={scanned_now}")
         return Restored(step=step, state=state, data_state=r.data, meta=r.meta)
+
+    def _optimizer_target(self, abstract_state: dict[str, Any], cfg: ExperimentConfig, step: int,
+                          saved: dict[str, Any], opt_state_of) -> dict[str, Any]:
+        """The restore target: ``abstract_state``, or with ``opt_state_of`` its optimizer state as
+        the checkpoint's config holds it. Refuses a change of ``train.optimizer`` without it."""
+        was = (saved.get("train") or {}).get("optimizer", "adamw")
+        if opt_state_of is None:
+            if was != cfg.train.optimizer:
+                raise CheckpointError(
+                    f"checkpoint {self._step_dir(step)} was trained with train.optimizer={was}, this run asks for "
+                    f"{cfg.train.optimizer}: the optimizer state does not carry over. To switch and keep the weights, "
+                    f"run again with --reset-optimizer (Trainer(..., reset_optimizer=True)): a fresh "
+                    f"{cfg.train.optimizer} state, the learning-rate schedule where it was; or keep "
+                    f"train.optimizer={was}")
+            return abstract_state
+        then = dataclasses.replace(cfg, train=ExperimentConfig.from_dict(saved).train)  # this layout, its optimizer
+        return {**abstract_state, "opt_state": opt_state_of(then)}
 
     def _check_tokenizer(self, step: int, meta: dict[str, Any], tokenizer: dict[str, Any],
                          abstract_state: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from moefast import host_memory, parallel
 from moefast.config import ConfigError, ExperimentConfig
+from moefast.model.layout import softmax_attention_layers
 from moefast.parallel import fp8_gemm
 
 __all__ = ["CHECKS", "check_run", "config_warnings"]
@@ -112,8 +113,45 @@ def _lora_without_rank(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> None:
                           f"{', '.join('lora.' + g for g in given)}")
 
 
+def _qk_clip_without_attention(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> None:
+    """``train.qk_clip`` on a model without a softmax attention layer (every ``model.layer_types``
+    entry ``linear_attention``, no multi-token prediction block): no logit to clip."""
+    if cfg.train.qk_clip is not None and not softmax_attention_layers(cfg.model):
+        raise ConfigError(f"train.qk_clip={cfg.train.qk_clip}: the model has no softmax attention layer "
+                          "(model.layer_types are all linear_attention), so there is no attention logit to clip; set "
+                          "train.qk_clip=null")
+
+
+def _qk_clip_with_lora(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> None:
+    """``train.qk_clip`` with adapters: clipping scales the query and key weights, which under
+    ``lora`` are the frozen base's (an adapter exported alone would then no longer give this model)."""
+    if cfg.train.qk_clip is not None and cfg.lora.enabled:
+        raise ConfigError("train.qk_clip: QK-clip rescales the attention's query and key weights, which lora keeps "
+                          "frozen (an exported adapter would no longer reproduce the run); it is a pretraining "
+                          "stabiliser: set train.qk_clip=null with lora.rank > 0")
+
+
+def _muon_params(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> None:
+    """``train.optimizer=muon``: every parameter is in :data:`~moefast.train.optimizer.PARAM_KINDS`
+    (a new module's parameter is refused, never trained by AdamW unannounced), and no adapters
+    (Muon's orthogonalised step is a pretraining optimizer; an adapter's B starts at 0, and the
+    low-rank factors' product is not what Muon orthogonalises)."""
+    if cfg.train.optimizer != "muon":
+        return
+    if cfg.lora.enabled:
+        raise ConfigError("train.optimizer=muon with lora.rank > 0: Muon orthogonalises whole weight matrices in "
+                          "pretraining; adapters train with train.optimizer=adamw")
+    from moefast.train.optimizer import muon_specs
+
+    try:
+        muon_specs(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 CHECKS: tuple[Check, ...] = (_host_malloc, _pallas_routing, _fp8_dispatch, _fp8_gemms, _hierarchical,
-                             _triton_routing, _lora_without_rank)
+                             _triton_routing, _lora_without_rank, _qk_clip_without_attention, _qk_clip_with_lora,
+                             _muon_params)
 
 
 def check_run(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> list[str]:
@@ -132,7 +170,9 @@ def check_run(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> list[str]:
       ConfigError: the first check that refuses: ``moe.routing_impl=pallas`` on a CPU mesh of
         several devices; FP8 dispatch (``moe.dispatch_dtype``) or GEMMs (``model.precision``) on
         GPUs without FP8 (compute capability below 8.9); ``moe.exchange=hierarchical`` that does
-        not fit the mesh or its hosts; ``moe.routing_impl=triton`` where its kernel cannot run.
+        not fit the mesh or its hosts; ``moe.routing_impl=triton`` where its kernel cannot run;
+        ``train.qk_clip`` on a model without softmax attention, or with adapters;
+        ``train.optimizer=muon`` with adapters or with a parameter its table does not know.
     """
     return [note for check in CHECKS if (note := check(cfg, mesh))]
 

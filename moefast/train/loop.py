@@ -49,10 +49,11 @@ from moefast.train import mfu as mfu_lib
 from moefast.train.metrics import MetricsWriteError, MetricsWriter
 from moefast.train.prefetch import DevicePrefetcher
 from moefast.train.profiling import ProfileWindow
-from moefast.train.resume import start_or_resume
+from moefast.train import optimizer
+from moefast.train.resume import OptimizerReset, start_or_resume
 from moefast.train.run_dir import load_run_config
 from moefast.train.signals import StopRequest
-from moefast.train.step import BATCH_KEYS, ModelDef, make_optimizer, train_step
+from moefast.train.step import BATCH_KEYS, ModelDef, make_optimizer, train_step, with_schedule_count
 from moefast.train.summary import TrainingError, TrainSummary
 from moefast.train.timing import StepBook
 
@@ -137,6 +138,9 @@ class Trainer:
         ``end`` (1-based, inclusive) into ``<run_dir>/profile`` (TensorBoard's profile plugin and
         ui.perfetto.dev read it). The devices finish the steps before ``start`` first, and the
         trace stops once step ``end`` is done (or the run ends).
+      reset_optimizer: resume the run dir's checkpoint with a fresh optimizer state (weights, routing
+        state, step, data position and learning-rate schedule kept); needed to change
+        ``train.optimizer`` (:func:`moefast.train.resume.start_or_resume`).
 
     Raises:
       ValueError: ``profile`` is not ``1 <= start <= end``.
@@ -157,11 +161,11 @@ class Trainer:
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path | None = None, *,
                  log: Callable[[str], None] | None = print, progress: bool = True,
                  corpus: Corpus | None = None, devices: list | None = None,
-                 profile: tuple[int, int] | None = None):
+                 profile: tuple[int, int] | None = None, reset_optimizer: bool = False):
         if profile is not None and not (isinstance(profile, tuple) and len(profile) == 2 and 1 <= profile[0] <= profile[1]):
             raise ValueError(f"profile={profile!r}: expected (start, end) optimizer steps with 1 <= start <= end, "
                              "e.g. (10, 12)")
-        self.profile = profile
+        self.profile, self.reset_optimizer = profile, reset_optimizer
         self.cfg = cfg
         self.run_dir = Path(run_dir or Path("runs") / cfg.name)
         run_dir_lib.check_run_dir(self.run_dir)  # an existing read-only one is refused by run(), not here
@@ -249,15 +253,36 @@ class Trainer:
         ``embed``, ``expert`` splits experts) plus the ZeRO split over ``data`` and ``expert``
         (:meth:`~moefast.train.step.ModelDef.param_state_specs`); optimizer moments like their
         parameter; scalars replicated."""
-        mesh = self.mesh
-        param_spec = self.model_def.param_state_specs(mesh)
+        param_spec = self.model_def.param_state_specs(self.mesh)
         abstract = self.model_def.abstract_state()
-        opt_spec = optax.tree_utils.tree_map_params(
-            make_optimizer(self.cfg), lambda p, spec: spec, abstract["opt_state"], self.model_def.split(param_spec)[0],
-            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
-        specs = {"params": param_spec, "opt_state": opt_spec, "step": P(),
+        specs = {"params": param_spec, "opt_state": self._opt_spec(self.cfg, abstract["opt_state"]), "step": P(),
                  "routing": jax.tree.map(lambda _: P(), abstract["routing"])}
-        return parallel.shardings(mesh, specs)
+        return parallel.shardings(self.mesh, specs)
+
+    def _opt_spec(self, cfg: ExperimentConfig, abstract_opt_state):
+        """``PartitionSpec``s of ``cfg``'s optimizer state: each moment like its parameter."""
+        trainable = self.model_def.split(self.model_def.param_state_specs(self.mesh))[0]
+        masked = lambda x: isinstance(x, optax.MaskedNode)  # a leaf another partition's transform keeps
+        return optax.tree_utils.tree_map_params(make_optimizer(cfg), lambda p, spec: p if masked(p) else spec,
+                                                abstract_opt_state, trainable, transform_non_params=lambda _: P(),
+                                                is_leaf=lambda x: isinstance(x, P) or masked(x))
+
+    def _optimizer_reset(self) -> OptimizerReset:
+        """For ``reset_optimizer``: a config's abstract optimizer state (the checkpoint's, to read
+        it), and a fresh state of this run's optimizer for given parameters."""
+        trainable = lambda p: self.model_def.split(p)[0]
+
+        def abstract(cfg):
+            state = jax.eval_shape(make_optimizer(cfg).init, trainable(self.model_def.abstract_params))
+            shard = parallel.shardings(self.mesh, self._opt_spec(cfg, state))
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shard)
+
+        def fresh(params, count):
+            init = lambda p, c: with_schedule_count(make_optimizer(self.cfg).init(trainable(p)), c)
+            with jax.set_mesh(self.mesh):
+                return jax.jit(init, out_shardings=self.state_sharding["opt_state"])(params, count)
+
+        return OptimizerReset(abstract, fresh)
 
     def init_state(self) -> dict[str, Any]:
         """Fresh train state, created directly in its shardings (no device holds a full copy of
@@ -439,7 +464,8 @@ class Trainer:
                             async_save=cfg.checkpoint.async_save, log=self._ckpt_log)
         self._log_setup()
         begin = start_or_resume(cfg, ckpt, data_iter, init_state=self.init_state,
-                                abstract_state=self.abstract_state, log=self._log, identity=self.identity())
+                                abstract_state=self.abstract_state, log=self._log, identity=self.identity(),
+                                reset_optimizer=self._optimizer_reset() if self.reset_optimizer else None)
         start, last = begin.step, tc.last_step
         self._log_peak()
         writer = self._open_metrics(ckpt, start)
@@ -472,7 +498,9 @@ class Trainer:
         self._log(f"model: {n_params / 1e6:.2f}M parameters | mesh {dict(self.mesh.shape)} on "
                   f"{jax.device_count()} {jax.devices()[0].platform} device(s) | compilation cache "
                   f"{self.compile_cache_dir or 'off'} | host malloc {self.host_malloc}")
-        if cfg.lora.enabled:
+        if not cfg.lora.enabled:
+            self._log(optimizer.summary(cfg, self.model_def.abstract_params))
+        else:
             self._log(lora.summary(cfg.lora, self.model_def.split(lora.sizes(self.model_def.abstract_params))))
         for warning in config_warnings(cfg) + self.corpus.warnings(cfg.data):
             self._log(f"warning: {warning}")

@@ -42,13 +42,19 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _row_tag(names: Any, row: int, rows: int) -> str:
+_ROW_NAMES = {"max_logit_per_layer": ("attention_layer_names", "layer")}
+"""Per-layer keys whose rows are not the MoE layers: the record's key naming their rows, and the
+tag's fallback stem (``max_logit_per_layer``: one row per softmax-attention layer)."""
+
+
+def _row_tag(names: Any, row: int, rows: int, fallback: str = "moe_layer") -> str:
     """The TensorBoard tag of row ``row`` of a per-layer array of ``rows`` rows: its name in the
-    record's ``layer_names`` made a tag (``"MoE layer 3"`` -> ``moe_layer_3``, ``"MTP module 1"`` ->
-    ``mtp_module_1``), else ``moe_layer_<row>``."""
+    record's ``layer_names`` (or the names :data:`_ROW_NAMES` gives its key) made a tag (``"MoE
+    layer 3"`` -> ``moe_layer_3``, ``"MTP module 1"`` -> ``mtp_module_1``, ``"attention layer 3"``
+    -> ``attention_layer_3``), else ``<fallback>_<row>``."""
     if isinstance(names, list) and len(names) == rows and isinstance(names[row], str):
         return re.sub(r"[^0-9a-z]+", "_", names[row].lower()).strip("_")
-    return f"moe_layer_{row}"
+    return f"{fallback}_{row}"
 
 
 def _step_of(line: bytes) -> int | None:
@@ -161,7 +167,10 @@ class MetricsWriter:
         values, ``tokens_per_expert`` [L, E] as expert-load histograms) as ``<kind>/<key>/<row>``,
         ``<row>`` named after the record's ``layer_names`` when it has one name per row
         (``moe_layer_0``, ..., ``mtp_module_1``: the multi-token prediction blocks' rows, see
-        :meth:`moefast.config.ModelConfig.moe_layer_names`), else ``moe_layer_<i>``."""
+        :meth:`moefast.config.ModelConfig.moe_layer_names`), else ``moe_layer_<i>``; the rows of
+        ``max_logit_per_layer`` (one per softmax-attention layer) after the record's
+        ``attention_layer_names`` (``attention_layer_3``, ``mtp_module_1``:
+        :func:`moefast.model.layout.attention_layer_names`), else ``layer_<i>``."""
         if not self.enabled:
             return
         rec = {"kind": kind, "step": int(step), **{k: _jsonable(v) for k, v in record.items()}}
@@ -185,8 +194,10 @@ class MetricsWriter:
                                                     np.repeat(np.arange(row.size), np.round(row * 1000).astype(int)),
                                                     bins=np.arange(row.size + 1) - 0.5))
             elif isinstance(v, np.ndarray) and v.ndim == 1:
+                names_key, stem = _ROW_NAMES.get(k, ("layer_names", "moe_layer"))
                 for layer, x in enumerate(v):
-                    values.append(summary.scalar(f"{kind}/{k}/{_row_tag(names, layer, len(v))}", float(x)))
+                    tag = _row_tag(record.get(names_key), layer, len(v), stem)
+                    values.append(summary.scalar(f"{kind}/{k}/{tag}", float(x)))
         try:
             for s in values:
                 self._tb.write_event(Event(step=int(step), summary=s))

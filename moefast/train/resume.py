@@ -14,7 +14,7 @@ from typing import Any, Callable
 from moefast.config import INVOCATION_KEYS, ExperimentConfig
 from moefast.train.checkpoint import Checkpointer
 
-__all__ = ["RunStart", "start_or_resume"]
+__all__ = ["OptimizerReset", "RunStart", "start_or_resume"]
 
 
 @dataclasses.dataclass
@@ -24,9 +24,16 @@ class RunStart:
     loop_state: dict[str, Any]  # host state of the loop saved with the checkpoint (e.g. {"monitor": ...})
 
 
+@dataclasses.dataclass
+class OptimizerReset:
+    """How a resume replaces the optimizer state (``moefast train --reset-optimizer``)."""
+    abstract: Callable[[ExperimentConfig], Any]  # a config's abstract optimizer state, with shardings
+    fresh: Callable[[dict, Any], Any]  # (params, schedule count) -> this run's new optimizer state
+
+
 def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, init_state: Callable[[], dict],
                     abstract_state: Callable[[], dict], log: Callable[[str], None],
-                    identity: dict[str, Any] | None = None) -> RunStart:
+                    identity: dict[str, Any] | None = None, reset_optimizer: OptimizerReset | None = None) -> RunStart:
     """The state a run starts from: the latest checkpoint in ``ckpt`` (its data position is set on
     ``data_iter``), or ``init_state()`` when there is none.
 
@@ -39,18 +46,24 @@ def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, ini
       log: console printer for the resume line and notes.
       identity: what this run trains with, as :meth:`Checkpointer.save` records it
         (``"tokenizer"``, ``"corpus"``).
+      reset_optimizer: restore the checkpoint's optimizer state as its own config has it (any
+        ``train.optimizer``), then start a fresh one of this run's, its learning-rate schedule at
+        the checkpoint's count; weights, routing state, step and data position kept.
 
     Raises:
       CheckpointError: no checkpoint restores, or one was written with another model/moe/data
         config or tokenizer (:meth:`Checkpointer.restore`); its data position refers to a
         prepared corpus that was prepared again since (``data.source`` now holds another corpus);
-        nothing is written before this.
+        one of another ``train.optimizer`` without ``reset_optimizer``; nothing is written before this.
     """
     if ckpt.latest_step() is None:
+        if reset_optimizer is not None:
+            log("note: --reset-optimizer: no checkpoint in this run dir, so the run starts from scratch")
         return RunStart(init_state(), 0, {})
     identity = identity or {}
     # before anything is written; the tokenizer and the corpus are checked before any array is read
-    restored = ckpt.restore(abstract_state(), cfg, tokenizer=identity.get("tokenizer"), corpus=identity.get("corpus"))
+    restored = ckpt.restore(abstract_state(), cfg, tokenizer=identity.get("tokenizer"), corpus=identity.get("corpus"),
+                            opt_state_of=reset_optimizer and reset_optimizer.abstract)
     start = restored.step
     if restored.data_state is not None:  # None: an imported step 0 (Trainer.initialize), data not yet read
         data_iter.set_state(restored.data_state)
@@ -70,4 +83,13 @@ def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, ini
                if k not in ignored and k in saved_train and saved_train[k] != v]
     if changed:
         log(f"note: train settings changed since the checkpoint: {', '.join(changed)}")
-    return RunStart(restored.state, start, restored.meta.get("loop") or {})
+    state = restored.state
+    if reset_optimizer is not None:
+        from moefast.train.step import _schedule_count
+
+        count = _schedule_count(state["opt_state"])
+        state = {**state, "opt_state": reset_optimizer.fresh(state["params"], count)}
+        log(f"note: --reset-optimizer: a fresh {cfg.train.optimizer} state (was "
+            f"{saved.get('train', {}).get('optimizer', 'adamw')}); weights, routing state, step and data position "
+            f"kept, the learning-rate schedule continues at update {int(count)}")
+    return RunStart(state, start, restored.meta.get("loop") or {})

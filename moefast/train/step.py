@@ -25,6 +25,8 @@ from moefast.kernels.platform import target_platform
 from moefast.model import ModelOutput, Transformer, build_model, init_routing_state, lora
 from moefast.model.layout import is_stacked_path
 from moefast.model.transformer import shift_left
+from moefast.train import optimizer
+from moefast.train.qk_clip import qk_clip
 
 __all__ = [
     "BATCH_KEYS",
@@ -38,6 +40,7 @@ __all__ = [
     "mtp_loss_weights",
     "train_step",
     "update_routing_state",
+    "with_schedule_count",
 ]
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_weight")
@@ -55,15 +58,9 @@ def learning_rate_schedule(cfg: ExperimentConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: ExperimentConfig) -> optax.GradientTransformation:
-    """AdamW (decoupled weight decay on matrices only) after global-norm clipping."""
-    t = cfg.train
-    # Matrices decay, vectors (norm scales) do not; a scanned stack's leading layers axis does not count.
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(
-        lambda path, p: p.ndim - is_stacked_path(path) >= 2, params)
-    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
-    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=t.b1, b2=t.b2,
-                             weight_decay=t.weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
+    """``train.optimizer`` (AdamW, or Muon with AdamW on the rest) after global-norm clipping, on
+    :func:`learning_rate_schedule` (:func:`moefast.train.optimizer.make_optimizer`)."""
+    return optimizer.make_optimizer(cfg, learning_rate_schedule(cfg))
 
 
 class ModelDef:
@@ -194,7 +191,7 @@ def aux_loss_coef(cfg: ExperimentConfig, step: jax.Array) -> jax.Array:
 def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step_key: jax.Array | None,
             routing_state: dict[str, jax.Array] | None = None, step: jax.Array | None = None,
             micro: tuple[jax.Array, jax.Array, int] | tuple[jax.Array, jax.Array, int, jax.Array] | None = None
-            ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]]:
+            ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None, jax.Array | None]]:
     """Training loss: mean cross-entropy over tokens with non-zero ``loss_weight`` plus
     the load-balancing coefficient (:func:`aux_loss_coef`) times the load-balancing loss and
     ``z_loss_coef`` times the z-loss, each averaged over MoE layers (the blocks of the multi-token
@@ -217,10 +214,13 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step
         ``L_MTP^k`` is then its cross-entropy sum over it.
 
     Returns:
-      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses))``, float32 scalars;
-      ``moe_stats`` is a :class:`~moefast.model.MoEStats` stacked over MoE layers (the main
+      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses, max_logits))``, float32
+      scalars; ``moe_stats`` is a :class:`~moefast.model.MoEStats` stacked over MoE layers (the main
       model's, then the D multi-token prediction blocks'), or ``None``; ``mtp_losses`` float32 [D],
-      ``L_MTP^k`` of each module (not scaled by the coefficient), or ``None`` without modules.
+      ``L_MTP^k`` of each module (not scaled by the coefficient), or ``None`` without modules;
+      ``max_logits`` float32 [L_attn, H], each softmax-attention layer's largest pre-softmax logit
+      per head over this batch (:attr:`~moefast.model.ModelOutput.max_logits`: QK-clip), not
+      differentiated, or ``None`` without softmax attention layers.
     """
     cfg = model_def.cfg
     step = jnp.zeros((), jnp.int32) if step is None else step
@@ -246,7 +246,7 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step
         mtp_ce_sum, mtp_weight_sum = _mtp_terms(out, batch)
         mtp = mtp_ce_sum / jnp.maximum(mtp_weight_sum if micro is None else micro[3], 1.0)  # [D]
         loss = loss + cfg.train.mtp_loss_coef * jnp.mean(mtp)
-    return loss, (ce, aux, z, out.moe, mtp)
+    return loss, (ce, aux, z, out.moe, mtp, out.max_logits)
 
 
 def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.Array],
@@ -254,6 +254,9 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     """One optimizer step on :func:`loss_fn`. Pure: jit it with the state donated.
 
     The gradient is :func:`loss_and_grads`'s (``train.grad_accum_steps`` micro-batches summed).
+    The update is ``train.optimizer``'s (:func:`make_optimizer`); with ``train.qk_clip`` the
+    updated parameters are then QK-clipped with this step's largest logits
+    (:func:`moefast.train.qk_clip.qk_clip`; Kimi K2, arXiv 2507.20534, Algorithm 1).
     A step whose loss or gradient norm is not finite changes nothing but the step counter:
     parameters, optimizer state (and its count, so the learning-rate schedule does not advance)
     and routing state keep their values, and ``metrics["nonfinite"]`` is 1.
@@ -269,16 +272,18 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
       ``(new_state, metrics)``; metrics are scalars plus, per MoE layer, ``tokens_per_expert``
       [L_moe, E], ``dropped_fraction``, ``router_entropy``, ``aux_loss_per_layer`` and
       ``z_loss_per_layer`` [L_moe] (with multi-token prediction, the D MTP blocks are the last D of
-      the L_moe rows). With ``model.mtp_depth`` = D > 0 also ``mtp_loss`` (the mean of the D
-      module losses, before ``train.mtp_loss_coef``) and ``mtp_loss_depth_1`` ..
-      ``mtp_loss_depth_D``; ``total_loss`` includes the weighted MTP loss.
+      the L_moe rows); ``max_logit_per_layer`` [L_attn], each softmax-attention layer's largest
+      pre-softmax logit over its heads and the batch (the main stack's layers in order, then the
+      MTP blocks'; absent without such layers). With ``model.mtp_depth`` = D > 0 also
+      ``mtp_loss`` (the mean of the D module losses, before ``train.mtp_loss_coef``) and
+      ``mtp_loss_depth_1`` .. ``mtp_loss_depth_D``; ``total_loss`` includes the weighted MTP loss.
     """
     cfg = model_def.cfg
     step = state["step"]
     random = cfg.model.dropout > 0 or cfg.moe.warmup_steps > 0
     step_key = jax.random.fold_in(base_key, step) if random else None
-    loss, (ce, aux, z, moe, mtp), grads = loss_and_grads(model_def, state["params"], state["routing"], batch,
-                                                         step_key, step)
+    loss, (ce, aux, z, moe, mtp, max_logits), grads = loss_and_grads(model_def, state["params"], state["routing"],
+                                                                     batch, step_key, step)
     tx = make_optimizer(cfg)
     grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -288,7 +293,10 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     def update(old):
         params, opt_state, routing_state = old
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, update_routing_state(cfg, routing_state, moe)
+        params = optax.apply_updates(params, updates)
+        if cfg.train.qk_clip is not None:  # MuonClip: the heads over tau scaled back, from this step's logits
+            params = qk_clip(cfg, params, max_logits, cfg.train.qk_clip)
+        return params, opt_state, update_routing_state(cfg, routing_state, moe)
 
     old = (train_params, state["opt_state"], state["routing"])
     if target_platform() == "cpu":
@@ -309,22 +317,33 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
         "learning_rate": learning_rate_schedule(cfg)(_schedule_count(state["opt_state"])),
         "aux_loss_coef": aux_loss_coef(cfg, step),
         "nonfinite": jnp.logical_not(finite).astype(jnp.int32),
+        **_layer_metrics(moe, mtp, max_logits),
     }
+    new_state = {"params": lora.join(params, frozen),
+                 "opt_state": opt_state,
+                 "step": step + 1,
+                 "routing": routing_state}
+    return new_state, metrics
+
+
+def _layer_metrics(moe, mtp: jax.Array | None, max_logits: jax.Array | None) -> dict[str, jax.Array]:
+    """:func:`train_step`'s per-layer and per-module metrics (its docstring): the MoE layers'
+    statistics, the multi-token prediction losses and each softmax-attention layer's largest
+    logit (``max_logits`` [L_attn, H] -> ``max_logit_per_layer`` [L_attn], the max over heads)."""
+    metrics = {}
     if moe is not None:
         metrics["tokens_per_expert"] = moe.tokens_per_expert
         metrics["dropped_fraction"] = moe.dropped_fraction
         metrics["router_entropy"] = moe.router_entropy
         metrics["aux_loss_per_layer"] = moe.aux_loss
         metrics["z_loss_per_layer"] = moe.z_loss
+    if max_logits is not None:
+        metrics["max_logit_per_layer"] = jnp.max(max_logits, axis=-1)
     if mtp is not None:
         metrics["mtp_loss"] = jnp.mean(mtp)
         for k in range(mtp.shape[0]):
             metrics[f"mtp_loss_depth_{k + 1}"] = mtp[k]
-    new_state = {"params": lora.join(params, frozen),
-                 "opt_state": opt_state,
-                 "step": step + 1,
-                 "routing": routing_state}
-    return new_state, metrics
+    return metrics
 
 
 def _constrain_grads(model_def: ModelDef, grads: dict) -> dict:
@@ -372,10 +391,11 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
     load-balancing loss (and ``aux_loss`` per layer) the mean of the micro-batches' values,
     assignments per expert summed, dropped fraction and router entropy weighted by each
     micro-batch's tokens. Micro-batch i's dropout and warm-up key is ``fold_in(step_key, i)``.
-    The multi-token prediction losses are normalised by the whole batch's target weights too.
+    The multi-token prediction losses are normalised by the whole batch's target weights too; the
+    largest pre-softmax logits are the maximum over the micro-batches.
 
     Returns:
-      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses), grads)`` (see
+      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses, max_logits), grads)`` (see
       :func:`loss_fn`); ``grads`` in the parameters' shardings under a mesh.
     """
     params, frozen = model_def.split(params)  # the gradient is the trainable parameters' (lora: the adapters')
@@ -395,12 +415,12 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
     def body(grad_sum, xs):
         mb, i = xs
         key = None if step_key is None else jax.random.fold_in(step_key, i)
-        (loss, (ce, aux, z, moe, mtp)), g = grad_fn(params, mb, key, routing_state, step, totals)
+        (loss, (ce, aux, z, moe, mtp, max_logits)), g = grad_fn(params, mb, key, routing_state, step, totals)
         grad_sum = jax.tree.map(jnp.add, grad_sum, _constrain_grads(model_def, g))
-        return grad_sum, (loss, ce, aux, z, moe, mtp, _num_tokens(mb) / jnp.maximum(tokens_total, 1.0))
+        return grad_sum, (loss, ce, aux, z, moe, mtp, max_logits, _num_tokens(mb) / jnp.maximum(tokens_total, 1.0))
 
     zeros = _constrain_grads(model_def, jax.tree.map(jnp.zeros_like, params))
-    grads, (loss, ce, aux, z, moe, mtp, share) = jax.lax.scan(body, zeros, (micro, jnp.arange(m)))
+    grads, (loss, ce, aux, z, moe, mtp, max_logits, share) = jax.lax.scan(body, zeros, (micro, jnp.arange(m)))
     if moe is not None:  # [M, L_moe, ...] -> [L_moe, ...]
         w = share[:, None]
         moe = type(moe)(tokens_per_expert=jnp.sum(moe.tokens_per_expert, axis=0),
@@ -409,13 +429,21 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
                         dropped_fraction=jnp.sum(moe.dropped_fraction * w, axis=0),
                         router_entropy=jnp.sum(moe.router_entropy * w, axis=0))
     mtp = None if mtp is None else jnp.sum(mtp, axis=0)  # [M, D] -> [D]
-    return jnp.sum(loss), (jnp.sum(ce), jnp.sum(aux), jnp.sum(z), moe, mtp), grads
+    max_logits = None if max_logits is None else jnp.max(max_logits, axis=0)  # [M, L_attn, H] -> [L_attn, H]
+    return jnp.sum(loss), (jnp.sum(ce), jnp.sum(aux), jnp.sum(z), moe, mtp, max_logits), grads
 
 
 def _schedule_count(opt_state) -> jax.Array:
     """Updates applied so far (the learning-rate schedule's count; skipped steps do not count)."""
     found = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
     return next(v for path, v in found if any(getattr(k, "tuple_name", "") == "ScaleByScheduleState" for k in path))
+
+
+def with_schedule_count(opt_state, count: jax.Array):
+    """``opt_state`` with its learning-rate schedule's count (every ``ScaleByScheduleState``) set to
+    ``count`` (a fresh optimizer state continuing a run's schedule: ``--reset-optimizer``)."""
+    is_schedule = lambda path, _: any(getattr(k, "tuple_name", "") == "ScaleByScheduleState" for k in path)
+    return optax.tree_utils.tree_set(opt_state, is_schedule, count=jnp.asarray(count, jnp.int32))
 
 
 def update_routing_state(cfg: ExperimentConfig, routing_state: dict[str, jax.Array], moe) -> dict[str, jax.Array]:

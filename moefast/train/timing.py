@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from moefast.config import ExperimentConfig
+from moefast.model.layout import attention_layer_names
 from moefast.train import mfu as mfu_lib
 from moefast.train.checkpoint import Checkpointer
 from moefast.train.metrics import MetricsWriter
@@ -44,6 +45,7 @@ class StepBook:
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         self.flops_per_token, self.peak = flops_per_token, peak
         self.layer_names = cfg.model.moe_layer_names()  # each per-layer row's (MTP modules last)
+        self.attention_layer_names = attention_layer_names(cfg.model)  # each max_logit_per_layer row's
         self.monitor = ExpertLoadMonitor(cfg.monitor.max_load_ratio, cfg.monitor.patience, self.layer_names)
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []
         self.first_step_s: float | None = None
@@ -133,12 +135,17 @@ class StepBook:
             alerts = self.monitor.update(m["tokens_per_expert"])
             if len(self.layer_names) == len(m["tokens_per_expert"]):  # what each row of the per-layer arrays is
                 rec["layer_names"] = self.layer_names
+        if "max_logit_per_layer" in m:  # the largest pre-softmax attention logit (QK-clip's S_max), per layer
+            rec["max_logit"] = float(np.max(m["max_logit_per_layer"]))
+            if len(self.attention_layer_names) == len(m["max_logit_per_layer"]):
+                rec["attention_layer_names"] = self.attention_layer_names
         self.writer.write("train", step, rec)
         drop = float(np.mean(m["dropped_fraction"])) if "dropped_fraction" in m else 0.0
         load = f" | max/mean load {float(np.max(rec['max_load_ratio'])):.2f}" if "max_load_ratio" in rec else ""
         mtp = f" | mtp {rec['mtp_loss']:.3f}" if "mtp_loss" in rec else ""  # model.mtp_depth > 0
+        logit = f" | max logit {rec['max_logit']:.3g}" if "max_logit" in rec else ""
         self.say(f"step {step:>6} | loss {rec['loss']:.4f}{mtp} | aux {rec['aux_loss']:.4f} | "
-                 f"z {rec['z_loss']:.3f} | dropped {drop:.3f}{load} | lr {rec['learning_rate']:.2e} | "
+                 f"z {rec['z_loss']:.3f} | dropped {drop:.3f}{load}{logit} | lr {rec['learning_rate']:.2e} | "
                  + (f"{rate:,.0f} tokens/s" if rate is not None else self.untimed or "compiled")
                  + (f" | MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else ""))
         for alert in alerts:

@@ -139,7 +139,7 @@ def test_model_attention_paths_agree_on_a_mesh(small_config, devices):
     """``model.attention_impl=flash`` (the kernel inside shard_map over the 8 token shards) and
     ``blocked``: same logits and parameter gradients for packed rows with padding, a sliding-window
     layer (5 keys) before a full one, and attention sinks (their gradient included); ``auto`` is the
-    blocked path on CPU."""
+    blocked path on CPU. Each head's largest pre-softmax logit (QK-clip) is the same on both."""
     from flax import nnx
 
     from moefast.model import build_model
@@ -161,15 +161,18 @@ def test_model_attention_paths_agree_on_a_mesh(small_config, devices):
         @jax.jit
         def f(params):
             def loss(p):
-                logits = nnx.merge(graphdef, p)(tokens, None, seg).logits
-                return jnp.sum(jnp.where(seg[..., None] > 0, jnp.tanh(logits), 0.0)), logits
+                out = nnx.merge(graphdef, p)(tokens, None, seg)
+                return jnp.sum(jnp.where(seg[..., None] > 0, jnp.tanh(out.logits), 0.0)), (out.logits, out.max_logits)
             return jax.grad(loss, has_aux=True)(params)
 
         with jax.set_mesh(mesh):
             return f(params)
 
-    (g_flash, l_flash), (g_blocked, l_blocked) = loss_and_grads(cfgs["flash"]), loss_and_grads(cfgs["blocked"])
+    (g_flash, (l_flash, m_flash)), (g_blocked, (l_blocked, m_blocked)) = (loss_and_grads(cfgs["flash"]),
+                                                                          loss_and_grads(cfgs["blocked"]))
     np.testing.assert_allclose(l_flash, l_blocked, rtol=1e-4, atol=1e-4)
+    assert m_flash.shape == (2, 2)  # [L_attn, H]
+    np.testing.assert_allclose(m_flash, m_blocked, rtol=1e-5)
     for a, e in zip(jax.tree.leaves(g_flash), jax.tree.leaves(g_blocked)):
         np.testing.assert_allclose(a, e, rtol=1e-3, atol=1e-5)
     with jax.set_mesh(mesh):

@@ -1,0 +1,164 @@
+"""``train.optimizer=muon``: the parameter table covers every shipped config; each matrix's update
+(per expert, per fused part) equals ``optax.contrib.muon`` on that matrix alone, on one device and
+on expert-parallel and ZeRO meshes, whose compiled update gathers no weight set; a Muon run resumes
+bit for bit, and switching the optimizer of a run needs ``reset_optimizer``."""
+
+import glob
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from moefast.config import ConfigError, load_config
+from moefast.parallel import make_mesh, shardings
+from moefast.train import optimizer as opt
+from moefast.train.checks import check_run
+from moefast.train.step import ModelDef, learning_rate_schedule, make_optimizer
+
+MUON = ["train.optimizer=muon", "train.grad_clip=0", "train.warmup_steps=0"]
+# every kind of Muon matrix in one small model: GQA attention with an output gate, a dense first
+# layer, a shared expert beside the routed ones
+KINDS = ["model.num_dense_layers=1", "model.num_layers=3", "moe.shared_expert_d_ff=32",
+         "model.attention_output_gate=true", "model.num_kv_heads=1"]
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
+def test_every_shipped_config_has_a_kind_for_each_parameter(path):
+    """Hidden matrices get Muon, split as Hugging Face keeps them; the rest AdamW (PARAM_KINDS)."""
+    cfg = load_config(path, ["train.optimizer=muon"])
+    specs = opt.muon_specs(cfg)
+    names = {p[-1]: s for p, s in specs.items()}
+    for adam in ("embed", "lm_head", "router", "scale", "router_bias", "sinks", "A_log", "dt_bias", "conv"):
+        assert names.get(adam) is None, adam
+    for p, s in specs.items():  # q, k and v (k and q with keys as values): each its own matrix
+        if p[-1] in ("qkv", "qk"):
+            assert len(s.parts) == len(p[-1]) and s.parts[0] % cfg.model.num_heads == 0, p
+            assert s.parts[1:] == (s.parts[1],) * (len(p[-1]) - 1), p
+    for p, s in specs.items():
+        if p[-1] in ("w_in", "shared_w_in"):  # gate and up: two matrices
+            assert len(s.parts) == 2 and s.parts[0] == s.parts[1], p
+        if p[-1] in ("kv_b_proj", "o_proj", "eh_proj", "w_out"):
+            assert s is not None and len(s.parts) == 1, p
+
+
+def test_an_unknown_parameter_is_a_clear_error(small_config, devices, monkeypatch):
+    cfg = small_config("train.optimizer=muon")
+    monkeypatch.setitem(opt.PARAM_KINDS, "Attention", {k: v for k, v in opt.PARAM_KINDS["Attention"].items()
+                                                        if k != "out"})
+    opt.muon_specs.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"blocks/0/attn/out \(Attention.out.*PARAM_KINDS"):
+            check_run(cfg, make_mesh(cfg, devices[:1]))
+    finally:
+        opt.muon_specs.cache_clear()
+    with pytest.raises(ConfigError, match="lora"):
+        check_run(small_config("train.optimizer=muon", "lora.rank=4"), make_mesh(cfg, devices[:1]))
+    with pytest.raises(ConfigError, match="train.qk_clip"):
+        small_config("train.qk_clip=-1")
+
+
+def _two_updates(cfg, devices=None):
+    """Muon's second update (momentum from two random gradients) of the initial parameters, and
+    the compiled update's HLO and per-device FLOPs under the mesh."""
+    md = ModelDef(cfg, 259)
+    params = md.init_params(0)
+    grads = [jax.tree.map(lambda p, k=k: jax.random.normal(jax.random.key(k), p.shape), params) for k in (1, 2)]
+    tx = make_optimizer(cfg)
+    if devices is None:
+        update = jax.jit(tx.update)
+        _, state = update(grads[0], tx.init(params), params)
+        return params, grads, update(grads[1], state, params)[0], None
+    mesh = make_mesh(cfg, devices)
+    put = lambda t: jax.device_put(t, shardings(mesh, md.param_state_specs(mesh)))
+    with jax.set_mesh(mesh):
+        p, g0, g1 = put(params), put(grads[0]), put(grads[1])
+        update = jax.jit(tx.update)
+        _, state = update(g0, jax.jit(tx.init)(p), p)
+        compiled = update.lower(g1, state, p).compile()
+        return params, grads, jax.tree.map(np.asarray, update(g1, state, p)[0]), compiled
+
+
+def test_each_matrix_update_equals_optax_muon_on_every_mesh(small_config, devices):
+    """Per expert and per fused part, 1e-6 from ``optax.contrib.muon`` (Moonlight's scale, weight
+    decay, the run's schedule) on that matrix alone; data 2 x expert 4 and fsdp 2 x expert 2 x
+    data 2 equal one device, their compiled update all-gathers nothing and each device does an
+    eighth of the Newton-Schulz work (padding aside)."""
+    cfg = small_config(*KINDS, *MUON)
+    params, grads, got, _ = _two_updates(cfg)
+    ref_tx = optax.contrib.muon(learning_rate_schedule(cfg), weight_decay=cfg.train.weight_decay, consistent_rms=0.2)
+    checked = set()
+    for path, spec in opt.muon_specs(cfg).items():
+        if spec is None:
+            continue
+        w = _get(params, path)
+        bounds = np.cumsum((0, *spec.parts))
+        for e in range(w.shape[0]) if w.ndim == 3 else (None,):
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                pick = (lambda t: t[e][:, a:b]) if e is not None else (lambda t: t[:, a:b])
+                state = ref_tx.init(pick(w))
+                for g in grads:
+                    ref, state = ref_tx.update(pick(_get(g, path)), state, pick(w))
+                np.testing.assert_allclose(pick(_get(got, path)), ref, rtol=0, atol=1e-6, err_msg=str(path))
+        checked.add(path[-1])
+    assert {"qkv", "gate", "out", "w_in", "w_out", "shared_w_in", "shared_w_out"} <= checked
+    flops = {}
+    for mesh in (["mesh.data=2", "mesh.expert=4"], ["mesh.fsdp=2", "mesh.expert=2", "mesh.data=2"]):
+        _, _, sharded, compiled = _two_updates(small_config(*KINDS, *MUON, *mesh), devices)
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(sharded)[0], jax.tree.leaves(got)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=f"{mesh} {jax.tree_util.keystr(path)}")
+        hlo = compiled.as_text()
+        assert " all-gather(" not in hlo and " all-gather-start(" not in hlo, mesh
+        assert " all-to-all(" in hlo, mesh  # whole matrices moved to their home devices and back
+        flops[tuple(mesh)] = compiled.cost_analysis()["flops"]
+    single = jax.jit(make_optimizer(cfg).update).lower(grads[0], make_optimizer(cfg).init(params), params)
+    one = single.compile().cost_analysis()["flops"]
+    assert all(f < one / 5 for f in flops.values()), (one, flops)
+
+
+def test_a_muon_run_resumes_exactly_and_a_switch_needs_reset(small_config, tmp_path):
+    """Muon with scanned layers, 2 micro-batches, FP8 GEMMs, context 2 x data 4 (ZeRO): 8 steps = 4 + a resume to 8, bit for bit.
+    Resuming the run with AdamW is refused, nothing written; with ``reset_optimizer`` it goes on
+    from the checkpoint's weights with a fresh AdamW state and the schedule where it was."""
+    from moefast.data import load_corpus
+    from moefast.train import CheckpointError, Trainer
+
+    common = [*KINDS, "train.optimizer=muon", "model.scan_layers=true", "train.grad_accum_steps=2", "mesh.context=2",
+              "model.precision=fp8",
+              "data.batch_size=16", "train.steps=8", "train.log_every=1", "train.eval_every=0",
+              "train.checkpoint_every=0"]
+    cfg = small_config(*common)
+    corpus = load_corpus(cfg.data)
+    full, split = tmp_path / "full", tmp_path / "split"
+    lines = []
+    Trainer(cfg, full, log=lines.append, progress=False, corpus=corpus).run()
+    assert any(line.startswith("optimizer: muon on ") for line in lines)
+    Trainer(small_config(*common, "train.stop_at=4"), split, log=None, progress=False, corpus=corpus).run()
+    Trainer(small_config(*common), split, log=None, progress=False, corpus=corpus).run()
+    records = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records(full) if r["kind"] == "train"]
+    assert [r["loss"] for r in records(split) if r["kind"] == "train"] == losses
+    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+
+    switched = [*common, "train.optimizer=adamw", "train.steps=10"]
+    before = sorted(p.name for p in (full / "checkpoints").iterdir())
+    with pytest.raises(CheckpointError, match="train.optimizer=muon.*--reset-optimizer"):
+        Trainer(small_config(*switched), full, log=None, progress=False, corpus=corpus).run()
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == before
+    lines = []
+    trainer = Trainer(small_config(*switched), full, log=lines.append, progress=False, corpus=corpus,
+                      reset_optimizer=True)
+    trainer.run()
+    assert any("--reset-optimizer: a fresh adamw state (was muon)" in line and "update 8" in line for line in lines)
+    resumed = [r for r in records(full) if r["kind"] == "train"]
+    assert [r["step"] for r in resumed][-2:] == [9, 10] and all(np.isfinite(r["loss"]) for r in resumed)
+    lr = learning_rate_schedule(small_config(*switched))
+    assert resumed[-1]["learning_rate"] == pytest.approx(float(lr(9)))
