@@ -152,7 +152,7 @@ def test_precision_bench_verdict_is_on_the_means_over_seeds(capsys):
 
 
 @pytest.mark.parametrize("target", [None, "train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile",
-                                    "data", "precision"])
+                                    "data", "precision", "optimizer"])
 def test_each_bench_target_has_its_own_help(target, capsys, monkeypatch):
     """moefast bench TARGET --help: that benchmark's description and its options only (it once printed
     the whole bench help); bench --help: every option."""
@@ -174,4 +174,4 @@ def test_each_bench_target_has_its_own_help(target, capsys, monkeypatch):
     assert listed == {a.option_strings[0] for a in bench_actions if a.dest in BENCH_OPTIONS[target]}
     assert ("section.key=value" in out) == ("overrides" in BENCH_OPTIONS[target])
     steps = re.search(r"^  --steps STEPS +(.*)$", out, re.M)  # its help says what it is to this target alone
-    assert steps is None or not re.search(r"\b(train|memory|cache|malloc|overlap|data|precision): ", steps[1])
+    assert steps is None or not re.search(r"\b(train|memory|cache|malloc|overlap|data|precision|optimizer): ", steps[1])

@@ -14,13 +14,16 @@ from typing import Any
 __all__ = ["alternating_step_times", "call_times", "compile_timed", "train_process", "write_results"]
 
 
-def train_process(run_dir: Path, args: list[str], config: str | None = None) -> tuple[dict[str, Any], float]:
+def train_process(run_dir: Path, args: list[str], config: str | None = None, *,
+                  stdout_to: Path | None = None) -> tuple[dict[str, Any], float]:
     """Runs ``python -m moefast train --run-dir RUN_DIR --no-progress [--config CONFIG] ARGS``.
 
     Args:
       run_dir: the run directory (its ``metrics.jsonl`` is read afterwards).
       args: further options and ``section.key=value`` overrides, in order (later ones win).
       config: YAML config path, or ``None`` for the default.
+      stdout_to: if given, the process's standard output (its log lines, e.g. ``per device: ...``)
+        is written to this file, also when the process failed.
 
     Returns:
       ``(summary, wall_s)``: the run's last ``summary`` record of ``metrics.jsonl`` and the wall time
@@ -34,6 +37,8 @@ def train_process(run_dir: Path, args: list[str], config: str | None = None) -> 
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     wall = time.perf_counter() - t0
+    if stdout_to is not None:
+        Path(stdout_to).write_text(proc.stdout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

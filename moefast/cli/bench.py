@@ -39,6 +39,11 @@ BENCH_TARGETS = {
     "precision": "the config trained --steps steps (default 300) with a baseline and a candidate value of --vary "
                  "(default model.precision=bf16,fp8; e.g. lora.base_dtype=bfloat16,nf4) for --seeds seeds, same data, "
                  "and their mean final losses compared (exits 1 when the candidate is not within 2 %)",
+    "optimizer": "AdamW against Muon (train.optimizer) on the config, same data and seeds: each learning rate of "
+                 "--lr-grid with the first seed, then --seeds seeds at each optimizer's best (lowest final validation "
+                 "loss); their mean validation-loss curves (every --eval-every steps), the steps Muon takes to reach "
+                 "AdamW's final validation loss over AdamW's, step time and optimizer memory per device (exits 1 "
+                 "when Muon needs more than 0.8 x AdamW's steps)",
 }
 
 
@@ -94,9 +99,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     b.add_argument("target", choices=list(BENCH_TARGETS),
                    help="; ".join(f"{t}: {text}" for t, text in BENCH_TARGETS.items()).replace("%", "%%"))
     b.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="train, memory, malloc, overlap, gpu-compile, precision: overrides of the benchmarked experiment")
+                   help="train, memory, malloc, overlap, gpu-compile, precision, optimizer: overrides of the benchmarked "
+                        "experiment")
     b.add_argument("--config", default=None,
-                   help="train, memory, malloc, overlap, gpu-compile, precision: YAML config (default: configs/tiny.yaml)")
+                   help="train, memory, malloc, overlap, gpu-compile, precision, optimizer: YAML config (default: "
+                        "configs/tiny.yaml)")
     b.add_argument("--gpu", default="h100", metavar="h100|h200|FILE",
                    help="gpu-compile: the GPU to compile for (default h100: H100 SXM 80 GB; h200: H200 141 GB), or a "
                         "target description file (scripts/gpu_check.py saves a real GPU's)")
@@ -133,7 +140,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "steps of each variant, interleaved (default 0: compile only); cache: timed train steps per "
                         "variant (default 10); malloc: steps per train process (default 12); "
                         "overlap: timed steps per chunk count and per train process (default 10); data: batches timed "
-                        "per loader (default 50); precision: steps of each run (default 300)")
+                        "per loader (default 50); precision, optimizer: steps of each run (default 300)")
     b.add_argument("--sizes", default="0.2,2", metavar="GB,GB",
                    help="data: prepared corpora to train from, GB of uint16 token shards (default 0.2,2), generated "
                         "in --work-dir")
@@ -147,7 +154,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="precision: the key and its two values compared (default model.precision=bf16,fp8)")
     b.add_argument("--seeds", type=int, default=2,
                    help="precision: runs per value of --vary, train.seed the config's, +1, ...; the verdict is on the means "
-                        "(default 2)")
+                        "(default 2); optimizer: runs per optimizer at its picked learning rate, train.seed the "
+                        "config's (the grid's), +1, ...; the figures are their means (default 2)")
+    _add_optimizer_options(b)
     b.add_argument("--rounds", type=int, default=3,
                    help="train: rounds over the variants (default 3); malloc: train processes per setting "
                         "(default 3); data: rounds of the prepare comparison (default 3); overlap: "
@@ -158,6 +167,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "optimizer, other) printed")
     b.add_argument("--cpu-devices", type=int, default=None, help=CPU_DEVICES_HELP)
     return b
+
+
+def _add_optimizer_options(b: argparse.ArgumentParser) -> None:
+    """The options of ``bench optimizer`` alone."""
+    b.add_argument("--lr-grid", default="1e-3,3e-3,1e-2", metavar="LR,LR,...",
+                   help="optimizer: the learning rates (train.learning_rate, > 0) tried with the first seed, the "
+                        "same for both optimizers (default 1e-3,3e-3,1e-2)")
+    b.add_argument("--eval-every", type=int, default=25, metavar="N",
+                   help="optimizer: steps between validation evaluations (train.eval_every; default 25), the "
+                        "resolution of the steps to AdamW's final validation loss")
 
 
 # The options of each benchmark; any other option given to it is an error, not silently ignored.
@@ -172,6 +191,7 @@ BENCH_OPTIONS = {
                     "ablate_precision", "network", "twin"},
     "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
     "precision": {"overrides", "config", "json", "steps", "seeds", "vary"},
+    "optimizer": {"overrides", "config", "json", "steps", "seeds", "lr_grid", "eval_every"},
 }
 
 
@@ -254,6 +274,43 @@ def _precision(args) -> int:
                              seeds=args.seeds, vary=(key, *values.split(",")))
 
 
+def _lr_grid(text: str) -> tuple[float, ...]:
+    """``--lr-grid``: learning rates separated by commas, each finite and > 0, none twice.
+
+    Raises:
+      ConfigError: one that does not parse, is <= 0 or repeats, or none.
+    """
+    import math
+
+    from moefast.config import ConfigError
+
+    try:
+        grid = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        grid = ()
+    if not grid or not all(math.isfinite(lr) and lr > 0 for lr in grid) or len(set(grid)) != len(grid):
+        raise ConfigError(f"--lr-grid {text!r}: expected distinct learning rates > 0 separated by commas "
+                          "(e.g. 1e-3,3e-3,1e-2)")
+    return grid
+
+
+def _optimizer(args) -> int:
+    """``moefast bench optimizer``."""
+    from moefast.config import ConfigError
+    from moefast.bench import optimizer
+
+    steps = 300 if args.steps is None else args.steps
+    if args.eval_every < 1:
+        raise ConfigError(f"--eval-every must be >= 1 (steps between evaluations), got {args.eval_every}")
+    if steps < args.eval_every:
+        raise ConfigError(f"--steps ({steps}) must be >= --eval-every ({args.eval_every}): the validation curves "
+                          "are evaluated every --eval-every steps up to --steps")
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+    return optimizer.run_cli(json_out=args.json, config=args.config, overrides=args.overrides, steps=steps,
+                             seeds=args.seeds, lr_grid=_lr_grid(args.lr_grid), eval_every=args.eval_every)
+
+
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``moefast bench TARGET``: the options checked, then the benchmark run; its exit status.
 
@@ -318,8 +375,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               f"and {args.rounds}")
         return malloc.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
                               overrides=args.overrides)
-    if args.target in ("gpu-compile", "data", "precision"):
-        return {"gpu-compile": _gpu_compile, "data": _data, "precision": _precision}[args.target](args)
+    if args.target in ("gpu-compile", "data", "precision", "optimizer"):
+        return {"gpu-compile": _gpu_compile, "data": _data, "precision": _precision,
+                "optimizer": _optimizer}[args.target](args)
     if args.target == "cache":
         from moefast.bench import cache
 
