@@ -332,12 +332,17 @@ def _routing_figure(run: _Run):
     ax.set_title(f"{title}: routing")
     ax2.set_xlabel("step")
     for a in (ax, ax2):
-        handles, labels = a.get_legend_handles_labels()
-        if len(handles) > 6:  # many layers: beside the axes, not over the data
-            a.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
-        elif handles:
-            a.legend(fontsize="small", loc="best")
+        _legend(a)
     return fig
+
+
+def _legend(ax) -> None:
+    """The axes' legend: beside them when there are many layers (not over the data), else inside."""
+    handles, _ = ax.get_legend_handles_labels()
+    if len(handles) > 6:
+        ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    elif handles:
+        ax.legend(fontsize="small", loc="best")
 
 
 def _attention_figure(run: _Run):
@@ -355,7 +360,7 @@ def _attention_figure(run: _Run):
         for layer, color in zip(range(rows), _layer_colors(rows)):
             ax.plot(s, v[:, layer], ".-", color=color, label=names[layer])
     else:
-        _no_data(ax, "max_logit_per_layer (no softmax attention layer?)")
+        _no_data(ax, "max_logit_per_layer (a model of linear attention layers only has none)")
     if run.qk_clip is not None:
         ax.axhline(run.qk_clip, color="tab:red", linestyle="--", label=f"train.qk_clip: tau = {run.qk_clip:g}")
     _mark_skipped(ax, run.skipped)
@@ -364,11 +369,7 @@ def _attention_figure(run: _Run):
     ax.set_ylabel("largest pre-softmax logit (q·k·scale)")
     ax.set_title(f"{run.title}: attention logits")
     ax.grid(alpha=0.3)
-    handles, _ = ax.get_legend_handles_labels()
-    if len(handles) > 6:  # many layers: beside the axes, not over the data
-        ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
-    elif handles:
-        ax.legend(fontsize="small", loc="best")
+    _legend(ax)
     return fig
 
 

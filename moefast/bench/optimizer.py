@@ -174,13 +174,18 @@ def _check(config, user, steps, seeds, lr_grid, eval_every):
       ValueError: a bad argument, or a parameter Muon's table does not name.
       ConfigError: a bad override or config.
     """
-    from moefast.config import load_config
+    from moefast.config import ConfigError, load_config
     from moefast.train.optimizer import muon_specs
 
     if not (steps >= eval_every >= 1 and seeds >= 1 and lr_grid
             and all(math.isfinite(lr) and lr > 0 for lr in lr_grid)):
         raise ValueError(f"steps={steps}, eval_every={eval_every}, seeds={seeds}, lr_grid={lr_grid}: need "
                          "steps >= eval_every >= 1, seeds >= 1 and learning rates > 0")
+    fixed = {f.split("=", 1)[0] for f in _fixed(steps, eval_every, "adamw", 1.0, 0)} - {"train.seed"}
+    given = [o for o in user if o.split("=", 1)[0].strip() in fixed]
+    if given:
+        raise ConfigError(f"{given[0]}: moefast bench optimizer sets {given[0].split('=', 1)[0]} itself (both "
+                          "optimizers, --lr-grid, --steps, --eval-every); leave it out of the overrides")
     seed = load_config(config, user).train.seed
     cfgs = {(opt, lr): load_config(config, [*user, *_fixed(steps, eval_every, opt, lr, seed)])
             for opt in OPTIMIZERS for lr in lr_grid}
@@ -221,6 +226,7 @@ def bench_optimizer(config: str | None = None, overrides: list[str] | None = Non
     runs: list[OptimizerRun] = []
     with tempfile.TemporaryDirectory(prefix="moefast-bench-optimizer-") as tmp:
         def train(opt, lr, seed):
+            say(f"{opt}, lr {lr:g}, seed {seed}: training {steps} steps ...")
             runs.append(_run(config, [*user, *_fixed(steps, eval_every, opt, lr, seed)],
                              Path(tmp) / f"{opt}-lr{lr!r}-seed{seed}", tokens, opt, lr, seed))
             r = runs[-1]

@@ -190,6 +190,12 @@ def config_warnings(cfg: ExperimentConfig) -> list[str]:
                    "adapters train; a PEFT adapter (export-hf --adapter) does not carry it, so the base with the "
                    "adapter routes otherwise than this run, and a family whose router has no selection bias cannot "
                    "be exported at all; lora.routing=frozen keeps the imported bias")
+    if tc.optimizer != "muon" and tc.muon_scale != "moonlight":
+        out.append(f"train.muon_scale={tc.muon_scale} has no effect with train.optimizer={tc.optimizer}")
+    elif tc.optimizer == "muon" and tc.muon_scale == "none" and tc.learning_rate < 0.01:
+        out.append(f"train.muon_scale=none with train.learning_rate={tc.learning_rate:g}: without Moonlight's scale "
+                   "Muon's updates have an RMS of about 1/sqrt(max(m, n)) of AdamW's and want a rate of about 0.02 "
+                   "(Keller Jordan's); train.muon_scale=moonlight takes AdamW's rate as it is")
     if tc.warmup_steps > tc.steps:  # the schedule cuts the warm-up to train.steps (learning_rate_schedule)
         n = tc.steps
         out.append(f"train.warmup_steps={tc.warmup_steps} > train.steps={n}: the warm-up is cut to the run's {n} "

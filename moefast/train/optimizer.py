@@ -266,15 +266,16 @@ def scale_by_muon(cfg: ExperimentConfig, beta: float = MUON_MOMENTUM) -> optax.G
 
 def summary(cfg: ExperimentConfig, abstract_params) -> str:
     """The run's optimizer line: what trains with Muon and with AdamW (matrices, parameters)."""
+    clip = "" if cfg.train.qk_clip is None else f"; QK-clip at tau = {cfg.train.qk_clip:g}"
     if cfg.train.optimizer != "muon":
-        return f"optimizer: adamw on {_count(abstract_params) / 1e6:.2f}M parameters"
+        return f"optimizer: adamw on {_count(abstract_params) / 1e6:.2f}M parameters{clip}"
     specs = muon_specs(cfg)
     flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
     muon = [(specs[_path_keys(p)], x) for p, x in flat if specs.get(_path_keys(p)) is not None]
     matrices = sum(len(s.parts) * math.prod(x.shape[:-2]) for s, x in muon)
     n_muon = sum(math.prod(x.shape) for _, x in muon)
     return (f"optimizer: muon on {matrices} matrices ({n_muon / 1e6:.2f}M parameters, train.muon_scale="
-            f"{cfg.train.muon_scale}), adamw on the other {(_count(abstract_params) - n_muon) / 1e6:.2f}M")
+            f"{cfg.train.muon_scale}), adamw on the other {(_count(abstract_params) - n_muon) / 1e6:.2f}M{clip}")
 
 
 def _count(tree) -> int:

@@ -91,5 +91,7 @@ def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, ini
         state = {**state, "opt_state": reset_optimizer.fresh(state["params"], count)}
         log(f"note: --reset-optimizer: a fresh {cfg.train.optimizer} state (was "
             f"{saved.get('train', {}).get('optimizer', 'adamw')}); weights, routing state, step and data position "
-            f"kept, the learning-rate schedule continues at update {int(count)}")
+            f"kept, the learning-rate schedule continues at update {int(count)}"
+            + ("; a fresh AdamW's first updates are about the learning rate in every coordinate: expect the loss "
+               "to rise for a few steps (docs/optimizer.md)" if cfg.train.optimizer == "adamw" else ""))
     return RunStart(state, start, restored.meta.get("loop") or {})

@@ -254,7 +254,7 @@ def test_max_logit_is_logged_per_attention_layer(small_config, tmp_path):
     (rec,) = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
     assert rec["max_logit_per_layer"] == [3.5, 12.25, 7.0] and rec["max_logit"] == 12.25
     assert rec["attention_layer_names"] == ["attention layer 0", "attention layer 1", "MTP module 1"]
-    assert "| max logit 12.2 |" in lines[0] or "| max logit 12.3 |" in lines[0], lines[0]
+    assert "| attn logit 12.2 |" in lines[0] or "| attn logit 12.3 |" in lines[0], lines[0]
     tags = []
     for f in sorted((tmp_path / "tensorboard").iterdir()):  # TFRecord framing: length, its CRC, the Event, its CRC
         data, pos = f.read_bytes(), 0

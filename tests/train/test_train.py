@@ -61,17 +61,19 @@ PREFETCH = (["data.prefetch=0"], ["data.prefetch=3"], ["data.prefetch=1"])  # fu
 
 
 FIT = ["data.batch_size=16", "train.grad_accum_steps=2", "model.scan_layers=true", "model.remat=minimal", "model.dropout=0.1",
-       "model.mtp_depth=1"]  # with a multi-token prediction module (unrolled after the scanned stack)
+       "model.mtp_depth=1",  # with a multi-token prediction module (unrolled after the scanned stack)
+       "train.optimizer=muon"]  # and Muon (its momentum and its matrices split over data 8: ZeRO)
 
 
 @pytest.mark.parametrize("extra,prefetch", [([], PREFETCH), (["model.dropout=0.1"], ([], [], [])),
                                             (STATEFUL, ([], [], [])), (FIT, ([], [], []))],
-                         ids=["plain-prefetch-0-3-1", "dropout", "stateful-routing", "accumulate-scan-remat-mtp"])
+                         ids=["plain-prefetch-0-3-1", "dropout", "stateful-routing", "accumulate-scan-remat-mtp-muon"])
 def test_resume_is_exact(small_config, tmp_path, extra, prefetch):
     """A run of 2N steps equals a run stopped at N and restarted to 2N, bit for bit. With dropout
     and expert warm-up the step's keys derive from the seed and the restored step, so they repeat;
     the dynamic-capacity load average and the aux-free bias are part of the checkpointed state;
-    the learning-rate schedule and the aux coefficient continue from the restored step. Device
+    the learning-rate schedule and the aux coefficient continue from the restored step; Muon's
+    momentum is restored like AdamW's moments. Device
     prefetch reads batches ahead of the step, but the checkpoint keeps the position of the last
     batch trained on: the same with no prefetch, 3 batches ahead and 1 ahead after the resume."""
     common = [*PLAIN, *extra]
