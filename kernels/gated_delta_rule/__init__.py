@@ -65,7 +65,9 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
       k: [B, T, H, K] keys, any float dtype, already L2-normalised per head; as many heads as v
         (repeat key heads for grouped value heads first).
       v: [B, T, H, V] values, any float dtype.
-      g: [B, T, H] log decay per token (<= 0; the state is multiplied by exp(g)), any float dtype.
+      g: [B, T, H] log decay per token (<= 0; the state is multiplied by exp(g)), or [B, T, H, K]
+        one per key channel (Kimi Delta Attention: row kappa of the state by exp(g[kappa])), any
+        float dtype. ``"auto"`` runs a per-channel decay chunked (its Pallas kernel is not written yet).
       beta: [B, T, H] write strength in (0, 1), any float dtype.
       segment_ids: [B, T] int document ids, or ``None`` (one document per row). The state resets
         to zero at every token whose id differs from the previous token's, so packed documents give
@@ -90,7 +92,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
         (:func:`.reference.validate`), an unknown ``impl``, or a bad ``chunk_size``.
     """
     validate(q, k, v, g, beta, segment_ids, initial_state, scale)
-    impl = resolve(impl)
+    impl = "chunked" if impl == "auto" and g.ndim == 4 else resolve(impl)
     kw = dict(segment_ids=segment_ids, initial_state=initial_state, scale=scale)
     if impl == "reference":
         return gated_delta_rule_reference(q, k, v, g, beta, **kw)

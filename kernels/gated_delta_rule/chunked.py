@@ -27,7 +27,15 @@ the chunk maps its incoming state S [K, V] to::
     S'    = c_last e^{G_last} S + (k * m e^{G_last - G})^T delta
 
 where ``m`` marks the chunk's last run: the carried state is built only from that run (and reads
-S only if that run continues the incoming one). The previous state is read only by tokens with
+S only if that run continues the incoming one).
+
+KDA (a decay per key channel, ``g`` [B, T, H, K]): G, D and every ``e^G`` gain the key axis, and
+the key products weigh each channel by its own decay, ``A_ij = beta_i sum_kappa k_i k_j
+D_ij[kappa]`` and ``(q k^T * D)_ij = sum_kappa q_i k_j D_ij[kappa]``; the carried state's rows decay
+by ``e^{G_last}`` each. D is formed as ``exp(G_i - G_j)`` over [C, C, K] with the exponent masked to
+<= 0 before ``exp`` (j <= i in one run), never as ``e^{G_i} e^{-G_j}``: that factorisation
+overflows once a chunk's decay passes about -88 in a channel (float32's exp range), which a
+strongly decaying channel reaches within a 64-token chunk. The previous state is read only by tokens with
 c_i = 1. Chunks are folded with ``jax.lax.scan``. T need not divide C: the row is padded with
 tokens of g = 0, beta = 0, k = v = 0 in the last token's run, which leave the state unchanged.
 """
@@ -77,7 +85,8 @@ def chunked_core(q, k, v, g, beta, run_bt, s0, *, scale: float, chunk_size: int)
     """The chunked recurrence on checked inputs.
 
     Args:
-      q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H] (any float dtypes).
+      q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or [B, T, H, K] (KDA); beta: [B, T, H]
+        (any float dtypes).
       run_bt: [B, T] int32 run ids (:func:`.reference.run_ids`).
       s0: [B, H, K, V] float32 initial state.
       scale: query scale; chunk_size: C >= 1.
@@ -96,8 +105,9 @@ def chunked_core(q, k, v, g, beta, run_bt, s0, *, scale: float, chunk_size: int)
         x = jnp.moveaxis(x, 1, 2)  # [B, H, Tp(, F)]
         return x.reshape(b, h, n, c, *x.shape[3:]) if feat else x.reshape(b, h, n, c)
 
+    per_channel = g.ndim == 4  # KDA: a decay per key channel
     qc, kc, vc = chunks(q, True) * scale, chunks(k, True), chunks(v, True)
-    gc, bc = chunks(g, False), chunks(beta, False)
+    gc, bc = chunks(g, per_channel), chunks(beta, False)
     run = run.reshape(b, 1, n, c)  # shared by the heads
     prev_run = jnp.concatenate([jnp.zeros((b, 1, 1), jnp.int32), run[:, :, :-1, -1]], axis=2)  # [B, 1, N]
     cont = (run == prev_run[..., None]).astype(jnp.float32)  # [B, 1, N, C]: continues the incoming state
@@ -107,31 +117,37 @@ def chunked_core(q, k, v, g, beta, run_bt, s0, *, scale: float, chunk_size: int)
     same = run[..., :, None] == run[..., None, :]  # [B, 1, N, C, C]
     incl = same & (i_idx >= j_idx)  # j <= i, same run
     strict = same & (i_idx > j_idx)
-    seg_decay = jnp.sum(jnp.where(incl, gc[..., None, :], 0.0), axis=-1)  # G [B, H, N, C]
-    diff = seg_decay[..., :, None] - seg_decay[..., None, :]
-    decay = jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)), 0.0)  # D; masked before exp (no inf, no NaN grads)
+    # the channel axis (KDA's K, or one for a decay per head) last: G [B, H, N, C, 1 or K]
+    gk = gc if per_channel else gc[..., None]
+    seg_decay = jnp.sum(jnp.where(incl[..., None], gk[..., None, :, :], 0.0), axis=-2)
+    diff = seg_decay[..., :, None, :] - seg_decay[..., None, :, :]  # [B, H, N, C, C, 1 or K]
+    decay = jnp.where(incl[..., None], jnp.exp(jnp.where(incl[..., None], diff, 0.0)), 0.0)  # D, masked before exp
 
-    kk = jnp.einsum("bhnik,bhnjk->bhnij", kc, kc, precision=HIGHEST)
-    a = jnp.where(strict, bc[..., :, None] * kk * decay, 0.0)
-    e_g = jnp.exp(seg_decay)
-    rhs = jnp.concatenate([bc[..., None] * vc, (bc * cont * e_g)[..., None] * kc], axis=-1)
+    def weighted(x, y):  # sum_kappa x_i y_j D_ij[kappa]: [B, H, N, C, C]
+        if per_channel:
+            return jnp.einsum("bhnik,bhnjk,bhnijk->bhnij", x, y, decay, precision=HIGHEST)
+        return jnp.einsum("bhnik,bhnjk->bhnij", x, y, precision=HIGHEST) * decay[..., 0]
+
+    a = jnp.where(strict, bc[..., :, None] * weighted(kc, kc), 0.0)
+    e_g = jnp.exp(seg_decay)  # [B, H, N, C, 1 or K]
+    rhs = jnp.concatenate([bc[..., None] * vc, (bc * cont)[..., None] * e_g * kc], axis=-1)
     sol = jnp.einsum("bhnij,bhnjd->bhnid", unit_lower_inverse(a), rhs, precision=HIGHEST)  # (I + A)^-1 rhs
     u, w = sol[..., :vd], sol[..., vd:]
-    attn = jnp.einsum("bhnik,bhnjk->bhnij", qc, kc, precision=HIGHEST) * decay
-    q_in = (cont * e_g)[..., None] * qc  # reads the incoming state
+    attn = weighted(qc, kc)
+    q_in = cont[..., None] * e_g * qc  # reads the incoming state
 
     last = run[..., -1:]  # [B, 1, N, 1]
-    in_last = run == last
-    g_last = seg_decay[..., -1:]
-    k_out = jnp.where(in_last, jnp.exp(jnp.where(in_last, g_last - seg_decay, 0.0)), 0.0)[..., None] * kc
-    carry_decay = cont[..., -1] * jnp.exp(g_last[..., 0])  # [B, H, N]
+    in_last = (run == last)[..., None]
+    g_last = seg_decay[..., -1:, :]  # [B, H, N, 1, 1 or K]
+    k_out = jnp.where(in_last, jnp.exp(jnp.where(in_last, g_last - seg_decay, 0.0)), 0.0) * kc
+    carry_decay = cont[..., -1, None] * jnp.exp(g_last[..., 0, :])  # [B, H, N, 1 or K]: the state's rows
 
     def step(s, x):
         u_n, w_n, attn_n, q_n, k_n, cd_n = x
         delta = u_n - jnp.einsum("bhck,bhkv->bhcv", w_n, s, precision=HIGHEST)
         o_n = (jnp.einsum("bhck,bhkv->bhcv", q_n, s, precision=HIGHEST)
                + jnp.einsum("bhij,bhjv->bhiv", attn_n, delta, precision=HIGHEST))
-        s = cd_n[..., None, None] * s + jnp.einsum("bhck,bhcv->bhkv", k_n, delta, precision=HIGHEST)
+        s = cd_n[..., None] * s + jnp.einsum("bhck,bhcv->bhkv", k_n, delta, precision=HIGHEST)
         return s, o_n
 
     over_n = lambda x: jnp.moveaxis(x, 2, 0)
@@ -149,7 +165,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, *, segment_ids=None, initial_stat
       q: [B, T, H, K] queries, any float dtype, L2-normalised per head.
       k: [B, T, H, K] keys, any float dtype, L2-normalised per head.
       v: [B, T, H, V] values, any float dtype.
-      g: [B, T, H] log decay (<= 0), any float dtype.
+      g: [B, T, H] log decay (<= 0), or [B, T, H, K] one per key channel (KDA), any float dtype.
       beta: [B, T, H] write strength in (0, 1), any float dtype.
       segment_ids: [B, T] int document ids (the state resets where the id changes) or ``None``.
       initial_state: [B, H, K, V] float32 state before the row's first segment, or ``None``: zeros.

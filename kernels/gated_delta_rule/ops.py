@@ -76,11 +76,15 @@ def gated_delta_rule_pallas(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
       pass is the chunked form's VJP, module docstring); not ``jax.jvp``.
 
     Raises:
-      ValueError: see :func:`.reference.validate`, or ``chunk_size`` not a power of two >= 16.
+      ValueError: see :func:`.reference.validate`, ``g`` per key channel (KDA: no kernel yet), or
+        ``chunk_size`` not a power of two >= 16.
       NotImplementedError: interpret mode inside ``jax.shard_map(check_vma=True)`` on varying
         inputs (see :func:`.pallas.gated_delta_rule_blocks`).
     """
     validate(q, k, v, g, beta, segment_ids, initial_state, scale)
+    if g.ndim == 4:
+        raise ValueError(f"g: the Pallas kernel takes a decay per head ([B, T, H]: Gated DeltaNet); a decay per key "
+                         f"channel (KDA, g {list(g.shape)}) runs impl='chunked' or 'reference' (what 'auto' picks)")
     check_pallas_chunk_size(chunk_size)
     b, t, h, kd = q.shape
     if interpret is None:

@@ -6,13 +6,17 @@ Gated DeltaNet (Yang, Kautz and Hatamizadeh 2024, "Gated Delta Networks: Improvi
 Delta Rule", arXiv:2412.06464, eq. 10), as transformers' ``torch_recurrent_gated_delta_rule``
 (Qwen3-Next) computes it. Per row and head, with a state S [K, V] in float32, for t = 0 .. T-1::
 
-    S     = exp(g_t) * S                    # gated decay
+    S     = exp(g_t) * S                    # gated decay (KDA: diag(exp(g_t)) S)
     kv    = k_t^T S                         # [V], what the state predicts for k_t
     delta = beta_t * (v_t - kv)             # the delta rule's correction
     S     = S + outer(k_t, delta)
     o_t   = (scale * q_t)^T S               # [V]
 
 q and k arrive L2-normalised (the caller does that); ``scale`` defaults to K**-0.5.
+
+Kimi Delta Attention (KDA; Kimi Linear, arXiv 2510.26692, eq. 1; transformers'
+``recurrent_kimi_delta_attention``) is the same rule with a decay per key channel: ``g`` [B, T, H, K]
+instead of [B, T, H], each row kappa of S scaled by ``exp(g_t[kappa])``.
 
 Packed documents: ``segment_ids`` [B, T] mark documents; wherever a token's id differs from the
 previous token's, the state is reset to zero before that token (so a document's outputs do not
@@ -40,8 +44,8 @@ def validate(q, k, v, g, beta, segment_ids=None, initial_state=None, scale=None)
 
     Raises:
       ValueError: naming the first bad argument: ``q`` not a float [B, T, H, K] with T >= 1 and
-        K >= 1; ``k`` not q's shape; ``v`` not a float [B, T, H, V]; ``g`` or ``beta`` not a float
-        [B, T, H]; ``segment_ids`` not an integer [B, T]; ``initial_state`` not a float
+        K >= 1; ``k`` not q's shape; ``v`` not a float [B, T, H, V]; ``g`` not a float [B, T, H]
+        or [B, T, H, K]; ``beta`` not a float [B, T, H]; ``segment_ids`` not an integer [B, T]; ``initial_state`` not a float
         [B, H, K, V]; ``scale`` not a real number.
     """
     def floating(x):
@@ -57,9 +61,11 @@ def validate(q, k, v, g, beta, segment_ids=None, initial_state=None, scale=None)
     if v.ndim != 4 or v.shape[:3] != (b, t, h) or v.shape[3] < 1 or not floating(v):
         raise ValueError(f"v must be a float [B, T, H, V] array with [B, T, H]={[b, t, h]}, got "
                          f"{v.dtype}{list(v.shape)}")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (b, t, h) or not floating(x):
-            raise ValueError(f"{name} must be a float [B, T, H]={[b, t, h]} array, got {x.dtype}{list(x.shape)}")
+    if g.shape not in ((b, t, h), (b, t, h, kd)) or not floating(g):
+        raise ValueError(f"g must be a float [B, T, H]={[b, t, h]} (a decay per head: Gated DeltaNet) or "
+                         f"[B, T, H, K]={[b, t, h, kd]} (per key channel: KDA) array, got {g.dtype}{list(g.shape)}")
+    if beta.shape != (b, t, h) or not floating(beta):
+        raise ValueError(f"beta must be a float [B, T, H]={[b, t, h]} array, got {beta.dtype}{list(beta.shape)}")
     if segment_ids is not None and (segment_ids.shape != (b, t) or not jnp.issubdtype(segment_ids.dtype,
                                                                                        jnp.integer)):
         raise ValueError(f"segment_ids must be an integer [B, T]={[b, t]} array, got "
@@ -89,7 +95,7 @@ def gated_delta_rule_reference(q, k, v, g, beta, *, segment_ids=None, initial_st
       q: [B, T, H, K] queries, any float dtype, L2-normalised per head.
       k: [B, T, H, K] keys, any float dtype, L2-normalised per head.
       v: [B, T, H, V] values, any float dtype.
-      g: [B, T, H] log decay (<= 0), any float dtype.
+      g: [B, T, H] log decay (<= 0), or [B, T, H, K] one per key channel (KDA), any float dtype.
       beta: [B, T, H] write strength in (0, 1), any float dtype.
       segment_ids: [B, T] int document ids or ``None`` (one document per row).
       initial_state: [B, H, K, V] float32 state before token 0 (of the row's first segment), or
@@ -113,9 +119,9 @@ def gated_delta_rule_reference(q, k, v, g, beta, *, segment_ids=None, initial_st
     s0 = jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
     def step(s, x):
-        q_t, k_t, v_t, g_t, beta_t, start_t = x  # [B, H, K], [B, H, K], [B, H, V], [B, H], [B, H], [B]
+        q_t, k_t, v_t, g_t, beta_t, start_t = x  # [B, H, K], [B, H, K], [B, H, V], [B, H(, K)], [B, H], [B]
         s = jnp.where(start_t[:, None, None, None], 0.0, s)  # a new document starts from zero
-        s = s * jnp.exp(g_t)[..., None, None]
+        s = s * (jnp.exp(g_t)[..., None] if g_t.ndim == 3 else jnp.exp(g_t)[..., None, None])
         kv = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=HIGHEST)
         delta = beta_t[..., None] * (v_t - kv)
         s = s + k_t[..., :, None] * delta[..., None, :]
