@@ -45,8 +45,8 @@ def validate(q, k, v, g, beta, segment_ids=None, initial_state=None, scale=None)
     Raises:
       ValueError: naming the first bad argument: ``q`` not a float [B, T, H, K] with T >= 1 and
         K >= 1; ``k`` not q's shape; ``v`` not a float [B, T, H, V]; ``g`` not a float [B, T, H]
-        or [B, T, H, K]; ``beta`` not a float [B, T, H]; ``segment_ids`` not an integer [B, T]; ``initial_state`` not a float
-        [B, H, K, V]; ``scale`` not a real number.
+        or [B, T, H, K]; ``beta`` not a float [B, T, H]; ``segment_ids`` not an integer [B, T];
+        ``initial_state`` not a float [B, H, K, V]; ``scale`` not a real number.
     """
     def floating(x):
         return jnp.issubdtype(x.dtype, jnp.floating)
@@ -119,7 +119,7 @@ def gated_delta_rule_reference(q, k, v, g, beta, *, segment_ids=None, initial_st
     s0 = jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
     def step(s, x):
-        q_t, k_t, v_t, g_t, beta_t, start_t = x  # [B, H, K], [B, H, K], [B, H, V], [B, H(, K)], [B, H], [B]
+        q_t, k_t, v_t, g_t, beta_t, start_t = x  # [B, H, K] x2, [B, H, V], [B, H(, K)], [B, H], [B]
         s = jnp.where(start_t[:, None, None, None], 0.0, s)  # a new document starts from zero
         s = s * (jnp.exp(g_t)[..., None] if g_t.ndim == 3 else jnp.exp(g_t)[..., None, None])
         kv = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=HIGHEST)

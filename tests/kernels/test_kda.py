@@ -98,8 +98,8 @@ def test_packed_documents_equal_each_document_alone():
     fn = jax.jit(lambda *a, seg=None: gated_delta_rule(*a, segment_ids=seg, impl="chunked", chunk_size=16))
     o, s = fn(*x, seg=jnp.asarray(seg))
     for a, e in zip(starts, starts[1:]):
-        alone = tuple(jnp.concatenate([y[:, a:e], jnp.zeros_like(y[:, : t - (e - a)]) if i >= 3 else y[:, : t - (e - a)]],
-                                      axis=1) for i, y in enumerate(x))
+        rest = lambda i, y: jnp.zeros_like(y[:, : t - (e - a)]) if i >= 3 else y[:, : t - (e - a)]  # g, beta: 0
+        alone = tuple(jnp.concatenate([y[:, a:e], rest(i, y)], axis=1) for i, y in enumerate(x))
         o1, s1 = fn(*alone)
         close(o[:, a:e], o1[:, : e - a])
     close(s, s1)  # the row's final state is its last document's
