@@ -55,7 +55,7 @@ PARAMETER_KEYS = {"model": ("d_model", "num_layers", "num_heads", "num_kv_heads"
                             "qk_norm", "position_encoding", "attention", "q_lora_rank", "kv_lora_rank",
                             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "layer_types",
                             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                            "linear_value_head_dim", "linear_conv_kernel_dim", "attention_output_gate",
+                            "linear_value_head_dim", "linear_conv_kernel_dim", "linear_attention_kind", "attention_output_gate",
                             "zero_centered_norm", "global_head_dim", "num_global_kv_heads", "attention_k_eq_v",
                             "sandwich_norm", "layer_scalar"),
                   "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate", "expert_bias", "router_bias",

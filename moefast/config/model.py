@@ -171,6 +171,13 @@ class ModelConfig:
         fused kernel; compiled on GPU, interpreted on CPU) or ``"auto"`` (``"pallas"`` when
         compiling for GPUs, else ``"chunked"``). Decoding one token at a time uses the recurrence.
         All give the same model: a run may change it when it resumes.
+      linear_attention_kind: the ``"linear_attention"`` layers' mixer: ``"gated_deltanet"`` (a
+        decay per head; Qwen3-Next, Qwen3.5) or ``"kda"``, Kimi Delta Attention (a decay per key
+        channel from a rank-K projection, separate q/k/v convolutions, a sigmoid-gated output norm;
+        Kimi Linear, arXiv 2510.26692; :mod:`moefast.model.kda`), whose heads are
+        ``linear_num_value_heads`` of ``linear_value_head_dim`` (keys and values alike: the key
+        heads and width must equal them). KDA runs its recurrence chunked or token by token (no
+        Pallas kernel yet: ``linear_attention_impl`` ``"auto"`` is ``"chunked"`` for it).
       attention_output_gate: full-attention layers gate their output per feature with
         ``sigmoid(x W_gate)`` before the output projection (Qwen3-Next / Qwen3.5's ``q_proj``,
         twice as wide, holds the gate).
@@ -261,6 +268,7 @@ class ModelConfig:
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     linear_attention_impl: Literal["auto", "reference", "chunked", "pallas"] = "auto"
+    linear_attention_kind: Literal["gated_deltanet", "kda"] = "gated_deltanet"
     attention_output_gate: bool = False
     zero_centered_norm: bool = False
     global_head_dim: int | None = None
@@ -334,6 +342,14 @@ class ModelConfig:
         for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                   "linear_conv_kernel_dim"):
             _require(getattr(self, k) >= 1, f"model.{k}", f"must be >= 1, got {getattr(self, k)}")
+        if self.linear_attention_kind == "kda":
+            _require(self.linear_num_key_heads == self.linear_num_value_heads
+                     and self.linear_key_head_dim == self.linear_value_head_dim, "model.linear_attention_kind",
+                     f"kda layers have as many key as value heads, of one width (keys, queries and values alike); "
+                     f"set model.linear_num_key_heads={self.linear_num_value_heads} and "
+                     f"model.linear_key_head_dim={self.linear_value_head_dim} (or change the value side)")
+            _require(self.linear_attention_impl != "pallas", "model.linear_attention_impl",
+                     "kda layers have no Pallas kernel yet; use auto, chunked or reference")
         _require(self.linear_num_value_heads % self.linear_num_key_heads == 0, "model.linear_num_value_heads",
                  f"must be a multiple of model.linear_num_key_heads={self.linear_num_key_heads} (each key head "
                  f"serves the same number of value heads), got {self.linear_num_value_heads}")

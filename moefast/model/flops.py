@@ -150,9 +150,13 @@ def _gqa_params(m, layer: int) -> int:
 
 def _linear_params(m) -> tuple[int, int]:
     """(weights a token multiplies by: projections and conv taps; other parameters: A_log, dt_bias,
-    the output norm) of one Gated DeltaNet block."""
+    the output norm) of one Gated DeltaNet block, or of one KDA block (``linear_attention_kind``)."""
     c = 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim
     hv, vd = m.linear_num_value_heads, m.linear_value_head_dim
+    if m.linear_attention_kind == "kda":  # qkv, conv, b, the forget and output gates' factors, out
+        hk = hv * vd
+        weights = m.d_model * (c + hv + 2 * vd + hk) + 2 * vd * hk + m.linear_conv_kernel_dim * c
+        return weights, hk + hv + vd
     weights = m.d_model * (c + hv * vd + 2 * hv) + m.linear_conv_kernel_dim * c + hv * vd * m.d_model
     return weights, 2 * hv + vd
 

@@ -61,6 +61,7 @@ TARGETS: dict[str, dict[str, str]] = {
     "MLAttention": {n: "attention" for n in ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                                               "o_proj")},
     "GatedDeltaNet": {"in_proj": "attention", "out": "attention"},
+    "KimiDeltaAttention": {"qkv": "attention", "out": "attention"},
     "DenseMLP": {"w_in": "mlp", "w_out": "mlp"},
     "MoELayer": {"shared_w_in": "shared_experts", "shared_w_out": "shared_experts", "w_in": "experts",
                  "w_out": "experts"},
@@ -70,6 +71,7 @@ TARGETS: dict[str, dict[str, str]] = {
 _PARTS: dict[str, Callable] = {
     "Attention": _attention_parts,
     "GatedDeltaNet": _gdn_parts,
+    "KimiDeltaAttention": lambda m, name, shape: (shape[-1] // 3,) * 3 if name == "qkv" else (shape[-1],),
     "DenseMLP": lambda m, name, shape: _gated_parts(name, shape),
     "MoELayer": lambda m, name, shape: _gated_parts(name, shape) if name.startswith("shared") else (shape[-1],),
 }
