@@ -29,7 +29,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moefast import host_memory, parallel
@@ -53,7 +52,7 @@ from moefast.train import optimizer
 from moefast.train.resume import OptimizerReset, start_or_resume
 from moefast.train.run_dir import load_run_config
 from moefast.train.signals import StopRequest
-from moefast.train.step import BATCH_KEYS, ModelDef, make_optimizer, train_step, with_schedule_count
+from moefast.train.step import BATCH_KEYS, ModelDef, make_optimizer, train_step
 from moefast.train.summary import TrainingError, TrainSummary
 from moefast.train.timing import StepBook
 
@@ -260,29 +259,9 @@ class Trainer:
         return parallel.shardings(self.mesh, specs)
 
     def _opt_spec(self, cfg: ExperimentConfig, abstract_opt_state):
-        """``PartitionSpec``s of ``cfg``'s optimizer state: each moment like its parameter."""
+        """``PartitionSpec``s of ``cfg``'s optimizer state (:func:`moefast.train.optimizer.state_specs`)."""
         trainable = self.model_def.split(self.model_def.param_state_specs(self.mesh))[0]
-        masked = lambda x: isinstance(x, optax.MaskedNode)  # a leaf another partition's transform keeps
-        return optax.tree_utils.tree_map_params(make_optimizer(cfg), lambda p, spec: p if masked(p) else spec,
-                                                abstract_opt_state, trainable, transform_non_params=lambda _: P(),
-                                                is_leaf=lambda x: isinstance(x, P) or masked(x))
-
-    def _optimizer_reset(self) -> OptimizerReset:
-        """For ``reset_optimizer``: a config's abstract optimizer state (the checkpoint's, to read
-        it), and a fresh state of this run's optimizer for given parameters."""
-        trainable = lambda p: self.model_def.split(p)[0]
-
-        def abstract(cfg):
-            state = jax.eval_shape(make_optimizer(cfg).init, trainable(self.model_def.abstract_params))
-            shard = parallel.shardings(self.mesh, self._opt_spec(cfg, state))
-            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shard)
-
-        def fresh(params, count):
-            init = lambda p, c: with_schedule_count(make_optimizer(self.cfg).init(trainable(p)), c)
-            with jax.set_mesh(self.mesh):
-                return jax.jit(init, out_shardings=self.state_sharding["opt_state"])(params, count)
-
-        return OptimizerReset(abstract, fresh)
+        return optimizer.state_specs(make_optimizer(cfg), abstract_opt_state, trainable)
 
     def init_state(self) -> dict[str, Any]:
         """Fresh train state, created directly in its shardings (no device holds a full copy of
@@ -465,7 +444,7 @@ class Trainer:
         self._log_setup()
         begin = start_or_resume(cfg, ckpt, data_iter, init_state=self.init_state,
                                 abstract_state=self.abstract_state, log=self._log, identity=self.identity(),
-                                reset_optimizer=self._optimizer_reset() if self.reset_optimizer else None)
+                                reset_optimizer=OptimizerReset.of(self) if self.reset_optimizer else None)
         start, last = begin.step, tc.last_step
         self._log_peak()
         writer = self._open_metrics(ckpt, start)

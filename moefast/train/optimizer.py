@@ -43,7 +43,7 @@ from moefast.model import build_model, lora
 from moefast.model.layout import is_stacked_path
 
 __all__ = ["MOONLIGHT_RMS", "MUON_MOMENTUM", "NS_STEPS", "PARAM_KINDS", "MuonSpec", "make_optimizer",
-           "matrix_parts", "muon_specs", "orthogonalise", "scale_by_muon", "summary"]
+           "matrix_parts", "muon_specs", "orthogonalise", "scale_by_muon", "state_specs", "summary"]
 
 MUON_MOMENTUM = 0.95  # Nesterov momentum of the Muon matrices (Moonlight, Kimi K2)
 NS_STEPS = 5  # Newton–Schulz iterations with Keller Jordan's quintic coefficients
@@ -284,6 +284,16 @@ def summary(cfg: ExperimentConfig, abstract_params) -> str:
 
 def _count(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def state_specs(tx: optax.GradientTransformation, abstract_opt_state, param_specs):
+    """``PartitionSpec``s of ``tx``'s state: each moment like its parameter (``param_specs``, the
+    trainable parameters' specs), the leaves another partition keeps (``optax.MaskedNode``) as they
+    are, scalars replicated."""
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    return optax.tree_utils.tree_map_params(tx, lambda p, spec: p if masked(p) else spec, abstract_opt_state,
+                                            param_specs, transform_non_params=lambda _: P(),
+                                            is_leaf=lambda x: isinstance(x, P) or masked(x))
 
 
 def _decay_mask(params):

@@ -30,6 +30,30 @@ class OptimizerReset:
     abstract: Callable[[ExperimentConfig], Any]  # a config's abstract optimizer state, with shardings
     fresh: Callable[[dict, Any], Any]  # (params, schedule count) -> this run's new optimizer state
 
+    @classmethod
+    def of(cls, trainer) -> "OptimizerReset":
+        """A :class:`~moefast.train.Trainer`'s: any config's optimizer state on its mesh (the
+        checkpoint's, to read it), and a fresh state of its own optimizer in its shardings."""
+        import jax
+
+        from moefast import parallel
+        from moefast.train.step import make_optimizer, with_schedule_count
+
+        md, mesh = trainer.model_def, trainer.mesh
+        trainable = lambda p: md.split(p)[0]
+
+        def abstract(cfg):
+            state = jax.eval_shape(make_optimizer(cfg).init, trainable(md.abstract_params))
+            shard = parallel.shardings(mesh, trainer._opt_spec(cfg, state))
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shard)
+
+        def fresh(params, count):
+            init = lambda p, c: with_schedule_count(make_optimizer(trainer.cfg).init(trainable(p)), c)
+            with jax.set_mesh(mesh):
+                return jax.jit(init, out_shardings=trainer.state_sharding["opt_state"])(params, count)
+
+        return cls(abstract, fresh)
+
 
 def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, init_state: Callable[[], dict],
                     abstract_state: Callable[[], dict], log: Callable[[str], None],
@@ -85,9 +109,9 @@ def start_or_resume(cfg: ExperimentConfig, ckpt: Checkpointer, data_iter, *, ini
         log(f"note: train settings changed since the checkpoint: {', '.join(changed)}")
     state = restored.state
     if reset_optimizer is not None:
-        from moefast.train.step import _schedule_count
+        from moefast.train.step import schedule_count
 
-        count = _schedule_count(state["opt_state"])
+        count = schedule_count(state["opt_state"])
         state = {**state, "opt_state": reset_optimizer.fresh(state["params"], count)}
         log(f"note: --reset-optimizer: a fresh {cfg.train.optimizer} state (was "
             f"{saved.get('train', {}).get('optimizer', 'adamw')}); weights, routing state, step and data position "

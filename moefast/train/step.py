@@ -39,6 +39,7 @@ __all__ = [
     "micro_batches",
     "mtp_loss_weights",
     "train_step",
+    "schedule_count",
     "update_routing_state",
     "with_schedule_count",
 ]
@@ -314,7 +315,7 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
         "aux_loss": aux,
         "z_loss": z,
         "grad_norm": grad_norm,
-        "learning_rate": learning_rate_schedule(cfg)(_schedule_count(state["opt_state"])),
+        "learning_rate": learning_rate_schedule(cfg)(schedule_count(state["opt_state"])),
         "aux_loss_coef": aux_loss_coef(cfg, step),
         "nonfinite": jnp.logical_not(finite).astype(jnp.int32),
         **_layer_metrics(moe, mtp, max_logits),
@@ -433,17 +434,21 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
     return jnp.sum(loss), (jnp.sum(ce), jnp.sum(aux), jnp.sum(z), moe, mtp, max_logits), grads
 
 
-def _schedule_count(opt_state) -> jax.Array:
+def schedule_count(opt_state) -> jax.Array:
     """Updates applied so far (the learning-rate schedule's count; skipped steps do not count)."""
     found = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
-    return next(v for path, v in found if any(getattr(k, "tuple_name", "") == "ScaleByScheduleState" for k in path))
+    return next(v for path, v in found if _in_schedule(path))
+
+
+def _in_schedule(path, _=None) -> bool:
+    """Whether an optimizer-state path is inside a ``ScaleByScheduleState`` (the schedule's count)."""
+    return any(getattr(k, "tuple_name", "") == "ScaleByScheduleState" for k in path)
 
 
 def with_schedule_count(opt_state, count: jax.Array):
     """``opt_state`` with its learning-rate schedule's count (every ``ScaleByScheduleState``) set to
     ``count`` (a fresh optimizer state continuing a run's schedule: ``--reset-optimizer``)."""
-    is_schedule = lambda path, _: any(getattr(k, "tuple_name", "") == "ScaleByScheduleState" for k in path)
-    return optax.tree_utils.tree_set(opt_state, is_schedule, count=jnp.asarray(count, jnp.int32))
+    return optax.tree_utils.tree_set(opt_state, _in_schedule, count=jnp.asarray(count, jnp.int32))
 
 
 def update_routing_state(cfg: ExperimentConfig, routing_state: dict[str, jax.Array], moe) -> dict[str, jax.Array]:
