@@ -367,6 +367,38 @@ def _flash_bwd(c: _Static, res, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def _check(q, k, v, seg, kv_seg, q_offset, window, sinks_h, block: int, dynamic_q_offset) -> None:
+    """:func:`flash_attention`'s argument checks (its Raises)."""
+    validate(q, k, v, seg, kv_seg)
+    if not jnp.issubdtype(q.dtype, jnp.floating) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    validate_options(q.shape[2], q_offset, window, sinks_h)
+    if q.shape[1] < 1 or k.shape[1] < 1:
+        raise ValueError(f"flash attention needs at least one query and one key; got T={q.shape[1]}, S={k.shape[1]}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16 (the tensor cores' tile), got {block}")
+    if dynamic_q_offset is not None and (jnp.shape(dynamic_q_offset) != () or not jnp.issubdtype(
+            jnp.result_type(dynamic_q_offset), jnp.integer)):
+        raise ValueError(f"dynamic_q_offset must be an int [] array, got {jnp.result_type(dynamic_q_offset)}"
+                         f"{list(jnp.shape(dynamic_q_offset))}")
+
+
+def _pad(q, k, v, seg, kv_seg, tp: int, sp: int):
+    """Queries to ``tp`` rows and keys and values to ``sp``, with int32 segment ids. Padding comes
+    after every real query and key: the kernels mask padded keys by position (past S); padded
+    queries are cut off (their cotangent is 0: they add nothing to the gradients)."""
+    t, s = q.shape[1], k.shape[1]
+    qseg = seg.astype(jnp.int32)
+    kseg = qseg if kv_seg is None else kv_seg.astype(jnp.int32)
+    if tp != t:
+        q = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+        qseg = jnp.pad(qseg, ((0, 0), (0, tp - t)), constant_values=-2)
+    if sp != s:
+        k, v = (jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0))) for x in (k, v))
+        kseg = jnp.pad(kseg, ((0, 0), (0, sp - s)), constant_values=-1)
+    return q, k, v, qseg, kseg
+
+
 def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, segment_ids_bt: jax.Array, *,
                     kv_segment_ids_bs: jax.Array | None = None, q_offset: int = 0, window: int | None = None,
                     sinks_h: jax.Array | None = None, return_lse: bool = False, return_max: bool = False,
@@ -421,16 +453,10 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
         window below 1, sinks not a float [H] array), q/k/v not of one float dtype, T or S = 0, or
         ``block`` not a power of two >= 16.
     """
-    validate(q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_segment_ids_bs)
-    if not jnp.issubdtype(q_bthd.dtype, jnp.floating) or not q_bthd.dtype == k_bsgd.dtype == v_bsgd.dtype:
-        raise ValueError(f"q, k and v must share one float dtype, got {q_bthd.dtype}, {k_bsgd.dtype}, {v_bsgd.dtype}")
+    _check(q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_segment_ids_bs, q_offset, window, sinks_h, block,
+           dynamic_q_offset)
     b, t, h, hd = q_bthd.shape
     s, hv = k_bsgd.shape[1], v_bsgd.shape[-1]
-    validate_options(h, q_offset, window, sinks_h)
-    if t < 1 or s < 1:
-        raise ValueError(f"flash attention needs at least one query and one key; got T={t}, S={s}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 16 (the tensor cores' tile), got {block}")
     if interpret is None:
         interpret = target_platform() == "cpu"
     if max(hd, hv) > 128:
@@ -441,23 +467,8 @@ def flash_attention(q_bthd: jax.Array, k_bsgd: jax.Array, v_bsgd: jax.Array, seg
     block_q, tp = padded_length(t, block)
     block_k, sp = padded_length(s, block)
     bwd_q, bwd_k = min(BACKWARD_BLOCK, block_q), min(BACKWARD_BLOCK, block_k)
-    qseg = segment_ids_bt.astype(jnp.int32)
-    kseg = qseg if kv_segment_ids_bs is None else kv_segment_ids_bs.astype(jnp.int32)
-    q, k, v = q_bthd, k_bsgd, v_bsgd
-    # Padding comes after every real query and key: the kernels mask padded keys by position (past
-    # S); padded queries are cut off (their cotangent is 0: they add nothing to the gradients).
-    if tp != t:
-        q = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
-        qseg = jnp.pad(qseg, ((0, 0), (0, tp - t)), constant_values=-2)
-    if sp != s:
-        k, v = (jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0))) for x in (k, v))
-        kseg = jnp.pad(kseg, ((0, 0), (0, sp - s)), constant_values=-1)
-    scale = hd ** -0.5 if sm_scale is None else float(sm_scale)
-    dynamic = dynamic_q_offset is not None
-    if dynamic and (jnp.shape(dynamic_q_offset) != () or not jnp.issubdtype(jnp.result_type(dynamic_q_offset),
-                                                                           jnp.integer)):
-        raise ValueError(f"dynamic_q_offset must be an int [] array, got {jnp.result_type(dynamic_q_offset)}"
-                         f"{list(jnp.shape(dynamic_q_offset))}")
+    q, k, v, qseg, kseg = _pad(q_bthd, k_bsgd, v_bsgd, segment_ids_bt, kv_segment_ids_bs, tp, sp)
+    dynamic, scale = dynamic_q_offset is not None, hd ** -0.5 if sm_scale is None else float(sm_scale)
     static = _Static(scale, _Mask(int(q_offset), s, int(window or 0)), sinks_h is not None, dynamic, block_q, block_k,
                      bwd_q, bwd_k, bool(interpret), bool(return_max))
     sink_arr = jnp.zeros((h,), jnp.float32) if sinks_h is None else sinks_h
