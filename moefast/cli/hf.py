@@ -107,16 +107,7 @@ def _import_hf(args, signals: _ImportSignals) -> None:
     made = [p for p in (run_dir, run_dir / "tokenizer", run_dir / "checkpoints") if not p.exists()]
     try:
         if tok_files:  # the run keeps its own copy (the HF directory may move or go), found relative to it
-            if main:
-                if run_dir / "tokenizer" not in made:
-                    raise CheckpointError(f"{run_dir / 'tokenizer'} already exists; import into a new run directory")
-                (run_dir / "tokenizer").mkdir(parents=True)
-                for f in tok_files:
-                    shutil.copy2(f, run_dir / "tokenizer" / f.name)
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices("moefast import-hf: tokenizer copied")
+            _copy_tokenizer(tok_files, run_dir, fresh=run_dir / "tokenizer" in made, main=main)
             cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer="tokenizer"))
             trainer = Trainer(cfg, run_dir, progress=False)
         # A signal during the step-0 write is taken once it is complete: orbax's threads would go
@@ -139,6 +130,30 @@ def _import_hf(args, signals: _ImportSignals) -> None:
         print(f"imported {hf_cfg['model_type']} ({n / 1e6:,.2f}M parameters) from {src}"
               + (f" with the adapter {args.adapter}" if args.adapter else "") + f" into {where}; "
               f"continue with: moefast train --run-dir {run_dir} [train.steps=N ...]")
+
+
+def _copy_tokenizer(files: list, run_dir, *, fresh: bool, main: bool) -> None:
+    """The tokenizer files copied into ``run_dir/tokenizer`` (by process 0; the others wait for it).
+
+    Raises:
+      CheckpointError: ``run_dir/tokenizer`` existed before the import (``fresh`` False).
+    """
+    import shutil
+
+    import jax
+
+    from moefast.train import CheckpointError
+
+    if main:
+        if not fresh:
+            raise CheckpointError(f"{run_dir / 'tokenizer'} already exists; import into a new run directory")
+        (run_dir / "tokenizer").mkdir(parents=True)
+        for f in files:
+            shutil.copy2(f, run_dir / "tokenizer" / f.name)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("moefast import-hf: tokenizer copied")
 
 
 def _tokenizer_files(src, cfg, hf_cfg: dict) -> list:
