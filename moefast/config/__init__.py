@@ -116,10 +116,12 @@ class ExperimentConfig:
         _require(c == 1 or self.data.seq_len % (2 * c) == 0, "mesh.context",
                  f"{c} cuts each row into 2 x {c} = {2 * c} chunks (a mirrored pair per device): data.seq_len="
                  f"{self.data.seq_len} must be a multiple of {2 * c}")
-        _require(c == 1 or "linear_attention" not in (self.model.layer_types or ()), "mesh.context",
-                 f"{c} with Gated DeltaNet layers (model.layer_types has linear_attention): their recurrent state "
-                 "would have to pass from each device's chunk to the next, which moefast does not do yet; use "
-                 "mesh.context=1")
+        w = self.model.linear_conv_kernel_dim
+        _require(c == 1 or "linear_attention" not in (self.model.layer_types or ())
+                 or self.data.seq_len // (2 * c) >= w - 1, "mesh.context",
+                 f"{c} cuts each row into pieces of data.seq_len / {2 * c} = {self.data.seq_len // (2 * c)} tokens, "
+                 f"fewer than the linear-attention convolution's {w - 1} earlier taps "
+                 f"(model.linear_conv_kernel_dim={w}); raise data.seq_len or lower mesh.context")
         _require(c == 1 or self.model.sequence_slices == 1, "mesh.context",
                  f"{c} with model.sequence_slices={self.model.sequence_slices}: use one or the other")
         if self.lora.enabled and self.lora.targets is not None:  # a named target that adapts nothing would leave what the user meant frozen, silently

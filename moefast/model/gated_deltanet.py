@@ -29,10 +29,12 @@ from flax import nnx
 
 from moefast.kernels.gated_delta_rule import gated_delta_rule, resolve
 from moefast.model.norm import gated_rms_norm
+from moefast.parallel.context import context_size
+from moefast.parallel.linear_context import context_causal_conv, context_delta_rule
 from moefast.parallel.mesh import on_own_rows
 from moefast.model.lora import project
 
-__all__ = ["GatedDeltaNet", "causal_conv", "init_state"]
+__all__ = ["GatedDeltaNet", "causal_conv", "delta_rule", "init_state", "short_conv"]
 
 L2_EPS = 1e-6  # q/k L2 normalisation epsilon (fla and transformers: x * rsqrt(sum(x**2) + 1e-6))
 # Tokens per chunk of the chunked and Pallas forms. The chunked (XLA) form inverts each chunk's
@@ -54,7 +56,8 @@ def init_state(model_cfg, batch: int, dtype) -> dict[str, jax.Array]:
 
 
 def causal_conv(x_btc: jax.Array, w_wc: jax.Array, prev_bwc: jax.Array | None,
-                segment_ids_bt: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+                segment_ids_bt: jax.Array | None,
+                prev_segment_ids_bw: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal convolution over tokens, then SiLU, never across a document start.
 
     ``out[t, c] = silu(sum_i w[i, c] * x[t - (W - 1) + i, c])``, the taps before the row's start
@@ -66,6 +69,9 @@ def causal_conv(x_btc: jax.Array, w_wc: jax.Array, prev_bwc: jax.Array | None,
       prev_bwc: [B, W-1, C] the inputs before this call's first token (generation cache), or
         ``None``: zeros.
       segment_ids_bt: [B, T] int document ids, or ``None``: one document.
+      prev_segment_ids_bw: [B, W-1] the document ids of ``prev`` (context parallelism: the previous
+        device's last tokens), or ``None``: no document (its taps are zeroed wherever
+        ``segment_ids_bt`` is given).
 
     Returns:
       ``(out [B, T, C] in x's dtype, the last W-1 inputs [B, W-1, C] for the next call)``.
@@ -76,15 +82,52 @@ def causal_conv(x_btc: jax.Array, w_wc: jax.Array, prev_bwc: jax.Array | None,
         prev_bwc = jnp.zeros((b, w - 1, c), x_btc.dtype)
     ext = jnp.concatenate([prev_bwc.astype(x_btc.dtype), x_btc], axis=1)  # [B, W-1+T, C]
     acc = jnp.zeros((b, t, c), jnp.float32)
+    if segment_ids_bt is not None:  # the ids of ext's tokens (-1: none, before the row)
+        if prev_segment_ids_bw is None:
+            prev_segment_ids_bw = jnp.full((b, w - 1), -1, segment_ids_bt.dtype)
+        ext_ids = jnp.concatenate([prev_segment_ids_bw.astype(segment_ids_bt.dtype), segment_ids_bt], axis=1)
     for i in range(w):  # static: W taps; tap i reads x[t - lag]
         lag = w - 1 - i
         xi = ext[:, i: i + t].astype(jnp.float32)
         if segment_ids_bt is not None and lag:
-            before = jnp.concatenate([jnp.full((b, min(lag, t)), -1, segment_ids_bt.dtype),
-                                      segment_ids_bt[:, : max(t - lag, 0)]], axis=1)
-            xi = jnp.where((before == segment_ids_bt)[..., None], xi, 0.0)
+            xi = jnp.where((ext_ids[:, i: i + t] == segment_ids_bt)[..., None], xi, 0.0)
         acc = acc + xi * w_wc[i].astype(jnp.float32)[None, None]
     return jax.nn.silu(acc).astype(x_btc.dtype), ext[:, t:]
+
+
+def short_conv(x_btc: jax.Array, w_wc: jax.Array, cache: dict | None,
+               segment_ids_bt: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+    """A linear-attention layer's :func:`causal_conv`: continuing ``cache["conv"]`` (generation),
+    or over training's rows, split along a ``context`` axis or not (with one: each device's pieces
+    continuing their predecessors', :func:`~moefast.parallel.linear_context.context_causal_conv`).
+    Returns ``(out [B, T, C], the last W-1 inputs [B, W-1, C], or None on a context axis)``."""
+    if cache is not None:
+        return causal_conv(x_btc, w_wc, cache["conv"], None)
+    if context_size() > 1:
+        b, t = x_btc.shape[:2]
+        seg = jnp.ones((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt
+        return context_causal_conv(causal_conv, x_btc, w_wc, seg), None
+    return causal_conv(x_btc, w_wc, None, segment_ids_bt)
+
+
+def delta_rule(impl: str, q, k, v, g, beta, segment_ids_bt: jax.Array | None, cache: dict | None, *,
+               where: str) -> tuple[jax.Array, jax.Array | None]:
+    """A linear-attention layer's gated delta rule (:func:`gated_delta_rule`'s arguments and shapes)
+    with ``impl`` resolved for the platform compiled for (``"auto"``: the Pallas kernel on GPUs),
+    the chunk size that suits it (:data:`CHUNK`), and training's rows placed: each device on its
+    own rows for the kernel, the state passed along a ``context`` axis
+    (:func:`~moefast.parallel.linear_context.context_delta_rule`). With a ``cache`` its ``state``
+    continues (generation). Returns ``(o [B, T, H, V], the final state or None on a context axis)``."""
+    impl = "chunked" if impl == "auto" and g.ndim == 4 else resolve(impl)  # KDA: no Pallas kernel yet
+    run = functools.partial(gated_delta_rule, impl=impl, chunk_size=CHUNK.get(impl, 64))
+    if cache is not None:
+        return run(q, k, v, g, beta, initial_state=cache["state"])
+    if context_size() > 1:
+        seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
+        return context_delta_rule(run, q, k, v, g, beta, seg), None
+    if impl == "pallas" and segment_ids_bt is not None:  # training: the kernel on each device's rows
+        return on_own_rows(lambda *a: run(*a[:5], segment_ids=a[5]), q, k, v, g, beta, segment_ids_bt, where=where)
+    return run(q, k, v, g, beta, segment_ids=segment_ids_bt)
 
 
 def _l2_normalize(x):
@@ -132,24 +175,15 @@ class GatedDeltaNet(nnx.Module):
         proj = project(self, "in_proj", x_btd, self.dtype, ("embed", "heads"))
         qkv, z = proj[..., :c], proj[..., c: c + hv * vd]
         beta_in, a = proj[..., c + hv * vd: c + hv * vd + hv], proj[..., c + hv * vd + hv:]
-        qkv, conv_state = causal_conv(qkv, self.conv[...], None if cache is None else cache["conv"],
-                                      None if cache is not None else segment_ids_bt)
+        qkv, conv_state = short_conv(qkv, self.conv[...], cache, segment_ids_bt)
         q = _l2_normalize(qkv[..., : hk * kd].reshape(b, t, hk, kd))
         k = _l2_normalize(qkv[..., hk * kd: 2 * hk * kd].reshape(b, t, hk, kd))
         v = qkv[..., 2 * hk * kd:].reshape(b, t, hv, vd)
         if hv != hk:  # key head h serves value heads h * r .. h * r + r - 1
             q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
-        impl = resolve(self.impl)  # the platform compiled for: "pallas" on GPUs, "chunked" elsewhere
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...])[None, None] * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...][None, None])
-        seg = None if cache is not None else segment_ids_bt
-        state0 = None if cache is None else cache["state"]
-        run = functools.partial(gated_delta_rule, impl=impl, chunk_size=CHUNK.get(impl, 64))
-        if impl == "pallas" and seg is not None and state0 is None:  # training: the kernel on each device's rows
-            o, state = on_own_rows(lambda *a: run(*a[:5], segment_ids=a[5]), q, k, v, g, beta, seg,
-                                   where="Gated DeltaNet")
-        else:
-            o, state = run(q, k, v, g, beta, segment_ids=seg, initial_state=state0)
+        o, state = delta_rule(self.impl, q, k, v, g, beta, segment_ids_bt, cache, where="Gated DeltaNet")
         o = gated_rms_norm(o, z.reshape(b, t, hv, vd), self.norm[...], self.norm_eps, self.dtype)
         out = project(self, "out", o.reshape(b, t, hv * vd), self.dtype, ("heads", "embed"))
         return out, (None if cache is None else {"conv": conv_state, "state": state})

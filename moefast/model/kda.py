@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moefast.kernels.gated_delta_rule import gated_delta_rule
-from moefast.model.gated_deltanet import CHUNK, _l2_normalize, causal_conv
+from moefast.model.gated_deltanet import _l2_normalize, delta_rule, short_conv
 from moefast.model.lora import project
 
 __all__ = ["KimiDeltaAttention"]
@@ -79,8 +78,7 @@ class KimiDeltaAttention(nnx.Module):
         b, t, _ = x_btd.shape
         h, kd, hk = self.h, self.k_dim, self.h * self.k_dim
         qkv = project(self, "qkv", x_btd, self.dtype, ("embed", "heads"))
-        qkv, conv_state = causal_conv(qkv, self.conv[...], None if cache is None else cache["conv"],
-                                      None if cache is not None else segment_ids_bt)
+        qkv, conv_state = short_conv(qkv, self.conv[...], cache, segment_ids_bt)
         q = _l2_normalize(qkv[..., :hk].reshape(b, t, h, kd))
         k = _l2_normalize(qkv[..., hk: 2 * hk].reshape(b, t, h, kd))
         v = qkv[..., 2 * hk:].reshape(b, t, h, kd)
@@ -88,9 +86,7 @@ class KimiDeltaAttention(nnx.Module):
         decay_in = self._low_rank(x_btd, "f_a", "f_b") + self.dt_bias[...][None, None]
         rate = jnp.exp(self.A_log[...]).reshape(1, 1, h, 1)
         g = -rate * jax.nn.softplus(decay_in.reshape(b, t, h, kd))  # [B, T, H, K]: a decay per key channel
-        o, state = gated_delta_rule(q, k, v, g, beta, segment_ids=None if cache is not None else segment_ids_bt,
-                                    initial_state=None if cache is None else cache["state"], impl=self.impl,
-                                    chunk_size=CHUNK["chunked"])
+        o, state = delta_rule(self.impl, q, k, v, g, beta, segment_ids_bt, cache, where="KDA")
         gate = self._low_rank(x_btd, "g_a", "g_b").reshape(b, t, h, kd)
         o32 = o.astype(jnp.float32)  # transformers' KimiLinearRMSNormGated: float32 throughout
         normed = o32 * jax.lax.rsqrt(jnp.mean(jnp.square(o32), axis=-1, keepdims=True) + self.norm_eps)

@@ -25,6 +25,16 @@ MLA = ["model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=12", "
 # whose dimension data 4 x context 2 splits over both axes (ZeRO: the gathers' order matters)
 GQA = ["model.num_kv_heads=1", "model.layer_types=[sliding_attention,full_attention]", "model.sliding_window=6",
        "model.attention_sinks=true", "moe.num_experts=8"]
+# Qwen3-Next's hybrid (configs/tiny_qwen3_next.yaml's layer kinds, shrunk): Gated DeltaNet layers
+# (grouped value heads) before a gated full-attention layer; with KDA in their place (a decay per
+# key channel). Context 4 cuts the 32-token rows into 4-token pieces: the convolution's 3 earlier
+# taps and the documents cross most piece boundaries.
+HYBRID = ["model.num_layers=3", "model.layer_types=[linear_attention,linear_attention,full_attention]",
+          "model.attention_output_gate=true", "model.qk_norm=per_head", "model.partial_rotary_factor=0.25",
+          "model.zero_centered_norm=true", "model.linear_num_key_heads=1", "model.linear_num_value_heads=2",
+          "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "moe.shared_expert_d_ff=32",
+          "moe.shared_expert_gate=true"]
+KDA = [*HYBRID, "model.linear_attention_kind=kda", "model.linear_num_key_heads=2"]
 CASES = {  # name -> (architecture, attention path, mesh)
     "gqa-window-sinks-blocked-context2-data4": (GQA, "blocked", ["mesh.context=2"]),
     "gqa-window-sinks-flash-context4-expert2": (GQA, "flash", ["mesh.context=4", "mesh.expert=2"]),
@@ -35,6 +45,9 @@ CASES = {  # name -> (architecture, attention path, mesh)
     # latent with kv_b's adapted weight; the gradients compared are the adapters'
     "mla-mtp-lora-flash-context4-data2": ([*MLA, "lora.rank=4", "lora.alpha=8", "lora.base_dtype=float32"], "flash",
                                           ["mesh.context=4"]),
+    # linear attention: the state and the convolution's halo passed between the pieces
+    "gated-deltanet-hybrid-blocked-context2-data4": (HYBRID, "blocked", ["mesh.context=2"]),
+    "kda-hybrid-flash-context4-data2": (KDA, "flash", ["mesh.context=4"]),
 }
 _reference: dict[str, tuple] = {}
 
@@ -49,6 +62,11 @@ def _loss_and_grads(cfg, devices=None):
         params = jax.tree_util.tree_map_with_path(
             lambda p, v: 0.1 * jax.random.normal(next(keys), v.shape) if str(p[-1].key).endswith("_lora_b") else v,
             params)
+    # linear attention's decays slow (A = 0.02: a state remembers ~40 tokens, more than a row), so
+    # the state passed between the pieces counts (at the default A up to 16 it is gone in a token
+    # or two, and the decays' gradients are float32 noise on any device count)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, v: jnp.full_like(v, np.log(0.02)) if str(p[-1].key) == "A_log" else v, params)
     rng = np.random.default_rng(0)
     b, t = cfg.data.batch_size, cfg.data.seq_len
     tokens = jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32)
@@ -148,8 +166,9 @@ def test_resume_across_context_sizes(small_config, tmp_path):
 def test_context_bad_config(small_config):
     with pytest.raises(ConfigError, match="data.seq_len=32 must be a multiple of 12"):
         small_config("mesh.context=6")
-    with pytest.raises(ConfigError, match="Gated DeltaNet"):
-        small_config("mesh.context=2", "model.layer_types=[linear_attention,full_attention]")
+    with pytest.raises(ConfigError, match=r"pieces of data.seq_len / 16 = 2 tokens, fewer than the linear-attention "
+                                          r"convolution's 3 earlier taps"):
+        small_config("mesh.context=8", "model.layer_types=[linear_attention,full_attention]")
     with pytest.raises(ConfigError, match="model.sequence_slices=2: use one or the other"):
         small_config("mesh.context=2", "model.sequence_slices=2")
     with pytest.raises(ConfigError, match="mesh.context: must be >= 1"):
