@@ -17,6 +17,7 @@ import pytest
 from moefast.bench import gpu_compile
 from moefast.config import load_config
 from moefast.parallel import mesh_shape, platform, xla_flags
+from moefast.parallel.linear_context import state_bytes
 
 # vocab_size 320 (the byte tokenizer's 259 rounded up to a multiple of 8, as real vocabularies are):
 # the embedding's rows split over the devices
@@ -48,9 +49,12 @@ CASES = {
     "ep-chunks2": [*TINY, "mesh.data=2", "mesh.expert=4", "moe.routing_impl=pallas", "moe.overlap_chunks=2",
                    "model.precision=fp8"],
     # scanned, with each row's tokens split over a context axis (expert 4 x context 2): the fused
-    # kernel with traced query offsets, the rows' order restored by collective permutes
+    # kernel with traced query offsets, the rows' order restored by collective permutes; a Gated
+    # DeltaNet layer before the attention layer, its state passed between the pieces
     "ep-chunks2-scan-context": [*TINY, "mesh.data=1", "mesh.expert=4", "mesh.context=2", "moe.overlap_chunks=2",
-                                "model.scan_layers=true"],
+                                "model.scan_layers=true", "model.layer_types=[linear_attention,full_attention]",
+                                "model.linear_num_key_heads=1", "model.linear_num_value_heads=2",
+                                "model.linear_key_head_dim=32", "model.linear_value_head_dim=32"],
     # data 4 x fsdp 2 on H200s: parameters and optimizer state split over both (ZeRO + FSDP), in
     # Gemma 4's architecture: a sliding layer and a full layer of 512-wide heads (the flash kernel's
     # 32-row blocks: 64 rows overflow shared memory) with keys as values and proportional RoPE, its
@@ -415,3 +419,11 @@ def test_context_axis_compiles_with_traced_query_offsets(compiled):
             for o in (16, 80)} <= set(r["custom_calls"]), r["custom_calls"]
     assert any(c["kind"] == "collective-permute" and c["dtype"] == "bf16" for c in r["collectives"])
     assert "by the mesh axes a collective spans" in md and r["estimate"]["exposed_by_axis"]
+    # the linear layer: the Pallas kernel and state-sized exchanges (each
+    # device's 16 / 4 rows, value heads 2 of 32 x 32: 256 KiB whatever the row length)
+    assert "kernel gated_delta_rule" in r["custom_calls"], r["custom_calls"]
+    x = r["context_exchange"]
+    assert x["states"] == state_bytes(batch=4, heads=2, key_dim=32, value_dim=32, context=2) == 262_272, x
+    taps = 2 * 4 * 2 * 3 * (2 * 32 + 2 * 32)  # 3 taps of 128 channels, a row's 2 pieces, 2 devices
+    assert x["halo"] in (taps * 2 + taps // 128 * 4, taps * 4 + taps // 128 * 4), x  # bf16 or float32, int32 ids
+    assert "linear attention on the context axis" in md

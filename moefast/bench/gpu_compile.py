@@ -240,6 +240,10 @@ class GpuCompileResult:
     # the expert exchange's forward dispatches (op name moe_dispatch, outside AD's transpose):
     # {"forward": how many, "overlapped": asynchronous with compute scheduled between start and done}
     dispatches: dict[str, int]
+    # context parallelism through linear attention (moefast.parallel.linear_context): per layer and device,
+    # the bytes of the forward all-gathers of the pieces' states and of the convolution's halo (the largest
+    # instance of each), and how many of each the program holds (loop bodies once)
+    context_exchange: dict[str, int]
     loops: int  # while loops (scanned layers, accumulation): XLA's FLOP count takes their bodies once
     # XLA's own scheduler_statistics of the program as compiled, every computation once and in its order
     # before scheduling (kept for comparison; the estimate is ``estimate``)
@@ -355,6 +359,31 @@ def _dispatches(module) -> dict[str, int]:
 
     fwd = [c for c in module.collectives() if DISPATCH in c.op_name and "transpose" not in c.op_name]
     return {"forward": len(fwd), "overlapped": sum(c.is_async and c.compute_between > 0 for c in fwd)}
+
+
+def _scoped_bytes(c, scope: str) -> int:
+    """Bytes of collective ``c``'s result that come from operations named ``scope``. XLA's
+    combiners merge collectives into one of a tuple result and name it ``prefix/(name_1:name_2:
+    ...)``, a name per tuple element in order; a collective not merged is all one operation's."""
+    from moefast.parallel.hlo import shape_bytes
+
+    parts = re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?\[[\d,]*\])", c.shape)
+    inner = c.op_name[c.op_name.find("(") + 1:].rstrip(")") if "(" in c.op_name else ""
+    names = inner.split(":") if ":" in inner else []
+    if len(names) != len(parts) or not parts:
+        return c.bytes
+    return sum(shape_bytes(p) for p, n in zip(parts, names) if scope in n)
+
+
+def _context_exchange(module) -> dict[str, int]:
+    from moefast.parallel.linear_context import HALO, STATES
+
+    out = {}
+    for key, scope in (("states", STATES), ("halo", HALO)):
+        fwd = [c for c in module.collectives() if scope in c.op_name and "transpose" not in c.op_name]
+        if fwd:
+            out[key], out[key + "_count"] = max(_scoped_bytes(c, scope) for c in fwd), len(fwd)
+    return out
 
 
 def _collective_rows(module) -> list[CollectiveRow]:
@@ -523,7 +552,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         state_copies=copies, state_copy_bytes=copy_bytes, collectives=_collective_rows(module),
         custom_calls=_custom_calls(text), flops=_flops(compiled), grouped_flops=_grouped_flops(text),
         attention_flops=_attention_flops(text),
-        dispatches=_dispatches(module),
+        dispatches=_dispatches(module), context_exchange=_context_exchange(module),
         loops=sum(i.opcode == "while" for i in module.instrs.values()),
         schedule={} if as_compiled is None else as_compiled.once, autotuned=bool(autotune),
         compiler_options={k: str(v) for k, v in options.items()}, jax=jax.__version__,
@@ -593,6 +622,12 @@ def format_report(r: GpuCompileResult) -> str:
     if r.dispatches.get("forward"):
         lines.append(f"| expert exchange: forward dispatches with compute scheduled inside (loop bodies once) | "
                      f"{r.dispatches['overlapped']} of {r.dispatches['forward']} |")
+    if r.context_exchange:
+        x = r.context_exchange
+        lines.append(f"| linear attention on the context axis, per layer: the pieces' states / the convolution's halo "
+                     f"all-gathered (forward, result per device; {x.get('states_count', 0)} / "
+                     f"{x.get('halo_count', 0)} in the program, loop bodies once) | {x.get('states', 0) / 2**20:,.2f} MiB "
+                     f"/ {x.get('halo', 0) / 2**10:,.1f} KiB |")
     lines += ["", "| collective | dtype | count | result MiB per device and step (loop bodies once) | asynchronous | "
               "compute ops between start and done |",
               "|---|---|---:|---:|---:|---|"]

@@ -42,7 +42,10 @@ from jax.sharding import PartitionSpec as P
 from moefast.parallel.context import CONTEXT_AXIS, context_size
 from moefast.parallel.mesh import reshard_for_shard_map, token_shards
 
-__all__ = ["context_causal_conv", "context_delta_rule", "state_bytes"]
+__all__ = ["HALO", "STATES", "context_causal_conv", "context_delta_rule", "state_bytes"]
+
+# the exchanges' names in the compiled program's op names (the gpu-compile report counts their bytes)
+HALO, STATES = "linear_context_halo", "linear_context_states"
 
 
 def _pieces(c: int) -> tuple[list[int], list[int]]:
@@ -98,7 +101,10 @@ def context_causal_conv(conv, x_btc: jax.Array, w_wc: jax.Array, segment_ids_bt:
     def local(x, seg, taps):
         b, _, ch = x.shape
         x, seg = x.reshape(b, 2, piece, ch), seg.reshape(b, 2, piece)
-        tails = jax.lax.all_gather((x[:, :, piece - (w - 1):], seg[:, :, piece - (w - 1):]), CONTEXT_AXIS)
+        with jax.named_scope(HALO):
+            # float32: the taps' gradients come back reduce-scattered in float32, not rounded to bfloat16
+            tails = jax.lax.all_gather((x[:, :, piece - (w - 1):].astype(jnp.float32), seg[:, :, piece - (w - 1):]),
+                                       CONTEXT_AXIS)
         # the piece before p in the row: zeros (and no document) before the row's first piece
         before = [jnp.concatenate([jnp.full_like(a[:1], fill), a[:-1]]) for a, fill in
                   zip(map(_in_row_order, tails), (0, -1))]
@@ -141,7 +147,8 @@ def context_delta_rule(rule, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
                               (2 * b, h, kd, vd + kd))
         o, s = rule(two(q), two(k), two(wide), two(g), two(beta), segment_ids=two(seg), initial_state=s0)
         seg = seg.reshape(b, 2, piece)
-        summary = jax.lax.all_gather((s.reshape(b, 2, h, kd, vd + kd), seg[:, :, 0], seg[:, :, -1]), CONTEXT_AXIS)
+        with jax.named_scope(STATES):
+            summary = jax.lax.all_gather((s.reshape(b, 2, h, kd, vd + kd), seg[:, :, 0], seg[:, :, -1]), CONTEXT_AXIS)
         s_all, first, last = map(_in_row_order, summary)  # [2c, B, ...]
         incoming, state = [], jnp.zeros((b, h, kd, vd), jnp.float32)
         for p in range(2 * c):  # static: the row's pieces in order
@@ -159,8 +166,9 @@ def context_delta_rule(rule, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
 
 
 def state_bytes(batch: int, heads: int, key_dim: int, value_dim: int, context: int) -> int:
-    """Bytes one device receives per linear-attention layer in the forward pass with context
-    parallelism over ``context`` devices: the other devices' 2 pieces a row of ``(M, S_loc)``
-    float32 [H, K, K + V] and two int32 ids (the convolution's halo, 2 (W - 1) tokens a row, is
-    left out: it is a few tokens). ``batch`` counts this device's rows."""
-    return (context - 1) * batch * 2 * (heads * key_dim * (key_dim + value_dim) * 4 + 8)
+    """Bytes of the states' all-gather result on one device, per linear-attention layer and
+    forward pass, with context parallelism over ``context`` devices: every device's 2 pieces a row
+    of ``(M, S_loc)`` float32 [H, K, K + V] and two int32 document ids; the device receives
+    (context - 1) / context of it (the convolution's halo, 2 (W - 1) tokens a row, is apart).
+    ``batch`` counts this device's rows; independent of the row length."""
+    return context * batch * 2 * (heads * key_dim * (key_dim + value_dim) * 4 + 8)
