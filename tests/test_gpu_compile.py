@@ -419,9 +419,9 @@ def test_context_axis_compiles_with_traced_query_offsets(compiled):
             for o in (16, 80)} <= set(r["custom_calls"]), r["custom_calls"]
     assert any(c["kind"] == "collective-permute" and c["dtype"] == "bf16" for c in r["collectives"])
     assert "by the mesh axes a collective spans" in md and r["estimate"]["exposed_by_axis"]
-    # the linear layer: the Pallas kernel and state-sized exchanges (each
+    # the linear layer: the Pallas kernels, forward and backward, and state-sized exchanges (each
     # device's 16 / 4 rows, value heads 2 of 32 x 32: 256 KiB whatever the row length)
-    assert "kernel gated_delta_rule" in r["custom_calls"], r["custom_calls"]
+    assert {"kernel gated_delta_rule", "kernel gated_delta_rule_bwd"} <= set(r["custom_calls"]), r["custom_calls"]
     x = r["context_exchange"]
     assert x["states"] == state_bytes(batch=4, heads=2, key_dim=32, value_dim=32, context=2) == 262_272, x
     taps = 2 * 4 * 2 * 3 * (2 * 32 + 2 * 32)  # 3 taps of 128 channels, a row's 2 pieces, 2 devices

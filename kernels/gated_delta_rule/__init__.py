@@ -1,4 +1,5 @@
-"""The gated delta rule of Gated DeltaNet (Qwen3-Next's linear attention), over packed documents.
+"""The gated delta rule of Gated DeltaNet (Qwen3-Next's linear attention) and Kimi Delta Attention (a
+decay per key channel), over packed documents.
 
 ``gated_delta_rule(q, k, v, g, beta, segment_ids=..., initial_state=..., impl=...)`` returns the
 outputs and the final recurrent state. Yang, Kautz and Hatamizadeh 2024, "Gated Delta Networks:
@@ -11,14 +12,15 @@ Improving Mamba2 with Delta Rule", arXiv:2412.06464, eq. 10, exactly as transfor
 * ``"chunked"`` — :mod:`.chunked`: the WY/UT chunked form in plain jnp (chunks of ``chunk_size``
   tokens, a unit lower triangular solve per chunk, ``jax.lax.scan`` over chunks), document
   boundaries exact inside a chunk.
-* ``"pallas"`` — :mod:`.pallas` (kernel) and :mod:`.ops` (custom VJP): one Pallas program per
-  (row, head, value block) looping over the chunks with the state in registers. Compiled through
-  the Pallas Triton backend on GPU; the Pallas interpreter on CPU (tests). Its backward pass is the
-  VJP of the chunked form recomputed from the saved inputs. Tested in the interpreter and lowered
-  for CUDA; not yet run or timed on a GPU.
+* ``"pallas"`` — :mod:`.pallas` (forward kernel), :mod:`.pallas_bwd` (backward kernels) and
+  :mod:`.ops` (custom VJP): one Pallas program per (row, head, value block) looping over the
+  chunks with the state in registers; the backward recomputes the chunks' states, then loops over
+  the chunks in reverse carrying the state's cotangent. Both decays (per head and per key
+  channel). Compiled through the Pallas Triton backend on GPU; the Pallas interpreter on CPU
+  (tests). Tested in the interpreter and lowered for CUDA; not yet run or timed on a GPU.
 * ``"auto"`` — ``"pallas"`` when compiling for GPUs
   (:func:`~moefast.kernels.platform.target_platform`: the mesh's platform, not the host's),
-  ``"chunked"`` elsewhere.
+  ``"chunked"`` elsewhere, for either decay.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
       v: [B, T, H, V] values, any float dtype.
       g: [B, T, H] log decay per token (<= 0; the state is multiplied by exp(g)), or [B, T, H, K]
         one per key channel (Kimi Delta Attention: row kappa of the state by exp(g[kappa])), any
-        float dtype. ``"auto"`` runs a per-channel decay chunked (its Pallas kernel is not written yet).
+        float dtype. Every ``impl`` takes both.
       beta: [B, T, H] write strength in (0, 1), any float dtype.
       segment_ids: [B, T] int document ids, or ``None`` (one document per row). The state resets
         to zero at every token whose id differs from the previous token's, so packed documents give
@@ -92,7 +94,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
         (:func:`.reference.validate`), an unknown ``impl``, or a bad ``chunk_size``.
     """
     validate(q, k, v, g, beta, segment_ids, initial_state, scale)
-    impl = "chunked" if impl == "auto" and g.ndim == 4 else resolve(impl)
+    impl = resolve(impl)
     kw = dict(segment_ids=segment_ids, initial_state=initial_state, scale=scale)
     if impl == "reference":
         return gated_delta_rule_reference(q, k, v, g, beta, **kw)

@@ -1,12 +1,16 @@
-"""The Pallas gated delta rule with a custom VJP: the differentiable wrapper of :mod:`.pallas`.
+"""The Pallas gated delta rule with a custom VJP: the differentiable wrapper of :mod:`.pallas`
+(forward kernel) and :mod:`.pallas_bwd` (backward kernels).
 
 Dimension letters: B batch, T tokens, H heads, K key width, V value width.
 
 Pallas kernels have no reverse-mode rule, so the kernel call is wrapped in :func:`jax.custom_vjp`.
-The backward pass is not a kernel: it is the VJP of the chunked jnp form
-(:func:`.chunked.chunked_core`, same chunk size) recomputed from the saved inputs (q, k, v, g,
-beta, the run ids and the initial state; no activations are saved), which is the gradient of the
-math the kernel computes. Forward-mode AD (``jax.jvp``) is not supported through the kernel.
+The forward saves only its inputs (q, k, v, g, beta, the run ids and the initial state); the
+backward pass is two Pallas kernels (:func:`.pallas_bwd.gated_delta_rule_bwd_blocks`): a forward
+recompute that stores the state entering every chunk, then a reverse loop over the chunks carrying
+the state's cotangent. Both decays (g [B, T, H], Gated DeltaNet; g [B, T, H, K], KDA) take this
+path; no XLA form of the chunked rule runs. Tested in the Pallas interpreter (equal to the chunked
+form's VJP and the recurrence's gradients) and lowered for CUDA; never run on a GPU (none was
+available). Forward-mode AD (``jax.jvp``) is not supported through the kernels.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .chunked import chunked_core
 from .pallas import check_pallas_chunk_size, default_interpret, gated_delta_rule_blocks
+from .pallas_bwd import gated_delta_rule_bwd_blocks
 from .reference import run_ids, validate
 
 __all__ = ["gated_delta_rule_pallas"]
@@ -36,12 +40,11 @@ def _core_fwd(q, k, v, g, beta, run, s0, scale, chunk_size, interpret):
 
 
 def _core_bwd(scale, chunk_size, interpret, residuals, cotangents):
-    del interpret
     q, k, v, g, beta, run, s0 = residuals
-    _, vjp = jax.vjp(lambda q, k, v, g, beta, s0: chunked_core(q, k, v, g, beta, run, s0, scale=scale,
-                                                               chunk_size=chunk_size),
-                     q, k, v, g, beta, s0)
-    dq, dk, dv, dg, dbeta, ds0 = vjp(cotangents)
+    do, ds = cotangents
+    grads = gated_delta_rule_bwd_blocks(q, k, v, g, beta, run, s0, do, ds, scale=scale, chunk_size=chunk_size,
+                                        interpret=interpret)
+    dq, dk, dv, dg, dbeta, ds0 = (d.astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta, s0)))
     return dq, dk, dv, dg, dbeta, np.zeros(run.shape, jax.dtypes.float0), ds0  # run ids: integers
 
 
@@ -61,7 +64,7 @@ def gated_delta_rule_pallas(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
       q: [B, T, H, K] queries, any float dtype, L2-normalised per head.
       k: [B, T, H, K] keys, any float dtype, L2-normalised per head.
       v: [B, T, H, V] values, any float dtype.
-      g: [B, T, H] log decay (<= 0), any float dtype.
+      g: [B, T, H] log decay (<= 0), or [B, T, H, K] one per key channel (KDA), any float dtype.
       beta: [B, T, H] write strength in (0, 1), any float dtype.
       segment_ids: [B, T] int document ids (the state resets where the id changes) or ``None``.
       initial_state: [B, H, K, V] float32 state before the row's first segment, or ``None``: zeros.
@@ -73,18 +76,14 @@ def gated_delta_rule_pallas(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
     Returns:
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32)``. Differentiable with
       ``jax.grad``/``jax.vjp`` with respect to q, k, v, g, beta and initial_state (the backward
-      pass is the chunked form's VJP, module docstring); not ``jax.jvp``.
+      pass is Pallas kernels, module docstring); not ``jax.jvp``.
 
     Raises:
-      ValueError: see :func:`.reference.validate`, ``g`` per key channel (KDA: no kernel yet), or
-        ``chunk_size`` not a power of two >= 16.
+      ValueError: see :func:`.reference.validate`, or ``chunk_size`` not a power of two >= 16.
       NotImplementedError: interpret mode inside ``jax.shard_map(check_vma=True)`` on varying
         inputs (see :func:`.pallas.gated_delta_rule_blocks`).
     """
     validate(q, k, v, g, beta, segment_ids, initial_state, scale)
-    if g.ndim == 4:
-        raise ValueError(f"g: the Pallas kernel takes a decay per head ([B, T, H]: Gated DeltaNet); a decay per key "
-                         f"channel (KDA, g {list(g.shape)}) runs impl='chunked' or 'reference' (what 'auto' picks)")
     check_pallas_chunk_size(chunk_size)
     b, t, h, kd = q.shape
     if interpret is None:

@@ -118,7 +118,7 @@ def delta_rule(impl: str, q, k, v, g, beta, segment_ids_bt: jax.Array | None, ca
     own rows for the kernel, the state passed along a ``context`` axis
     (:func:`~moefast.parallel.linear_context.context_delta_rule`). With a ``cache`` its ``state``
     continues (generation). Returns ``(o [B, T, H, V], the final state or None on a context axis)``."""
-    impl = "chunked" if impl == "auto" and g.ndim == 4 else resolve(impl)  # KDA: no Pallas kernel yet
+    impl = resolve(impl)
     run = functools.partial(gated_delta_rule, impl=impl, chunk_size=CHUNK.get(impl, 64))
     if cache is not None:
         return run(q, k, v, g, beta, initial_state=cache["state"])

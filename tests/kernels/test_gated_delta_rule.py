@@ -1,6 +1,8 @@
 """The gated delta rule: the recurrence against a NumPy float64 loop, and the chunked form and the
-Pallas kernel (interpreted on CPU; lowered for CUDA) against the recurrence, outputs, final states
-and gradients, over packed documents.
+Pallas kernels (interpreted on CPU; lowered for CUDA) against the recurrence, outputs, final states
+and gradients, over packed documents. The Pallas backward kernels' gradients are also compared with
+the chunked form's VJP (same chunk), and the lowered gradient program is checked to hold the
+kernels and none of the chunked form's XLA ops. Decays per key channel (KDA): test_kda.py.
 
 Shapes are small; chunks are mostly 16 tokens (some 64, and 1 and 5 for the jnp form) and T is
 not a multiple of them, so the last chunk is padded; documents start inside chunks and on chunk
@@ -19,6 +21,9 @@ import pytest
 
 from moefast.kernels.gated_delta_rule import (IMPLS, gated_delta_rule, gated_delta_rule_chunked,
                                               gated_delta_rule_pallas, gated_delta_rule_reference, resolve)
+from moefast.kernels.gated_delta_rule.chunked import chunked_core
+from moefast.kernels.gated_delta_rule.pallas_bwd import gated_delta_rule_bwd_blocks
+from moefast.kernels.gated_delta_rule.reference import run_ids
 
 # Float32 math everywhere; the forms differ only in summation order (and exp(sum) vs prod(exp)).
 FWD_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -259,6 +264,64 @@ class _PallasCases:
         assert_close(out[1], out_ref[1])
         assert_close_grads(grads, grads_ref)
 
+    @pytest.mark.parametrize("t,h,chunk,segmented", [
+        (1, 1, 16, False),  # one token, one head
+        (21, 3, 16, True),  # an odd number of heads; a document starts inside the second chunk
+        (70, 1, 64, True),  # chunks of 64, T not a multiple; documents on a chunk edge and inside one
+    ])
+    def test_gradients_equal_chunked_vjp(self, t, h, chunk, segmented):
+        """The backward kernels equal the XLA VJP of the chunked form (same chunk size) they
+        replace, every gradient including the initial state's, with random cotangents of o and of
+        the final state."""
+        inputs, s0 = make_inputs(b=2, t=t, h=h, kd=8, vd=16, seed=40 + t)
+        seg = None
+        if segmented:
+            seg = jnp.asarray(np.stack([np.where(np.arange(t) < min(16, t - 1), 2, 3),
+                                        np.where(np.arange(t) < t // 3, 0, 1)]), jnp.int32)
+        fns = [lambda q, k, v, g, beta, s, fn=fn: fn(q, k, v, g, beta, segment_ids=seg, initial_state=s,
+                                                     chunk_size=chunk)
+               for fn in (self.pallas, gated_delta_rule_chunked)]
+        (out, grads), (out_c, grads_c) = run(lambda *a: (with_vjp(fns[0])(*a), with_vjp(fns[1])(*a)), *inputs, s0)
+        assert_close(out[0], out_c[0])
+        assert_close(out[1], out_c[1])
+        assert_close_grads(grads, grads_c)
+
+    def test_bfloat16_gradients_take_the_inputs_dtypes(self):
+        """bfloat16 q, k, v, g, beta: gradients in bfloat16 (computed in float32), the initial
+        state's in float32, each within bfloat16 rounding of the chunked form's VJP."""
+        inputs, s0 = make_inputs(t=21, seed=44, dtype=jnp.bfloat16)
+        fns = [lambda q, k, v, g, beta, s, fn=fn: fn(q, k, v, g, beta, initial_state=s, chunk_size=16)
+               for fn in (self.pallas, gated_delta_rule_chunked)]
+        (_, grads), (_, grads_c) = run(lambda *a: (with_vjp(fns[0])(*a), with_vjp(fns[1])(*a)), *inputs, s0)
+        for name, a, e, x in zip(("q", "k", "v", "g", "beta", "initial_state"), grads, grads_c, (*inputs, s0)):
+            assert a.dtype == x.dtype, name
+            a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+            np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-2 * max(1.0, np.abs(e).max()), err_msg=name)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_backward_value_blocks_sum_to_the_chunked_vjp(per_channel):
+    """V = 40 split in value blocks of 16 (Vp = 64: four programs per head, one all padding): dv
+    and d(initial state) per block, dq, dk, dg and dbeta summed over the blocks' shares, against
+    the chunked form's VJP; packed documents, T = 37 in chunks of 16."""
+    b, t, h, kd, vd = 2, 37, 1, 8, 40
+    (q, k, v, g, beta), s0 = make_inputs(b=b, t=t, h=h, kd=kd, vd=vd, seed=50)
+    if per_channel:
+        g = jnp.asarray(-np.random.default_rng(51).uniform(0.0, 1.5, size=(b, t, h, kd)), jnp.float32)
+    run_bt = run_ids(jnp.asarray(np.stack([np.where(np.arange(t) < 16, 1, 2), np.where(np.arange(t) < 23, 0, 1)]),
+                                 jnp.int32), b, t)
+    rng = np.random.default_rng(52)
+    do, ds = jnp.asarray(rng.normal(size=v.shape), jnp.float32), jnp.asarray(rng.normal(size=s0.shape), jnp.float32)
+
+    def both(q, k, v, g, beta, s0, do, ds):
+        got = gated_delta_rule_bwd_blocks(q, k, v, g, beta, run_bt, s0, do, ds, scale=0.4, chunk_size=16,
+                                          interpret=True, block_v=16)
+        _, vjp = jax.vjp(lambda *a: chunked_core(*a[:5], run_bt, a[5], scale=0.4, chunk_size=16), q, k, v, g, beta, s0)
+        return got, vjp((do, ds))
+
+    got, want = run(both, q, k, v, g, beta, s0, do, ds)
+    assert_close_grads(got, want)
+
 
 @pytest.mark.gpu
 class TestGatedDeltaRulePallas(_PallasCases):
@@ -280,35 +343,45 @@ class TestGatedDeltaRulePallasInterpret(_PallasCases):
 pallas_interpret = functools.partial(gated_delta_rule_pallas, interpret=True)
 
 
-def test_pallas_lowers_for_cuda_from_cpu():
-    """The compiled path (``interpret=False``) lowers to one Triton kernel at a realistic head size
-    (K = V = 128, chunks of 64, bfloat16 inputs, packed documents), forward and gradient (the loss
-    needs o, so the gradient program runs the kernel once; its backward is the chunked form's VJP:
-    a triangular solve, no second kernel). This checks the Pallas -> Triton IR lowering
-    (power-of-two tensors, supported primitives) on a CPU-only jaxlib; compiling the Triton IR to
-    PTX needs a GPU toolchain."""
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_pallas_lowers_for_cuda_from_cpu(per_channel):
+    """The compiled path (``interpret=False``) lowers to Triton kernels at a realistic head size
+    (K = V = 128, chunks of 64, bfloat16 inputs, packed documents), for a decay per head and per
+    key channel: the forward is one kernel; the gradient program is three (the forward for o,
+    then the backward's state recompute and its reverse loop, by name) and none of the chunked
+    form's XLA VJP (its ``jax.lax.scan`` over chunks is a ``stablehlo.while``, which the same
+    gradient through ``impl="chunked"`` has; no triangular solve either). This checks the
+    Pallas -> Triton IR lowering (power-of-two tensors, supported primitives) on a CPU-only
+    jaxlib; compiling the Triton IR to PTX needs a GPU toolchain."""
     b, t, h, kd, vd = 2, 300, 4, 128, 128
     sd = jax.ShapeDtypeStruct
+    g = sd((b, t, h, kd), jnp.float32) if per_channel else sd((b, t, h), jnp.float32)
     args = (sd((b, t, h, kd), jnp.bfloat16), sd((b, t, h, kd), jnp.bfloat16), sd((b, t, h, vd), jnp.bfloat16),
-            sd((b, t, h), jnp.float32), sd((b, t, h), jnp.float32), sd((b, t), jnp.int32), sd((b, h, kd, vd), jnp.float32))
+            g, sd((b, t, h), jnp.float32), sd((b, t), jnp.int32), sd((b, h, kd, vd), jnp.float32))
 
-    def fwd(q, k, v, g, beta, seg, s0):
-        return gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=s0, impl="pallas", chunk_size=64,
+    def fwd(q, k, v, g, beta, seg, s0, impl="pallas"):
+        return gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=s0, impl=impl, chunk_size=64,
                                 interpret=False)
 
-    def loss(q, k, v, g, beta, seg, s0):
-        o, s = fwd(q, k, v, g, beta, seg, s0)
+    def loss(q, k, v, g, beta, seg, s0, impl="pallas"):
+        o, s = fwd(q, k, v, g, beta, seg, s0, impl)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s)
 
     lower = lambda fn: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert lower(fwd).count("__gpu$xla.gpu.triton") == 1
     grad_text = lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)))
-    assert grad_text.count("__gpu$xla.gpu.triton") == 1  # the backward: the chunked form's VJP in XLA
+    assert grad_text.count("__gpu$xla.gpu.triton") == 3
+    for name in ("gated_delta_rule", "gated_delta_rule_states", "gated_delta_rule_bwd"):
+        assert f'name = "{name}"' in grad_text, name
+    assert "stablehlo.while" not in grad_text and "triangular_solve" not in grad_text
+    chunked_text = lower(jax.grad(functools.partial(loss, impl="chunked"), argnums=(0, 1, 2, 3, 4, 6)))
+    assert "stablehlo.while" in chunked_text  # what the assertion above would find on the old path
 
 
 def test_pallas_inside_shard_map():
     """Rows split over a 2-device mesh with ``jax.shard_map``: the compiled kernel lowers for CUDA
-    with ``check_vma=True`` (its outputs declare the mesh axes they vary over); the interpreter
+    with ``check_vma=True`` (its outputs declare the mesh axes they vary over), and so does its
+    gradient (the forward and the two backward kernels); the interpreter
     runs with ``check_vma=False`` and equals the chunked form, and refuses ``check_vma=True`` with a
     clear error."""
     from jax.sharding import AxisType, PartitionSpec as P
@@ -332,6 +405,14 @@ def test_pallas_inside_shard_map():
     text = jax.jit(jax.shard_map(per_shard(compiled), **specs)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+
+    def loss(*a):
+        o, s = jax.shard_map(per_shard(compiled), **specs)(*a)
+        return jnp.sum(o ** 2) + jnp.sum(s)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6))).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
 
 
 def test_pallas_rejects_a_chunk_that_is_no_triton_block():
@@ -364,6 +445,9 @@ def test_document_start_after_strong_decay_keeps_float32_precision():
     (_, grads), (_, grads_ref) = run(lambda *a: (with_vjp(fns["chunked"])(*a), with_vjp(fns["reference"])(*a)), *args)
     assert all(np.isfinite(np.asarray(x)).all() for x in grads)
     assert_close_grads(grads, grads_ref)
+    _, grads_pallas = run(with_vjp(fns["pallas"]), *args)  # the backward kernels
+    assert all(np.isfinite(np.asarray(x)).all() for x in grads_pallas)
+    assert_close_grads(grads_pallas, grads_ref)
 
 
 # ---- the public entry point ----------------------------------------------------------------------

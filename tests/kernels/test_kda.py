@@ -2,7 +2,9 @@
 kernels: the recurrence against a float64 NumPy loop (transformers' ``recurrent_kimi_delta_attention``),
 the chunked form against the recurrence (outputs, final states, gradients; T not a multiple of the
 chunk, T = 1, one head and an odd number; packed documents equal each document alone; channels
-decaying past float32's exp range inside a chunk), and the Pallas kernel's clear refusal."""
+decaying past float32's exp range inside a chunk), and the Pallas kernels (forward and backward, in
+the Pallas interpreter) against the chunked form's VJP and the recurrence, with packed documents and
+an initial state."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 from moefast.kernels.gated_delta_rule import (gated_delta_rule, gated_delta_rule_chunked, gated_delta_rule_pallas,
-                                              gated_delta_rule_reference)
+                                              gated_delta_rule_reference, resolve)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -105,11 +107,68 @@ def test_packed_documents_equal_each_document_alone():
     close(s, s1)  # the row's final state is its last document's
 
 
-def test_auto_runs_a_per_channel_decay_chunked_and_pallas_refuses_it():
+def test_auto_follows_the_platform_for_a_per_channel_decay():
+    """``"auto"`` is ``"chunked"`` on this CPU machine and ``"pallas"`` when compiling for GPUs,
+    whatever the decay's shape; the Pallas kernels take a per-channel g; a g of neither shape is
+    refused naming both."""
     x, _ = inputs(b=1, t=5, h=1)
+    assert resolve("auto") == "chunked" and resolve("auto", "gpu") == "pallas"
     o, _ = gated_delta_rule(*x, impl="auto")
-    close(o, gated_delta_rule_reference(*x)[0])
-    with pytest.raises(ValueError, match=r"g: the Pallas kernel takes a decay per head.*KDA"):
-        gated_delta_rule_pallas(*x, interpret=True)
+    want = gated_delta_rule_reference(*x)[0]
+    close(o, want)
+    close(gated_delta_rule_pallas(*x, interpret=True, chunk_size=16)[0], want)
     with pytest.raises(ValueError, match=r"g must be a float \[B, T, H\]=\[1, 5, 1\] .* or \[B, T, H, K\]"):
         gated_delta_rule_reference(x[0], x[1], x[2], x[3][..., :3], x[4])
+
+
+def _value_and_grads(fn, args, seed=1):
+    out, vjp = jax.vjp(fn, *args)
+    rng = np.random.default_rng(seed)
+    return out, vjp(tuple(jnp.asarray(rng.normal(size=y.shape), jnp.float32) for y in out))
+
+
+@pytest.mark.parametrize("t,chunk,h,strong,packed", [
+    (37, 16, 3, False, True),  # T not a multiple of the chunk, three heads, documents inside chunks
+    (1, 16, 1, False, False),  # one token, one head
+    (40, 16, 1, True, True),  # channels at -6 a token: past float32's exp range within a chunk
+    (33, 64, 1, True, False),  # one 64-token chunk, strong decays
+])
+def test_pallas_equals_chunked_and_reference_forward_and_gradients(t, chunk, h, strong, packed):
+    """The Pallas kernels (interpreted) with a decay per key channel: o, the final state and every
+    gradient (initial state included) equal the chunked form's (its XLA VJP, same chunk) and the
+    recurrence's; documents packed in rows reset the state; strong decays stay finite and exact."""
+    x, s0 = inputs(t=t, h=h, seed=60 + t, strong=strong)
+    seg = None
+    if packed:
+        seg = jnp.asarray(np.stack([np.where(np.arange(t) < 21, 1, 2), np.where(np.arange(t) < 16, 0, 1)]), jnp.int32)
+    fns = [lambda *a, fn=fn, kw=kw: fn(*a[:5], segment_ids=seg, initial_state=a[5], **kw)
+           for fn, kw in ((gated_delta_rule_pallas, dict(chunk_size=chunk, interpret=True)),
+                          (gated_delta_rule_chunked, dict(chunk_size=chunk)), (gated_delta_rule_reference, {}))]
+    results = jax.jit(lambda *a: tuple(_value_and_grads(f, a) for f in fns))(*x, s0)
+    (out, grads) = results[0]
+    for (want_out, want_grads), what in zip(results[1:], ("chunked", "reference")):
+        close(out[0], want_out[0])
+        close(out[1], want_out[1])
+        for name, a, e in zip(("q", "k", "v", "g", "beta", "initial_state"), grads, want_grads):
+            assert np.all(np.isfinite(np.asarray(a))), name
+            np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=2e-5 * max(1.0, np.abs(e).max()),
+                                       err_msg=f"d/d{name} vs {what}")
+
+
+def test_pallas_packed_documents_equal_each_document_alone():
+    """The kernel's packed rows (documents starting at 0, 16 and 21) give what each document gives
+    alone, as the chunked form's do."""
+    t = 40
+    x, _ = inputs(b=1, t=t, seed=4)
+    starts = [0, 16, 21, t]
+    seg = np.zeros((1, t), np.int32)
+    for i, (a, e) in enumerate(zip(starts, starts[1:])):
+        seg[0, a:e] = i + 1
+    fn = jax.jit(lambda *a, seg=None: gated_delta_rule_pallas(*a, segment_ids=seg, chunk_size=16, interpret=True))
+    o, s = fn(*x, seg=jnp.asarray(seg))
+    for a, e in zip(starts, starts[1:]):
+        rest = lambda i, y: jnp.zeros_like(y[:, : t - (e - a)]) if i >= 3 else y[:, : t - (e - a)]  # g, beta: 0
+        alone = tuple(jnp.concatenate([y[:, a:e], rest(i, y)], axis=1) for i, y in enumerate(x))
+        o1, s1 = fn(*alone)
+        close(o[:, a:e], o1[:, : e - a])
+    close(s, s1)

@@ -157,8 +157,6 @@ def test_causal_conv_never_reaches_across_documents_or_the_future():
     ("model.layer_types=[linear_attention,linear,full_attention,full_attention]", r"model.layer_types\[1\]: 'linear'"),
     ("model.linear_num_value_heads=3", "model.linear_num_value_heads: must be a multiple"),
     ("model.linear_attention_kind=kda", "model.linear_attention_kind: kda layers have as many key as value heads"),
-    ("model.linear_attention_kind=kda model.linear_num_key_heads=4 model.linear_attention_impl=pallas",
-     "model.linear_attention_impl: kda layers have no Pallas kernel yet"),
 ])
 def test_bad_layer_types_name_the_key(override, field):
     with pytest.raises(ConfigError, match=field):
