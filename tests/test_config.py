@@ -81,6 +81,9 @@ def test_routing_options():
     (["model.attention=mla", "model.q_lora_rank=-1"], "model.q_lora_rank"),
     (["model.attention=mla", "model.partial_rotary_factor=0.5"], "model.partial_rotary_factor"),
     (["model.attention=mla", "model.position_encoding=sinusoidal"], "model.position_encoding"),
+    (["model.position_encoding=none", "model.partial_rotary_factor=0.5"], "model.partial_rotary_factor"),  # NoPE
+    (["model.rope_type=yarn", "model.original_max_position_embeddings=256", "model.rope_factor=4",
+      "model.position_encoding=none"], "model.rope_type"),
     (["model.attention=mqa"], "model.attention"),
     (["model.partial_rotary_factor=0.03"], "model.partial_rotary_factor"),  # 64 * 0.03 = 1 feature
     (["model.partial_rotary_factor=1.5"], "model.partial_rotary_factor"),

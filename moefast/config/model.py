@@ -44,8 +44,12 @@ class ModelConfig:
       vocab_size: V; ``None`` means the tokenizer's vocabulary size.
       max_seq_len: length of the positional tables, in tokens; positions must be below it.
       position_encoding: ``"rope"`` (rotary, applied to queries and keys; Su et al. 2021, RoFormer
-        sec. 3.4) or ``"sinusoidal"`` (absolute encodings added to the token embeddings; Vaswani et
-        al. 2017, sec. 3.5).
+        sec. 3.4), ``"sinusoidal"`` (absolute encodings added to the token embeddings; Vaswani et
+        al. 2017, sec. 3.5) or ``"none"`` (NoPE: no position information at all; attention sees
+        order only through the causal mask and any linear-attention layers. With ``"mla"`` the
+        ``qk_rope_head_dim`` features of queries and the shared key stay, unrotated: Kimi Linear's
+        MLA layers, Kimi Team 2025, arXiv 2510.26692 sec. 4; transformers' ``KimiLinearAttention``).
+        ``"none"`` goes with ``rope_type=default`` and ``partial_rotary_factor`` 1 (nothing rotates).
       rope_base: RoPE wavelength base (Su et al. 2021, RoFormer eq. 15).
       tie_embeddings: LM head reuses the token embedding matrix.
       num_dense_layers: leading blocks with a dense feed-forward instead of MoE.
@@ -176,8 +180,8 @@ class ModelConfig:
         channel from a rank-K projection, separate q/k/v convolutions, a sigmoid-gated output norm;
         Kimi Linear, arXiv 2510.26692; :mod:`moefast.model.kda`), whose heads are
         ``linear_num_value_heads`` of ``linear_value_head_dim`` (keys and values alike: the key
-        heads and width must equal them). KDA runs its recurrence chunked or token by token (no
-        Pallas kernel yet: ``linear_attention_impl`` ``"auto"`` is ``"chunked"`` for it).
+        heads and width must equal them). KDA runs through the same ``linear_attention_impl``
+        (its Pallas kernels take the per-channel decay).
       attention_output_gate: full-attention layers gate their output per feature with
         ``sigmoid(x W_gate)`` before the output projection (Qwen3-Next / Qwen3.5's ``q_proj``,
         twice as wide, holds the gate).
@@ -230,7 +234,7 @@ class ModelConfig:
     attention_impl: Literal["auto", "blocked", "flash"] = "auto"
     vocab_size: int | None = None
     max_seq_len: int = 1024
-    position_encoding: Literal["rope", "sinusoidal"] = "rope"
+    position_encoding: Literal["rope", "sinusoidal", "none"] = "rope"
     rope_base: float = 10000.0
     tie_embeddings: bool = True
     num_dense_layers: int = 0
@@ -306,6 +310,9 @@ class ModelConfig:
         _require(1 <= self.sequence_slices <= MAX_SEQUENCE_SLICES, "model.sequence_slices",
                  f"must be in [1, {MAX_SEQUENCE_SLICES}] (1: each row through the layers whole; every slice is "
                  f"traced and compiled as code of its own), got {self.sequence_slices}")
+        _require(self.position_encoding != "none" or self.partial_rotary_factor == 1.0, "model.partial_rotary_factor",
+                 f"{self.partial_rotary_factor} with model.position_encoding=none: nothing rotates without RoPE; use 1.0 "
+                 "(or position_encoding=rope)")
         _require(self.sliding_window is None or "sliding_attention" in (self.layer_types or ()),
                  "model.sliding_window", f"{self.sliding_window} with no sliding_attention layer would change "
                  "nothing: list the sliding layers in model.layer_types (e.g. [sliding_attention, full_attention, "
@@ -348,8 +355,6 @@ class ModelConfig:
                      f"kda layers have as many key as value heads, of one width (keys, queries and values alike); "
                      f"set model.linear_num_key_heads={self.linear_num_value_heads} and "
                      f"model.linear_key_head_dim={self.linear_value_head_dim} (or change the value side)")
-            _require(self.linear_attention_impl != "pallas", "model.linear_attention_impl",
-                     "kda layers have no Pallas kernel yet; use auto, chunked or reference")
         _require(self.linear_num_value_heads % self.linear_num_key_heads == 0, "model.linear_num_value_heads",
                  f"must be a multiple of model.linear_num_key_heads={self.linear_num_key_heads} (each key head "
                  f"serves the same number of value heads), got {self.linear_num_value_heads}")
@@ -441,8 +446,9 @@ class ModelConfig:
             _require(getattr(self, k) >= 1, f"model.{k}", f"must be >= 1 with model.attention=mla, got {getattr(self, k)}")
         _require(self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
                  f"must be even and >= 2 with model.attention=mla, got {self.qk_rope_head_dim}")
-        _require(self.position_encoding == "rope", "model.position_encoding",
-                 "model.attention=mla rotates its qk_rope_head_dim features: use rope")
+        _require(self.position_encoding != "sinusoidal", "model.position_encoding",
+                 "model.attention=mla rotates its qk_rope_head_dim features (rope) or leaves them unrotated (none, "
+                 "Kimi Linear's NoPE MLA); sinusoidal encodings are not added to MLA models: use rope or none")
         _require(self.num_kv_heads is None or self.num_kv_heads == self.num_heads, "model.num_kv_heads",
                  f"model.attention=mla expands keys and values for every head: leave it null (got {self.num_kv_heads})")
         _require(self.attention_bias == "none", "model.attention_bias",

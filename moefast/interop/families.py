@@ -50,11 +50,12 @@ import numpy as np
 from moefast.config import ModelConfig
 # the engine's vocabulary, importable from here as before the split
 from moefast.interop.family_spec import (LINEAR_KEYS, AllMoE, BiasKey, FamilySpec, FirstKDense,  # noqa: F401
-                                         Gemma4Keys, LayerTypes, MlpLayerTypes, MlpOnlyLayers, Router, SharedExpert)
+                                         Gemma4Keys, KimiLinearKeys, LayerTypes, MlpLayerTypes, MlpOnlyLayers, Router,
+                                         SharedExpert)
 from moefast.interop.transforms import (CONCAT, CONCAT_T, CONV1D, FUSED_EXPERTS, IDENTITY, PER_EXPERT,  # noqa: F401
                                         TRANSPOSED, Concat, ConcatTransposed, Conv1dTaps, ExpertStack, FusedExperts,
                                         Identity, InterleavedGateUp, Part, PerExpert, RowsTransposed, SubPath, Tensor,
-                                        Transform, Transposed, _t, qkv_sizes)
+                                        Transform, Transposed, UnitAxes, _t, qkv_sizes)
 
 __all__ = ["LINEAR_KEYS", "REGISTRY", "AllMoE", "BiasKey", "FamilySpec", "FirstKDense", "LayerTypes", "MlpLayerTypes",
            "MlpOnlyLayers", "Part", "Router", "RowsTransposed", "SharedExpert", "Tensor", "Transform"]
@@ -346,6 +347,45 @@ D, F] (one on-disk layout); the dense MLP beside them (moefast's shared expert, 
 branches' norms."""
 
 
+# -------------------------------------------------------------------------------------- Kimi Linear
+def _kimi_kda(conv: tuple[str, ...], gate: str) -> MappingProxyType:
+    """A Kimi Linear KDA layer (:class:`moefast.model.KimiDeltaAttention`) with its norms, the
+    convolution taps as ``conv`` names and the forget gate's tensors under ``self_attn.{gate}``."""
+    return MappingProxyType({
+        ("attn_norm", "scale"): _ATTENTION[("attn_norm", "scale")],
+        ("ffn_norm", "scale"): _ATTENTION[("ffn_norm", "scale")],
+        ("attn", "qkv"): _t(CONCAT_T, *(_A + f"{x}_proj.weight" for x in "qkv")),
+        ("attn", "conv"): _t(CONV1D, *(_A + c for c in conv)),
+        ("attn", "f_a"): _t(TRANSPOSED, _A + gate + "f_a_proj.weight"),
+        ("attn", "f_b"): _t(TRANSPOSED, _A + gate + "f_b_proj.weight"),
+        ("attn", "dt_bias"): _t(IDENTITY, _A + gate + "dt_bias"),
+        ("attn", "A_log"): _t(UnitAxes(lead=2, trail=1), _A + gate + "A_log"),
+        ("attn", "b"): _t(TRANSPOSED, _A + "b_proj.weight"),
+        ("attn", "g_a"): _t(TRANSPOSED, _A + "g_a_proj.weight"),
+        ("attn", "g_b"): _t(TRANSPOSED, _A + "g_b_proj.weight"),
+        ("attn", "norm"): _t(IDENTITY, _A + "o_norm.weight"),
+        ("attn", "out"): _t(TRANSPOSED, _A + "o_proj.weight"),
+    })
+
+
+_KIMI_KDA = MappingProxyType({
+    "per_expert": _kimi_kda(tuple(f"{x}_conv1d.weight" for x in "qkv"), ""),
+    "fused": _kimi_kda(("conv1d.weight",), "forget_gate."),
+})
+"""Kimi Linear's KDA layers per on-disk layout: qkv [D, 3·H·K] from q/k/v_proj; conv [W, 3·H·K]
+from the hub's q_conv1d | k_conv1d | v_conv1d [H·K, 1, W] each (per expert: what the hub and
+transformers' ``save_pretrained`` write) or transformers' joined conv1d [3·H·K, 1, W] (fused: its
+in-memory names, ``save_original_format=False``, with the forget gate's f_a_proj [K, D], f_b_proj
+[H·K, K], dt_bias [H·K] and A_log [1, 1, H, 1] under ``forget_gate.``); b_proj [H, D], g_a_proj
+[K, D], g_b_proj [H·K, K], o_norm [K], o_proj [D, H·K]."""
+_KIMI_MOE = _moe_tables("block_sparse_moe.", "w1", "w3", "w2", shared="block_sparse_moe.shared_experts.")
+_KIMI_MOE = MappingProxyType({
+    "per_expert": _KIMI_MOE["per_expert"],
+    "fused": MappingProxyType({**_KIMI_MOE["fused"],  # transformers' in-memory names: every MoE tensor under mlp.
+                               **_moe_tables(shared="mlp.shared_experts.")["fused"]}),
+})
+
+
 # --------------------------------------------------------------------------------------- registry
 REGISTRY: dict[str, FamilySpec] = {
     "mixtral": FamilySpec(
@@ -452,6 +492,37 @@ REGISTRY: dict[str, FamilySpec] = {
         "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5-MoE", _QWEN3_5_LINEAR,
         hf_defaults=MappingProxyType({**_HYBRID_DEFAULTS, "num_experts_per_tok": 8}),
         norm_topk_prob_key=None, fixed_norm_topk_prob=True),
+    # Kimi Linear (moonshotai/Kimi-Linear-48B-A3B-*): KDA layers (per-channel decay from a low-rank
+    # forget gate, separate q/k/v short convolutions, a sigmoid-gated output norm) and MLA layers
+    # without any RoPE (transformers' KimiLinearAttention rotates nothing: model.position_encoding=none)
+    # per linear_attn_config's 1-indexed lists; DeepSeek-V3's sigmoid router with groups, scaling and a
+    # selection bias, ungated shared experts, leading dense layers; its own spelling of the keys
+    # (KimiLinearKeys). On disk the MoE layers are block_sparse_moe.* (experts w1/w3/w2) as the hub
+    # and transformers' save_pretrained write them, or transformers' fused in-memory names (mlp.*).
+    "kimi_linear": FamilySpec(
+        model_type="kimi_linear", architecture="KimiLinearForCausalLM", name="Kimi Linear",
+        hf_defaults=MappingProxyType({"rope_theta": 1e4, "rms_norm_eps": 1e-5, "num_experts_per_tok": 8,
+                                      "norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 2.446,
+                                      "n_group": 1, "topk_group": 1, "max_position_embeddings": 1048576,
+                                      "tie_word_embeddings": False, "linear_num_key_heads": 32,
+                                      "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                                      "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}),
+        num_experts_keys=("num_experts", "num_local_experts"), expert_ff_key="moe_intermediate_size",
+        dense_ff_key="intermediate_size", moe_layers=MlpLayerTypes(), mla=True,
+        shared_expert=SharedExpert("moe_intermediate_size", gated=False, count_key="n_shared_experts"),
+        router=Router(score_func="sigmoid", topk_methods=MappingProxyType({"noaux_tc": True}), default_method="noaux_tc",
+                      scaling_key="routed_scaling_factor", selection_bias=MappingProxyType({
+                          "per_expert": _L + "block_sparse_moe.gate.e_score_correction_bias",
+                          "fused": _L + "mlp.gate.e_score_correction_bias"})),
+        layer_tensors=_MLA, linear_tensors=_KIMI_KDA, dense_tensors=_DENSE_MLP, global_tensors=_GLOBAL,
+        moe_tensors=_KIMI_MOE, layer_types=LayerTypes(),
+        unsupported=MappingProxyType({"attention_bias": "biases on MLA's q_a/kv_a/o projections"}),
+        fixed=MappingProxyType({"model.position_encoding": "none", "model.linear_attention_kind": "kda"}),
+        config_keys=KimiLinearKeys(),
+        read_renames=((r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r"\1mlp.\2."),),
+        export_constants=MappingProxyType({"attention_bias": False}),
+        model_checks=((lambda cfg: cfg.model.tie_embeddings,
+                       "model.tie_embeddings=true (transformers' KimiLinearForCausalLM never ties its output head)"),)),
     # gpt-oss (openai/gpt-oss-20b, -120b): GQA with biases and a sink logit per head, sliding-window
     # layers (128 keys) alternating with full ones, YaRN without truncation; every layer MoE, a
     # router with a bias and softmax over the top-k logits, experts with biases and the clamped

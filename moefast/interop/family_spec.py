@@ -367,6 +367,149 @@ class Gemma4Keys:
         return out
 
 
+_KDA_KEYS = {"num_heads": ("linear_num_heads", 32, ("linear_num_key_heads", "linear_num_value_heads")),
+             "head_dim": ("linear_head_dim", 128, ("linear_key_head_dim", "linear_value_head_dim")),
+             "short_conv_kernel_size": ("linear_conv_kernel_dim", 4, ("linear_conv_kernel_dim",))}
+"""``linear_attn_config`` key -> (transformers' top-level key, its default, the :data:`LINEAR_KEYS` it
+gives): the KDA layers' shape."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KimiLinearKeys:
+    """Kimi Linear's ``config.json`` (transformers' ``KimiLinearConfig``, the hub's
+    ``configuration_kimi.py``) as the keys the engine reads, and back (:meth:`read`, :meth:`write`):
+
+    * its names for keys other families spell otherwise (transformers' ``attribute_map``):
+      ``num_experts_per_token``, ``num_shared_experts``, ``num_expert_group``, ``moe_renormalize``,
+      ``model_max_length``, and ``moe_router_activation_func`` for ``scoring_func``;
+    * ``linear_attn_config``: the KDA layers' heads (``num_heads``), their width (``head_dim``:
+      keys, queries and values) and the short convolutions' width (``short_conv_kernel_size``),
+      which win over the top-level ``linear_num_heads`` / ``linear_head_dim`` /
+      ``linear_conv_kernel_dim`` (defaults 32, 128, 4); where config.json has no ``layer_types``,
+      its 1-indexed ``kda_layers`` and ``full_attn_layers`` (both, every layer once) give the
+      layers' kinds, else transformers' default (layer i full attention where i > 0 and i % 4 == 0);
+    * ``mlp_layer_types``, else the first ``first_k_dense_replace`` (default 1) layers dense;
+    * refused, each by its key: where transformers' ``KimiLinearForCausalLM`` and the
+      checkpoint's own code would compute different models (``mla_use_nope: false``, RoPE in the
+      MLA layers; ``moe_layer_freq`` other than 1; ``use_grouped_topk: false`` with groups;
+      ``layer_types`` or ``mlp_layer_types`` disagreeing with ``linear_attn_config`` /
+      ``first_k_dense_replace``; a key of ``linear_attn_config`` it does not have, e.g. Kimi K3's
+      ``gate_lower_bound``), and what moefast does not hold (``mla_use_output_gate``, MTP layers
+      ``num_nextn_predict_layers``, a tied output head, fewer key/value heads than heads, two
+      spellings of one key that differ).
+    """
+
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=lambda: {
+        "max_position_embeddings": "model_max_length", "norm_topk_prob": "moe_renormalize",
+        "n_group": "num_expert_group", "num_experts_per_tok": "num_experts_per_token",
+        "n_shared_experts": "num_shared_experts", "scoring_func": "moe_router_activation_func"})
+    """The engine's key -> Kimi Linear's (transformers' ``KimiLinearConfig.attribute_map``)."""
+
+    def read(self, hf: Mapping[str, Any], reject: Callable[[str, Any, str], None]) -> dict[str, Any]:
+        """``hf`` with the engine's keys (``layer_types``, ``mlp_layer_types`` and the
+        :data:`LINEAR_KEYS` filled in); ``reject(key, value, why)`` raises."""
+        out = dict(hf)
+        for key, own in self.aliases.items():
+            if own in hf and key in hf and hf[own] != hf[key]:
+                reject(own, hf[own], f"config.json also has {key}={hf[key]!r}, which transformers reads as the "
+                       "same setting; keep one")
+            if own in hf:
+                out[key] = hf[own]
+        n = hf["num_hidden_layers"]
+        refused = {"mla_use_nope": (False, "RoPE in the MLA layers: transformers' KimiLinearAttention never rotates "
+                                           "(Kimi Linear's MLA is NoPE); the checkpoint's own code would"),
+                   "mla_use_output_gate": (True, "an output gate on the MLA layers (Kimi K3), which Kimi Linear has "
+                                                 "not"),
+                   "tie_word_embeddings": (True, "transformers' KimiLinearForCausalLM never ties its output head to "
+                                                 "the embedding")}
+        for key, (bad, why) in refused.items():
+            if key in hf and bool(hf[key]) == bad:
+                reject(key, hf[key], why)
+        if hf.get("moe_layer_freq", 1) != 1:
+            reject("moe_layer_freq", hf["moe_layer_freq"], "MoE layers every moe_layer_freq-th: transformers ignores "
+                   "the key (every layer after first_k_dense_replace is MoE); the checkpoint's own code does not")
+        if hf.get("num_nextn_predict_layers"):
+            reject("num_nextn_predict_layers", hf["num_nextn_predict_layers"], "multi-token-prediction layers; "
+                   "transformers' Kimi Linear has none")
+        if hf.get("use_grouped_topk") is False and (out.get("n_group") or 1) > 1:
+            reject("use_grouped_topk", False, "ungrouped routing with num_expert_group > 1: transformers always limits "
+                   "the choice to topk_group groups")
+        kv = hf.get("num_key_value_heads")
+        if kv is not None and kv != hf["num_attention_heads"]:
+            reject("num_key_value_heads", kv, f"MLA expands keys and values for every head: it must equal "
+                   f"num_attention_heads={hf['num_attention_heads']}")
+        linear = hf.get("linear_attn_config") or {}
+        if not isinstance(linear, Mapping):
+            reject("linear_attn_config", linear, "a dict of the KDA layers' shape and kinds")
+        for key in sorted(set(linear) - {*_KDA_KEYS, "kda_layers", "full_attn_layers"}):
+            reject(f"linear_attn_config.{key}", linear[key], "not a Kimi Linear key (transformers ignores it; the "
+                   "checkpoint's own code would not)")
+        for key, (top, default, names) in _KDA_KEYS.items():
+            value = linear.get(key, hf.get(top, default))
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                reject(f"linear_attn_config.{key}", value, "an int >= 1")
+            out.update({name: value for name in names})
+        listed = self._listed_types(linear, n, reject)
+        if hf.get("layer_types") is None:
+            out["layer_types"] = listed or ["full_attention" if i and i % 4 == 0 else "linear_attention"
+                                            for i in range(n)]
+        elif listed is not None and list(hf["layer_types"]) != listed:
+            reject("layer_types", hf["layer_types"], f"disagrees with linear_attn_config's kda_layers / "
+                   f"full_attn_layers ({listed}), which the checkpoint's own code reads")
+        k = hf.get("first_k_dense_replace")
+        leading = ["dense" if i < (1 if k is None else k) else "sparse" for i in range(n)]
+        if hf.get("mlp_layer_types") is None:
+            out["mlp_layer_types"] = leading
+        elif k is not None and list(hf["mlp_layer_types"]) != leading:
+            reject("mlp_layer_types", hf["mlp_layer_types"], f"disagrees with first_k_dense_replace={k}, which the "
+                   "checkpoint's own code reads")
+        return out
+
+    @staticmethod
+    def _listed_types(linear: Mapping[str, Any], n: int, reject) -> list[str] | None:
+        """Each layer's kind from ``kda_layers`` / ``full_attn_layers`` (1-indexed); None without them."""
+        given = [k for k in ("kda_layers", "full_attn_layers") if k in linear]
+        if not given:
+            return None
+        if len(given) == 1:
+            reject(f"linear_attn_config.{given[0]}", linear[given[0]], "without "
+                   f"{({'kda_layers', 'full_attn_layers'} - set(given)).pop()}: transformers reads the layers' kinds "
+                   "from both lists or neither")
+        types: list[str | None] = [None] * n
+        for key, kind in (("kda_layers", "linear_attention"), ("full_attn_layers", "full_attention")):
+            for layer in linear[key]:
+                if not isinstance(layer, int) or not 1 <= layer <= n or types[layer - 1] is not None:
+                    reject(f"linear_attn_config.{key}", linear[key], f"layer {layer!r}: the two lists name each "
+                           f"layer 1..num_hidden_layers={n} once")
+                types[layer - 1] = kind
+        if None in types:
+            reject("linear_attn_config.kda_layers", linear["kda_layers"], f"layer {types.index(None) + 1} is in "
+                   "neither kda_layers nor full_attn_layers: the two lists name every layer, 1-indexed")
+        return types
+
+    def write(self, out: dict[str, Any], cfg: ExperimentConfig) -> dict[str, Any]:
+        """``out`` (the engine's keys) in Kimi Linear's: the aliases, ``linear_attn_config`` (with
+        the 1-indexed layer lists) and transformers' top-level KDA keys, ``first_k_dense_replace``
+        where the dense layers are the leading ones, ``mla_use_nope`` (for the checkpoint's own code);
+        no ``rope_parameters`` (nothing rotates)."""
+        m = cfg.model
+        out = {(self.aliases.get(k, k)): v for k, v in out.items()
+               if k not in LINEAR_KEYS and k not in ("rope_parameters", "partial_rotary_factor")}
+        types = [m.layer_type(i) for i in range(m.num_layers)]
+        out["linear_attn_config"] = {
+            "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+            "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+            "num_heads": m.linear_num_value_heads, "head_dim": m.linear_value_head_dim,
+            "short_conv_kernel_size": m.linear_conv_kernel_dim}
+        out.update(linear_num_heads=m.linear_num_value_heads, linear_head_dim=m.linear_value_head_dim,
+                   linear_conv_kernel_dim=m.linear_conv_kernel_dim, mla_use_nope=True)
+        dense = [not m.is_moe_layer(i) for i in range(m.num_layers)]
+        k = dense.index(False)
+        if not any(dense[k:]):
+            out["first_k_dense_replace"] = k
+        return out
+
+
 # ----------------------------------------------------------------------------------------- family
 @dataclasses.dataclass(frozen=True)
 class FamilySpec:
@@ -486,6 +629,16 @@ class FamilySpec:
       family_keys: config.json keys only this family has, read into moefast's keys and written
         back (:class:`Gemma4Keys`: ``read``, ``write``, ``problems``, the moefast keys it ``owns``,
         which must hold their defaults in other families).
+      config_keys: the family spells config.json otherwise: its keys turned into the engine's before
+        anything is read, and the export's turned back (:class:`KimiLinearKeys`: ``read``, ``write``).
+      read_renames: ``(regex, replacement)`` applied to the checkpoint's tensor names before they are
+        matched with the tables: names another writer gives some tensors (transformers' Kimi Linear
+        ``save_pretrained`` puts the dense layers' MLP under ``block_sparse_moe.``, the hub's
+        checkpoint under ``mlp.``, which moefast writes).
+
+    ``linear_tensors`` may also be keyed by on-disk expert layout, like ``moe_tensors``, where the
+    family names its linear-attention tensors otherwise in each (Kimi Linear: the hub's
+    ``q_conv1d | k_conv1d | v_conv1d`` per expert, transformers' joined ``conv1d`` fused).
 
     A table may list parameters a model lacks (biases, q/k norms): only the model's own parameters
     are looked up, and one with no row cannot be read or written in this family.
@@ -543,6 +696,8 @@ class FamilySpec:
     sliding_pattern: int = 2
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     family_keys: Gemma4Keys | None = None
+    config_keys: KimiLinearKeys | None = None
+    read_renames: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         required = {"rope_theta", "rms_norm_eps", "num_experts_per_tok", self.router.scaling_key,
@@ -564,6 +719,11 @@ class FamilySpec:
                                                          for n in row.names):
                 raise ValueError(f"FamilySpec {self.model_type}: mtp_layer_prefix and every layer table's name "
                                  "need the layer '{i}'")
+
+    def linear_table(self, layout: str) -> Mapping[SubPath, Tensor]:
+        """The linear-attention layers' table in on-disk expert ``layout``."""
+        t = self.linear_tensors
+        return t[layout] if layout in t else t
 
     def mtp_layer(self, num_layers: int, k: int) -> int:
         """The layer index (``{i}``) in the names of MTP module ``k + 1`` (k from 0) of a model of

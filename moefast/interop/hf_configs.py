@@ -65,20 +65,28 @@ transformers' composite model reads there rather than in ``text_config``."""
 def _language_config(hf: dict) -> dict[str, Any]:
     """The language model's keys of a ``config.json`` dict: itself, or for a family with a
     ``text_config_key`` (a vision-language checkpoint) that sub-dict with the top level's
-    ``model_type`` and :data:`_TOP_LEVEL_KEYS`.
+    ``model_type`` and :data:`_TOP_LEVEL_KEYS`; for a family with ``config_keys`` (Kimi Linear), in
+    the engine's keys.
 
     Raises:
-      HFFormatError: unknown ``model_type``, or the sub-dict is missing.
+      HFFormatError: unknown ``model_type``, the sub-dict is missing, or a key the family's
+        ``config_keys`` refuses.
     """
     spec = family_spec(hf.get("model_type"))
     key = spec.text_config_key
-    if key is None:
-        return hf
-    text = hf.get(key)
-    if not isinstance(text, dict):
-        raise HFFormatError(f"config.json: {key}={text!r} ({spec.model_type}): {spec.name} keeps its language "
-                            f"model's config in {key!r}, a dict")
-    return {**text, **{k: hf[k] for k in _TOP_LEVEL_KEYS if k in hf}, "model_type": hf["model_type"]}
+    if key is not None:
+        text = hf.get(key)
+        if not isinstance(text, dict):
+            raise HFFormatError(f"config.json: {key}={text!r} ({spec.model_type}): {spec.name} keeps its language "
+                                f"model's config in {key!r}, a dict")
+        hf = {**text, **{k: hf[k] for k in _TOP_LEVEL_KEYS if k in hf}, "model_type": hf["model_type"]}
+    if spec.config_keys is not None:  # the family's own spelling, in the engine's keys
+
+        def reject(field: str, value: Any, why: str) -> None:
+            raise HFFormatError(f"config.json: {field}={value!r} ({spec.model_type}) is not supported: {why}")
+
+        hf = spec.config_keys.read(hf, reject)
+    return hf
 
 
 def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -455,8 +463,9 @@ def hf_family(cfg: ExperimentConfig, family: str | None = None) -> str:
         message names the objections.
     """
     m, e = cfg.model, cfg.moe
-    if m.position_encoding != "rope":
-        raise HFFormatError("model.position_encoding: HF MoE families use RoPE; 'sinusoidal' cannot be exported")
+    if m.position_encoding == "sinusoidal":
+        raise HFFormatError("model.position_encoding: HF MoE families use RoPE (or none: Kimi Linear); 'sinusoidal' "
+                            "cannot be exported")
     if family is not None:
         if family not in families.REGISTRY:
             raise HFFormatError(f"family {family!r} is not one moefast writes; known: {', '.join(families.REGISTRY)}")
@@ -545,4 +554,6 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
     if spec.family_keys is not None:
         out.update(spec.family_keys.write(cfg))
     out.update({k: v(cfg) if callable(v) else v for k, v in spec.export_constants.items()})
+    if spec.config_keys is not None:
+        out = spec.config_keys.write(out, cfg)
     return out

@@ -6,6 +6,7 @@ layer: it knows files, not families)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,7 @@ class _Files:
         if not files:
             raise HFFormatError(f"{path}: no *.safetensors files (moefast reads safetensors, not pytorch_model.bin)")
         self.handles, self.where = {}, {}
+        self._disk: dict[str, str] = {}  # a renamed tensor's name (rename) -> its name in the file
         headers = {}
         for name in files:
             if not (path / name).is_file():
@@ -234,10 +236,28 @@ class _Files:
                                     f"{dtype or 'missing'}, not an F8_E4M3 weight")
             del self.where[scale]
 
+    def rename(self, renames: tuple[tuple[str, str], ...]) -> None:
+        """Tensors known by other names: each ``(regex, replacement)`` (``re.sub``) applied to the
+        names on disk (a family's ``read_renames``); ``get`` and ``shape`` take the new names.
+
+        Raises:
+          HFFormatError: a renamed tensor's new name is a tensor of the files too.
+        """
+        for old in list(self.where) if renames else []:
+            new = old
+            for pattern, replacement in renames:
+                new = re.sub(pattern, replacement, new)
+            if new == old or old in self.fp8 or old in self.mxfp4:  # quantized weights keep their names
+                continue
+            if new in self.where:
+                raise HFFormatError(f"{self.path}: {old} and {new} are the same tensor under two names; keep one")
+            self.where[new] = self.where.pop(old)
+            self._disk[new] = old
+
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self.mxfp4:
             return self.mxfp4[name]
-        return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+        return tuple(self.handles[self.where[name]].get_slice(self._disk.get(name, name)).get_shape())
 
     def get(self, name: str, rows: slice | None = None) -> np.ndarray:
         """float32 array of tensor ``name`` (only ``rows``, a contiguous slice, of its first axis
@@ -249,7 +269,7 @@ class _Files:
             blocks, scales = (np.asarray(self.handles[f].get_slice(n)[rows if rows is not None else slice(None)])
                               for f, n in zip(self._mx_where[name], (name + _MXFP4_BLOCKS, name + _MXFP4_SCALES)))
             return mxfp4_dequantize(blocks, scales)
-        s = self.handles[self.where[name]].get_slice(name)
+        s = self.handles[self.where[name]].get_slice(self._disk.get(name, name))
         x = s[rows] if rows is not None else s[:]
         return np.asarray(x, np.float32)
 

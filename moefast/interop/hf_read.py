@@ -76,6 +76,7 @@ def load_hf_params(path: str | Path, cfg: ExperimentConfig, *, shardings: Any = 
     path = Path(path)
     spec = _family_of(path)
     files = _Files(path)
+    files.rename(spec.read_renames)
     cfg = cfg.replace(lora=LoRAConfig())  # the base model's parameters (adapters: moefast.model.lora.from_base)
     m = cfg.model
     vocab = m.vocab_size
@@ -231,6 +232,7 @@ def load_hf_routing(path: str | Path, cfg: ExperimentConfig, *, shardings: Any =
     names = _bias_names(spec, cfg) if state else []
     if names:
         files = _Files(path)
+        files.rename(spec.read_renames)
         try:
             names = _bias_names(spec, cfg, _disk_layout(spec, cfg, files.where))
             for j, n in enumerate(names):

@@ -46,7 +46,7 @@ class _Leaf:
 def _table(spec: FamilySpec, cfg: ExperimentConfig, i: int, layout: str) -> Mapping[tuple, Any]:
     """The tensor table of layer ``i`` (token mixer and norms, then its MLP's) in expert ``layout``."""
     mlp = spec.moe_tensors[layout] if cfg.model.is_moe_layer(i) else spec.dense_tensors
-    mixer = spec.linear_tensors if cfg.model.layer_type(i) == "linear_attention" else spec.layer_tensors
+    mixer = spec.linear_table(layout) if cfg.model.layer_type(i) == "linear_attention" else spec.layer_tensors
     return {**mixer, **mlp}
 
 

@@ -214,16 +214,36 @@ class RowsTransposed(Transform):
 
 
 class Conv1dTaps(Transform):
-    """A depthwise ``nn.Conv1d`` weight [C, 1, W] -> [W, C] (Gated DeltaNet's ``conv1d.weight``)."""
+    """Depthwise ``nn.Conv1d`` weights [C_n, 1, W] -> [W, sum(C_n)], channels joined in ``names``
+    order (Gated DeltaNet's one ``conv1d.weight``; Kimi Linear's ``q_conv1d | k_conv1d | v_conv1d``)."""
 
     def hf_shapes(self, names, shape, sizes):
-        return {names[0]: (shape[1], 1, shape[0])}
+        return {n: (s, 1, shape[0]) for n, s in zip(names, sizes)}
 
     def read(self, get, names, experts):
-        return get(names[0])[:, 0, :].T
+        return np.concatenate([get(n)[:, 0, :].T for n in names], axis=-1)
 
     def write(self, value, names, sizes):
-        return [(names[0], value.T[:, None, :])]
+        return [(n, x.T[:, None, :]) for n, x in zip(names, np.split(value, np.cumsum(sizes)[:-1], axis=-1))]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitAxes(Transform):
+    """One HF tensor with ``lead`` leading and ``trail`` trailing axes of size 1 around moefast's
+    shape (Kimi Linear's ``A_log`` [1, 1, H, 1] -> [H])."""
+
+    lead: int = 0
+    trail: int = 0
+
+    def hf_shapes(self, names, shape, sizes):
+        return {names[0]: (1,) * self.lead + tuple(shape) + (1,) * self.trail}
+
+    def read(self, get, names, experts):
+        x = get(names[0])
+        return x.reshape(x.shape[self.lead:x.ndim - self.trail])
+
+    def write(self, value, names, sizes):
+        return [(names[0], value.reshape((1,) * self.lead + value.shape + (1,) * self.trail))]
 
 
 IDENTITY, TRANSPOSED, CONCAT_T, CONCAT = Identity(), Transposed(), ConcatTransposed(), Concat()

@@ -45,7 +45,8 @@ class MLAttention(nnx.Module):
       (eq. 11).
     * ``o_proj`` [H·Hv, D] (heads, embed) (eq. 19).
 
-    Each head's query is ``[q^C, RoPE(q^R)]`` and key ``[k^C, RoPE(k^R)]`` (eqs. 16-17); the logit
+    Each head's query is ``[q^C, RoPE(q^R)]`` and key ``[k^C, RoPE(k^R)]`` (eqs. 16-17; without
+    RoPE, ``model.position_encoding=none``, ``[q^C, q^R]`` and ``[k^C, k^R]``: Kimi Linear); the logit
     scale is ``(N + R) ** -0.5 * softmax_multiplier`` (YaRN, :attr:`Yarn.softmax_multiplier`).
     Without a cache (training) keys and values are expanded per head and attended as H heads
     (:func:`causal_attention` / :func:`fused_attention`). With a cache (generation) only c^KV
@@ -79,7 +80,8 @@ class MLAttention(nnx.Module):
 
     def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None, *,
                  record_max: bool = False):
-        """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin);
+        """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin, or
+        ``None`` with ``model.position_encoding=none``: the R features stay unrotated, Kimi Linear's NoPE);
         ``cache``: ``{"kv": [B, S, C], "k_rope": [B, S, R]}`` (:func:`init_cache`) or ``None``.
         Returns ``([B, T, D] in the compute dtype, the updated cache or None)``; with a
         ``kv_prefix`` (a sequence slice), the per-head keys [B, S, H, N + R] and values [B, S, H,
@@ -94,10 +96,10 @@ class MLAttention(nnx.Module):
         else:
             q = project(self, "q_proj", x_btd, self.dtype, ("embed", "heads"), fp8=self.fp8)
         q = q.reshape(b, t, h, n + r)
-        q_nope, q_rope = q[..., :n], apply_rope(q[..., n:], *rope)
+        q_nope, q_rope = q[..., :n], (q[..., n:] if rope is None else apply_rope(q[..., n:], *rope))
         kv_a = project(self, "kv_a_proj_with_mqa", x_btd, self.dtype, ("embed", "lora"), fp8=self.fp8)
         c_kv = self.kv_a_layernorm(kv_a[..., :c]).astype(self.dtype)  # [B, T, C]
-        k_rope = apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared by the heads
+        k_rope = kv_a[..., c:] if rope is None else apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared
         if cache is None and kv_prefix is None and context_size() > 1 and not isinstance(mask_b1ts, tuple) \
                 and mask_b1ts.ndim == 2:  # the fused kernel on a context axis: each device gathers the row's
             # latent and RoPE key (C + R features a token, not H (N + R + Hv)) and up-projects them itself
