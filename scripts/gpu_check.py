@@ -519,9 +519,10 @@ def check_attention(ctx: Context) -> list[dict]:
 
 @register_check("gated_delta_rule")
 def check_gated_delta_rule(ctx: Context) -> list[dict]:
-    """Gated DeltaNet's recurrence (``moefast.kernels.gated_delta_rule``): the Pallas kernel (chunks
-    of 64) against the chunked XLA form and the token-by-token reference, forward + backward time
-    and the largest difference from the reference, packed documents, bfloat16 inputs, Qwen3.5's
+    """Gated DeltaNet's and KDA's recurrence (``moefast.kernels.gated_delta_rule``, a decay per head
+    and per key channel): the Pallas kernels (forward and backward, chunks of 64) against the
+    chunked XLA form and the token-by-token reference, forward + backward time and the largest
+    difference from the reference, packed documents, bfloat16 inputs, Qwen3.5's and Kimi Linear's
     head widths (K = V = 128)."""
     import jax.numpy as jnp
     import numpy as np
@@ -530,12 +531,13 @@ def check_gated_delta_rule(ctx: Context) -> list[dict]:
 
     rows = []
     shapes = [(1, 40, 2, 16, 16)] if ctx.args.cpu_smoke else [(2, 4096, 32, 128, 128), (1, 16384, 32, 128, 128)]
-    for b, t, h, kd, vd in shapes:
+    for (b, t, h, kd, vd), decay in ((shape, decay) for decay in ("head", "channel") for shape in shapes):
         rng = np.random.default_rng(0)
         unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
         q, k = (jnp.asarray(unit(rng.normal(size=(b, t, h, kd))), jnp.bfloat16) for _ in range(2))
         v = jnp.asarray(rng.normal(size=(b, t, h, vd)), jnp.bfloat16)
-        g = jnp.asarray(-np.log1p(np.exp(rng.normal(size=(b, t, h)))), jnp.float32)
+        g = jnp.asarray(-np.log1p(np.exp(rng.normal(size=(b, t, h) + ((kd,) if decay == "channel" else ())))),
+                        jnp.float32)
         beta = jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(b, t, h)))), jnp.float32)
         seg = jnp.asarray(np.where(np.arange(t)[None] < rng.integers(1, t, (b, 1)), 1, 2), jnp.int32)
         ct = jnp.asarray(rng.normal(size=(b, t, h, vd)), jnp.float32)
@@ -545,7 +547,8 @@ def check_gated_delta_rule(ctx: Context) -> list[dict]:
         impls = {"pallas": run("pallas", 64), "chunked": run("chunked", 16), "reference": run("reference", 64)}
         if t > 4096:  # the recurrence is T sequential steps: compared up to 4k tokens
             del impls["reference"]
-        rows += _against_reference(ctx, {"shape": f"B{b} T{t} H{h} K{kd} V{vd}"}, impls, (q, k, v, g, beta), ct)
+        rows += _against_reference(ctx, {"shape": f"B{b} T{t} H{h} K{kd} V{vd}", "decay": decay}, impls,
+                                    (q, k, v, g, beta), ct)
     return rows
 
 

@@ -126,12 +126,12 @@ def _main(argv: list[str] | None, signals: _ImportSignals) -> int:
 
         quiet_orbax_aftermath_until_exit()
 
-    if args.command == "bench" and args.target == "gpu-compile":
+    if args.command == "bench" and args.target in ("gpu-compile", "linear-attention"):
         from moefast.bench import gpu_compile
 
         try:
             # before JAX starts: JAX_PLATFORMS=cpu, the CUDA plugin's path and the cluster model
-            gpu_compile.prepare_process(args.network)
+            gpu_compile.prepare_process(args.network if args.target == "gpu-compile" else None)
         except (RuntimeError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

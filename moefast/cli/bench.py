@@ -33,6 +33,10 @@ BENCH_TARGETS = {
                    "conditionals and state copies, collectives (dtype, bytes, async or not), kernels and XLA's "
                    "scheduling estimate; exits 1 when the step does not fit (needs the CUDA PJRT plugin: README, "
                    "'Compiling for GPUs without a GPU')",
+    "linear-attention": "the gated delta rule's forward + backward (Gated DeltaNet's decay per head, KDA's per key "
+                        "channel) compiled for one --gpu without a GPU, the Pallas kernels against the chunked form in "
+                        "XLA ops at 4k, 16k and 64k tokens (--quick: 4k): temporaries, XLA's FLOP count against the "
+                        "analytical one, the kernels and while loops in the program (needs the CUDA PJRT plugin)",
     "data": "moefast prepare against Hugging Face datasets map(num_proc=2) (MB/s, tokens/s), then time to first "
             "batch, peak host memory and batches/s of training from prepared shards against the in-memory path for "
             "corpora of --sizes GB of tokens, and the tiny config's train steps/s",
@@ -105,7 +109,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="train, memory, malloc, overlap, gpu-compile, precision, optimizer: YAML config (default: "
                         "configs/tiny.yaml)")
     b.add_argument("--gpu", default="h100", metavar="h100|h200|FILE",
-                   help="gpu-compile: the GPU to compile for (default h100: H100 SXM 80 GB; h200: H200 141 GB), or a "
+                   help="gpu-compile, linear-attention: the GPU to compile for (default h100: H100 SXM 80 GB; h200: H200 141 GB), or a "
                         "target description file (scripts/gpu_check.py saves a real GPU's)")
     b.add_argument("--autotune", default=None, metavar="FILE",
                    help="gpu-compile: XLA autotuning results from a real GPU (scripts/gpu_check.py saves them)")
@@ -132,7 +136,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="gpu-compile: the config with model.precision=bf16, then fp8 (the FP8 GEMM kernels costed from "
                         "their FLOPs in the re-costed columns)")
     b.add_argument("--quick", action="store_true",
-                   help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU")
+                   help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU; linear-attention: 4k tokens "
+                        "only")
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
     b.add_argument("--repeats", type=int, default=5, help="routing: timed runs per point; the median is reported")
     b.add_argument("--steps", type=int, default=None,
@@ -189,6 +194,7 @@ BENCH_OPTIONS = {
     "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
     "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "ablate_exchange",
                     "ablate_precision", "network", "twin"},
+    "linear-attention": {"json", "gpu", "quick"},
     "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
     "precision": {"overrides", "config", "json", "steps", "seeds", "vary"},
     "optimizer": {"overrides", "config", "json", "steps", "seeds", "lr_grid", "eval_every"},
@@ -375,6 +381,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               f"and {args.rounds}")
         return malloc.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
                               overrides=args.overrides)
+    if args.target == "linear-attention":
+        from moefast.bench import linear_attention
+
+        return linear_attention.run_cli(gpu=args.gpu, quick=args.quick, json_out=args.json)
     if args.target in ("gpu-compile", "data", "precision", "optimizer"):
         return {"gpu-compile": _gpu_compile, "data": _data, "precision": _precision,
                 "optimizer": _optimizer}[args.target](args)
