@@ -196,12 +196,13 @@ class MeshConfig:
       context: context-parallel axis (``moefast.parallel.context``): every row's tokens split over
         it, in 2 x context chunks of which each device holds a mirrored pair (chunks j and
         2 x context - 1 - j: the same causal attention work on every device, as Megatron-LM and
-        MaxText order them); only attention communicates along it (each device gathers the
-        row's keys and values; for multi-head latent attention the compressed latent and the
-        RoPE key), and the expert exchange takes it as one more token axis. For rows too long for
-        one device's activations. ``data.seq_len`` must be a multiple of 2 x context; not with
-        Gated DeltaNet layers (their recurrent state would have to pass between devices) nor
-        ``model.sequence_slices``; dropout masks differ from an unsplit run's (drawn over the
+        MaxText order them); attention communicates along it (each device gathers the row's keys
+        and values; for multi-head latent attention the compressed latent and the RoPE key),
+        linear attention (Gated DeltaNet, KDA) passes its recurrent states and the convolution's
+        last inputs (``moefast.parallel.linear_context``), and the expert exchange takes it as
+        one more token axis. For rows too long for one device's activations. ``data.seq_len``
+        must be a multiple of 2 x context (with linear-attention layers, of pieces of at least
+        ``model.linear_conv_kernel_dim`` - 1 tokens); not with ``model.sequence_slices``; dropout masks differ from an unsplit run's (drawn over the
         reordered tokens). 1 (default): rows whole on each device. Never -1.
     """
 
