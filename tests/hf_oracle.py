@@ -97,3 +97,39 @@ def reload_bit_for_bit(model, out, architecture: str):
     for name, w in want_sd.items():
         assert torch.equal(got_sd[name], w), name
     return reloaded
+
+
+def tensors(directory) -> dict:
+    """Every tensor of the ``*.safetensors`` files in ``directory``, by name, as NumPy arrays."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), framework="numpy") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def rewrite(src, dst, drop=(), top=False, **config_changes):
+    """A copy of HF directory ``src`` at ``dst`` without tensors ``drop`` and with config.json's
+    keys changed (for a vision-language config, its text_config's unless ``top``); a key changed
+    to None is removed."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    keys = cfg if top else cfg.get("text_config", cfg)
+    keys.update(config_changes)
+    for k, v in config_changes.items():
+        if v is None:
+            keys.pop(k)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        from safetensors.numpy import save_file
+
+        kept = tensors(dst)
+        assert all(n in kept for n in drop)
+        save_file({k: v for k, v in kept.items() if k not in drop}, str(dst / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return dst

@@ -24,7 +24,6 @@ Until the Gated DeltaNet kernel package exists, run with a stub of it::
 """
 
 import json
-import shutil
 
 import jax
 import numpy as np
@@ -34,7 +33,7 @@ torch = pytest.importorskip("torch", reason="torch (a test dependency) is not in
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 
 from moefast.interop import hf  # noqa: E402
-from hf_oracle import hf_forward, module, ours, saved_layouts  # noqa: E402
+from hf_oracle import hf_forward, module, ours, rewrite, saved_layouts, tensors  # noqa: E402
 
 V, B, T = 128, 2, 40
 PAD_FROM = 27  # row 1 is padding from here on
@@ -160,16 +159,6 @@ def test_grouped_deltanet_projections_are_transformers_q_k_v_z_b_a(saved):
     _equal_trees(to_layout(params, cfg.model, scanned=True), scanned)
 
 
-def _tensors(directory) -> dict:
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="numpy") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
 def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path):
     """Both expert layouts: transformers loads the export (Qwen3.5-MoE's as its text model) with
     every weight bit-equal to the original's language model and the same logits; load_hf of the
@@ -225,28 +214,7 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
         got, _ = hf_forward(next_, tokens, mask)
         np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=0)
         _equal_trees(params, _load_quietly(out)[1])
-        assert _tensors(out).keys() & {"model.layers.0.linear_attn.in_proj_qkvz.weight"}
-
-
-def _rewrite(src, dst, drop=(), top=False, **config_changes):
-    """A copy of HF directory ``src`` without tensors ``drop`` and with config.json's keys changed
-    (for a vision-language config, its text_config's unless ``top``); a key changed to None is removed."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    keys = cfg if top else cfg.get("text_config", cfg)
-    keys.update(config_changes)
-    for k, v in config_changes.items():
-        if v is None:
-            keys.pop(k)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    if drop:
-        from safetensors.numpy import save_file
-
-        tensors = _tensors(dst)
-        assert all(n in tensors for n in drop)
-        save_file({k: v for k, v in tensors.items() if k not in drop}, str(dst / "model.safetensors"),
-                  metadata={"format": "pt"})
-    return dst
+        assert tensors(out).keys() & {"model.layers.0.linear_attn.in_proj_qkvz.weight"}
 
 
 def test_bad_checkpoints_are_one_clear_error(saved, tmp_path):
@@ -260,26 +228,26 @@ def test_bad_checkpoints_are_one_clear_error(saved, tmp_path):
     missing = prefix + ("layers.1.linear_attn.in_proj_ba.weight" if family == "qwen3_next"
                         else "layers.1.linear_attn.in_proj_a.weight")
     with pytest.raises(hf.HFFormatError, match=rf"1 tensor that config.json implies is missing: \['{missing}'\]"):
-        hf.load_hf(_rewrite(src, tmp_path / "no-a", drop=[missing]))
-    layer = [n for n in _tensors(src) if n.startswith(prefix + "layers.1.linear_attn.")]
+        hf.load_hf(rewrite(src, tmp_path / "no-a", drop=[missing]))
+    layer = [n for n in tensors(src) if n.startswith(prefix + "layers.1.linear_attn.")]
     with pytest.raises(hf.HFFormatError, match=rf"{len(layer)} tensors that config.json implies are missing, "
                                                rf"e.g. \['{prefix}layers.1.linear_attn.[^']*', '"):
-        hf.load_hf(_rewrite(src, tmp_path / "no-layer", drop=layer))
+        hf.load_hf(rewrite(src, tmp_path / "no-layer", drop=layer))
     conv = prefix + "layers.2.linear_attn.conv1d.weight"
     with pytest.raises(hf.HFFormatError, match=rf"\['{conv}'\]"):
-        hf.load_hf(_rewrite(src, tmp_path / "no-conv", drop=[conv]))
+        hf.load_hf(rewrite(src, tmp_path / "no-conv", drop=[conv]))
     with pytest.raises(hf.HFFormatError, match=r"layer_types=\[.*\] .* 3 entries for num_hidden_layers=4: one per layer"):
-        hf.config_from_hf(_rewrite(src, tmp_path / "short", layer_types=["linear_attention"] * 2 + ["full_attention"]))
+        hf.config_from_hf(rewrite(src, tmp_path / "short", layer_types=["linear_attention"] * 2 + ["full_attention"]))
     with pytest.raises(hf.HFFormatError, match=r"4 entries for num_hidden_layers=4, with 'mamba': one per layer, each "
                                                r"'full_attention' or 'linear_attention'"):
-        hf.config_from_hf(_rewrite(src, tmp_path / "kind", layer_types=["mamba"] + ["linear_attention"] * 3))
-    m = hf.config_from_hf(_rewrite(src, tmp_path / "default", layer_types=None)).model
+        hf.config_from_hf(rewrite(src, tmp_path / "kind", layer_types=["mamba"] + ["linear_attention"] * 3))
+    m = hf.config_from_hf(rewrite(src, tmp_path / "default", layer_types=None)).model
     assert m.layer_types == ("linear_attention",) * 3 + ("full_attention",)  # transformers' default interval 4
     with pytest.raises(hf.HFFormatError, match="attention_bias"):
-        hf.config_from_hf(_rewrite(src, tmp_path / "bias", attention_bias=True))
+        hf.config_from_hf(rewrite(src, tmp_path / "bias", attention_bias=True))
     if family == "qwen3_5_moe":
         with pytest.raises(hf.HFFormatError, match="keeps its language model's config in 'text_config'"):
-            hf.config_from_hf(_rewrite(src, tmp_path / "no-text", top=True, text_config=None))
+            hf.config_from_hf(rewrite(src, tmp_path / "no-text", top=True, text_config=None))
 
 
 @pytest.mark.parametrize("saved", ["qwen3_5_moe_text"], indirect=True)
@@ -325,7 +293,7 @@ def with_mtp(request, tmp_path_factory):
     config.get("text_config", config).update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
     (main_dir / "config.json").write_text(json.dumps(config))
     layer = f"model.layers.{DONOR_LAYER}."
-    mtp = {"mtp.layers.0." + k[len(layer):]: x for k, x in _tensors(donor_dir).items() if k.startswith(layer)}
+    mtp = {"mtp.layers.0." + k[len(layer):]: x for k, x in tensors(donor_dir).items() if k.startswith(layer)}
     assert "mtp.layers.0.mlp.experts.0.gate_proj.weight" in mtp  # the hub's per-expert layout
     rng, d = np.random.default_rng(5), TEXT["hidden_size"]
     for name in MTP_OWN:
@@ -368,7 +336,7 @@ def test_mtp_layer_is_read_and_written_back_exactly(with_mtp, tmp_path):
         assert notes == [] and cfg2.model == cfg.model
         _equal_trees(params, params2)
         if layout == "per_expert":
-            tensors = {k: x for k, x in _tensors(out).items() if k.startswith("mtp.")}
+            tensors = {k: x for k, x in tensors(out).items() if k.startswith("mtp.")}
             assert sorted(tensors) == sorted(mtp)
             for name, x in mtp.items():
                 np.testing.assert_array_equal(tensors[name], x, err_msg=name)
@@ -432,7 +400,7 @@ def test_mtp_layers_moefast_cannot_hold_exactly_are_one_clear_error(with_mtp, tm
     from safetensors.numpy import save_file
 
     family, _, _, src, mtp = with_mtp
-    two = _rewrite(src, tmp_path / "two", mtp_num_hidden_layers=2)
+    two = rewrite(src, tmp_path / "two", mtp_num_hidden_layers=2)
     second = {"mtp.layers.1." + k[len("mtp.layers.0."):]: x for k, x in mtp.items() if k.startswith("mtp.layers.0.")}
     save_file(second, str(two / "mtp-1.safetensors"), metadata={"format": "pt"})
     with pytest.raises(hf.HFFormatError, match=r"mtp_num_hidden_layers=2 .*share one fc, its norms and the final "
@@ -449,11 +417,11 @@ def test_mtp_layers_moefast_cannot_hold_exactly_are_one_clear_error(with_mtp, tm
         hf.save_hf(deep, params, tmp_path / "out", family=family)
     assert not (tmp_path / "out").exists()
     with pytest.raises(hf.HFFormatError, match=r"mtp_use_dedicated_embeddings=True .*model.mtp_depth=0 \(the next"):
-        hf.config_from_hf(_rewrite(src, tmp_path / "own-embed", mtp_use_dedicated_embeddings=True))
+        hf.config_from_hf(rewrite(src, tmp_path / "own-embed", mtp_use_dedicated_embeddings=True))
     if family == "qwen3_next":
         with pytest.raises(hf.HFFormatError, match=r"mtp_num_hidden_layers=1 .*model.mtp_depth=1 with layer 0 dense"):
-            hf.config_from_hf(_rewrite(src, tmp_path / "dense-0", mlp_only_layers=[0]))
-    cfg0 = hf.config_from_hf(_rewrite(src, tmp_path / "no-key", mtp_num_hidden_layers=None))
+            hf.config_from_hf(rewrite(src, tmp_path / "dense-0", mlp_only_layers=[0]))
+    cfg0 = hf.config_from_hf(rewrite(src, tmp_path / "no-key", mtp_num_hidden_layers=None))
     assert cfg0.model.mtp_depth == 0
     notes = []
     hf.load_hf_params(tmp_path / "no-key", cfg0, log=notes.append)

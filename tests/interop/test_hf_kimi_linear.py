@@ -17,7 +17,6 @@ each, and an export that cannot be exact writes nothing.
 """
 
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ if not hasattr(transformers, "KimiLinearConfig"):
 
 from moefast.interop import hf  # noqa: E402
 from moefast.model import transformer  # noqa: E402
-from hf_oracle import hf_forward, module, ours, reload_bit_for_bit, saved_layouts  # noqa: E402
+from hf_oracle import hf_forward, module, ours, reload_bit_for_bit, rewrite, saved_layouts, tensors  # noqa: E402
 
 V, B, T = 128, 2, 40
 PAD_FROM = 27  # row 1 is padding from here on
@@ -71,16 +70,6 @@ def _inputs():
 def _equal_trees(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
-
-
-def _tensors(directory) -> dict:
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="numpy") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +145,7 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
                 written["num_shared_experts"], written["first_k_dense_replace"], written["mla_use_nope"]) == \
             (8, 2, 2, 2, 1, True)
         assert "rope_parameters" not in written and "num_experts_per_tok" not in written
-        names = _tensors(out)
+        names = tensors(out)
         if layout == "per_expert":
             assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.q_conv1d.weight",
                     "model.layers.1.block_sparse_moe.experts.7.w2.weight"} <= names.keys()
@@ -169,26 +158,6 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
         _equal_trees(routing_state, hf.load_hf_routing(out, cfg2))
 
 
-def _rewrite(src, dst, drop=(), **config_changes):
-    """A copy of HF directory ``src`` without tensors ``drop`` and with config.json's keys changed (a
-    key changed to None is removed)."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config_changes)
-    for k, v in config_changes.items():
-        if v is None:
-            cfg.pop(k)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    if drop:
-        from safetensors.numpy import save_file
-
-        tensors = _tensors(dst)
-        assert all(n in tensors for n in drop)
-        save_file({k: v for k, v in tensors.items() if k not in drop}, str(dst / "model.safetensors"),
-                  metadata={"format": "pt"})
-    return dst
-
-
 def test_bad_checkpoints_are_one_clear_error(saved, tmp_path):
     """A missing KDA tensor, layer lists that miss a layer, disagree with layer_types or carry a key
     Kimi Linear has not, RoPE on the MLA layers: one error naming the tensor or the key. Without
@@ -197,22 +166,22 @@ def test_bad_checkpoints_are_one_clear_error(saved, tmp_path):
     src = dirs["per_expert"]
     conv = "model.layers.2.self_attn.k_conv1d.weight"
     with pytest.raises(hf.HFFormatError, match=rf"1 tensor that config.json implies is missing: \['{conv}'\]"):
-        hf.load_hf(_rewrite(src, tmp_path / "no-conv", drop=[conv]))
-    hub = _rewrite(src, tmp_path / "hub", layer_types=None, mlp_layer_types=None)  # the hub's keys only
+        hf.load_hf(rewrite(src, tmp_path / "no-conv", drop=[conv]))
+    hub = rewrite(src, tmp_path / "hub", layer_types=None, mlp_layer_types=None)  # the hub's keys only
     assert hf.config_from_hf(hub).model == cfg.model
     linear = CONFIG["linear_attn_config"]
     with pytest.raises(hf.HFFormatError, match=r"linear_attn_config.kda_layers=\[1, 2\] .*layer 3 is in neither"):
-        hf.config_from_hf(_rewrite(hub, tmp_path / "gap", linear_attn_config={**linear, "kda_layers": [1, 2]}))
+        hf.config_from_hf(rewrite(hub, tmp_path / "gap", linear_attn_config={**linear, "kda_layers": [1, 2]}))
     with pytest.raises(hf.HFFormatError, match=r"layer_types=.* disagrees with linear_attn_config's kda_layers"):
-        hf.config_from_hf(_rewrite(src, tmp_path / "disagree", layer_types=["linear_attention"] * 4))
+        hf.config_from_hf(rewrite(src, tmp_path / "disagree", layer_types=["linear_attention"] * 4))
     with pytest.raises(hf.HFFormatError, match=r"layer_types=.* 3 entries for num_hidden_layers=4"):
-        hf.config_from_hf(_rewrite(src, tmp_path / "short", layer_types=["linear_attention"] * 2 + ["full_attention"],
+        hf.config_from_hf(rewrite(src, tmp_path / "short", layer_types=["linear_attention"] * 2 + ["full_attention"],
                                    linear_attn_config={k: v for k, v in linear.items() if not k.endswith("layers")}))
     with pytest.raises(hf.HFFormatError, match=r"linear_attn_config.gate_lower_bound=-5.0 \(kimi_linear\) is not "
                                                r"supported: not a Kimi Linear key"):
-        hf.config_from_hf(_rewrite(src, tmp_path / "k3", linear_attn_config={**linear, "gate_lower_bound": -5.0}))
+        hf.config_from_hf(rewrite(src, tmp_path / "k3", linear_attn_config={**linear, "gate_lower_bound": -5.0}))
     with pytest.raises(hf.HFFormatError, match=r"mla_use_nope=False .*never rotates"):
-        hf.config_from_hf(_rewrite(src, tmp_path / "rope", mla_use_nope=False))
+        hf.config_from_hf(rewrite(src, tmp_path / "rope", mla_use_nope=False))
     tied = cfg.replace(model=cfg.model.__class__(**{**cfg.model.__dict__, "tie_embeddings": True}))
     with pytest.raises(hf.HFFormatError, match=r"kimi_linear cannot represent this model: it has "
                                                r"model.tie_embeddings=true"):

@@ -56,6 +56,25 @@ def close(got, want, tol=TOL):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol)
 
 
+def _value_and_grads(fn, args, seed=1):
+    """``fn``'s outputs and its VJP of random cotangents, at ``args``."""
+    out, vjp = jax.vjp(fn, *args)
+    rng = np.random.default_rng(seed)
+    return out, vjp(tuple(jnp.asarray(rng.normal(size=y.shape), jnp.float32) for y in out))
+
+
+def _assert_same(got, want, what: str):
+    """``(outputs, grads)`` pairs of :func:`_value_and_grads` equal: o and the final state, then
+    each gradient (finite, 1e-4 relative, 2e-5 of its largest)."""
+    (out, grads), (want_out, want_grads) = got, want
+    close(out[0], want_out[0])
+    close(out[1], want_out[1])
+    for name, a, e in zip(("q", "k", "v", "g", "beta", "initial_state"), grads, want_grads):
+        assert np.all(np.isfinite(np.asarray(a))), name
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=2e-5 * max(1.0, np.abs(e).max()),
+                                   err_msg=f"d/d{name} vs {what}")
+
+
 def test_reference_equals_the_float64_recurrence():
     x, s0 = inputs(t=21)
     seg = np.repeat(np.where(np.arange(21) < 9, 1, 2)[None], 2, 0)
@@ -74,30 +93,23 @@ def test_chunked_equals_reference_forward_and_gradients(t, chunk, h, strong):
     fns = [lambda *a, c=c: gated_delta_rule_chunked(*a[:5], initial_state=a[5], chunk_size=c) for c in (chunk,)]
     fns.append(lambda *a: gated_delta_rule_reference(*a[:5], initial_state=a[5]))
 
-    def value_and_grads(fn, args):
-        out, vjp = jax.vjp(fn, *args)
-        rng = np.random.default_rng(1)
-        return out, vjp(tuple(jnp.asarray(rng.normal(size=y.shape), jnp.float32) for y in out))
-
-    (out, grads), (out_ref, grads_ref) = jax.jit(lambda *a: tuple(value_and_grads(f, a) for f in fns))(*x, s0)
-    close(out[0], out_ref[0])
-    close(out[1], out_ref[1])
-    for name, a, e in zip(("q", "k", "v", "g", "beta", "initial_state"), grads, grads_ref):
-        assert np.all(np.isfinite(np.asarray(a))), name
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=2e-5 * max(1.0, np.abs(e).max()),
-                                   err_msg=f"d/d{name}")
+    got, want = jax.jit(lambda *a: tuple(_value_and_grads(f, a) for f in fns))(*x, s0)
+    _assert_same(got, want, "reference")
 
 
-def test_packed_documents_equal_each_document_alone():
+@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+def test_packed_documents_equal_each_document_alone(impl):
     """Row 0 holds documents starting at 0, 16 (a chunk edge) and 21 (inside a chunk); each gives,
-    packed, what it gives alone (padded after it with g = 0, beta = 0, which keep the state)."""
+    packed, what it gives alone (padded after it with g = 0, beta = 0, which keep the state), in
+    the chunked form and the Pallas kernel (interpreted)."""
     t = 40
     x, _ = inputs(b=1, t=t, seed=4)
     starts = [0, 16, 21, t]
     seg = np.zeros((1, t), np.int32)
     for i, (a, e) in enumerate(zip(starts, starts[1:])):
         seg[0, a:e] = i + 1
-    fn = jax.jit(lambda *a, seg=None: gated_delta_rule(*a, segment_ids=seg, impl="chunked", chunk_size=16))
+    kw = {"interpret": True} if impl == "pallas" else {}
+    fn = jax.jit(lambda *a, seg=None: gated_delta_rule(*a, segment_ids=seg, impl=impl, chunk_size=16, **kw))
     o, s = fn(*x, seg=jnp.asarray(seg))
     for a, e in zip(starts, starts[1:]):
         rest = lambda i, y: jnp.zeros_like(y[:, : t - (e - a)]) if i >= 3 else y[:, : t - (e - a)]  # g, beta: 0
@@ -121,10 +133,6 @@ def test_auto_follows_the_platform_for_a_per_channel_decay():
         gated_delta_rule_reference(x[0], x[1], x[2], x[3][..., :3], x[4])
 
 
-def _value_and_grads(fn, args, seed=1):
-    out, vjp = jax.vjp(fn, *args)
-    rng = np.random.default_rng(seed)
-    return out, vjp(tuple(jnp.asarray(rng.normal(size=y.shape), jnp.float32) for y in out))
 
 
 @pytest.mark.parametrize("t,chunk,h,strong,packed", [
@@ -145,30 +153,5 @@ def test_pallas_equals_chunked_and_reference_forward_and_gradients(t, chunk, h, 
            for fn, kw in ((gated_delta_rule_pallas, dict(chunk_size=chunk, interpret=True)),
                           (gated_delta_rule_chunked, dict(chunk_size=chunk)), (gated_delta_rule_reference, {}))]
     results = jax.jit(lambda *a: tuple(_value_and_grads(f, a) for f in fns))(*x, s0)
-    (out, grads) = results[0]
-    for (want_out, want_grads), what in zip(results[1:], ("chunked", "reference")):
-        close(out[0], want_out[0])
-        close(out[1], want_out[1])
-        for name, a, e in zip(("q", "k", "v", "g", "beta", "initial_state"), grads, want_grads):
-            assert np.all(np.isfinite(np.asarray(a))), name
-            np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=2e-5 * max(1.0, np.abs(e).max()),
-                                       err_msg=f"d/d{name} vs {what}")
-
-
-def test_pallas_packed_documents_equal_each_document_alone():
-    """The kernel's packed rows (documents starting at 0, 16 and 21) give what each document gives
-    alone, as the chunked form's do."""
-    t = 40
-    x, _ = inputs(b=1, t=t, seed=4)
-    starts = [0, 16, 21, t]
-    seg = np.zeros((1, t), np.int32)
-    for i, (a, e) in enumerate(zip(starts, starts[1:])):
-        seg[0, a:e] = i + 1
-    fn = jax.jit(lambda *a, seg=None: gated_delta_rule_pallas(*a, segment_ids=seg, chunk_size=16, interpret=True))
-    o, s = fn(*x, seg=jnp.asarray(seg))
-    for a, e in zip(starts, starts[1:]):
-        rest = lambda i, y: jnp.zeros_like(y[:, : t - (e - a)]) if i >= 3 else y[:, : t - (e - a)]  # g, beta: 0
-        alone = tuple(jnp.concatenate([y[:, a:e], rest(i, y)], axis=1) for i, y in enumerate(x))
-        o1, s1 = fn(*alone)
-        close(o[:, a:e], o1[:, : e - a])
-    close(s, s1)
+    for want, what in zip(results[1:], ("chunked", "reference")):
+        _assert_same(results[0], want, what)
