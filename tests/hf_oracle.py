@@ -133,3 +133,18 @@ def rewrite(src, dst, drop=(), top=False, **config_changes):
         save_file({k: v for k, v in kept.items() if k not in drop}, str(dst / "model.safetensors"),
                   metadata={"format": "pt"})
     return dst
+
+
+def padded_batch(vocab: int, batch: int, tokens: int, pad_from: int):
+    """Random token ids [batch, tokens] (seed 0) and an attention mask with row 1 padded from
+    ``pad_from`` on."""
+    ids = np.random.default_rng(0).integers(0, vocab, (batch, tokens))
+    mask = np.ones((batch, tokens), np.int64)
+    mask[1, pad_from:] = 0
+    return ids, mask
+
+
+def equal_trees(a, b):
+    """Two pytrees of one structure, every leaf equal bit for bit."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)

@@ -33,7 +33,8 @@ torch = pytest.importorskip("torch", reason="torch (a test dependency) is not in
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 
 from moefast.interop import hf  # noqa: E402
-from hf_oracle import hf_forward, module, ours, rewrite, saved_layouts, tensors  # noqa: E402
+from hf_oracle import (equal_trees, hf_forward, module, ours, padded_batch, rewrite, saved_layouts,  # noqa: E402
+                       tensors)
 
 V, B, T = 128, 2, 40
 PAD_FROM = 27  # row 1 is padding from here on
@@ -83,18 +84,6 @@ def _hf_model(family: str, seed: int = 0, **changes):
     return model
 
 
-def _inputs():
-    tokens = np.random.default_rng(0).integers(0, V, (B, T))
-    mask = np.ones((B, T), np.int64)
-    mask[1, PAD_FROM:] = 0
-    return tokens, mask
-
-
-def _equal_trees(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
-
-
 def _load_quietly(directory):
     """load_hf, with the vision-language checkpoint's one note collected rather than warned."""
     cfg = hf.config_from_hf(directory)
@@ -112,7 +101,7 @@ def saved(request, tmp_path_factory):
 
 def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
     family, model, dirs = saved
-    tokens, mask = _inputs()
+    tokens, mask = padded_batch(V, B, T, PAD_FROM)
     want, want_chosen = hf_forward(model, tokens, mask)
     cfg, params, notes = _load_quietly(dirs["per_expert"])
     m = cfg.model
@@ -135,7 +124,7 @@ def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
     for layer, (g, w) in enumerate(zip(got_chosen, want_chosen)):
         assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)]), f"MoE layer {layer}: other experts chosen"
     _, fused, _ = _load_quietly(dirs["fused"])  # the fused on-disk layout: the very same parameters
-    _equal_trees(params, fused)
+    equal_trees(params, fused)
 
 
 @pytest.mark.parametrize("saved", ["qwen3_next"], indirect=True)
@@ -156,7 +145,7 @@ def test_grouped_deltanet_projections_are_transformers_q_k_v_z_b_a(saved):
     from moefast.model.layout import to_layout  # the scanned layout (dense prefix, then the period) reads the same
 
     _, scanned = hf.load_hf(dirs["per_expert"], ["model.scan_layers=true"])
-    _equal_trees(to_layout(params, cfg.model, scanned=True), scanned)
+    equal_trees(to_layout(params, cfg.model, scanned=True), scanned)
 
 
 def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path):
@@ -174,7 +163,7 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
     prefix = TEXT_PREFIX.get(family, "model.")
     want_sd = {("model." + n[len(prefix):] if n.startswith(prefix) else n): w for n, w in model.state_dict().items()
                if not n.startswith("model.visual.")}
-    tokens, mask = _inputs()
+    tokens, mask = padded_batch(V, B, T, PAD_FROM)
     want, _ = hf_forward(model, tokens, mask)
     real = mask.astype(bool)
     for layout in ("per_expert", "fused"):
@@ -206,14 +195,14 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
             np.testing.assert_allclose(got[real], want[real], atol=1e-6, rtol=0)
         cfg2, params2, notes = _load_quietly(out)
         assert notes == [] and cfg2.model == cfg.model and cfg2.moe == cfg.moe
-        _equal_trees(params, params2)
+        equal_trees(params, params2)
     if family == "qwen3_5_moe_text":  # the same model written as the other family
         out = hf.save_hf(cfg, params, tmp_path / "as-next", routing_state=routing_state)
         next_ = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         assert type(next_).__name__ == "Qwen3NextForCausalLM"
         got, _ = hf_forward(next_, tokens, mask)
         np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=0)
-        _equal_trees(params, _load_quietly(out)[1])
+        equal_trees(params, _load_quietly(out)[1])
         assert tensors(out).keys() & {"model.layers.0.linear_attn.in_proj_qkvz.weight"}
 
 
@@ -326,7 +315,7 @@ def test_mtp_layer_is_read_and_written_back_exactly(with_mtp, tmp_path):
     np.testing.assert_array_equal(np.asarray(got["eh_proj"]), mtp["mtp.fc.weight"].T)
     assert {"qkv", "gate", "q_norm", "k_norm"} <= set(got["block"]["attn"]) and "in_proj" not in got["block"]["attn"]
     scanned = hf.load_hf_params(src, hf.config_from_hf(src, ["model.scan_layers=true"]), log=notes.append)
-    _equal_trees(params["mtp"], scanned["mtp"])  # MTP modules stay unrolled in both layouts
+    equal_trees(params["mtp"], scanned["mtp"])  # MTP modules stay unrolled in both layouts
     routing_state = hf.load_hf_routing(src, cfg)
     for layout in ("per_expert", "fused"):
         out = hf.save_hf(cfg, params, tmp_path / layout, routing_state=routing_state, layout=layout, family=family)
@@ -334,12 +323,12 @@ def test_mtp_layer_is_read_and_written_back_exactly(with_mtp, tmp_path):
         assert written["mtp_num_hidden_layers"] == 1 and written["mtp_use_dedicated_embeddings"] is False
         cfg2, params2, notes = _load_quietly(out)
         assert notes == [] and cfg2.model == cfg.model
-        _equal_trees(params, params2)
+        equal_trees(params, params2)
         if layout == "per_expert":
-            tensors = {k: x for k, x in tensors(out).items() if k.startswith("mtp.")}
-            assert sorted(tensors) == sorted(mtp)
+            written_mtp = {k: x for k, x in tensors(out).items() if k.startswith("mtp.")}
+            assert sorted(written_mtp) == sorted(mtp)
             for name, x in mtp.items():
-                np.testing.assert_array_equal(tensors[name], x, err_msg=name)
+                np.testing.assert_array_equal(written_mtp[name], x, err_msg=name)
             _, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                         output_loading_info=True)
             assert not any(info[k] for k in ("missing_keys", "mismatched_keys")), info
@@ -347,7 +336,7 @@ def test_mtp_layer_is_read_and_written_back_exactly(with_mtp, tmp_path):
     notes = []
     params0 = hf.load_hf_params(src, cfg0, log=notes.append)
     assert any(f"{len(mtp)} tensors of the checkpoint's multi-token-prediction layers" in n for n in notes), notes
-    _equal_trees({k: v for k, v in params.items() if k != "mtp"}, params0)
+    equal_trees({k: v for k, v in params.items() if k != "mtp"}, params0)
 
 
 def test_mtp_logits_equal_vllm_forward_over_transformers_decoder_layer(with_mtp):

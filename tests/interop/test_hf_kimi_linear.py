@@ -30,7 +30,8 @@ if not hasattr(transformers, "KimiLinearConfig"):
 
 from moefast.interop import hf  # noqa: E402
 from moefast.model import transformer  # noqa: E402
-from hf_oracle import hf_forward, module, ours, reload_bit_for_bit, rewrite, saved_layouts, tensors  # noqa: E402
+from hf_oracle import (equal_trees, hf_forward, module, ours, padded_batch, reload_bit_for_bit, rewrite,  # noqa: E402
+                       saved_layouts, tensors)
 
 V, B, T = 128, 2, 40
 PAD_FROM = 27  # row 1 is padding from here on
@@ -60,18 +61,6 @@ def _hf_model(seed: int = 0):
     return model
 
 
-def _inputs():
-    tokens = np.random.default_rng(0).integers(0, V, (B, T))
-    mask = np.ones((B, T), np.int64)
-    mask[1, PAD_FROM:] = 0
-    return tokens, mask
-
-
-def _equal_trees(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(HF model, its directory per on-disk layout, moefast's config, params and routing state)."""
@@ -91,7 +80,7 @@ def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
         ("sigmoid", 2, 1, 2.5, True)
     assert (e.shared_expert_d_ff, e.shared_expert_gate, m.tie_embeddings) == (64, False, False)
     assert np.abs(np.asarray(routing_state["bias"])).max() > 0  # the selection biases were read
-    tokens, mask = _inputs()
+    tokens, mask = padded_batch(V, B, T, PAD_FROM)
     want, want_chosen = hf_forward(model, tokens, mask)
     got, got_chosen = ours(cfg, params, routing_state, tokens, mask, monkeypatch)
     real = mask.astype(bool)
@@ -101,15 +90,15 @@ def test_logits_and_chosen_experts_equal_transformers(saved, monkeypatch):
         assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)]), f"MoE layer {layer}: other experts chosen"
     fused_cfg, fused = hf.load_hf(dirs["fused"])  # transformers' in-memory names: the very same model
     assert fused_cfg.model == m and fused_cfg.moe == e
-    _equal_trees(params, fused)
-    _equal_trees(routing_state, hf.load_hf_routing(dirs["fused"], fused_cfg))
+    equal_trees(params, fused)
+    equal_trees(routing_state, hf.load_hf_routing(dirs["fused"], fused_cfg))
 
 
 def test_decoding_with_the_cache_equals_the_full_pass(saved):
     """Prefill, then one token at a time through the KDA states and MLA's compressed cache (its
     kv_b_proj absorbed; nothing rotated): the full pass's logits."""
     _, _, cfg, params, routing_state = saved
-    ids = jnp.asarray(_inputs()[0][:, :24], jnp.int32)
+    ids = jnp.asarray(padded_batch(V, B, T, PAD_FROM)[0][:, :24], jnp.int32)
     prefill = 20
 
     @jax.jit
@@ -154,8 +143,8 @@ def test_export_reloads_in_transformers_and_round_trips_exactly(saved, tmp_path)
         assert reloaded.config.mlp_layer_types == model.config.mlp_layer_types
         cfg2, params2 = hf.load_hf(out)
         assert cfg2.model == cfg.model and cfg2.moe == cfg.moe
-        _equal_trees(params, params2)
-        _equal_trees(routing_state, hf.load_hf_routing(out, cfg2))
+        equal_trees(params, params2)
+        equal_trees(routing_state, hf.load_hf_routing(out, cfg2))
 
 
 def test_bad_checkpoints_are_one_clear_error(saved, tmp_path):
