@@ -251,19 +251,6 @@ class _PallasCases:
     def test_packed_documents(self):
         check_packed_documents(functools.partial(self.pallas, chunk_size=16), seed=11)
 
-    def test_gradients_equal_reference(self):
-        t = 37
-        inputs, s0 = make_inputs(t=t, kd=8, vd=16, seed=13)
-        seg = jnp.asarray(np.stack([np.where(np.arange(t) < 16, 4, 5), np.where(np.arange(t) < 27, 0, 1)]),
-                          jnp.int32)
-        fns = [lambda q, k, v, g, beta, s, fn=fn, kw=kw: fn(q, k, v, g, beta, segment_ids=seg, initial_state=s, **kw)
-               for fn, kw in ((self.pallas, dict(chunk_size=16)), (gated_delta_rule_reference, {}))]
-        (out, grads), (out_ref, grads_ref) = run(lambda *a: (with_vjp(fns[0])(*a), with_vjp(fns[1])(*a)),
-                                                 *inputs, s0)
-        assert_close(out[0], out_ref[0])
-        assert_close(out[1], out_ref[1])
-        assert_close_grads(grads, grads_ref)
-
     @pytest.mark.parametrize("t,h,chunk,segmented", [
         (1, 1, 16, False),  # one token, one head
         (21, 3, 16, True),  # an odd number of heads; a document starts inside the second chunk
@@ -271,20 +258,21 @@ class _PallasCases:
     ])
     def test_gradients_equal_chunked_vjp(self, t, h, chunk, segmented):
         """The backward kernels equal the XLA VJP of the chunked form (same chunk size) they
-        replace, every gradient including the initial state's, with random cotangents of o and of
-        the final state."""
+        replace and the recurrence's gradients, every gradient including the initial state's,
+        with random cotangents of o and of the final state."""
         inputs, s0 = make_inputs(b=2, t=t, h=h, kd=8, vd=16, seed=40 + t)
         seg = None
         if segmented:
             seg = jnp.asarray(np.stack([np.where(np.arange(t) < min(16, t - 1), 2, 3),
                                         np.where(np.arange(t) < t // 3, 0, 1)]), jnp.int32)
-        fns = [lambda q, k, v, g, beta, s, fn=fn: fn(q, k, v, g, beta, segment_ids=seg, initial_state=s,
-                                                     chunk_size=chunk)
-               for fn in (self.pallas, gated_delta_rule_chunked)]
-        (out, grads), (out_c, grads_c) = run(lambda *a: (with_vjp(fns[0])(*a), with_vjp(fns[1])(*a)), *inputs, s0)
-        assert_close(out[0], out_c[0])
-        assert_close(out[1], out_c[1])
-        assert_close_grads(grads, grads_c)
+        fns = [lambda q, k, v, g, beta, s, fn=fn, kw=kw: fn(q, k, v, g, beta, segment_ids=seg, initial_state=s, **kw)
+               for fn, kw in ((self.pallas, dict(chunk_size=chunk)), (gated_delta_rule_chunked, dict(chunk_size=chunk)),
+                              (gated_delta_rule_reference, {}))]
+        (out, grads), *wants = run(lambda *a: tuple(with_vjp(f)(*a) for f in fns), *inputs, s0)
+        for out_w, grads_w in wants:
+            assert_close(out[0], out_w[0])
+            assert_close(out[1], out_w[1])
+            assert_close_grads(grads, grads_w)
 
     def test_bfloat16_gradients_take_the_inputs_dtypes(self):
         """bfloat16 q, k, v, g, beta: gradients in bfloat16 (computed in float32), the initial
