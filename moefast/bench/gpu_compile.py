@@ -59,7 +59,7 @@ GPUS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
 PREALLOCATED_FRACTION = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION
 PLUGIN_ENV = "MOEFAST_GPU_COMPILE_PATH"
 INSTALL_HINT = ("pip install -c constraints.txt --no-deps --target \"$VIRTUAL_ENV/gpu-compile\" "
-                "jax-cuda12-pjrt jax-cuda12-plugin jax-triton  (the versions of the installed jax; see README, "
+                "jax-cuda12-pjrt jax-cuda12-plugin nvidia-cuda-nvcc-cu12 jax-triton  (the versions of the installed jax; see README, "
                 "\"Compiling for GPUs\")")
 
 

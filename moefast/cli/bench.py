@@ -35,7 +35,7 @@ BENCH_TARGETS = {
                    "'Compiling for GPUs without a GPU')",
     "linear-attention": "the gated delta rule's forward + backward (Gated DeltaNet's decay per head, KDA's per key "
                         "channel) compiled for one --gpu without a GPU, the Pallas kernels against the chunked form in "
-                        "XLA ops at 4k, 16k and 64k tokens (--quick: 4k): temporaries, XLA's FLOP count against the "
+                        "XLA ops at 4k, 16k and 64k tokens (--quick: 4k, about 5 minutes on 2 cores): temporaries, XLA's FLOP count against the "
                         "analytical one, the kernels and while loops in the program (needs the CUDA PJRT plugin)",
     "data": "moefast prepare against Hugging Face datasets map(num_proc=2) (MB/s, tokens/s), then time to first "
             "batch, peak host memory and batches/s of training from prepared shards against the in-memory path for "
@@ -384,7 +384,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.target == "linear-attention":
         from moefast.bench import linear_attention
 
-        return linear_attention.run_cli(gpu=args.gpu, quick=args.quick, json_out=args.json)
+        try:
+            return linear_attention.run_cli(gpu=args.gpu, quick=args.quick, json_out=args.json)
+        except (ValueError, RuntimeError) as e:  # an unknown --gpu; the CUDA plugin missing
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.target in ("gpu-compile", "data", "precision", "optimizer"):
         return {"gpu-compile": _gpu_compile, "data": _data, "precision": _precision,
                 "optimizer": _optimizer}[args.target](args)

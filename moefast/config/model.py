@@ -324,8 +324,9 @@ class ModelConfig:
         self._check_layer_types()
         self._check_global()
         _require(self.sequence_slices == 1 or "linear_attention" not in (self.layer_types or ()),
-                 "model.sequence_slices", f"{self.sequence_slices} slices with Gated DeltaNet layers "
-                 "(model.layer_types): their recurrent state does not pass between slices; use 1")
+                 "model.sequence_slices", f"{self.sequence_slices} slices with linear-attention layers "
+                 f"({self.linear_attention_kind}, model.layer_types): their recurrent state does not pass between "
+                 "slices; use 1")
 
     def _check_layer_types(self):
         if self.layer_types is None:

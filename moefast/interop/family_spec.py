@@ -417,7 +417,8 @@ class KimiLinearKeys:
                 out[key] = hf[own]
         n = hf["num_hidden_layers"]
         refused = {"mla_use_nope": (False, "RoPE in the MLA layers: transformers' KimiLinearAttention never rotates "
-                                           "(Kimi Linear's MLA is NoPE); the checkpoint's own code would"),
+                                           "(Kimi Linear's MLA is NoPE), so this flag would make transformers and the "
+                                           "checkpoint's own code compute different models"),
                    "mla_use_output_gate": (True, "an output gate on the MLA layers (Kimi K3), which Kimi Linear has "
                                                  "not"),
                    "tie_word_embeddings": (True, "transformers' KimiLinearForCausalLM never ties its output head to "
