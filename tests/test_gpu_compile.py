@@ -29,7 +29,7 @@ TINY = ["model.d_model=64", "model.num_layers=2", "model.num_heads=2", "model.he
 def _gpu_compile(tmp_path, name, *args, expect_rc=0):
     assert gpu_compile.plugin_path(), (
         "the CUDA PJRT plugin is not installed next to this environment; install it as README's test command "
-        "does: pip install -c constraints.txt --no-deps --target .venv/gpu-compile jax-cuda12-pjrt jax-cuda12-plugin jax-triton")
+        "does: pip install -c constraints.txt --no-deps --target .venv/gpu-compile jax-cuda12-pjrt jax-cuda12-plugin nvidia-cuda-nvcc-cu12 jax-triton")
     out = tmp_path / f"{name}.json"
     # no TRITON_INTERPRET (the session's, for the kernel tests): the compile builds jax-triton's kernels
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("TRITON_")}

@@ -185,7 +185,7 @@ def compile_only_devices(gpu: str, hosts: int, gpus_per_host: int) -> list:
                                f"(JAX said: {why})") from None
         where = os.environ.get(PLUGIN_ENV)
         hint = (f"${PLUGIN_ENV} is {where}, which does not hold it: install it there with pip install -c "
-                f"constraints.txt --no-deps --target {where} jax-cuda12-pjrt jax-cuda12-plugin jax-triton, or unset "
+                f"constraints.txt --no-deps --target {where} jax-cuda12-pjrt jax-cuda12-plugin nvidia-cuda-nvcc-cu12 jax-triton, or unset "
                 f"{PLUGIN_ENV}") if where else f"install it with: {INSTALL_HINT}"
         raise RuntimeError(f"compiling for GPUs needs the CUDA PJRT plugin ({why}); {hint}") from None
     return list(topo.devices)
