@@ -196,6 +196,10 @@ def config_warnings(cfg: ExperimentConfig) -> list[str]:
         out.append(f"train.muon_scale=none with train.learning_rate={tc.learning_rate:g}: without Moonlight's scale "
                    "Muon's updates have an RMS of about 1/sqrt(max(m, n)) of AdamW's and want a rate of about 0.02 "
                    "(Keller Jordan's); train.muon_scale=moonlight takes AdamW's rate as it is")
+    m = cfg.model
+    if m.linear_attention_kind != "gated_deltanet" and "linear_attention" not in (m.layer_types or ()):
+        out.append(f"model.linear_attention_kind={m.linear_attention_kind} has no effect: no layer is linear_attention "
+                   "(model.layer_types); list the linear layers there")
     if tc.warmup_steps > tc.steps:  # the schedule cuts the warm-up to train.steps (learning_rate_schedule)
         n = tc.steps
         out.append(f"train.warmup_steps={tc.warmup_steps} > train.steps={n}: the warm-up is cut to the run's {n} "

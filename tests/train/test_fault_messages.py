@@ -109,6 +109,9 @@ def test_config_warnings_and_a_one_document_corpus(small_config, tmp_path):
     applied = [float(learning_rate_schedule(cfg)(k - 1)) / cfg.train.learning_rate for k in (1, 2, 3)]  # step k's
     np.testing.assert_allclose(applied, [0, 1 / 3, 2 / 3], rtol=1e-6)
     assert config_warnings(small_config("train.steps=30", "moe.warmup_steps=10")) == []
+    assert config_warnings(small_config("train.steps=30", "model.linear_attention_kind=kda")) == [
+        "model.linear_attention_kind=kda has no effect: no layer is linear_attention (model.layer_types); list the "
+        "linear layers there"]
 
     one = tmp_path / "one"
     one.mkdir()
