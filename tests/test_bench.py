@@ -152,7 +152,8 @@ def test_precision_bench_verdict_is_on_the_means_over_seeds(capsys):
 
 
 @pytest.mark.parametrize("target", [None, "train", "memory", "routing", "cache", "malloc", "overlap", "gpu-compile",
-                                    "linear-attention", "data", "precision", "optimizer"])
+                                    "linear-attention", "sparse-attention", "data", "precision",
+                                    "optimizer"])
 def test_each_bench_target_has_its_own_help(target, capsys, monkeypatch):
     """moefast bench TARGET --help: that benchmark's description and its options only (it once printed
     the whole bench help); bench --help: every option."""

@@ -20,7 +20,8 @@ import json
 import re
 import time
 
-__all__ = ["LinearAttentionRecord", "bench_linear_attention", "chunked_flops", "format_table", "run_cli"]
+__all__ = ["LinearAttentionRecord", "bench_linear_attention", "chunked_flops", "compile_and_read", "format_table",
+           "report", "run_cli"]
 
 TOKENS = (4096, 16384, 65536)
 QUICK_TOKENS = (4096,)
@@ -56,7 +57,10 @@ def chunked_flops(tokens: int) -> float:
     return 3.0 * tokens * _delta_rule_flops(m)
 
 
-def _record(fn, args, decay: str, impl: str, tokens: int) -> LinearAttentionRecord:
+def compile_and_read(fn, args) -> dict:
+    """``jax.jit(fn)`` lowered for ``args`` (ShapeDtypeStructs on compile-only devices) and
+    compiled: ``compile_s``, XLA's ``temp_bytes``, ``xla_flops`` (None when XLA gives none), the
+    Pallas ``kernels`` by name and the ``while_loops`` left in the program."""
     import jax
 
     from moefast.bench.gpu_compile import _custom_calls, _flops
@@ -66,11 +70,14 @@ def _record(fn, args, decay: str, impl: str, tokens: int) -> LinearAttentionReco
     compile_s = time.perf_counter() - start
     text = compiled.as_text()
     kernels = {k.removeprefix("kernel "): v for k, v in _custom_calls(text).items() if k.startswith("kernel ")}
-    return LinearAttentionRecord(
-        decay=decay, impl=impl, tokens=tokens, heads=HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM, chunk_size=CHUNK,
-        compile_s=compile_s, temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes), xla_flops=_flops(compiled),
-        model_flops=chunked_flops(tokens), kernels=dict(kernels),
-        while_loops=len(re.findall(r"\bwhile\(", text)))
+    return dict(compile_s=compile_s, temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
+                xla_flops=_flops(compiled), kernels=kernels, while_loops=len(re.findall(r"\bwhile\(", text)))
+
+
+def _record(fn, args, decay: str, impl: str, tokens: int) -> LinearAttentionRecord:
+    return LinearAttentionRecord(decay=decay, impl=impl, tokens=tokens, heads=HEADS, key_dim=KEY_DIM,
+                                 value_dim=VALUE_DIM, chunk_size=CHUNK, model_flops=chunked_flops(tokens),
+                                 **compile_and_read(fn, args))
 
 
 def bench_linear_attention(gpu: str = "h100", tokens=TOKENS, decays=("head", "channel"), impls=("pallas", "chunked"),
@@ -135,7 +142,12 @@ def run_cli(*, gpu: str, quick: bool, json_out: str | None) -> int:
     """``moefast bench linear-attention``: prints the table; with ``json_out`` writes the records
     and the table (``.md`` beside). Returns 0."""
     records = bench_linear_attention(gpu, QUICK_TOKENS if quick else TOKENS)
-    table = format_table(records, gpu)
+    return report(records, format_table(records, gpu), json_out)
+
+
+def report(records: list, table: str, json_out: str | None) -> int:
+    """Prints ``table``; with ``json_out`` writes the records (dataclasses) there and the table
+    beside it (``.md``). Returns 0."""
     print(table)
     if json_out:
         with open(json_out, "w") as f:

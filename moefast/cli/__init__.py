@@ -126,7 +126,7 @@ def _main(argv: list[str] | None, signals: _ImportSignals) -> int:
 
         quiet_orbax_aftermath_until_exit()
 
-    if args.command == "bench" and args.target in ("gpu-compile", "linear-attention"):
+    if args.command == "bench" and args.target in ("gpu-compile", "linear-attention", "sparse-attention"):
         from moefast.bench import gpu_compile
 
         try:

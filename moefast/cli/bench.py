@@ -37,6 +37,10 @@ BENCH_TARGETS = {
                         "channel) compiled for one --gpu without a GPU, the Pallas kernels against the chunked form in "
                         "XLA ops at 4k, 16k and 64k tokens (--quick: 4k, about 5 minutes on 2 cores): temporaries, XLA's FLOP count against the "
                         "analytical one, the kernels and while loops in the program (needs the CUDA PJRT plugin)",
+    "sparse-attention": "DeepSeek Sparse Attention's top-k kernel (2,048 keys a query, MLA's absorbed form) against "
+                        "dense causal flash attention, forward + backward compiled for one --gpu without a GPU at 4k, "
+                        "16k, 64k and 128k tokens a row (--quick: 4k): temporaries, analytical FLOPs, the kernels (needs "
+                        "the CUDA PJRT plugin)",
     "data": "moefast prepare against Hugging Face datasets map(num_proc=2) (MB/s, tokens/s), then time to first "
             "batch, peak host memory and batches/s of training from prepared shards against the in-memory path for "
             "corpora of --sizes GB of tokens, and the tiny config's train steps/s",
@@ -109,7 +113,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="train, memory, malloc, overlap, gpu-compile, precision, optimizer: YAML config (default: "
                         "configs/tiny.yaml)")
     b.add_argument("--gpu", default="h100", metavar="h100|h200|FILE",
-                   help="gpu-compile, linear-attention: the GPU to compile for (default h100: H100 SXM 80 GB; h200: H200 141 GB), or a "
+                   help="gpu-compile, linear-attention, sparse-attention: the GPU to compile for (default h100: H100 SXM 80 GB; h200: H200 141 GB), or a "
                         "target description file (scripts/gpu_check.py saves a real GPU's)")
     b.add_argument("--autotune", default=None, metavar="FILE",
                    help="gpu-compile: XLA autotuning results from a real GPU (scripts/gpu_check.py saves them)")
@@ -136,8 +140,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="gpu-compile: the config with model.precision=bf16, then fp8 (the FP8 GEMM kernels costed from "
                         "their FLOPs in the re-costed columns)")
     b.add_argument("--quick", action="store_true",
-                   help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU; linear-attention: 4k tokens "
-                        "only")
+                   help="routing: a subset (including 16k tokens x 64 experts), ~2 min on CPU; linear-attention, sparse-attention: "
+                        "4k tokens only")
     b.add_argument("--json", default=None, metavar="OUT", help="write records to OUT (and a table to OUT's .md)")
     b.add_argument("--repeats", type=int, default=5, help="routing: timed runs per point; the median is reported")
     b.add_argument("--steps", type=int, default=None,
@@ -195,6 +199,7 @@ BENCH_OPTIONS = {
     "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "ablate_exchange",
                     "ablate_precision", "network", "twin"},
     "linear-attention": {"json", "gpu", "quick"},
+    "sparse-attention": {"json", "gpu", "quick"},
     "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
     "precision": {"overrides", "config", "json", "steps", "seeds", "vary"},
     "optimizer": {"overrides", "config", "json", "steps", "seeds", "lr_grid", "eval_every"},
@@ -381,11 +386,12 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               f"and {args.rounds}")
         return malloc.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
                               overrides=args.overrides)
-    if args.target == "linear-attention":
-        from moefast.bench import linear_attention
+    if args.target in ("linear-attention", "sparse-attention"):
+        from moefast.bench import linear_attention, sparse_attention
 
+        bench = linear_attention if args.target == "linear-attention" else sparse_attention
         try:
-            return linear_attention.run_cli(gpu=args.gpu, quick=args.quick, json_out=args.json)
+            return bench.run_cli(gpu=args.gpu, quick=args.quick, json_out=args.json)
         except (ValueError, RuntimeError) as e:  # an unknown --gpu; the CUDA plugin missing
             print(f"error: {e}", file=sys.stderr)
             return 2
