@@ -81,6 +81,16 @@ def test_routing_options():
     (["model.attention=mla", "model.q_lora_rank=-1"], "model.q_lora_rank"),
     (["model.attention=mla", "model.partial_rotary_factor=0.5"], "model.partial_rotary_factor"),
     (["model.attention=mla", "model.position_encoding=sinusoidal"], "model.position_encoding"),
+    # DeepSeek Sparse Attention: MLA with a query latent, positive sizes, the indexer wide enough for RoPE
+    (["model.index_topk=8"], "model.index_topk"),
+    (["model.attention=mla", "model.q_lora_rank=16", "model.index_topk=0"], "model.index_topk"),
+    (["model.attention=mla", "model.q_lora_rank=16", "model.index_topk=8", "model.index_n_heads=0"],
+     "model.index_n_heads"),
+    (["model.attention=mla", "model.q_lora_rank=16", "model.index_topk=8", "model.index_head_dim=32"],
+     "model.index_head_dim"),  # < qk_rope_head_dim=64
+    (["model.attention=mla", "model.index_topk=8"], "model.q_lora_rank"),
+    (["model.attention=mla", "model.q_lora_rank=16", "model.index_topk=8", "model.sequence_slices=2"],
+     "model.sequence_slices"),
     (["model.position_encoding=none", "model.partial_rotary_factor=0.5"], "model.partial_rotary_factor"),  # NoPE
     (["model.rope_type=yarn", "model.original_max_position_embeddings=256", "model.rope_factor=4",
       "model.position_encoding=none"], "model.rope_type"),

@@ -57,7 +57,7 @@ PARAMETER_KEYS = {"model": ("d_model", "num_layers", "num_heads", "num_kv_heads"
                             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                             "linear_value_head_dim", "linear_conv_kernel_dim", "linear_attention_kind", "attention_output_gate",
                             "zero_centered_norm", "global_head_dim", "num_global_kv_heads", "attention_k_eq_v",
-                            "sandwich_norm", "layer_scalar"),
+                            "sandwich_norm", "layer_scalar", "index_topk", "index_n_heads", "index_head_dim"),
                   "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate", "expert_bias", "router_bias",
                           "branch_norms", "per_expert_scale"),
                   "lora": ("rank", "targets", "expert_rank", "base_dtype", "train")}

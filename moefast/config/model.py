@@ -123,6 +123,16 @@ class ModelConfig:
         ``rope_parameters.truncate``, true by default; gpt-oss: false).
       mscale, mscale_all_dim: YaRN: DeepSeek's attention-factor coefficients (HF's names; ``None``
         or 0: not set).
+      index_topk: MLA: DeepSeek Sparse Attention (DSA; DeepSeek-V3.2-Exp tech report, sec. 2.1;
+        transformers' ``models/deepseek_v32/modeling_deepseek_v32.py``, ``DeepseekV32Indexer``):
+        each query attends only to the ``index_topk`` keys its lightning indexer scores highest
+        among those it may see (all of them while it sees fewer). ``None`` (the default): dense MLA.
+        Hugging Face's name, as are the next two. Computed as a dense masked attention (the
+        reference path: never the fused flash kernel); the indexer gets no gradient
+        (:class:`moefast.model.mla.LightningIndexer`).
+      index_n_heads: DSA: the indexer's query heads H^I (DeepSeek-V3.2: 64).
+      index_head_dim: DSA: the indexer's query/key width d^I (DeepSeek-V3.2: 128); its first
+        ``qk_rope_head_dim`` features are rotated, so it must be at least that.
       mtp_depth: D, multi-token prediction modules (DeepSeek-V3, arXiv 2412.19437, sec. 2.2,
         eqs. 21-25); 0 (the default) = none, the model and its loss exactly as without the field.
         Module k (1..D) projects ``[RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})]`` (the checkpoint
@@ -261,6 +271,9 @@ class ModelConfig:
     rope_truncate: bool = True
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    index_topk: int | None = None
+    index_n_heads: int = 64
+    index_head_dim: int = 128
     mtp_depth: int = 0
     sequence_slices: int = 1
     layer_types: tuple[Literal["full_attention", "sliding_attention", "linear_attention"], ...] | None = None
@@ -436,6 +449,20 @@ class ModelConfig:
         return self.layer_types[layer]
 
     def _check_attention(self):
+        if self.index_topk is not None:
+            _require(self.attention == "mla", "model.index_topk", "DeepSeek Sparse Attention's indexer selects keys "
+                     f"for MLA: needs model.attention=mla (got {self.attention}), or leave index_topk null")
+            for k in ("index_topk", "index_n_heads", "index_head_dim"):
+                v = getattr(self, k)
+                _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"model.{k}",
+                         f"must be a positive int with model.index_topk set, got {v!r}")
+            _require(self.index_head_dim >= self.qk_rope_head_dim, "model.index_head_dim",
+                     f"the indexer rotates its first qk_rope_head_dim={self.qk_rope_head_dim} features: must be at "
+                     f"least that, got {self.index_head_dim}")
+            _require(bool(self.q_lora_rank), "model.q_lora_rank", "the DSA indexer reads MLA's query latent: "
+                     f"needs q_lora_rank >= 1 with model.index_topk set, got {self.q_lora_rank}")
+            _require(self.sequence_slices == 1, "model.sequence_slices",
+                     "model.index_topk (sparse MLA, the reference path) runs on whole rows: use 1")
         if self.attention != "mla":
             _require(0.0 < self.partial_rotary_factor <= 1.0 and self.rotary_dim >= 2 and self.rotary_dim % 2 == 0,
                      "model.partial_rotary_factor", f"must be in (0, 1] and rotate an even number >= 2 of the "

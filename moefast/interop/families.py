@@ -119,6 +119,16 @@ columns first), shared_head.norm [D] (moefast ``head_norm``)."""
 _MTP_COPIES = MappingProxyType({_L + "embed_tokens.weight": ("model.embed_tokens.weight",),
                                 _L + "shared_head.head.weight": ("lm_head.weight", "model.embed_tokens.weight")})
 
+_DSA_INDEXER = MappingProxyType({
+    **{("attn", "indexer", x): _t(TRANSPOSED, _A + f"indexer.{x}.weight") for x in ("wq_b", "wk", "weights_proj")},
+    ("attn", "indexer", "k_norm", "scale"): _t(IDENTITY, _A + "indexer.k_norm.weight"),
+    ("attn", "indexer", "k_norm", "bias"): _t(IDENTITY, _A + "indexer.k_norm.bias"),
+})
+"""DeepSeek Sparse Attention's lightning indexer (:class:`moefast.model.mla.LightningIndexer`,
+transformers' ``DeepseekV32Indexer`` names): wq_b [Q, Hi·Di], wk [D, Di], weights_proj [D, Hi], each
+HF weight transposed; the key LayerNorm's weight and bias [Di]. Its RoPE features are in
+rotate-half order on disk (transformers' indexer does not interleave): no column permutation."""
+
 _MLA_ROPE = MappingProxyType({("attn", "q_b_proj"): _mla_query_rope, ("attn", "q_proj"): _mla_query_rope,
                               ("attn", "kv_a_proj_with_mqa"): _mla_key_rope})
 
@@ -588,6 +598,19 @@ REGISTRY["glm4_moe_lite"] = dataclasses.replace(
                                   "norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
                                   "rope_interleave": True, "n_group": 1, "topk_group": 1}),
     moe_layers=MlpLayerTypes(), export_constants=MappingProxyType({"attention_bias": False}))
+
+# DeepSeek-V3.2 (deepseek-ai/DeepSeek-V3.2-Exp, -V3.2): DeepSeek-V3's layers with DeepSeek Sparse
+# Attention: each MLA layer's lightning indexer (self_attn.indexer.*) keeps index_topk keys per query
+# (moefast model.index_topk, the dense masked reference). transformers' DeepseekV32Attention always
+# rotates MLA's RoPE features as interleaved pairs (no rope_interleave key; false is refused), its
+# layer_types are all indexed_attention, its dense layers listed in mlp_layer_types (default: the
+# first first_k_dense_replace). FP8 checkpoints read dequantized as V3's.
+REGISTRY["deepseek_v32"] = dataclasses.replace(
+    REGISTRY["deepseek_v3"], model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM", name="DeepSeek-V3.2",
+    hf_defaults=MappingProxyType({**REGISTRY["deepseek_v3"].hf_defaults, "index_topk": 2048, "index_n_heads": 64,
+                                  "index_head_dim": 128}),
+    moe_layers=MlpLayerTypes(leading=FirstKDense(default=3)), dsa=True,
+    layer_tensors=MappingProxyType({**_MLA, **_DSA_INDEXER}))
 
 # Kimi K2 (moonshotai/Kimi-K2-*) is DeepSeek-V3's architecture under its own model_type (remote code):
 # read through the V3 spec; a model is always exported as deepseek_v3, which transformers loads.

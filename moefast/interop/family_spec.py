@@ -159,19 +159,31 @@ class Router:
 @dataclasses.dataclass(frozen=True)
 class MlpLayerTypes:
     """``mlp_layer_types`` lists ``"dense"`` or ``"sparse"`` per layer (GLM-4.7-Flash); absent: the
-    first layer dense, the others MoE, as transformers assumes."""
+    first layer dense, the others MoE, as transformers assumes. With a ``leading`` :class:`FirstKDense`
+    (DeepSeek-V3.2): absent, its first ``first_k_dense_replace`` layers dense (transformers' default
+    list); both present, they must agree (transformers reads the list, DeepSeek's own code the
+    count); written both, the count where the dense layers are the leading ones."""
 
     key: str = "mlp_layer_types"
     allows_dense = True
+    leading: FirstKDense | None = None
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return (self.key,)
+        return (self.key,) if self.leading is None else (self.key, self.leading.key)
 
     def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
-        """Raises ValueError: the list's length is not ``num_layers`` or an entry is neither
-        ``"dense"`` nor ``"sparse"``."""
-        types = hf.get(self.key) or ["dense"] + ["sparse"] * (num_layers - 1)
+        """Raises ValueError: the list's length is not ``num_layers``, an entry is neither
+        ``"dense"`` nor ``"sparse"``, or it disagrees with ``leading``'s count."""
+        first = None if self.leading is None else self.leading.moe_layers(hf, num_layers)
+        given = hf.get(self.key)
+        if given and first is not None and hf.get(self.leading.key) is not None \
+                and [t == "sparse" for t in given] != first:
+            raise ValueError(f"{self.key} disagrees with {self.leading.key}={hf[self.leading.key]} (transformers reads "
+                             "the list, the checkpoint's own code the count): keep one or make them agree")
+        default = ["dense"] + ["sparse"] * (num_layers - 1) if first is None else \
+            ["sparse" if moe else "dense" for moe in first]
+        types = given or default
         other = sorted({repr(t) for t in types if t not in ("dense", "sparse")})
         if len(types) != num_layers or other:
             raise ValueError(f"{len(types)} entries for num_hidden_layers={num_layers}"
@@ -180,7 +192,10 @@ class MlpLayerTypes:
         return [t == "sparse" for t in types]
 
     def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
-        return {self.key: ["dense" if i in dense else "sparse" for i in range(num_layers)]}
+        out = {self.key: ["dense" if i in dense else "sparse" for i in range(num_layers)]}
+        if self.leading is not None and dense == list(range(len(dense))):
+            out.update(self.leading.to_hf(dense, num_layers))
+        return out
 
     def problem(self, m: ModelConfig, name: str) -> str | None:
         return None  # any set of dense layers can be listed
@@ -544,6 +559,11 @@ class FamilySpec:
       yarn: config.json's ``rope_parameters`` may hold YaRN scaling (``rope_type: yarn``,
         ``factor``, ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
         ``mscale``, ``mscale_all_dim``: moefast ``model.rope_type=yarn`` etc.).
+      dsa: the family's MLA is DeepSeek Sparse Attention (DeepSeek-V3.2): config.json's ``index_topk``,
+        ``index_n_heads``, ``index_head_dim`` (defaults from ``hf_defaults``) are moefast's keys of
+        the same names, every layer is ``"indexed_attention"`` in ``layer_types``, and each layer's
+        ``self_attn.indexer.*`` tensors are in ``layer_tensors``; the other families refuse a model
+        with ``model.index_topk`` set.
       rope_interleave: parameters whose columns hold RoPE features stored as interleaved pairs when
         config.json's ``rope_interleave`` is true (default from ``hf_defaults``): moefast sub-path ->
         the column permutation ``moefast = hf[..., perm]`` for a model config (applied once at import,
@@ -668,6 +688,7 @@ class FamilySpec:
     router: Router = Router()
     mla: bool = False
     yarn: bool = False
+    dsa: bool = False
     rope_interleave: Mapping[SubPath, Callable[[ModelConfig], np.ndarray]] = dataclasses.field(default_factory=dict)
     export_as: str | None = None
     mtp_key: str | None = None

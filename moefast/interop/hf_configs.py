@@ -143,8 +143,9 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         if layer_types is not None and (not isinstance(sliding, int) or sliding < 1):
             reject("sliding_window", sliding, "sliding_attention layers need a window of at least one key")
     elif spec.layer_types is None:
-        if any(t != "full_attention" for t in hf.get("layer_types") or []):
-            reject("layer_types", hf["layer_types"], "only full_attention layers")
+        kind = "indexed_attention" if spec.dsa else "full_attention"  # DeepSeek-V3.2: every layer sparse MLA
+        if any(t != kind for t in hf.get("layer_types") or []):
+            reject("layer_types", hf["layer_types"], f"only {kind} layers")
         layer_types = None
     else:
         try:
@@ -202,6 +203,11 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         model.update(attention="mla", q_lora_rank=hf.get("q_lora_rank") or None, kv_lora_rank=hf["kv_lora_rank"],
                      qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=r, v_head_dim=hf["v_head_dim"],
                      num_kv_heads=None, head_dim=r)  # transformers sets head_dim to qk_rope_head_dim
+    if spec.dsa:  # DeepSeek Sparse Attention's indexer, under transformers' names
+        if hf.get("rope_interleave") is False:
+            reject("rope_interleave", False, f"transformers' {spec.name} always rotates MLA's RoPE features as "
+                   "interleaved pairs (it does not read the key)")
+        model.update({k: get(k) for k in ("index_topk", "index_n_heads", "index_head_dim")})
     if rope.get("rope_type", rope.get("type")) == "yarn":
         if rope.get("attention_factor") is not None:
             reject("rope_parameters", rope, "YaRN with an explicit attention_factor")
@@ -374,6 +380,9 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
         out.append(f"model.attention_bias={m.attention_bias} ({name} has {' or '.join(bias)})")
     if (m.attention == "mla") != spec.mla:
         out.append(f"model.attention={m.attention} ({name}'s attention is {'mla' if spec.mla else 'gqa'})")
+    if (m.index_topk is not None) != spec.dsa:
+        out.append(f"model.index_topk={'null' if m.index_topk is None else m.index_topk} ({name}'s attention is "
+                   f"{'sparse (DeepSeek Sparse Attention): set it' if spec.dsa else 'dense: leave it null'})")
     if m.rope_type == "yarn" and not spec.yarn:
         out.append(f"model.rope_type=yarn ({name} has no YaRN scaling here)")
     if m.partial_rotary_factor != 1 and not spec.partial_rotary:
@@ -527,6 +536,9 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
         out.update(q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                    qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_rope_head_dim,
                    num_key_value_heads=m.num_heads)
+    if spec.dsa:
+        out.update(index_topk=m.index_topk, index_n_heads=m.index_n_heads, index_head_dim=m.index_head_dim,
+                   layer_types=["indexed_attention"] * m.num_layers)
     if spec.rope_interleave:
         out["rope_interleave"] = True
     shared = spec.shared_expert

@@ -91,7 +91,9 @@ class Block(nnx.Module):
             self.attn = MLAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                                     qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
                                     v_head_dim=m.v_head_dim, softmax_multiplier=yarn.softmax_multiplier if yarn else 1.0,
-                                    dtype=dtype, init_std=m.init_std, out_std=out_std, fp8=fp8, rngs=rngs)
+                                    dtype=dtype, init_std=m.init_std, out_std=out_std, fp8=fp8,
+                                    index_topk=m.index_topk, index_n_heads=m.index_n_heads,
+                                    index_head_dim=m.index_head_dim, rngs=rngs)
         else:
             kv_heads, head_dim = m.attention_shape(layer)
             full = m.layer_type(layer) == "full_attention"

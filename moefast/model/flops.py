@@ -176,7 +176,12 @@ def _mla_params(m) -> tuple[int, int]:
     qk = h * (m.qk_nope_head_dim + r)
     q = d * m.q_lora_rank + m.q_lora_rank * qk if m.q_lora_rank else d * qk
     weights = q + d * (c + r) + c * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d
-    return weights, c + (m.q_lora_rank or 0)
+    norms = c + (m.q_lora_rank or 0)
+    if m.index_topk is not None:  # DSA's lightning indexer: wq_b, wk, weights_proj; k_norm's scale and bias
+        hi, di = m.index_n_heads, m.index_head_dim
+        weights += m.q_lora_rank * hi * di + d * di + d * hi
+        norms += 2 * di
+    return weights, norms
 
 
 def attention_widths(model_cfg) -> tuple[int, int]:

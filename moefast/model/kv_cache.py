@@ -27,7 +27,8 @@ def _cache_widths(m, layer: int = 0) -> dict[str, tuple[int, ...]]:
     the layer's own shape, :meth:`~moefast.config.ModelConfig.attention_shape`), or MLA's
     compressed KV and shared RoPE key."""
     if m.attention == "mla":
-        return {"kv": (m.kv_lora_rank,), "k_rope": (m.qk_rope_head_dim,)}
+        sparse = {} if m.index_topk is None else {"index_k": (m.index_head_dim,)}  # DSA: the indexer's keys
+        return {"kv": (m.kv_lora_rank,), "k_rope": (m.qk_rope_head_dim,), **sparse}
     g, hd = m.attention_shape(layer)
     return {"k": (g, hd), "v": (g, hd)}
 
@@ -53,7 +54,8 @@ def cache_bytes_per_token(model_cfg, dtype: Any = None, layer: int = 0) -> int:
 def init_cache(model, batch: int, length: int, dtype: Any = None) -> KVCache:
     """Zeroed generation cache, one dict per layer: ``{"k", "v"}`` of shape [B, S, G, Hd]
     (``model.attention=gqa``), or ``{"kv": [B, S, kv_lora_rank], "k_rope": [B, S, qk_rope_head_dim]}``
-    (``mla``: :class:`MLAttention`); a Gated DeltaNet layer (``model.layer_types``) holds its
+    (``mla``: :class:`MLAttention`; with ``model.index_topk`` also the DSA indexer's keys
+    ``"index_k": [B, S, index_head_dim]``); a Gated DeltaNet layer (``model.layer_types``) holds its
     states instead, of a size independent of S: ``{"conv": [B, W-1, C], "state": [B, Hv, K, V]}``
     (float32 state; :func:`~moefast.model.gated_deltanet.init_state`). Bytes per
     token of an attention layer: :func:`cache_bytes_per_token`."""

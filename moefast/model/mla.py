@@ -17,12 +17,97 @@ from moefast.parallel.context import context_size, gather_context
 from moefast.model.lora import effective_weight, project
 from moefast.parallel.precision import local_dense
 
-__all__ = ["MLA_NORM_EPS", "MLAttention"]
+__all__ = ["INDEXER_NORM_EPS", "MLA_NORM_EPS", "LightningIndexer", "MLAttention", "segment_mask"]
 
 
 MLA_NORM_EPS = 1e-6
 """Epsilon of MLA's two RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``): DeepSeek's reference code
 and Hugging Face's build them with the default 1e-6 whatever ``rms_norm_eps`` is."""
+
+
+INDEXER_NORM_EPS = 1e-6
+"""Epsilon of the lightning indexer's key LayerNorm (transformers' ``DeepseekV32Indexer.k_norm``)."""
+
+
+def segment_mask(segment_ids_bt: jax.Array) -> jax.Array:
+    """bool [B, 1, T, T]: causal inside each packed document (the fused kernel's mask, from its ids)."""
+    t = segment_ids_bt.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    return ((segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]) & causal[None])[:, None]
+
+
+class LightningIndexer(nnx.Module):
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2-Exp tech report, sec. 2.1, eq. 1;
+    transformers' ``DeepseekV32Indexer``, whose parameter names these are, each ``nn.Linear``
+    weight transposed): it scores every key for every query and keeps the ``topk`` best.
+
+    Dimension letters: Hi = ``num_heads`` (``index_n_heads``), Di = ``head_dim``
+    (``index_head_dim``), Q the MLA query latent (``q_lora_rank``), R = ``rope_dim``.
+
+    * ``wq_b`` [Q, Hi·Di] (lora, heads): the indexer's queries from MLA's normalised query latent
+      c^Q (``q_a_layernorm(q_a_proj(x))``, shared with the attention);
+    * ``wk`` [D, Di] (embed, lora) and the LayerNorm ``k_norm`` (``scale``, ``bias`` [Di], eps 1e-6):
+      one key per token shared by every indexer head;
+    * ``weights_proj`` [D, Hi] (embed, heads): each head's weight per query, computed in float32
+      (transformers keeps this module in float32).
+
+    The first R features of queries and keys are rotated by the model's RoPE tables in the
+    rotate-half (split) layout, as transformers' indexer does (its MLA's own RoPE is interleaved);
+    the other Di - R pass. The score of key s for query t is
+    ``sum_h w[t, h] · Hi^-0.5 · relu(q[t, h] · k[s] · Di^-0.5)`` in float32 (transformers computes the
+    same product without the reference code's Hadamard rotation and FP8, which preserve it up to
+    rounding). Keys the query may not see are excluded before the top-k; with k = min(topk, S),
+    a query that sees fewer than k keys keeps all of them, as transformers' ``topk`` over its
+    additively masked scores does.
+
+    No gradient reaches the indexer: its scores pass through ``jax.lax.stop_gradient`` (transformers
+    computes them under ``torch.no_grad``; the report trains the indexer with a KL loss of its own,
+    not implemented here), and a top-k selection has none anyway. Its parameters are still
+    ``nnx.Param`` (so they load, save and shard like the others); moefast's optimizer exempts them
+    from weight decay, so training leaves them as imported.
+    """
+
+    def __init__(self, d_model: int, q_lora_rank: int, *, num_heads: int, head_dim: int, rope_dim: int, topk: int,
+                 dtype, init_std: float, rngs: nnx.Rngs):
+        self.num_heads, self.head_dim, self.rope_dim, self.topk, self.dtype = num_heads, head_dim, rope_dim, topk, dtype
+        init = jax.nn.initializers.normal(init_std)
+        self.wq_b = nnx.Param(init(rngs.params(), (q_lora_rank, num_heads * head_dim)), logical_axes=("lora", "heads"))
+        self.wk = nnx.Param(init(rngs.params(), (d_model, head_dim)), logical_axes=("embed", "lora"))
+        self.k_norm = nnx.LayerNorm(head_dim, epsilon=INDEXER_NORM_EPS, dtype=jnp.float32, param_dtype=jnp.float32,
+                                    scale_metadata={"logical_axes": ("norm",)},
+                                    bias_metadata={"logical_axes": ("norm",)}, rngs=rngs)
+        self.weights_proj = nnx.Param(init(rngs.params(), (d_model, num_heads)), logical_axes=("embed", "heads"))
+
+    def _rotate(self, x_bthd, rope):
+        return x_bthd if rope is None else apply_rope(x_bthd, *rope)  # the first R features (rope's 2F = R)
+
+    def keys(self, x_btd: jax.Array, rope) -> jax.Array:
+        """The indexer's keys, float32 [B, T, Di] (normalised, the first R features rotated)."""
+        k = self.k_norm(project(self, "wk", x_btd, self.dtype, ("embed", "lora")).astype(jnp.float32))
+        return self._rotate(k[:, :, None], rope)[:, :, 0]
+
+    def select(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope, k_bsd: jax.Array, mask_bts: jax.Array) -> jax.Array:
+        """bool [B, T, S]: the keys each query keeps, a subset of ``mask_bts`` (bool [B or 1, T, S],
+        True where the query may see the key) of min(topk, visible keys) keys.
+
+        Args:
+          x_btd: [B, T, D] the layer's input. q_lat_btq: [B, T, Q] MLA's normalised query latent.
+          rope: the queries' (cos, sin) float32 [B, T, 1, R/2], or None (nothing rotated).
+          k_bsd: float32 [B, S, Di] the keys (:meth:`keys`; with a cache, the cached ones).
+        """
+        b, t, _ = x_btd.shape
+        h, d = self.num_heads, self.head_dim
+        q = self._rotate(project(self, "wq_b", q_lat_btq, self.dtype, ("lora", "heads")).reshape(b, t, h, d), rope)
+        logits = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), k_bsd.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST) * d ** -0.5
+        w = jnp.einsum("btd,dh->bth", x_btd.astype(jnp.float32), self.weights_proj[...].astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST) * h ** -0.5
+        scores = jax.lax.stop_gradient(jnp.einsum("bth,bths->bts", w, jax.nn.relu(logits),
+                                                  precision=jax.lax.Precision.HIGHEST))
+        scores = jnp.where(mask_bts, scores, -jnp.inf)
+        _, idx = jax.lax.top_k(scores, min(self.topk, scores.shape[-1]))  # [B, T, k]
+        chosen = jnp.put_along_axis(jnp.zeros(scores.shape, bool), idx, True, axis=-1, inplace=False)
+        return chosen & mask_bts
 
 
 class MLAttention(nnx.Module):
@@ -53,12 +138,22 @@ class MLAttention(nnx.Module):
     (normalised) and the rotated k^R are cached, [B, S, C] and [B, S, R], and ``kv_b_proj`` is
     absorbed into the query and the output (sec. 2.1.2): one shared key [c^KV, k^R] of C + R
     features and one shared value c^KV for all heads, the same function of the inputs.
+
+    With ``index_topk`` (``model.index_topk``; DeepSeek-V3.2's sparse attention) an ``indexer``
+    (:class:`LightningIndexer`) picks each query's keys, and the attention above runs over the mask
+    narrowed to them: a dense masked attention (the reference path, on the blocked einsums; the
+    fused flash kernel is never used, segment ids are turned into the bool mask). The cache then
+    also holds the indexer's keys, ``"index_k"`` [B, S, Di]. Sequence slices and context
+    parallelism are refused.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, softmax_multiplier: float = 1.0,
-                 dtype, init_std: float, out_std: float, fp8: bool = False, rngs: nnx.Rngs):
+                 dtype, init_std: float, out_std: float, fp8: bool = False, index_topk: int | None = None,
+                 index_n_heads: int = 64, index_head_dim: int = 128, rngs: nnx.Rngs):
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank or 0, kv_lora_rank
+        if index_topk is not None and not self.q_lora_rank:
+            raise ValueError("MLAttention: the DSA indexer (index_topk) reads the query latent: needs q_lora_rank >= 1")
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.dtype, self.fp8 = dtype, fp8  # fp8: model.precision == "fp8" (the projections)
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * softmax_multiplier
@@ -77,6 +172,11 @@ class MLAttention(nnx.Module):
                                    logical_axes=("lora", "heads"), fp8=self.fp8)
         self.o_proj = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * v_head_dim, d_model)),
                                 logical_axes=("heads", "embed"), fp8=self.fp8)
+        self.sparse = index_topk is not None
+        if self.sparse:
+            self.indexer = LightningIndexer(d_model, self.q_lora_rank, num_heads=index_n_heads,
+                                            head_dim=index_head_dim, rope_dim=qk_rope_head_dim, topk=index_topk,
+                                            dtype=dtype, init_std=init_std, rngs=rngs)
 
     def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None, *,
                  record_max: bool = False):
@@ -91,8 +191,9 @@ class MLAttention(nnx.Module):
         b, t, _ = x_btd.shape
         h, n, r, c, hv = self.num_heads, self.nope, self.rope, self.kv_lora_rank, self.v_head_dim
         if self.q_lora_rank:
-            q = project(self, "q_a_proj", x_btd, self.dtype, ("embed", "lora"), fp8=self.fp8)
-            q = project(self, "q_b_proj", self.q_a_layernorm(q).astype(self.dtype), self.dtype, ("lora", "heads"), fp8=self.fp8)
+            q_lat = self.q_a_layernorm(project(self, "q_a_proj", x_btd, self.dtype, ("embed", "lora"),
+                                               fp8=self.fp8)).astype(self.dtype)
+            q = project(self, "q_b_proj", q_lat, self.dtype, ("lora", "heads"), fp8=self.fp8)
         else:
             q = project(self, "q_proj", x_btd, self.dtype, ("embed", "heads"), fp8=self.fp8)
         q = q.reshape(b, t, h, n + r)
@@ -100,6 +201,18 @@ class MLAttention(nnx.Module):
         kv_a = project(self, "kv_a_proj_with_mqa", x_btd, self.dtype, ("embed", "lora"), fp8=self.fp8)
         c_kv = self.kv_a_layernorm(kv_a[..., :c]).astype(self.dtype)  # [B, T, C]
         k_rope = kv_a[..., c:] if rope is None else apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared
+        index_k = None
+        if self.sparse:  # DSA: narrow the mask to the indexer's keys (the dense masked reference)
+            if kv_prefix is not None or isinstance(mask_b1ts, tuple) or context_size() > 1:
+                raise ValueError("MLAttention with index_topk (sparse MLA) runs on whole rows only: no sequence "
+                                 "slices (model.sequence_slices) and no context parallelism (mesh.context)")
+            if mask_b1ts.ndim == 2:  # segment ids (model.attention_impl=flash): the bool mask instead
+                mask_b1ts = segment_mask(mask_b1ts)
+            index_k = self.indexer.keys(x_btd, rope)  # [B, T, Di]
+            if cache is not None:
+                index_k = jax.lax.dynamic_update_slice_in_dim(cache["index_k"], index_k.astype(cache["index_k"].dtype),
+                                                              cache_index, axis=1)
+            mask_b1ts = self.indexer.select(x_btd, q_lat, rope, index_k, mask_b1ts[:, 0])[:, None]
         if cache is None and kv_prefix is None and context_size() > 1 and not isinstance(mask_b1ts, tuple) \
                 and mask_b1ts.ndim == 2:  # the fused kernel on a context axis: each device gathers the row's
             # latent and RoPE key (C + R features a token, not H (N + R + Hv)) and up-projects them itself
@@ -126,7 +239,7 @@ class MLAttention(nnx.Module):
             c_kv = jax.lax.dynamic_update_slice_in_dim(cache["kv"], c_kv.astype(cache["kv"].dtype), cache_index, axis=1)
             k_rope = jax.lax.dynamic_update_slice_in_dim(cache["k_rope"], k_rope.astype(cache["k_rope"].dtype),
                                                          cache_index, axis=1)
-            new_cache = {"kv": c_kv, "k_rope": k_rope}
+            new_cache = {"kv": c_kv, "k_rope": k_rope, **({"index_k": index_k} if self.sparse else {})}
             w = effective_weight(self, "kv_b_proj").astype(self.dtype).reshape(c, h, n + hv)
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w[..., :n], preferred_element_type=jnp.float32)
             q = jnp.concatenate([q_lat.astype(self.dtype), q_rope], axis=-1)  # [B, T, H, C + R]

@@ -58,6 +58,10 @@ PARAM_KINDS: dict[str, dict[str, str]] = {
     # HF DeepSeek's five Linears, each one matrix (Moonlight trained these with Muon as they are)
     "MLAttention": {"q_a_proj": _MATRIX, "q_b_proj": _MATRIX, "q_proj": _MATRIX, "kv_a_proj_with_mqa": _MATRIX,
                     "kv_b_proj": _MATRIX, "o_proj": _MATRIX},
+    # DSA's lightning indexer: no gradient reaches it (stop_gradient, as transformers' no_grad), so
+    # nothing to orthogonalise; AdamW without weight decay (_decay_mask): it stays as imported
+    "LightningIndexer": {"wq_b": _ADAMW, "wk": _ADAMW, "weights_proj": _ADAMW},
+    "LayerNorm": {"scale": _ADAMW, "bias": _ADAMW},  # the indexer's key norm
     "GatedDeltaNet": {"in_proj": _MATRIX, "out": _MATRIX,
                       "conv": _ADAMW, "A_log": _ADAMW, "dt_bias": _ADAMW, "norm": _ADAMW},
     # KDA: q | k | v (each its own matrix), beta's, the rank-K forget and output gates' factors
@@ -297,8 +301,13 @@ def state_specs(tx: optax.GradientTransformation, abstract_opt_state, param_spec
 
 
 def _decay_mask(params):
-    """Matrices decay, vectors (norm scales, biases) do not; a scanned stack's layers axis does not count."""
-    return jax.tree_util.tree_map_with_path(lambda path, p: p.ndim - is_stacked_path(path) >= 2, params)
+    """Matrices decay, vectors (norm scales, biases) do not; a scanned stack's layers axis does not
+    count. DSA's lightning indexer does not decay: no gradient reaches it (its own KL loss is not
+    built yet), so decay alone would shrink it; without either, AdamW leaves it as imported."""
+    def decays(path, p):
+        return p.ndim - is_stacked_path(path) >= 2 and "indexer" not in _path_keys(path)
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(cfg: ExperimentConfig, schedule: optax.Schedule) -> optax.GradientTransformation:

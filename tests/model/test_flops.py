@@ -54,6 +54,8 @@ def test_param_counts_equal_the_built_model():
     ["model.attention_bias=qkv", "model.qk_norm=per_head", "moe.shared_expert_d_ff=48", "model.dense_d_ff=96"],
     ["model.attention_bias=all", "model.qk_norm=full", "moe.shared_expert_d_ff=48", "moe.shared_expert_gate=false"],
     [*MLA, "model.num_kv_heads=4"], [*MLA, "model.num_kv_heads=4", "model.q_lora_rank=0"],
+    [*MLA, "model.num_kv_heads=4", "model.index_topk=8", "model.index_n_heads=3", "model.index_head_dim=20",
+     "model.mtp_depth=1"],  # DeepSeek-V3.2: the lightning indexer in every MLA block
     ["model.mtp_depth=2", "moe.shared_expert_d_ff=48"],
     ["model.mtp_depth=1", "model.num_dense_layers=3"],  # no MoE layer: a dense MTP block
     ["model.layer_types=[linear_attention,linear_attention,full_attention]", "model.attention_output_gate=true",
@@ -71,7 +73,7 @@ def test_param_counts_equal_the_built_model():
      "model.qk_norm=per_head", "model.sandwich_norm=true", "model.layer_scalar=true", "moe.shared_expert_d_ff=48",
      "moe.shared_expert_gate=false", "moe.branch_norms=true", "moe.per_expert_scale=true",
      "model.mtp_depth=1"],  # Gemma 4: full layers of their own shape, keys as values, its norms and scales
-], ids=["qkv-bias-per-head-norm", "all-bias-full-norm", "mla-q-lora", "mla-direct-q", "mtp2-shared",
+], ids=["qkv-bias-per-head-norm", "all-bias-full-norm", "mla-q-lora", "mla-direct-q", "mla-dsa", "mtp2-shared",
         "mtp1-dense", "hybrid-deltanet", "hybrid-kda", "gpt-oss", "gemma4"])
 def test_param_counts_cover_the_hf_family_options(extra):
     cfg = load_config(None, ["model.vocab_size=300", "model.num_dense_layers=1", "model.num_layers=3",

@@ -5,6 +5,7 @@ with the compressed cache against the full forward; the cache's bytes per token.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -13,6 +14,7 @@ from moefast.model import transformer
 from moefast.model.attention import Attention
 from moefast.model.positional import Yarn, apply_rope, rope_cos_sin, rope_deinterleave_permutation
 from moefast.train import ModelDef
+from moefast.train.step import make_optimizer
 
 torch = pytest.importorskip("torch")
 
@@ -325,3 +327,39 @@ def test_mla_flash_path_equals_blocked_path():
     np.testing.assert_allclose(np.asarray(flash), np.asarray(blocked), rtol=1e-5, atol=1e-5)
     for a, e in zip(jax.tree.leaves(g_flash), jax.tree.leaves(g_blocked)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
+
+
+def test_sparse_mla_indexer_gets_no_gradient_and_keeping_every_key_is_dense_mla():
+    """DeepSeek-V3.2's sparse MLA (model.index_topk): the lightning indexer's parameters get exactly
+    zero gradient (stop_gradient, as transformers' no_grad) while the attention's do not; with
+    index_topk >= the row every visible key is kept and the logits are dense MLA's for the same
+    weights. (Parity with transformers, packed rows and decoding: tests/interop/test_hf_deepseek_v32.py.)"""
+    sparse = ["model.num_dense_layers=2", "model.index_n_heads=3", "model.index_head_dim=8"]
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 20)), jnp.int32)
+    md = ModelDef(load_config(None, MLA_MODEL + sparse + ["model.index_topk=4"]), 259)
+    params = md.init_params(seed=1)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(md.module(p)(ids, drop_tokens=False).logits ** 2)))(params)
+    for block in grads["blocks"].values():
+        assert all(not np.asarray(g).any() for g in jax.tree.leaves(block["attn"]["indexer"]))
+        assert np.asarray(block["attn"]["q_b_proj"]).any()
+    # the optimizer leaves the indexer as it is (no weight decay without a gradient), the rest moves
+    tx = make_optimizer(md.cfg)
+    state, new = tx.init(params), params
+    for _ in range(2):  # the warm-up's first step has a learning rate of 0
+        updates, state = tx.update(grads, state, new)
+        new = optax.apply_updates(new, updates)
+    for old_block, new_block in zip(params["blocks"].values(), new["blocks"].values()):
+        for a, b in zip(jax.tree.leaves(old_block["attn"]["indexer"]), jax.tree.leaves(new_block["attn"]["indexer"])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert np.asarray(old_block["attn"]["q_b_proj"] != new_block["attn"]["q_b_proj"]).any()
+    full = ModelDef(load_config(None, MLA_MODEL + sparse + ["model.index_topk=20"]), 259)
+    dense = ModelDef(load_config(None, MLA_MODEL + ["model.num_dense_layers=2"]), 259)
+
+    def drop(tree):  # the parameters without the indexers'
+        return {k: drop(v) for k, v in tree.items() if k != "indexer"} if isinstance(tree, dict) else tree
+
+    with jax.default_matmul_precision("highest"):
+        want, got, sparse_logits = jax.jit(lambda p: [d.module(q)(ids, drop_tokens=False).logits for d, q in
+                                                      ((dense, drop(p)), (full, p), (md, p))])(params)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(sparse_logits) - np.asarray(want)).max() > 1e-3  # k = 4 < 20 keys: not dense
