@@ -77,7 +77,8 @@ def resolve(impl: str, platform: str | None = None) -> str:
 
 
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Array, *, scale: float,
-                     impl: Impl = "auto", return_lse: bool = False, interpret: bool | None = None):
+                     impl: Impl = "auto", return_lse: bool = False, return_max: bool = False,
+                     interpret: bool | None = None):
     """Attention of each query to its K selected keys (contract: the module docstring).
 
     Args:
@@ -87,10 +88,13 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
       scale: logit scale (dimensionless), a static float.
       impl: one of :data:`IMPLS`.
       return_lse: also return the [B, T, H] float32 natural log-sum-exp (differentiable).
+      return_max: also return the [B, T, H] float32 largest logit ``q·k·scale`` of each query's
+        selected keys (-inf where none), not differentiated (QK-clip, the logit metrics).
       interpret: ``"pallas"`` only: the Pallas interpreter; ``None``: when compiling for CPU.
 
     Returns:
-      out [B, T, H, Dv] in q's dtype, then the log-sum-exp when ``return_lse``.
+      out [B, T, H, Dv] in q's dtype, then the log-sum-exp when ``return_lse``, then the largest
+      logits when ``return_max`` (a tuple when either is asked for).
 
     Raises:
       ValueError: at trace time: bad shapes or dtypes, a traced ``scale`` (:func:`.reference.validate`),
@@ -98,5 +102,6 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
     """
     validate(q, k, v, indices, scale)
     if resolve(impl) == "pallas":
-        return sparse_attention_pallas(q, k, v, indices, scale=scale, return_lse=return_lse, interpret=interpret)
-    return sparse_attention_reference(q, k, v, indices, scale=scale, return_lse=return_lse)
+        return sparse_attention_pallas(q, k, v, indices, scale=scale, return_lse=return_lse, return_max=return_max,
+                                       interpret=interpret)
+    return sparse_attention_reference(q, k, v, indices, scale=scale, return_lse=return_lse, return_max=return_max)

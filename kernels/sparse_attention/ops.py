@@ -32,13 +32,13 @@ def _core(q, k, v, indices, c: Static):
 
 
 def _core_fwd(q, k, v, indices, c):
-    o, lse = sparse_attention_fwd(q, k, v, indices, c)
-    return (o, lse), (q, k, v, indices, o, lse)
+    o, lse, mx = sparse_attention_fwd(q, k, v, indices, c)
+    return (o, lse, mx), (q, k, v, indices, o, lse)
 
 
 def _core_bwd(c, residuals, cotangents):
     q, k, v, indices, o, lse = residuals
-    do, dlse = cotangents
+    do, dlse, _ = cotangents  # the largest logits are not differentiated
     dq, dk, dv = sparse_attention_bwd(q, k, v, indices, o, lse, do, dlse, c)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), np.zeros(indices.shape, jax.dtypes.float0)
 
@@ -60,7 +60,8 @@ def blocks(num_heads: int, width: int, block_h: int | None, block_k: int | None,
 
 
 def sparse_attention_pallas(q_bthd: jax.Array, k_bsd: jax.Array, v_bsd: jax.Array, indices_btk: jax.Array, *,
-                            scale: float, return_lse: bool = False, block_h: int | None = None,
+                            scale: float, return_lse: bool = False, return_max: bool = False,
+                            block_h: int | None = None,
                             block_k: int | None = None, interpret: bool | None = None):
     """Top-k sparse attention by the Pallas kernels (same contract as
     :func:`.reference.sparse_attention_reference`, equal to it to float rounding).
@@ -72,12 +73,15 @@ def sparse_attention_pallas(q_bthd: jax.Array, k_bsd: jax.Array, v_bsd: jax.Arra
         the forward and atomically added twice, in the interpreter its key gradient would be wrong.
       scale: logit scale (dimensionless), static.
       return_lse: also return the [B, T, H] float32 natural log-sum-exp (differentiable).
+      return_max: also return the [B, T, H] float32 largest logit ``q·k·scale`` over the query's
+        valid slots (-inf where none): the forward kernel's running maximum, not differentiated.
       block_h: heads per program (Hb), a power of two >= 16; ``None``: :func:`blocks`.
       block_k: slots per loop step (Kb), a power of two >= 16; ``None``: :func:`blocks`.
       interpret: run in the Pallas interpreter; ``None``: when compiling for CPU.
 
     Returns:
-      [B, T, H, Dv] in q's dtype, then the log-sum-exp when ``return_lse``. Differentiable
+      [B, T, H, Dv] in q's dtype, then the log-sum-exp when ``return_lse``, then the largest
+      logits when ``return_max`` (a tuple when either is asked for). Differentiable
       (``jax.grad``/``jax.vjp``, not ``jax.jvp``) with respect to q, k, v.
 
     Raises:
@@ -95,7 +99,8 @@ def sparse_attention_pallas(q_bthd: jax.Array, k_bsd: jax.Array, v_bsd: jax.Arra
     if kp != top_k:
         idx = jnp.pad(idx, ((0, 0), (0, 0), (0, kp - top_k)), constant_values=-1)
     c = Static(float(scale), d, dv, s, bh, bk, bool(interpret), num_warps=8 if max(d, dv) > 128 else 4)
-    o, lse = _core(q, k_bsd, v_bsd, idx, c)
+    o, lse, mx = _core(q, k_bsd, v_bsd, idx, c)
     if hp != h:
-        o, lse = o[:, :, :h], lse[:, :, :h]
-    return (o, lse) if return_lse else o
+        o, lse, mx = o[:, :, :h], lse[:, :, :h], mx[:, :, :h]
+    out = (o, *((lse,) if return_lse else ()), *((jax.lax.stop_gradient(mx),) if return_max else ()))
+    return out if len(out) > 1 else o

@@ -89,7 +89,7 @@ def slot_block(idx_ref, j, block_k: int, num_keys: int):
     return valid, jnp.where(valid, idx, 0)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, c: Static):
+def _forward_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, max_ref, *, c: Static):
     wd, wv = q_ref.shape[-1], v_ref.shape[-1]
     dmask = (jnp.arange(wd) < c.d)[None, :]
     q = plt.load(q_ref, mask=dmask, other=0.0)  # [Hb, Wd]
@@ -116,6 +116,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, c: Static):
     l_safe = jnp.where(seen, l, 1.0)
     o = jnp.where(seen[:, None], o / l_safe[:, None], 0.0)
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) / LOG2E, -jnp.inf)  # natural
+    max_ref[...] = jnp.where(seen, m / LOG2E, -jnp.inf)  # the largest scaled logit q·k·scale
     plt.store(o_ref, o.astype(o_ref.dtype), mask=(jnp.arange(wv) < c.dv)[None, :])
 
 
@@ -127,7 +128,8 @@ def sparse_attention_fwd(q, k, v, indices, c: Static):
       indices: [B, T, Kp] int32 (Kp a multiple of ``c.block_k``; -1 unused).
 
     Returns:
-      ``(o [B, T, Hp, Dv] in q's dtype, lse [B, T, Hp] float32 natural log-sum-exp)``.
+      ``(o [B, T, Hp, Dv] in q's dtype, lse [B, T, Hp] float32 natural log-sum-exp, max [B, T, Hp]
+      float32 largest logit q·k·scale over the valid slots, -inf where none)``.
     """
     b, t, hp, _ = q.shape
     s, kp = k.shape[1], indices.shape[-1]
@@ -140,8 +142,10 @@ def sparse_attention_fwd(q, k, v, indices, c: Static):
                   pl.BlockSpec((None, s, wv), lambda ti, bi, hi: (bi, 0, 0)),
                   pl.BlockSpec((None, None, kp), lambda ti, bi, hi: (bi, ti, 0))],
         out_specs=[pl.BlockSpec((None, None, bh, wv), lambda ti, bi, hi: (bi, ti, hi, 0)),
+                   pl.BlockSpec((None, None, bh), lambda ti, bi, hi: (bi, ti, hi)),
                    pl.BlockSpec((None, None, bh), lambda ti, bi, hi: (bi, ti, hi))],
-        out_shape=[jax.ShapeDtypeStruct((b, t, hp, c.dv), q.dtype), jax.ShapeDtypeStruct((b, t, hp), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((b, t, hp, c.dv), q.dtype), jax.ShapeDtypeStruct((b, t, hp), jnp.float32),
+                   jax.ShapeDtypeStruct((b, t, hp), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=c.num_warps, num_stages=2),
         interpret=c.interpret, name=FORWARD_NAME,
     )(q, k, v, indices)

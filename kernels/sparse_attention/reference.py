@@ -62,7 +62,8 @@ def gather_rows(x_bsf: jax.Array, idx_btk: jax.Array) -> jax.Array:
 
 
 def sparse_attention_reference(q_bthd: jax.Array, k_bsd: jax.Array, v_bsd: jax.Array, indices_btk: jax.Array, *,
-                               scale: float, return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                               scale: float, return_lse: bool = False,
+                               return_max: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """Attention of every query to its K selected keys, by gathering them ([B, T, K, D] in memory).
 
     Args:
@@ -75,7 +76,8 @@ def sparse_attention_reference(q_bthd: jax.Array, k_bsd: jax.Array, v_bsd: jax.A
 
     Returns:
       [B, T, H, Dv] in q's dtype (0 where a query has no valid slot), then the log-sum-exp when
-      ``return_lse``. Differentiable with respect to q, k, v.
+      ``return_lse``, then (``return_max``) each head's largest logit ``q·k·scale`` over the valid
+      slots (-inf where none, not differentiated). Differentiable with respect to q, k, v.
 
     Raises:
       ValueError: see :func:`validate`.
@@ -96,6 +98,6 @@ def sparse_attention_reference(q_bthd: jax.Array, k_bsd: jax.Array, v_bsd: jax.A
     l_safe = jnp.where(seen, l, 1.0)
     o = jnp.einsum("bthk,btkv->bthv", p, v, precision=jax.lax.Precision.HIGHEST) / l_safe[..., None]
     o = jnp.where(seen[..., None], o, 0.0).astype(q_bthd.dtype)
-    if not return_lse:
-        return o
-    return o, jnp.where(seen, m[..., 0] + jnp.log(l_safe), -jnp.inf)
+    out = (o, *((jnp.where(seen, m[..., 0] + jnp.log(l_safe), -jnp.inf),) if return_lse else ()),
+           *((jax.lax.stop_gradient(jnp.max(logits, axis=-1)),) if return_max else ()))
+    return out if len(out) > 1 else o

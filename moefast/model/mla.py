@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moefast.kernels.sparse_attention import sparse_attention
 from moefast.model.attention import attend, causal_attention, context_flash_attention
 from moefast.model.norm import rms_norm
 from moefast.model.positional import apply_rope
@@ -86,9 +87,10 @@ class LightningIndexer(nnx.Module):
         k = self.k_norm(project(self, "wk", x_btd, self.dtype, ("embed", "lora")).astype(jnp.float32))
         return self._rotate(k[:, :, None], rope)[:, :, 0]
 
-    def select(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope, k_bsd: jax.Array, mask_bts: jax.Array) -> jax.Array:
-        """bool [B, T, S]: the keys each query keeps, a subset of ``mask_bts`` (bool [B or 1, T, S],
-        True where the query may see the key) of min(topk, visible keys) keys.
+    def top_keys(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope, k_bsd: jax.Array, mask_bts: jax.Array) -> jax.Array:
+        """int32 [B, T, k], k = min(topk, S): the keys each query keeps, the indices of its
+        min(topk, visible keys) best-scored keys among those ``mask_bts`` (bool [B or 1, T, S],
+        True where the query may see the key) allows, -1 in the slots past its visible keys.
 
         Args:
           x_btd: [B, T, D] the layer's input. q_lat_btq: [B, T, Q] MLA's normalised query latent.
@@ -105,8 +107,15 @@ class LightningIndexer(nnx.Module):
         scores = jax.lax.stop_gradient(jnp.einsum("bth,bths->bts", w, jax.nn.relu(logits),
                                                   precision=jax.lax.Precision.HIGHEST))
         scores = jnp.where(mask_bts, scores, -jnp.inf)
-        _, idx = jax.lax.top_k(scores, min(self.topk, scores.shape[-1]))  # [B, T, k]
-        chosen = jnp.put_along_axis(jnp.zeros(scores.shape, bool), idx, True, axis=-1, inplace=False)
+        top, idx = jax.lax.top_k(scores, min(self.topk, scores.shape[-1]))  # [B, T, k]
+        return jnp.where(top > -jnp.inf, idx, -1)
+
+    def select(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope, k_bsd: jax.Array, mask_bts: jax.Array) -> jax.Array:
+        """bool [B, T, S]: :meth:`top_keys` as a mask, a subset of ``mask_bts`` (the dense masked
+        reference's form)."""
+        idx = self.top_keys(x_btd, q_lat_btq, rope, k_bsd, mask_bts)
+        chosen = jnp.put_along_axis(jnp.zeros(idx.shape[:-1] + (k_bsd.shape[1],), bool), jnp.maximum(idx, 0),
+                                    True, axis=-1, inplace=False)
         return chosen & mask_bts
 
 
@@ -178,6 +187,26 @@ class MLAttention(nnx.Module):
                                             head_dim=index_head_dim, rope_dim=qk_rope_head_dim, topk=index_topk,
                                             dtype=dtype, init_std=init_std, rngs=rngs)
 
+    def _sparse_attention(self, q_nope, q_rope, c_kv, k_rope, idx_btk):
+        """DSA's attention over the selected keys in MLA's absorbed form
+        (:func:`moefast.kernels.sparse_attention.sparse_attention`: the Pallas kernels when
+        compiling for GPUs, the gather reference elsewhere): each head's query [q^C W_UK, q^R]
+        [B, T, H, C + R] against one key [c^KV, k^R] and one value c^KV a token, the latent output
+        up-projected by W_UV (DeepSeek-V2 sec. 2.1.2's absorption, as the decode path does). The
+        same function as the masked reference up to rounding. Returns ``o_proj``'s output [B, T, D]
+        and each head's largest logit over the selected keys, float32 [H] (not differentiated)."""
+        b, t, h, n = q_nope.shape
+        c, hv = self.kv_lora_rank, self.v_head_dim
+        w = effective_weight(self, "kv_b_proj").astype(self.dtype).reshape(c, h, n + hv)
+        q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w[..., :n], preferred_element_type=jnp.float32)
+        q = jnp.concatenate([q_lat.astype(self.dtype), q_rope.astype(self.dtype)], axis=-1)
+        k = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1).astype(self.dtype)
+        o_lat, max_bth = sparse_attention(q, k, c_kv.astype(self.dtype), idx_btk.astype(jnp.int32), scale=self.scale,
+                                          return_max=True)
+        o = jnp.einsum("bthc,chv->bthv", o_lat, w[..., n:], preferred_element_type=jnp.float32).astype(self.dtype)
+        return (project(self, "o_proj", o.reshape(b, t, h * hv), self.dtype, ("heads", "embed"), fp8=self.fp8),
+                jnp.max(max_bth, axis=(0, 1)))
+
     def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None, *,
                  record_max: bool = False):
         """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin, or
@@ -206,12 +235,18 @@ class MLAttention(nnx.Module):
             if kv_prefix is not None or isinstance(mask_b1ts, tuple) or context_size() > 1:
                 raise ValueError("MLAttention with index_topk (sparse MLA) runs on whole rows only: no sequence "
                                  "slices (model.sequence_slices) and no context parallelism (mesh.context)")
-            if mask_b1ts.ndim == 2:  # segment ids (model.attention_impl=flash): the bool mask instead
+            mask_b1ts_ids = mask_b1ts if mask_b1ts.ndim == 2 else None  # segment ids: attention_impl=flash
+            if mask_b1ts_ids is not None:  # the indexer's scores take the bool mask
                 mask_b1ts = segment_mask(mask_b1ts)
             index_k = self.indexer.keys(x_btd, rope)  # [B, T, Di]
             if cache is not None:
                 index_k = jax.lax.dynamic_update_slice_in_dim(cache["index_k"], index_k.astype(cache["index_k"].dtype),
                                                               cache_index, axis=1)
+            if cache is None and mask_b1ts_ids is not None:
+                # training with the fused kernels: MLA's absorbed form over the selected latents
+                idx = self.indexer.top_keys(x_btd, q_lat, rope, index_k, mask_b1ts[:, 0])
+                out, max_h = self._sparse_attention(q_nope, q_rope, c_kv, k_rope, idx)
+                return (out, None, max_h) if record_max else (out, None)
             mask_b1ts = self.indexer.select(x_btd, q_lat, rope, index_k, mask_b1ts[:, 0])[:, None]
         if cache is None and kv_prefix is None and context_size() > 1 and not isinstance(mask_b1ts, tuple) \
                 and mask_b1ts.ndim == 2:  # the fused kernel on a context axis: each device gathers the row's

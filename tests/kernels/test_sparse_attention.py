@@ -138,6 +138,12 @@ def test_pallas_equals_reference_forward_and_gradients(case):
     np.testing.assert_allclose(o, want_o, **FWD_TOL)
     np.testing.assert_allclose(lse, want_lse, **FWD_TOL)
     assert_grads_close(grads, want_grads)
+    # each head's largest logit over its selected keys (QK-clip): the kernel's running maximum
+    got_max, want_max = (jax.jit(lambda *a, f=f: f(*a, scale=scale, return_max=True, **kw)[1])(q, k, v, idx)
+                         for f, kw in ((sparse_attention_pallas, dict(interpret=True, **kernel_kw)),
+                                       (sparse_attention_reference, {})))
+    np.testing.assert_allclose(got_max, want_max, **FWD_TOL)
+    assert np.all(np.isfinite(want_max) == np.isfinite(want_lse))
 
 
 def test_pallas_bfloat16():

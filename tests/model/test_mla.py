@@ -363,3 +363,21 @@ def test_sparse_mla_indexer_gets_no_gradient_and_keeping_every_key_is_dense_mla(
                                                       ((dense, drop(p)), (full, p), (md, p))])(params)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(sparse_logits) - np.asarray(want)).max() > 1e-3  # k = 4 < 20 keys: not dense
+    # the fused path (attention_impl=flash): MLA's absorbed form over the selected latents
+    # (moefast.kernels.sparse_attention: its gather reference on CPU, the Pallas kernels on GPUs),
+    # with its gradients, equals the masked reference
+    fused = ModelDef(load_config(None, MLA_MODEL + sparse + ["model.index_topk=4", "model.attention_impl=flash"]), 259)
+    seg = jnp.ones(ids.shape, jnp.int32).at[1, 12:].set(2)  # row 1: two documents
+
+    def loss(d, p):
+        out = d.module(p)(ids, segment_ids_bt=seg, drop_tokens=False)
+        return jnp.sum(out.logits ** 2), out.max_logits
+
+    with jax.default_matmul_precision("highest"):
+        ((l1, m1), g1), ((l2, m2), g2) = jax.jit(lambda p: [jax.value_and_grad(loss, argnums=1, has_aux=True)(d, p)
+                                                            for d in (md, fused)])(params)
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    np.testing.assert_allclose(m2, m1, rtol=1e-5)  # each head's largest logit (QK-clip) over the selected keys
+    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(g2), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * float(np.abs(e).max()) + 1e-12,
+                                   err_msg=jax.tree_util.keystr(path))
