@@ -169,6 +169,8 @@ def test_context_bad_config(small_config):
     with pytest.raises(ConfigError, match=r"pieces of data.seq_len / 16 = 2 tokens, fewer than the linear-attention "
                                           r"convolution's 3 earlier taps"):
         small_config("mesh.context=8", "model.layer_types=[linear_attention,full_attention]")
+    with pytest.raises(ConfigError, match=r"mesh.context: 2 with sparse MLA \(model.index_topk=4\): the lightning "):
+        small_config("mesh.context=2", *MLA, "model.index_topk=4")
     with pytest.raises(ConfigError, match="model.sequence_slices=2: use one or the other"):
         small_config("mesh.context=2", "model.sequence_slices=2")
     with pytest.raises(ConfigError, match="mesh.context: must be >= 1"):
