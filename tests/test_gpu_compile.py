@@ -77,6 +77,9 @@ CASES = {
                     "moe.topk_groups=2", "moe.routed_scaling_factor=2.5", "moe.shared_expert_d_ff=64",
                     "moe.shared_expert_gate=false", "model.num_layers=3", "model.num_dense_layers=1",
                     "model.mtp_depth=1"],
+    # DeepSeek-V3.2's sparse MLA (configs/tiny_deepseek_v32.yaml) on 2 GPUs: the lightning
+    # indexer's top-k and the sparse attention kernels over the selected latents
+    "dsa": ["--config", "configs/tiny_deepseek_v32.yaml", "--devices", "2", "model.dtype=bfloat16"],
     # the shipped DeepSeek-V3 671B config at its widths with 4 layers (3 dense, 1 MoE) and its MTP
     # module, on 32 hosts x 8 H100s: the expert axis (64) spans 8 hosts; rows whole (the sequence
     # slices double the compiled layers: covered by scan-2-hosts)
@@ -170,6 +173,15 @@ def test_gpu_kernels_are_in_the_step(compiled):
     assert any(k.startswith("kernel grouped_matmul_m") for k in r["custom_calls"])
     assert any(k.startswith("kernel grouped_matmul_dw_") for k in r["custom_calls"])
     assert 1.0 <= r["grouped_flops"]["bound"] / r["grouped_flops"]["exact"] <= 1.1
+
+
+def test_sparse_mla_runs_the_top_k_kernels(compiled):
+    """model.index_topk compiled for GPUs: every MLA layer's attention is the top-k sparse kernel,
+    forward and backward (no dense flash kernel left in the step)."""
+    calls = compiled("dsa")[0]["custom_calls"]
+    assert calls.get("kernel moefast_sparse_attention_fwd", 0) >= 1, calls
+    assert calls.get("kernel moefast_sparse_attention_bwd", 0) >= 1, calls
+    assert not any(c.startswith("kernel moefast_flash_") for c in calls), calls
 
 
 def test_fp8_gemms_are_e4m3_kernels_in_the_step(compiled):
