@@ -71,6 +71,17 @@ def saved_layouts(model, family, tmp_path_factory):
     return dirs
 
 
+def saved_and_loaded(model, family, tmp_path_factory):
+    """``(model, dirs, cfg, params, routing_state)``: ``model`` saved in both layouts
+    (:func:`saved_layouts`) and moefast's config, parameters and routing state read from the
+    per-expert one."""
+    from moefast.interop import hf
+
+    dirs = saved_layouts(model, family, tmp_path_factory)
+    cfg, params = hf.load_hf(dirs["per_expert"])
+    return model, dirs, cfg, params, hf.load_hf_routing(dirs["per_expert"], cfg)
+
+
 def edited_copy(src, dst, change: dict):
     """``dst``: the model directory ``src`` with ``change`` merged into its config.json."""
     import json
@@ -148,3 +159,136 @@ def equal_trees(a, b):
     """Two pytrees of one structure, every leaf equal bit for bit."""
     assert jax.tree.structure(a) == jax.tree.structure(b)
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+# ------------------------------------------------- DeepSeek Sparse Attention (deepseek_v32, glm_moe_dsa)
+def random_dsa_model(config_class, config: dict, seed: int = 0):
+    """transformers' DSA model of ``config_class(**config)``, fp32, eager, with random weights whose
+    routing margins and index scores are well spread (no near-ties at the k-th key or expert): norm
+    weights 1 + 0.2 N, the indexer's key-norm bias and projections 0.2 N, router weights 0.1 N,
+    selection biases 0.05 N."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**config), attn_implementation="eager")
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("k_norm.bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith(("indexer.wq_b.weight", "indexer.wk.weight", "indexer.weights_proj.weight")):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    return model
+
+
+def hf_selected_keys(model, run):
+    """``(run(), selected)``: transformers' selected keys per indexer call (every module whose class
+    name ends in ``Indexer``), bool [B, T, S] each, while ``run()`` runs."""
+    chosen = []
+
+    def hook(m, args, out):
+        b, t, s = out.shape[0], out.shape[1], args[3].shape[-1]
+        sel = np.zeros((b, t, s), bool)
+        np.put_along_axis(sel, out.long().numpy(), True, axis=-1)
+        chosen.append(sel)
+
+    hooks = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__.endswith("Indexer")]
+    try:
+        result = run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return result, chosen
+
+
+def our_selected_keys(monkeypatch):
+    """A list that fills with moefast's selected keys per indexer call, bool [B, T, S]."""
+    from moefast.model import mla
+
+    calls = []
+    real = mla.LightningIndexer.select
+
+    def recording(self, *a, **kw):
+        out = real(self, *a, **kw)
+        calls.append(np.asarray(out))
+        return out
+
+    monkeypatch.setattr(mla.LightningIndexer, "select", recording)
+    return calls
+
+
+def compare_selected_keys(got, want, visible_bts, real_bt, topk: int, layers: int):
+    """Per indexer call (``layers`` of them): the same keys among those each real query may see,
+    min(topk, visible) of them, and some query keeps fewer keys than it sees."""
+    assert len(got) == len(want) == layers
+    for layer, (g, w) in enumerate(zip(got, want)):
+        w = w & visible_bts
+        assert g.shape == w.shape and not (g & ~visible_bts)[real_bt].any()
+        assert np.array_equal(g[real_bt], w[real_bt]), f"layer {layer}: other keys selected"
+        assert (g.sum(-1)[real_bt] == np.minimum(topk, visible_bts.sum(-1)[real_bt])).all()
+        assert (g.sum(-1) < visible_bts.sum(-1))[real_bt].any()
+
+
+def packed_rows(vocab: int, batch: int, tokens: int, doc_a: int):
+    """``(ids, segment ids, positions)`` [batch, tokens]: random ids (seed 1), row 1 two packed
+    documents of ``doc_a`` and ``tokens - doc_a`` tokens, positions restarting with the second."""
+    ids = np.random.default_rng(1).integers(0, vocab, (batch, tokens))
+    seg = np.ones((batch, tokens), np.int64)
+    seg[1, doc_a:] = 2
+    positions = np.stack([np.arange(tokens)] * (batch - 1) + [np.r_[np.arange(doc_a), np.arange(tokens - doc_a)]])
+    return ids, seg, positions
+
+
+def hf_packed_logits(model, ids, positions):
+    """transformers' logits [B, T, V] for packed rows: restarting ``position_ids``, no mask, no cache."""
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(ids), position_ids=torch.tensor(positions), use_cache=False).logits.numpy()
+
+
+def dsa_padded_parity(saved, monkeypatch, *, vocab: int, batch: int, tokens: int, pad_from: int, topk: int):
+    """A DSA model (``saved``: :func:`saved_and_loaded`'s tuple) on random rows, row 1 padded from
+    ``pad_from``: moefast's logits within 1e-4 of transformers' on the real tokens, the same experts
+    per MoE layer and the same selected keys per indexer call (:func:`compare_selected_keys`); the
+    fused layout's directory (transformers' in-memory names) reads to the very same model."""
+    from moefast.interop import hf
+
+    model, dirs, cfg, params, routing_state = saved
+    fused_cfg, fused = hf.load_hf(dirs["fused"])
+    assert fused_cfg.model == cfg.model and fused_cfg.moe == cfg.moe
+    equal_trees(params, fused)
+    ids, mask = padded_batch(vocab, batch, tokens, pad_from)
+    (want, want_chosen), want_sel = hf_selected_keys(model, lambda: hf_forward(model, ids, mask))
+    got_sel = our_selected_keys(monkeypatch)
+    got, got_chosen = ours(cfg, params, routing_state, ids, mask, monkeypatch)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
+    assert len(got_chosen) == len(want_chosen) == sum(map(cfg.model.is_moe_layer, range(cfg.model.num_layers)))
+    for layer, (g, w) in enumerate(zip(got_chosen, want_chosen)):
+        assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)]), f"MoE layer {layer}: other experts chosen"
+    visible = np.tril(np.ones((tokens, tokens), bool))[None] & real[:, None, :]
+    compare_selected_keys(got_sel, want_sel, visible, real, topk, cfg.model.num_layers)
+
+
+def dsa_packed_parity(saved, monkeypatch, *, vocab: int, batch: int, tokens: int, doc_a: int, topk: int):
+    """A DSA model on rows whose last packs two documents (:func:`packed_rows`; transformers:
+    restarting position_ids, no mask, no cache): the same logits (1e-4) and selected keys, each
+    document's queries selecting only inside it. Returns ``(moefast's logits, ids, segment ids)``."""
+    model, _, cfg, params, routing_state = saved
+    ids, seg, positions = packed_rows(vocab, batch, tokens, doc_a)
+    want, want_sel = hf_selected_keys(model, lambda: hf_packed_logits(model, ids, positions))
+    got_sel = our_selected_keys(monkeypatch)
+    got, _ = ours(cfg, params, routing_state, ids, seg, monkeypatch)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    visible = np.tril(np.ones((tokens, tokens), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+    compare_selected_keys(got_sel, want_sel, visible, np.ones((batch, tokens), bool), topk, cfg.model.num_layers)
+    return got, ids, seg

@@ -132,6 +132,23 @@ rotate-half order on disk (transformers' indexer does not interleave): no column
 _MLA_ROPE = MappingProxyType({("attn", "q_b_proj"): _mla_query_rope, ("attn", "q_proj"): _mla_query_rope,
                               ("attn", "kv_a_proj_with_mqa"): _mla_key_rope})
 
+
+def _indexer_query_rope(m: ModelConfig) -> np.ndarray:
+    return _rope_columns(m.index_n_heads, m.index_head_dim, 0, m.qk_rope_head_dim)
+
+
+def _indexer_key_rope(m: ModelConfig) -> np.ndarray:
+    return _rope_columns(1, m.index_head_dim, 0, m.qk_rope_head_dim)
+
+
+_INDEXER_ROPE = MappingProxyType({("attn", "indexer", "wq_b"): _indexer_query_rope,
+                                  **{("attn", "indexer") + x: _indexer_key_rope
+                                     for x in (("wk",), ("k_norm", "scale"), ("k_norm", "bias"))}})
+"""GLM-MoE-DSA's indexer rotates its first R features as interleaved pairs (transformers'
+``GlmMoeDsaIndexer``): those columns of each head of ``wq_b`` and of ``wk`` permuted to moefast's
+rotate-half order, and the key LayerNorm's scale and bias with ``wk`` (a LayerNorm commutes with a
+permutation of its features), so the rotate-half indexer computes the same scores."""
+
 _DENSE_MLP = MappingProxyType({
     ("ffn", "w_in"): _t(CONCAT_T, _L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
     ("ffn", "w_out"): _t(TRANSPOSED, _L + "mlp.down_proj.weight"),
@@ -611,6 +628,16 @@ REGISTRY["deepseek_v32"] = dataclasses.replace(
                                   "index_head_dim": 128}),
     moe_layers=MlpLayerTypes(leading=FirstKDense(default=3)), dsa=True,
     layer_tensors=MappingProxyType({**_MLA, **_DSA_INDEXER}))
+
+# GLM-5 / 5.1 (zai-org/GLM-5; transformers' glm_moe_dsa): DeepSeek-V3.2's layers with GLM's defaults,
+# the indexer's RoPE interleaved (permuted once at import, as MLA's, by _INDEXER_ROPE). Its
+# indexer_types may mark layers "shared" (no indexer: the previous layer's selection reused), which
+# moefast does not implement: every layer must be "full" (transformers' default), else one error.
+REGISTRY["glm_moe_dsa"] = dataclasses.replace(
+    REGISTRY["deepseek_v32"], model_type="glm_moe_dsa", architecture="GlmMoeDsaForCausalLM", name="GLM-MoE-DSA",
+    hf_defaults=MappingProxyType({**REGISTRY["deepseek_v32"].hf_defaults, "rms_norm_eps": 1e-5, "n_group": 1,
+                                  "topk_group": 1, "index_n_heads": 32}),
+    rope_interleave=MappingProxyType({**_MLA_ROPE, **_INDEXER_ROPE}), indexer_types=True)
 
 # Kimi K2 (moonshotai/Kimi-K2-*) is DeepSeek-V3's architecture under its own model_type (remote code):
 # read through the V3 spec; a model is always exported as deepseek_v3, which transformers loads.

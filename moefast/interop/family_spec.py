@@ -564,6 +564,11 @@ class FamilySpec:
         the same names, every layer is ``"indexed_attention"`` in ``layer_types``, and each layer's
         ``self_attn.indexer.*`` tensors are in ``layer_tensors``; the other families refuse a model
         with ``model.index_topk`` set.
+      indexer_types: with ``dsa``, config.json's ``indexer_types`` (GLM-MoE-DSA) says per layer
+        ``"full"`` (its own indexer) or ``"shared"`` (none: the previous layer's selection reused);
+        absent, transformers derives it from ``index_topk_pattern`` or ``index_topk_freq`` /
+        ``index_skip_topk_offset`` (every layer full by default). moefast runs an indexer on every
+        layer, so a ``"shared"`` layer is refused; exports write every layer ``"full"``.
       rope_interleave: parameters whose columns hold RoPE features stored as interleaved pairs when
         config.json's ``rope_interleave`` is true (default from ``hf_defaults``): moefast sub-path ->
         the column permutation ``moefast = hf[..., perm]`` for a model config (applied once at import,
@@ -689,6 +694,7 @@ class FamilySpec:
     mla: bool = False
     yarn: bool = False
     dsa: bool = False
+    indexer_types: bool = False
     rope_interleave: Mapping[SubPath, Callable[[ModelConfig], np.ndarray]] = dataclasses.field(default_factory=dict)
     export_as: str | None = None
     mtp_key: str | None = None

@@ -89,6 +89,20 @@ def _language_config(hf: dict) -> dict[str, Any]:
     return hf
 
 
+def _indexer_types(hf: dict) -> list:
+    """GLM-MoE-DSA's per-layer indexer kinds as transformers' ``GlmMoeDsaConfig`` derives them:
+    ``indexer_types``, else ``index_topk_pattern`` ("F"/"S" per layer), else layer i is full when
+    ``max(i - offset + 1, 0) % freq == 0`` (``index_topk_freq``, default 1; ``index_skip_topk_offset``,
+    default 2)."""
+    if hf.get("indexer_types") is not None:
+        return list(hf["indexer_types"])
+    pattern = hf.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(hf["num_hidden_layers"])]
+
+
 def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model, moe)`` config sections of an HF ``config.json`` dict."""
     spec = family_spec(hf.get("model_type"))
@@ -208,6 +222,10 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
             reject("rope_interleave", False, f"transformers' {spec.name} always rotates MLA's RoPE features as "
                    "interleaved pairs (it does not read the key)")
         model.update({k: get(k) for k in ("index_topk", "index_n_heads", "index_head_dim")})
+        if spec.indexer_types and any(t != "full" for t in _indexer_types(hf)):
+            reject("indexer_types", _indexer_types(hf), f"moefast runs {spec.name}'s indexer on every layer: "
+                   "layers that reuse the previous layer's selection (\"shared\", no indexer tensors) are not "
+                   "implemented")
     if rope.get("rope_type", rope.get("type")) == "yarn":
         if rope.get("attention_factor") is not None:
             reject("rope_parameters", rope, "YaRN with an explicit attention_factor")
@@ -539,6 +557,8 @@ def _export_config(cfg: ExperimentConfig, spec: FamilySpec, vocab_size: int, dty
     if spec.dsa:
         out.update(index_topk=m.index_topk, index_n_heads=m.index_n_heads, index_head_dim=m.index_head_dim,
                    layer_types=["indexed_attention"] * m.num_layers)
+        if spec.indexer_types:
+            out["indexer_types"] = ["full"] * m.num_layers
     if spec.rope_interleave:
         out["rope_interleave"] = True
     shared = spec.shared_expert

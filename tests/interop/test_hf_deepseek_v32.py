@@ -33,9 +33,9 @@ if not hasattr(transformers, "DeepseekV32Config"):
     pytest.skip("this transformers has no deepseek_v32", allow_module_level=True)
 
 from moefast.interop import hf  # noqa: E402
-from moefast.model import mla, transformer  # noqa: E402
-from hf_oracle import (equal_trees, hf_forward, module, ours, padded_batch, reload_bit_for_bit, rewrite,  # noqa: E402
-                       saved_layouts, tensors)
+from moefast.model import transformer  # noqa: E402
+from hf_oracle import (dsa_packed_parity, dsa_padded_parity, equal_trees, module, padded_batch,  # noqa: E402
+                       random_dsa_model, reload_bit_for_bit, rewrite, saved_and_loaded, tensors)
 
 V, B, T = 128, 2, 40
 PAD_FROM = 27  # row 1 is padding from here on
@@ -51,99 +51,21 @@ CONFIG = dict(vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermedia
 
 
 def _hf_model(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.DeepseekV32Config(**CONFIG)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("k_norm.bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            elif name.endswith(("indexer.wq_b.weight", "indexer.wk.weight", "indexer.weights_proj.weight")):
-                p.copy_(0.2 * torch.randn_like(p))  # index scores well spread: no near-ties at the k-th key
-            elif name.endswith("mlp.gate.weight"):  # routing margins well above float rounding
-                p.copy_(0.1 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    return model
+    return random_dsa_model(transformers.DeepseekV32Config, CONFIG, seed)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(HF model, its directory per on-disk layout, moefast's config, params and routing state)."""
-    model = _hf_model()
-    dirs = saved_layouts(model, "deepseek_v32", tmp_path_factory)
-    cfg, params = hf.load_hf(dirs["per_expert"])
-    return model, dirs, cfg, params, hf.load_hf_routing(dirs["per_expert"], cfg)
-
-
-def _hf_selected(model, run):
-    """transformers' selected keys per indexer call, bool [B, T, S], while ``run()`` runs."""
-    chosen = []
-
-    def hook(m, args, out):
-        b, t, s = out.shape[0], out.shape[1], args[3].shape[-1]
-        sel = np.zeros((b, t, s), bool)
-        np.put_along_axis(sel, out.long().numpy(), True, axis=-1)
-        chosen.append(sel)
-
-    hooks = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__ == "DeepseekV32Indexer"]
-    try:
-        result = run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return result, chosen
-
-
-def _our_selected(monkeypatch):
-    """A list that fills with moefast's selected keys per indexer call, bool [B, T, S]."""
-    calls = []
-    real = mla.LightningIndexer.select
-
-    def recording(self, *a, **kw):
-        out = real(self, *a, **kw)
-        calls.append(np.asarray(out))
-        return out
-
-    monkeypatch.setattr(mla.LightningIndexer, "select", recording)
-    return calls
-
-
-def _compare_selected(got, want, visible_bts, real_bt):
-    """Per indexer call: the same keys among those each real query may see, and (T > k) some
-    query keeps fewer keys than it sees."""
-    assert len(got) == len(want) == CONFIG["num_hidden_layers"]
-    for layer, (g, w) in enumerate(zip(got, want)):
-        w = w & visible_bts
-        assert g.shape == w.shape and not (g & ~visible_bts)[real_bt].any()
-        assert np.array_equal(g[real_bt], w[real_bt]), f"layer {layer}: other keys selected"
-        assert (g.sum(-1)[real_bt] == np.minimum(TOPK, visible_bts.sum(-1)[real_bt])).all()
-        assert (g.sum(-1) < visible_bts.sum(-1))[real_bt].any()
+    return saved_and_loaded(_hf_model(), "deepseek_v32", tmp_path_factory)
 
 
 def test_logits_experts_and_selected_keys_equal_transformers_with_padding(saved, monkeypatch):
-    model, dirs, cfg, params, routing_state = saved
-    m, e = cfg.model, cfg.moe
+    m, e = saved[2].model, saved[2].moe
     assert (m.attention, m.index_topk, m.index_n_heads, m.index_head_dim, m.num_dense_layers) == \
         ("mla", TOPK, 16, 16, 1)
     assert (e.score_func, e.num_groups, e.topk_groups, e.routed_scaling_factor) == ("sigmoid", 2, 1, 2.5)
-    tokens, mask = padded_batch(V, B, T, PAD_FROM)
-    (want, want_chosen), want_sel = _hf_selected(model, lambda: hf_forward(model, tokens, mask))
-    got_sel = _our_selected(monkeypatch)
-    got, got_chosen = ours(cfg, params, routing_state, tokens, mask, monkeypatch)
-    real = mask.astype(bool)
-    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
-    assert len(got_chosen) == len(want_chosen) == 2
-    for layer, (g, w) in enumerate(zip(got_chosen, want_chosen)):
-        assert np.array_equal(g[real.reshape(-1)], w[real.reshape(-1)]), f"MoE layer {layer}: other experts chosen"
-    visible = np.tril(np.ones((T, T), bool))[None] & real[:, None, :]
-    _compare_selected(got_sel, want_sel, visible, real)
-    fused_cfg, fused = hf.load_hf(dirs["fused"])  # transformers' in-memory names: the very same model
-    assert fused_cfg.model == m and fused_cfg.moe == e
-    equal_trees(params, fused)
+    dsa_padded_parity(saved, monkeypatch, vocab=V, batch=B, tokens=T, pad_from=PAD_FROM, topk=TOPK)
 
 
 def test_packed_documents_equal_transformers(saved, monkeypatch):
@@ -151,22 +73,8 @@ def test_packed_documents_equal_transformers(saved, monkeypatch):
     document's queries select and attend only inside it. With ``model.attention_impl=flash`` (the
     GPU default) the layers get segment ids, which the sparse path turns into the same bool mask
     (the fused kernel is not used): the same logits."""
-    model, _, cfg, params, routing_state = saved
-    tokens = np.random.default_rng(1).integers(0, V, (B, T))
-    seg = np.ones((B, T), np.int64)
-    seg[1, DOC_A:] = 2
-    positions = np.stack([np.arange(T), np.r_[np.arange(DOC_A), np.arange(T - DOC_A)]])
-
-    def hf_run():
-        with torch.no_grad():
-            return model(input_ids=torch.tensor(tokens), position_ids=torch.tensor(positions), use_cache=False).logits
-
-    want, want_sel = _hf_selected(model, hf_run)
-    got_sel = _our_selected(monkeypatch)
-    got, _ = ours(cfg, params, routing_state, tokens, seg, monkeypatch)
-    np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0)
-    visible = np.tril(np.ones((T, T), bool))[None] & (seg[:, :, None] == seg[:, None, :])
-    _compare_selected(got_sel, want_sel, visible, np.ones((B, T), bool))
+    _, _, cfg, params, routing_state = saved
+    got, tokens, seg = dsa_packed_parity(saved, monkeypatch, vocab=V, batch=B, tokens=T, doc_a=DOC_A, topk=TOPK)
     flash = cfg.replace(model=cfg.model.__class__(**{**cfg.model.__dict__, "attention_impl": "flash"}))
     with jax.default_matmul_precision("highest"):
         out = module(flash, params)(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(seg, jnp.int32),
