@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["target_compute_capability", "target_platform"]
+__all__ = ["resolve_impl", "target_compute_capability", "target_platform"]
 
 
 def target_platform() -> str:
@@ -40,3 +40,18 @@ def target_compute_capability() -> int | None:
         return None
     cc = getattr(devices.flat[0], "compute_capability", None)
     return None if cc is None else round(float(cc) * 10)
+
+
+def resolve_impl(impl: str, impls: tuple[str, ...], elsewhere: str, what: str, platform: str | None = None) -> str:
+    """The implementation ``impl`` (one of ``impls``) stands for on ``platform`` (default:
+    :func:`target_platform`): ``"auto"`` is ``"pallas"`` on GPU and ``elsewhere`` on other
+    platforms; any other name is itself.
+
+    Raises:
+      ValueError: ``impl`` not in ``impls``, naming ``what`` (the kernel family).
+    """
+    if impl not in impls:
+        raise ValueError(f"{what} impl={impl!r} is not one of {impls}")
+    if impl == "auto":
+        return "pallas" if (platform or target_platform()) == "gpu" else elsewhere
+    return impl

@@ -292,3 +292,27 @@ def dsa_packed_parity(saved, monkeypatch, *, vocab: int, batch: int, tokens: int
     visible = np.tril(np.ones((tokens, tokens), bool))[None] & (seg[:, :, None] == seg[:, None, :])
     compare_selected_keys(got_sel, want_sel, visible, np.ones((batch, tokens), bool), topk, cfg.model.num_layers)
     return got, ids, seg
+
+
+def prefill_then_decode(cfg, params, routing_state, ids, prefill: int, cache_len: int):
+    """``(full-pass logits, the logits of a prefill of ``prefill`` tokens then one token at a
+    time through the generation cache, the final cache)`` for token ids [B, T], float32 at the
+    highest matmul precision."""
+    from moefast.model import transformer
+
+    @jax.jit
+    def run(params):
+        model = module(cfg, params)
+        full = model(ids, drop_tokens=False, routing_state=routing_state).logits
+        out = model(ids[:, :prefill], cache=transformer.init_cache(model, ids.shape[0], cache_len), cache_index=0,
+                    drop_tokens=False, routing_state=routing_state)
+        steps, cache = [out.logits], out.cache
+        for i in range(prefill, ids.shape[1]):
+            out = model(ids[:, i:i + 1], cache=cache, cache_index=jnp.int32(i), drop_tokens=False,
+                        routing_state=routing_state)
+            steps.append(out.logits)
+            cache = out.cache
+        return full, jnp.concatenate(steps, axis=1), cache
+
+    with jax.default_matmul_precision("highest"):
+        return run(params)

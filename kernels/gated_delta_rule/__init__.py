@@ -29,7 +29,7 @@ from typing import Literal
 
 import jax
 
-from ..platform import target_platform
+from ..platform import resolve_impl
 from .chunked import check_chunk_size, gated_delta_rule_chunked
 from .ops import gated_delta_rule_pallas
 from .reference import gated_delta_rule_reference, validate
@@ -49,11 +49,7 @@ def resolve(impl: str, platform: str | None = None) -> str:
     Raises:
       ValueError: an unknown ``impl``.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"gated delta rule impl={impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        return "pallas" if (platform or target_platform()) == "gpu" else "chunked"
-    return impl
+    return resolve_impl(impl, IMPLS, "chunked", "gated delta rule", platform)
 
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,

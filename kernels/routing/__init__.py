@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..platform import target_platform
+from ..platform import resolve_impl
 from .ops import route_pallas, route_triton
 from .reference import POLICIES, SCORE_FUNCS, RoutingResult, Scoring, raw_gates, route_reference
 
@@ -43,11 +43,7 @@ def resolve(impl: str, platform: str | None = None) -> str:
     Raises:
       ValueError: an unknown ``impl``.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        return "pallas" if (platform or target_platform()) == "gpu" else "reference"
-    return impl
+    return resolve_impl(impl, IMPLS, "reference", "routing", platform)
 
 
 def route(logits: jax.Array, *, top_k: int, capacity: int, policy: str = "position", impl: str = "auto",

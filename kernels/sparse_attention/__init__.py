@@ -48,7 +48,7 @@ from typing import Literal
 
 import jax
 
-from ..platform import target_platform
+from ..platform import resolve_impl
 from .ops import sparse_attention_pallas
 from .pallas import FORWARD_NAME
 from .pallas_bwd import BACKWARD_NAME
@@ -69,11 +69,7 @@ def resolve(impl: str, platform: str | None = None) -> str:
     Raises:
       ValueError: an unknown ``impl``.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"sparse attention impl={impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        return "pallas" if (platform or target_platform()) == "gpu" else "reference"
-    return impl
+    return resolve_impl(impl, IMPLS, "reference", "sparse attention", platform)
 
 
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Array, *, scale: float,

@@ -33,9 +33,8 @@ if not hasattr(transformers, "DeepseekV32Config"):
     pytest.skip("this transformers has no deepseek_v32", allow_module_level=True)
 
 from moefast.interop import hf  # noqa: E402
-from moefast.model import transformer  # noqa: E402
 from hf_oracle import (dsa_packed_parity, dsa_padded_parity, equal_trees, module, padded_batch,  # noqa: E402
-                       random_dsa_model, reload_bit_for_bit, rewrite, saved_and_loaded, tensors)
+                       prefill_then_decode, random_dsa_model, reload_bit_for_bit, rewrite, saved_and_loaded, tensors)
 
 V, B, T = 128, 2, 40
 PAD_FROM = 27  # row 1 is padding from here on
@@ -87,24 +86,7 @@ def test_decoding_with_the_cache_equals_the_full_pass(saved):
     cache (k = 8 < the keys each query sees): the full pass's logits."""
     _, _, cfg, params, routing_state = saved
     ids = jnp.asarray(padded_batch(V, B, T, PAD_FROM)[0][:, :24], jnp.int32)
-    prefill = 20
-
-    @jax.jit
-    def run(params):
-        model = module(cfg, params)
-        full = model(ids, drop_tokens=False, routing_state=routing_state).logits
-        out = model(ids[:, :prefill], cache=transformer.init_cache(model, B, 32), cache_index=0, drop_tokens=False,
-                    routing_state=routing_state)
-        steps, cache = [out.logits], out.cache
-        for i in range(prefill, ids.shape[1]):
-            out = model(ids[:, i:i + 1], cache=cache, cache_index=jnp.int32(i), drop_tokens=False,
-                        routing_state=routing_state)
-            steps.append(out.logits)
-            cache = out.cache
-        return full, jnp.concatenate(steps, axis=1), cache
-
-    with jax.default_matmul_precision("highest"):
-        full, decoded, cache = run(params)
+    full, decoded, cache = prefill_then_decode(cfg, params, routing_state, ids, prefill=20, cache_len=32)
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=1e-4)
     assert sorted(cache[0]) == ["index_k", "k_rope", "kv"] and cache[0]["index_k"].shape == (B, 32, 16)
 

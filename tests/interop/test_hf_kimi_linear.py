@@ -18,7 +18,6 @@ each, and an export that cannot be exact writes nothing.
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,9 +28,8 @@ if not hasattr(transformers, "KimiLinearConfig"):
     pytest.skip("this transformers has no kimi_linear", allow_module_level=True)
 
 from moefast.interop import hf  # noqa: E402
-from moefast.model import transformer  # noqa: E402
-from hf_oracle import (equal_trees, hf_forward, module, ours, padded_batch, reload_bit_for_bit, rewrite,  # noqa: E402
-                       saved_layouts, tensors)
+from hf_oracle import (equal_trees, hf_forward, ours, padded_batch, reload_bit_for_bit, rewrite,  # noqa: E402
+                       prefill_then_decode, saved_layouts, tensors)
 
 V, B, T = 128, 2, 40
 PAD_FROM = 27  # row 1 is padding from here on
@@ -99,24 +97,7 @@ def test_decoding_with_the_cache_equals_the_full_pass(saved):
     kv_b_proj absorbed; nothing rotated): the full pass's logits."""
     _, _, cfg, params, routing_state = saved
     ids = jnp.asarray(padded_batch(V, B, T, PAD_FROM)[0][:, :24], jnp.int32)
-    prefill = 20
-
-    @jax.jit
-    def run(params):
-        model = module(cfg, params)
-        full = model(ids, drop_tokens=False, routing_state=routing_state).logits
-        out = model(ids[:, :prefill], cache=transformer.init_cache(model, B, 32), cache_index=0, drop_tokens=False,
-                    routing_state=routing_state)
-        steps, cache = [out.logits], out.cache
-        for i in range(prefill, ids.shape[1]):
-            out = model(ids[:, i:i + 1], cache=cache, cache_index=jnp.int32(i), drop_tokens=False,
-                        routing_state=routing_state)
-            steps.append(out.logits)
-            cache = out.cache
-        return full, jnp.concatenate(steps, axis=1)
-
-    with jax.default_matmul_precision("highest"):
-        full, decoded = run(params)
+    full, decoded, _ = prefill_then_decode(cfg, params, routing_state, ids, prefill=20, cache_len=32)
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=1e-4)
 
 
