@@ -16,6 +16,7 @@ from moefast.model.norm import rms_norm
 from moefast.model.positional import apply_rope
 from moefast.parallel.context import context_size, gather_context
 from moefast.model.lora import effective_weight, project
+from moefast.parallel.mesh import on_own_rows
 from moefast.parallel.precision import local_dense
 
 __all__ = ["INDEXER_NORM_EPS", "MLA_NORM_EPS", "LightningIndexer", "MLAttention", "segment_mask"]
@@ -201,8 +202,10 @@ class MLAttention(nnx.Module):
         q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w[..., :n], preferred_element_type=jnp.float32)
         q = jnp.concatenate([q_lat.astype(self.dtype), q_rope.astype(self.dtype)], axis=-1)
         k = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1).astype(self.dtype)
-        o_lat, max_bth = sparse_attention(q, k, c_kv.astype(self.dtype), idx_btk.astype(jnp.int32), scale=self.scale,
-                                          return_max=True)
+        # each device on its own rows: a Pallas call has no partitioning rule, and left to the
+        # partitioner every device would gather the whole batch around it
+        o_lat, max_bth = on_own_rows(lambda *a: sparse_attention(*a, scale=self.scale, return_max=True), q, k,
+                                     c_kv.astype(self.dtype), idx_btk.astype(jnp.int32), where="sparse attention")
         o = jnp.einsum("bthc,chv->bthv", o_lat, w[..., n:], preferred_element_type=jnp.float32).astype(self.dtype)
         return (project(self, "o_proj", o.reshape(b, t, h * hv), self.dtype, ("heads", "embed"), fp8=self.fp8),
                 jnp.max(max_bth, axis=(0, 1)))
