@@ -21,7 +21,7 @@ import re
 import time
 
 __all__ = ["LinearAttentionRecord", "bench_linear_attention", "chunked_flops", "compile_and_read", "format_table",
-           "report", "run_cli"]
+           "kernel_list", "report", "run_cli"]
 
 TOKENS = (4096, 16384, 65536)
 QUICK_TOKENS = (4096,)
@@ -132,10 +132,14 @@ def format_table(records: list[LinearAttentionRecord], gpu: str) -> str:
         ref = base.get((r.decay, r.tokens))
         ratio = f"{r.temp_bytes / ref.temp_bytes:.2f}x" if ref and ref.temp_bytes else "—"
         flops = "n/a" if r.xla_flops is None else f"{r.xla_flops / 1e9:,.1f}"
-        kernels = ", ".join(f"`{k}` x{v}" for k, v in sorted(r.kernels.items())) or "—"
         lines.append(f"| {r.decay} | {r.impl} | {r.tokens:,} | {r.temp_bytes / 2**20:,.1f} | {ratio} | {flops} | "
-                     f"{r.model_flops / 1e9:,.1f} | {kernels} | {r.while_loops} |")
+                     f"{r.model_flops / 1e9:,.1f} | {kernel_list(r.kernels)} | {r.while_loops} |")
     return "\n".join(lines)
+
+
+def kernel_list(kernels: dict[str, int]) -> str:
+    """Markdown: the Pallas kernels of a program by name and count, or a dash."""
+    return ", ".join(f"`{k}` x{v}" for k, v in sorted(kernels.items())) or "—"
 
 
 def run_cli(*, gpu: str, quick: bool, json_out: str | None) -> int:

@@ -103,6 +103,8 @@ def bench_sparse_attention(gpu: str = "h100", tokens=TOKENS, log=print) -> list[
 
 def format_table(records: list[SparseAttentionRecord], gpu: str) -> str:
     """Markdown: a row per case, the sparse form against the dense one at the same length."""
+    from moefast.bench.linear_attention import kernel_list
+
     dense = {r.tokens: r for r in records if r.impl == "dense"}
     lines = [f"MLA attention forward + backward compiled for one {gpu} (compile-only; one row, H = {HEADS}, "
              f"DeepSeek-V3.2's widths, bfloat16; sparse: K = {TOP_K} keys a query)", "",
@@ -111,9 +113,8 @@ def format_table(records: list[SparseAttentionRecord], gpu: str) -> str:
     for r in records:
         ref = dense.get(r.tokens)
         ratio = f"{r.model_flops / ref.model_flops:.3f}x" if ref else "—"
-        kernels = ", ".join(f"`{k}` x{v}" for k, v in sorted(r.kernels.items())) or "—"
         lines.append(f"| {r.impl} | {r.tokens:,} | {r.temp_bytes / 2**20:,.1f} | {r.model_flops / 1e12:,.2f} | "
-                     f"{ratio} | {kernels} |")
+                     f"{ratio} | {kernel_list(r.kernels)} |")
     return "\n".join(lines)
 
 
