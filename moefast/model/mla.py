@@ -19,13 +19,17 @@ from moefast.model.lora import effective_weight, project
 from moefast.parallel.mesh import on_own_rows
 from moefast.parallel.precision import local_dense
 
-__all__ = ["INDEXER_NORM_EPS", "MLA_NORM_EPS", "LightningIndexer", "MLAttention", "segment_mask"]
+__all__ = ["INDEXER_NORM_EPS", "INDEXER_QUERY_BLOCK", "MLA_NORM_EPS", "LightningIndexer", "MLAttention", "segment_mask"]
 
 
 MLA_NORM_EPS = 1e-6
 """Epsilon of MLA's two RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``): DeepSeek's reference code
 and Hugging Face's build them with the default 1e-6 whatever ``rms_norm_eps`` is."""
 
+
+INDEXER_QUERY_BLOCK = 256
+"""Queries the lightning indexer's reference scores at a time (rows whose length it divides; else
+the whole row): its float32 [B, Tb, Hi, S] logits stay a block's, not the row's T x S."""
 
 INDEXER_NORM_EPS = 1e-6
 """Epsilon of the lightning indexer's key LayerNorm (transformers' ``DeepseekV32Indexer.k_norm``)."""
@@ -101,15 +105,23 @@ class LightningIndexer(nnx.Module):
         b, t, _ = x_btd.shape
         h, d = self.num_heads, self.head_dim
         q = self._rotate(project(self, "wq_b", q_lat_btq, self.dtype, ("lora", "heads")).reshape(b, t, h, d), rope)
-        logits = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), k_bsd.astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST) * d ** -0.5
         w = jnp.einsum("btd,dh->bth", x_btd.astype(jnp.float32), self.weights_proj[...].astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST) * h ** -0.5
-        scores = jax.lax.stop_gradient(jnp.einsum("bth,bths->bts", w, jax.nn.relu(logits),
-                                                  precision=jax.lax.Precision.HIGHEST))
-        scores = jnp.where(mask_bts, scores, -jnp.inf)
-        top, idx = jax.lax.top_k(scores, min(self.topk, scores.shape[-1]))  # [B, T, k]
-        return jnp.where(top > -jnp.inf, idx, -1)
+        k = min(self.topk, k_bsd.shape[1])
+        mask_bts = jnp.broadcast_to(mask_bts, (b, t, k_bsd.shape[1]))
+
+        def block(args):  # one block of queries: float32 [B, Tb, Hi, S] logits, never the whole row's
+            q, w, mask = args
+            logits = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), k_bsd.astype(jnp.float32),
+                                precision=jax.lax.Precision.HIGHEST) * d ** -0.5
+            scores = jnp.einsum("bth,bths->bts", w, jax.nn.relu(logits), precision=jax.lax.Precision.HIGHEST)
+            top, idx = jax.lax.top_k(jnp.where(mask, jax.lax.stop_gradient(scores), -jnp.inf), k)  # [B, Tb, k]
+            return jnp.where(top > -jnp.inf, idx, -1)
+
+        tb = INDEXER_QUERY_BLOCK if t % INDEXER_QUERY_BLOCK == 0 else t
+        split = lambda a: jnp.moveaxis(a.reshape(b, t // tb, tb, *a.shape[2:]), 1, 0)  # noqa: E731
+        idx = jax.lax.map(block, (split(q), split(w), split(mask_bts)))  # [T / Tb, B, Tb, k]
+        return jnp.moveaxis(idx, 0, 1).reshape(b, t, k)
 
     def select(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope, k_bsd: jax.Array, mask_bts: jax.Array) -> jax.Array:
         """bool [B, T, S]: :meth:`top_keys` as a mask, a subset of ``mask_bts`` (the dense masked

@@ -329,7 +329,7 @@ def test_mla_flash_path_equals_blocked_path():
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
 
 
-def test_sparse_mla_indexer_gets_no_gradient_and_keeping_every_key_is_dense_mla():
+def test_sparse_mla_indexer_gets_no_gradient_and_keeping_every_key_is_dense_mla(monkeypatch):
     """DeepSeek-V3.2's sparse MLA (model.index_topk): the lightning indexer's parameters get exactly
     zero gradient (stop_gradient, as transformers' no_grad) while the attention's do not; with
     index_topk >= the row every visible key is kept and the logits are dense MLA's for the same
@@ -363,6 +363,13 @@ def test_sparse_mla_indexer_gets_no_gradient_and_keeping_every_key_is_dense_mla(
                                                       ((dense, drop(p)), (full, p), (md, p))])(params)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(sparse_logits) - np.asarray(want)).max() > 1e-3  # k = 4 < 20 keys: not dense
+    # the indexer scoring 4 queries at a time (lax.map over blocks) selects what the whole row does
+    from moefast.model import mla
+
+    monkeypatch.setattr(mla, "INDEXER_QUERY_BLOCK", 4)
+    with jax.default_matmul_precision("highest"):
+        blocked = jax.jit(lambda p: md.module(p)(ids, drop_tokens=False).logits)(params)
+    np.testing.assert_array_equal(np.asarray(blocked), np.asarray(sparse_logits))
     # the fused path (attention_impl=flash): MLA's absorbed form over the selected latents
     # (moefast.kernels.sparse_attention: its gather reference on CPU, the Pallas kernels on GPUs),
     # with its gradients, equals the masked reference
