@@ -49,9 +49,9 @@ import numpy as np
 
 from moefast.config import ModelConfig
 # the engine's vocabulary, importable from here as before the split
+from moefast.interop.family_keys import Gemma4Keys, KimiLinearKeys
 from moefast.interop.family_spec import (LINEAR_KEYS, AllMoE, BiasKey, FamilySpec, FirstKDense,  # noqa: F401
-                                         Gemma4Keys, KimiLinearKeys, LayerTypes, MlpLayerTypes, MlpOnlyLayers, Router,
-                                         SharedExpert)
+                                         LayerTypes, MlpLayerTypes, MlpOnlyLayers, Router, SharedExpert)
 from moefast.interop.transforms import (CONCAT, CONCAT_T, CONV1D, FUSED_EXPERTS, IDENTITY, PER_EXPERT,  # noqa: F401
                                         TRANSPOSED, Concat, ConcatTransposed, Conv1dTaps, ExpertStack, FusedExperts,
                                         Identity, InterleavedGateUp, Part, PerExpert, RowsTransposed, SubPath, Tensor,
