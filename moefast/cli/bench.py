@@ -249,6 +249,19 @@ def _gpu_compile(args) -> int:
         return 2
 
 
+def _kernel_bench(args) -> int:
+    """``moefast bench linear-attention`` / ``sparse-attention``: one kernel family compiled for
+    ``--gpu``."""
+    from moefast.bench import linear_attention, sparse_attention
+
+    bench = linear_attention if args.target == "linear-attention" else sparse_attention
+    try:
+        return bench.run_cli(gpu=args.gpu, quick=args.quick, json_out=args.json)
+    except (ValueError, RuntimeError) as e:  # an unknown --gpu; the CUDA plugin missing
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def _data(args) -> int:
     """``moefast bench data``."""
     from moefast.config import ConfigError
@@ -386,18 +399,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               f"and {args.rounds}")
         return malloc.run_cli(json_out=args.json, rounds=args.rounds, steps=steps, config=args.config,
                               overrides=args.overrides)
-    if args.target in ("linear-attention", "sparse-attention"):
-        from moefast.bench import linear_attention, sparse_attention
-
-        bench = linear_attention if args.target == "linear-attention" else sparse_attention
-        try:
-            return bench.run_cli(gpu=args.gpu, quick=args.quick, json_out=args.json)
-        except (ValueError, RuntimeError) as e:  # an unknown --gpu; the CUDA plugin missing
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    if args.target in ("gpu-compile", "data", "precision", "optimizer"):
-        return {"gpu-compile": _gpu_compile, "data": _data, "precision": _precision,
-                "optimizer": _optimizer}[args.target](args)
+    if args.target in ("gpu-compile", "linear-attention", "sparse-attention", "data", "precision", "optimizer"):
+        return {"gpu-compile": _gpu_compile, "linear-attention": _kernel_bench, "sparse-attention": _kernel_bench,
+                "data": _data, "precision": _precision, "optimizer": _optimizer}[args.target](args)
     if args.target == "cache":
         from moefast.bench import cache
 
