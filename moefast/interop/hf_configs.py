@@ -103,6 +103,44 @@ def _indexer_types(hf: dict) -> list:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(hf["num_hidden_layers"])]
 
 
+def _dsa_keys(hf: dict, spec: FamilySpec, get, reject) -> dict[str, Any]:
+    """DeepSeek Sparse Attention's model keys from ``config.json`` (transformers' names), or one
+    ``reject``: MLA's RoPE always interleaved, every layer with its own indexer."""
+    if hf.get("rope_interleave") is False:
+        reject("rope_interleave", False, f"transformers' {spec.name} always rotates MLA's RoPE features as "
+               "interleaved pairs (it does not read the key)")
+    if spec.indexer_types and any(t != "full" for t in _indexer_types(hf)):
+        reject("indexer_types", _indexer_types(hf), f"moefast runs {spec.name}'s indexer on every layer: "
+               "layers that reuse the previous layer's selection (\"shared\", no indexer tensors) are not "
+               "implemented")
+    return {k: get(k) for k in ("index_topk", "index_n_heads", "index_head_dim")}
+
+
+def _yarn_keys(hf: dict, rope: dict, reject) -> dict[str, Any]:
+    """YaRN's model keys from ``config.json``'s rope dict (empty for a factor of 1), or one ``reject``."""
+    if rope.get("attention_factor") is not None:
+        reject("rope_parameters", rope, "YaRN with an explicit attention_factor")
+    # as transformers: a top-level original_max_position_embeddings wins, else the rope dict's, else
+    # max_position_embeddings; a null factor is max_position_embeddings / that
+    original = (hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                or hf.get("max_position_embeddings"))
+    if "factor" not in rope:
+        reject("rope_parameters", rope, "YaRN needs its context-extension factor; the 'factor' key is missing")
+    factor = rope["factor"]
+    if factor is None and original and hf.get("max_position_embeddings"):
+        factor = hf["max_position_embeddings"] / original
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1:
+        reject("rope_parameters.factor", factor, "YaRN's context-extension factor is a number >= 1")
+    if not isinstance(original, int) or original < 1:
+        reject("original_max_position_embeddings", original, "YaRN needs the pretraining context length")
+    if factor == 1:  # YaRN's frequencies and attention factor are RoPE's (read as plain RoPE)
+        return {}
+    return dict(rope_type="yarn", rope_factor=float(factor), original_max_position_embeddings=original,
+                beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                mscale=rope.get("mscale") or None, mscale_all_dim=rope.get("mscale_all_dim") or None,
+                rope_truncate=bool(rope.get("truncate", True)))
+
+
 def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model, moe)`` config sections of an HF ``config.json`` dict."""
     spec = family_spec(hf.get("model_type"))
@@ -218,35 +256,9 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
                      qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=r, v_head_dim=hf["v_head_dim"],
                      num_kv_heads=None, head_dim=r)  # transformers sets head_dim to qk_rope_head_dim
     if spec.dsa:  # DeepSeek Sparse Attention's indexer, under transformers' names
-        if hf.get("rope_interleave") is False:
-            reject("rope_interleave", False, f"transformers' {spec.name} always rotates MLA's RoPE features as "
-                   "interleaved pairs (it does not read the key)")
-        model.update({k: get(k) for k in ("index_topk", "index_n_heads", "index_head_dim")})
-        if spec.indexer_types and any(t != "full" for t in _indexer_types(hf)):
-            reject("indexer_types", _indexer_types(hf), f"moefast runs {spec.name}'s indexer on every layer: "
-                   "layers that reuse the previous layer's selection (\"shared\", no indexer tensors) are not "
-                   "implemented")
+        model.update(_dsa_keys(hf, spec, get, reject))
     if rope.get("rope_type", rope.get("type")) == "yarn":
-        if rope.get("attention_factor") is not None:
-            reject("rope_parameters", rope, "YaRN with an explicit attention_factor")
-        # as transformers: a top-level original_max_position_embeddings wins, else the rope dict's, else
-        # max_position_embeddings; a null factor is max_position_embeddings / that
-        original = (hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
-                    or hf.get("max_position_embeddings"))
-        if "factor" not in rope:
-            reject("rope_parameters", rope, "YaRN needs its context-extension factor; the 'factor' key is missing")
-        factor = rope["factor"]
-        if factor is None and original and hf.get("max_position_embeddings"):
-            factor = hf["max_position_embeddings"] / original
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1:
-            reject("rope_parameters.factor", factor, "YaRN's context-extension factor is a number >= 1")
-        if not isinstance(original, int) or original < 1:
-            reject("original_max_position_embeddings", original, "YaRN needs the pretraining context length")
-        if factor > 1:  # factor 1: YaRN's frequencies and attention factor are RoPE's (read as plain RoPE)
-            model.update(rope_type="yarn", rope_factor=float(factor), original_max_position_embeddings=original,
-                         beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
-                         mscale=rope.get("mscale") or None, mscale_all_dim=rope.get("mscale_all_dim") or None,
-                         rope_truncate=bool(rope.get("truncate", True)))
+        model.update(_yarn_keys(hf, rope, reject))
     shared = spec.shared_expert
     shared_ff = 0
     if shared is not None:
