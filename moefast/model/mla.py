@@ -250,14 +250,14 @@ class MLAttention(nnx.Module):
             if kv_prefix is not None or isinstance(mask_b1ts, tuple) or context_size() > 1:
                 raise ValueError("MLAttention with index_topk (sparse MLA) runs on whole rows only: no sequence "
                                  "slices (model.sequence_slices) and no context parallelism (mesh.context)")
-            mask_b1ts_ids = mask_b1ts if mask_b1ts.ndim == 2 else None  # segment ids: attention_impl=flash
-            if mask_b1ts_ids is not None:  # the indexer's scores take the bool mask
+            fused = mask_b1ts.ndim == 2  # segment ids: attention_impl=flash
+            if fused:  # the indexer's scores take the bool mask
                 mask_b1ts = segment_mask(mask_b1ts)
             index_k = self.indexer.keys(x_btd, rope)  # [B, T, Di]
             if cache is not None:
                 index_k = jax.lax.dynamic_update_slice_in_dim(cache["index_k"], index_k.astype(cache["index_k"].dtype),
                                                               cache_index, axis=1)
-            if cache is None and mask_b1ts_ids is not None:
+            if cache is None and fused:
                 # training with the fused kernels: MLA's absorbed form over the selected latents
                 idx = self.indexer.top_keys(x_btd, q_lat, rope, index_k, mask_b1ts[:, 0])
                 out, max_h = self._sparse_attention(q_nope, q_rope, c_kv, k_rope, idx)
