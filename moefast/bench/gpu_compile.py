@@ -378,9 +378,9 @@ def _scoped_bytes(c, scope: str) -> int:
 def _context_exchange(module) -> dict[str, int]:
     from moefast.parallel.linear_context import HALO, STATES
 
-    out = {}
+    out, collectives = {}, module.collectives()
     for key, scope in (("states", STATES), ("halo", HALO)):
-        fwd = [c for c in module.collectives() if scope in c.op_name and "transpose" not in c.op_name]
+        fwd = [c for c in collectives if scope in c.op_name and "transpose" not in c.op_name]
         if fwd:
             out[key], out[key + "_count"] = max(_scoped_bytes(c, scope) for c in fwd), len(fwd)
     return out
