@@ -4,7 +4,8 @@ One figure per question, each a PNG (matplotlib, no display needed):
 
 * ``loss.png`` — is it learning? Training loss (nats per token, every log record) and validation
   loss against step, with multi-token prediction (``model.mtp_depth`` > 0) also the MTP loss
-  (``mtp_loss`` and ``eval_mtp_loss``: the mean over the modules) as curves of their own (a log
+  (``mtp_loss`` and ``eval_mtp_loss``: the mean over the modules) and, while DSA's indexers train
+  (``train.indexer_stage``), their KL (``indexer_loss``) as curves of their own (a log
   scale when they span more than 30×, e.g. a diverged run; non-finite values break the line, and
   steps skipped as non-finite are crosses), validation bits per byte below; a top axis in tokens
   seen.
@@ -196,13 +197,16 @@ def _loss_figure(run: _Run):
     finite += [x for x in v if math.isfinite(x) and x > 0]
     if s.size:
         ax.plot(s, v, "o-", label="validation loss", color="tab:orange")
-    # multi-token prediction (model.mtp_depth > 0): the mean over the modules, before train.mtp_loss_coef
-    for records, key, style, label in ((train, "mtp_loss", ".--", "training MTP loss"),
-                                       (evals, "eval_mtp_loss", "o--", "validation MTP loss")):
+    # multi-token prediction (model.mtp_depth > 0): the mean over the modules, before train.mtp_loss_coef;
+    # DSA's indexers while they train (train.indexer_stage): their KL, the mean over the layers
+    for records, key, style, label, color in (
+            (train, "mtp_loss", ".--", "training MTP loss", "tab:purple"),
+            (evals, "eval_mtp_loss", "o--", "validation MTP loss", "tab:brown"),
+            (train, "indexer_loss", ".:", "training indexer loss (KL)", "tab:green")):
         s, v = _series(records, key)
         finite += [x for x in v if math.isfinite(x) and x > 0]
         if s.size:
-            ax.plot(s, v, style, label=label, color="tab:purple" if key == "mtp_loss" else "tab:brown")
+            ax.plot(s, v, style, label=label, color=color)
     log_scale = bool(finite) and max(finite) / min(finite) > 30  # e.g. a diverged run: keep the rest readable
     if log_scale:
         ax.set_yscale("log")

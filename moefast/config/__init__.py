@@ -125,6 +125,13 @@ class ExperimentConfig:
         _require(c == 1 or self.model.index_topk is None, "mesh.context",
                  f"{c} with sparse MLA (model.index_topk={self.model.index_topk}): the lightning indexer would have "
                  "to score keys held on other devices, which moefast does not do yet; use mesh.context=1")
+        stage = self.train.indexer_stage
+        _require(stage == "none" or self.model.index_topk is not None, "train.indexer_stage",
+                 f"{stage!r} trains DeepSeek Sparse Attention's indexers, and this model has none "
+                 "(model.index_topk is null): use \"none\" or set model.index_topk")
+        _require(stage == "none" or not self.lora.enabled, "train.indexer_stage",
+                 f"{stage!r} with lora: adapters train, the indexers stay as imported; use \"none\" with lora, "
+                 "or lora.rank=0 to train the indexers")
         _require(c == 1 or self.model.sequence_slices == 1, "mesh.context",
                  f"{c} with model.sequence_slices={self.model.sequence_slices}: use one or the other")
         if self.lora.enabled and self.lora.targets is not None:  # a named target that adapts nothing would leave what the user meant frozen, silently

@@ -126,6 +126,17 @@ class TrainConfig:
         attention head whose largest pre-softmax logit of the step exceeded tau has its query and
         key weights scaled down so it would be tau (:mod:`moefast.train.qk_clip`); ``None`` = off.
         Any optimizer; Kimi K2 used 100. The per-layer largest logit is logged either way.
+      indexer_stage: how DeepSeek Sparse Attention's lightning indexers train (``model.index_topk``;
+        DeepSeek-V3.2-Exp tech report, sec. 2.1.1): ``"none"``: not at all (they stay as imported,
+        as transformers runs them); ``"dense_warmup"``: attention stays dense, every parameter but
+        the indexers' is frozen (no optimizer state, bitwise unchanged), and each indexer learns
+        the KL divergence from its layer's attention distribution (summed over heads,
+        L1-normalised) to the softmax of its scores over the keys each query may see (eq. 3);
+        ``"sparse"``: attention over the indexers' selection, everything trains, each indexer by
+        the same KL over its selected keys only (eq. 4), its input detached, so the language-model
+        loss never reaches it and its KL reaches nothing else. The KL per token (mean over the
+        layers) is added to the loss and logged as ``indexer_loss``. Changing it on resume needs
+        ``moefast train --reset-optimizer`` (the trainable parameters differ); not with ``lora``.
     """
 
     steps: int = 600
@@ -149,6 +160,7 @@ class TrainConfig:
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_scale: Literal["moonlight", "none"] = "moonlight"
     qk_clip: float | None = None
+    indexer_stage: Literal["none", "dense_warmup", "sparse"] = "none"
 
     def __post_init__(self):
         _check_choices(self, "train")

@@ -93,7 +93,8 @@ class Block(nnx.Module):
                                     v_head_dim=m.v_head_dim, softmax_multiplier=yarn.softmax_multiplier if yarn else 1.0,
                                     dtype=dtype, init_std=m.init_std, out_std=out_std, fp8=fp8,
                                     index_topk=m.index_topk, index_n_heads=m.index_n_heads,
-                                    index_head_dim=m.index_head_dim, rngs=rngs)
+                                    index_head_dim=m.index_head_dim, indexer_stage=cfg.train.indexer_stage,
+                                    rngs=rngs)
         else:
             kv_heads, head_dim = m.attention_shape(layer)
             full = m.layer_type(layer) == "full_attention"
@@ -140,10 +141,12 @@ class Block(nnx.Module):
         its own attention) and routes its own tokens; its random draws use ``step_key`` folded with
         ``SLICE_SITE + i``. Returns the n-tuple of slices and the sums over them.
 
-        ``record_max``: a fourth result, the attention's largest pre-softmax logit per head of this
-        block (over the batch, the queries and the slices), float32 [H], not differentiated
-        (QK-clip: Kimi K2, arXiv 2507.20534, sec. 2.1); ``None`` for a Gated DeltaNet block (no
-        softmax) or with a cache."""
+        ``record_max``: a fourth result, what the attention records, ``{"max_logits": ...}``: its
+        largest pre-softmax logit per head of this block (over the batch, the queries and the
+        slices), float32 [H], not differentiated (QK-clip: Kimi K2, arXiv 2507.20534, sec. 2.1),
+        and, while a DSA indexer trains (``train.indexer_stage``), ``"indexer_loss"``: its KL
+        summed over the real queries, float32 [] (:meth:`MLAttention.__call__`); ``None`` for a
+        Gated DeltaNet block (no softmax) or with a cache."""
         if not isinstance(x, tuple):
             out = self._forward(x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
                                 routing_warmup, drop_tokens, None, record_max)
@@ -157,24 +160,27 @@ class Block(nnx.Module):
                                                   routing_state, routing_warmup, drop_tokens, prefix, record_max)
             out.append(x_i)
             sums = s_i if sums is None else jax.tree.map(jnp.add, sums, s_i)  # every field is a sum
-            max_h = m_i if max_h is None else jnp.maximum(max_h, m_i)
+            max_h = m_i if max_h is None else jax.tree.map(jnp.maximum, max_h, m_i)
         return (tuple(out), sums, None, max_h) if record_max else (tuple(out), sums, None)
 
     def _forward(self, x, layer, rope, attn_mask, token_mask, cache, cache_index, step_key, routing_state,
                  routing_warmup, drop_tokens, kv_prefix, record_max=False):
-        """One block on one [B, T, D] slice (:meth:`__call__`): ``(x, stats, cache, largest logits
-        [H] or None)``; with a ``kv_prefix`` (a sequence slice) the third result is the keys and
+        """One block on one [B, T, D] slice (:meth:`__call__`): ``(x, stats, cache, records or
+        None)``; with a ``kv_prefix`` (a sequence slice) the third result is the keys and
         values for the next slice."""
         mask, segment_ids = attn_mask if isinstance(attn_mask, tuple) else (attn_mask, None)
         xn = self.attn_norm(x).astype(x.dtype)
-        max_h = None
+        rec = None
         if self.linear:  # no softmax: nothing to record
             a, new_cache = self.attn(xn, segment_ids, cache)
         else:
             if isinstance(rope, dict):
                 rope = rope[self.rope_table]
-            a, new_cache, *found = self.attn(xn, rope, mask, cache, cache_index, kv_prefix, record_max=record_max)
-            max_h = found[0] if found else None
+            learns = getattr(self.attn, "indexer_stage", "none") != "none"  # DSA's indexer: its loss's queries
+            a, new_cache, *found = self.attn(xn, rope, mask, cache, cache_index, kv_prefix, record_max=record_max,
+                                             **({"token_mask": token_mask} if learns else {}))
+            if found and found[0] is not None:
+                rec = {"max_logits": found[0], **({"indexer_loss": found[1]} if len(found) > 1 else {})}
         if self.sandwich:
             a = self.post_attn_norm(a).astype(x.dtype)
         x = x + _dropout(a, self.dropout, step_key, 3 * layer)
@@ -196,7 +202,7 @@ class Block(nnx.Module):
         if self.has_layer_scalar:
             # in float32: the scalar's gradient sums every token's product in float32, then reduces
             x = (x.astype(jnp.float32) * self.layer_scalar[...].reshape(1, 1, 1)).astype(x.dtype)
-        return x, stats, new_cache, max_h
+        return x, stats, new_cache, rec
 
 
 def _slices(a_bt: jax.Array, n: int) -> tuple[jax.Array, ...]:

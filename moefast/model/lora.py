@@ -20,6 +20,7 @@ A targeted parameter ``W`` (``name`` in its module) gets two siblings, ``{name}_
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -250,6 +251,12 @@ def trainable(cfg: LoRAConfig, path: tuple) -> bool:
 def split(cfg: LoRAConfig, params: dict) -> tuple[dict, dict]:
     """``(trainable, frozen)``: the pure dict ``params`` as two dicts of the same nesting holding
     the leaves :func:`trainable` says (and the rest)."""
+    return partition(params, functools.partial(trainable, cfg))
+
+
+def partition(params: dict, keep) -> tuple[dict, dict]:
+    """``(kept, rest)``: the pure dict ``params`` as two dicts of the same nesting, the leaves whose
+    path (a tuple of keys) ``keep`` is true for, and the others (:func:`join` is the inverse)."""
     def go(d, path):
         t, f = {}, {}
         for k, v in d.items():
@@ -259,7 +266,7 @@ def split(cfg: LoRAConfig, params: dict) -> tuple[dict, dict]:
                     t[k] = a
                 if b:
                     f[k] = b
-            elif trainable(cfg, path + (k,)):
+            elif keep(path + (k,)):
                 t[k] = v
             else:
                 f[k] = v

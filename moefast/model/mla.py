@@ -6,6 +6,8 @@ N qk_nope_head_dim, R qk_rope_head_dim, Hv v_head_dim.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -66,11 +68,11 @@ class LightningIndexer(nnx.Module):
     a query that sees fewer than k keys keeps all of them, as transformers' ``topk`` over its
     additively masked scores does.
 
-    No gradient reaches the indexer: its scores pass through ``jax.lax.stop_gradient`` (transformers
-    computes them under ``torch.no_grad``; the report trains the indexer with a KL loss of its own,
-    not implemented here), and a top-k selection has none anyway. Its parameters are still
-    ``nnx.Param`` (so they load, save and shard like the others); moefast's optimizer exempts them
-    from weight decay, so training leaves them as imported.
+    No gradient of the model's output reaches the indexer: its scores pass through
+    ``jax.lax.stop_gradient`` (transformers computes them under ``torch.no_grad``) and a top-k
+    selection has none anyway. It learns from its own loss, :meth:`kl_loss` (``train.indexer_stage``);
+    without one (``"none"``) moefast's optimizer exempts it from weight decay, so training leaves it
+    as imported.
     """
 
     def __init__(self, d_model: int, q_lora_rank: int, *, num_heads: int, head_dim: int, rope_dim: int, topk: int,
@@ -92,6 +94,24 @@ class LightningIndexer(nnx.Module):
         k = self.k_norm(project(self, "wk", x_btd, self.dtype, ("embed", "lora")).astype(jnp.float32))
         return self._rotate(k[:, :, None], rope)[:, :, 0]
 
+    def _queries(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope) -> tuple[jax.Array, jax.Array]:
+        """The indexer's queries [B, T, Hi, Di] (compute dtype, the first R features rotated) and
+        each head's weight times Hi^-0.5, float32 [B, T, Hi]."""
+        b, t, _ = x_btd.shape
+        h, d = self.num_heads, self.head_dim
+        q = self._rotate(project(self, "wq_b", q_lat_btq, self.dtype, ("lora", "heads")).reshape(b, t, h, d), rope)
+        w = jnp.einsum("btd,dh->bth", x_btd.astype(jnp.float32), self.weights_proj[...].astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST) * h ** -0.5
+        return q, w
+
+    def _scores(self, q_bthd, w_bth, k, keys: str) -> jax.Array:
+        """float32 index scores ``sum_h w · relu(q_h · k · Di^-0.5)`` of the keys ``k``: shared ones
+        [B, S, Di] (``keys="bsd"``, scores [B, T, S]) or each query's own [B, T, K, Di]
+        (``keys="btsd"``, scores [B, T, K])."""
+        logits = jnp.einsum(f"bthd,{keys}->bths", q_bthd.astype(jnp.float32), k.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST) * self.head_dim ** -0.5
+        return jnp.einsum("bth,bths->bts", w_bth, jax.nn.relu(logits), precision=jax.lax.Precision.HIGHEST)
+
     def top_keys(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope, k_bsd: jax.Array, mask_bts: jax.Array) -> jax.Array:
         """int32 [B, T, k], k = min(topk, S): the keys each query keeps, the indices of its
         min(topk, visible keys) best-scored keys among those ``mask_bts`` (bool [B or 1, T, S],
@@ -103,33 +123,88 @@ class LightningIndexer(nnx.Module):
           k_bsd: float32 [B, S, Di] the keys (:meth:`keys`; with a cache, the cached ones).
         """
         b, t, _ = x_btd.shape
-        h, d = self.num_heads, self.head_dim
-        q = self._rotate(project(self, "wq_b", q_lat_btq, self.dtype, ("lora", "heads")).reshape(b, t, h, d), rope)
-        w = jnp.einsum("btd,dh->bth", x_btd.astype(jnp.float32), self.weights_proj[...].astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST) * h ** -0.5
+        q, w = self._queries(x_btd, q_lat_btq, rope)
         k = min(self.topk, k_bsd.shape[1])
         mask_bts = jnp.broadcast_to(mask_bts, (b, t, k_bsd.shape[1]))
 
         def block(args):  # one block of queries: float32 [B, Tb, Hi, S] logits, never the whole row's
             q, w, mask = args
-            logits = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), k_bsd.astype(jnp.float32),
-                                precision=jax.lax.Precision.HIGHEST) * d ** -0.5
-            scores = jnp.einsum("bth,bths->bts", w, jax.nn.relu(logits), precision=jax.lax.Precision.HIGHEST)
-            top, idx = jax.lax.top_k(jnp.where(mask, jax.lax.stop_gradient(scores), -jnp.inf), k)  # [B, Tb, k]
+            scores = jax.lax.stop_gradient(self._scores(q, w, k_bsd, "bsd"))
+            top, idx = jax.lax.top_k(jnp.where(mask, scores, -jnp.inf), k)  # [B, Tb, k]
             return jnp.where(top > -jnp.inf, idx, -1)
 
-        tb = INDEXER_QUERY_BLOCK if t % INDEXER_QUERY_BLOCK == 0 else t
-        split = lambda a: jnp.moveaxis(a.reshape(b, t // tb, tb, *a.shape[2:]), 1, 0)  # noqa: E731
-        idx = jax.lax.map(block, (split(q), split(w), split(mask_bts)))  # [T / Tb, B, Tb, k]
-        return jnp.moveaxis(idx, 0, 1).reshape(b, t, k)
+        return _by_query_blocks(block, (q, w, mask_bts))
 
-    def select(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope, k_bsd: jax.Array, mask_bts: jax.Array) -> jax.Array:
-        """bool [B, T, S]: :meth:`top_keys` as a mask, a subset of ``mask_bts`` (the dense masked
-        reference's form)."""
-        idx = self.top_keys(x_btd, q_lat_btq, rope, k_bsd, mask_bts)
-        chosen = jnp.put_along_axis(jnp.zeros(idx.shape[:-1] + (k_bsd.shape[1],), bool), jnp.maximum(idx, 0),
+    def select(self, idx_btk: jax.Array, mask_bts: jax.Array) -> jax.Array:
+        """bool [B, T, S]: :meth:`top_keys`'s ``idx_btk`` as a mask, a subset of ``mask_bts`` (the
+        dense masked reference's form)."""
+        s = mask_bts.shape[-1]
+        chosen = jnp.put_along_axis(jnp.zeros(idx_btk.shape[:-1] + (s,), bool), jnp.maximum(idx_btk, 0),
                                     True, axis=-1, inplace=False)
         return chosen & mask_bts
+
+    def kl_loss(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope, attn_q_bthf: jax.Array, attn_k_bsf: jax.Array,
+                scale: float, query_mask_bt: jax.Array, *, mask_bts: jax.Array | None = None,
+                idx_btk: jax.Array | None = None) -> jax.Array:
+        """The indexer's training loss (DeepSeek-V3.2-Exp tech report, sec. 2.1.1): summed over the
+        queries ``query_mask_bt`` (bool [B, T]) keeps, ``KL(p_t || softmax(I_t))`` over a set of keys:
+        every key the query may see (``mask_bts``, bool [B or 1, T, S]: the dense warm-up, eq. 3) or
+        the keys it selected (``idx_btk`` int32 [B, T, k], -1 unused: the sparse stage, eq. 4).
+
+        ``p_t`` is the layer's attention distribution over that set summed over its H heads and
+        L1-normalised (so the heads' mean), from MLA's absorbed queries ``attn_q_bthf`` [B, T, H, F]
+        and shared keys ``attn_k_bsf`` [B, S, F] (F = C + R) at ``scale``; it is a target: no
+        gradient. ``I_t`` are the indexer's scores of the same keys from a detached ``x_btd`` and
+        ``q_lat_btq`` (:meth:`top_keys`' arguments), so the gradient reaches the indexer's
+        parameters only. Computed in blocks of :data:`INDEXER_QUERY_BLOCK` queries, each under
+        ``jax.checkpoint``: float32 temporaries [B, Tb, H, S] (dense) or [B, Tb, k, F] (sparse) a
+        block, recomputed in the backward pass (the reference; no kernel). Returns float32 [], nats.
+        """
+        sg = jax.lax.stop_gradient
+        x_btd, q_lat_btq, attn_q_bthf, attn_k_bsf = (sg(a) for a in (x_btd, q_lat_btq, attn_q_bthf, attn_k_bsf))
+        b, t, _ = x_btd.shape
+        k_i = self.keys(x_btd, rope)  # [B, S, Di]: the same keys as the selection's, now differentiated
+        q_i, w = self._queries(x_btd, q_lat_btq, rope)
+        gather = jax.vmap(lambda a, i: a[i])  # [B, S, F], [B, Tb, k] -> [B, Tb, k, F]
+
+        def kl(logits_bths, scores_bts, valid_bts, qm_bt):  # sum over queries of KL(mean_h softmax || softmax)
+            p = jnp.mean(jax.nn.softmax(jnp.where(valid_bts[:, :, None], logits_bths, -1e30), axis=-1), axis=2)
+            log_q = jax.nn.log_softmax(jnp.where(valid_bts, scores_bts, -1e30), axis=-1)
+            per = jnp.where(valid_bts, jax.scipy.special.xlogy(p, p) - p * log_q, 0.0)
+            return jnp.sum(jnp.where(qm_bt[..., None], per, 0.0))
+
+        hp = jax.lax.Precision.HIGHEST
+        if idx_btk is None:
+            mask_bts = jnp.broadcast_to(mask_bts, (b, t, attn_k_bsf.shape[1]))
+
+            def block(args):
+                q_i, w, q_a, mask, qm = args
+                logits = jnp.einsum("bthf,bsf->bths", q_a.astype(jnp.float32), attn_k_bsf.astype(jnp.float32),
+                                    precision=hp) * scale
+                return kl(logits, self._scores(q_i, w, k_i, "bsd"), mask, qm)
+
+            parts = (q_i, w, attn_q_bthf, mask_bts, query_mask_bt)
+        else:
+            def block(args):
+                q_i, w, q_a, idx, qm = args
+                safe = jnp.maximum(idx, 0)
+                logits = jnp.einsum("bthf,btkf->bthk", q_a.astype(jnp.float32),
+                                    gather(attn_k_bsf, safe).astype(jnp.float32), precision=hp) * scale
+                return kl(logits, self._scores(q_i, w, gather(k_i, safe), "btsd"), idx >= 0, qm)
+
+            parts = (q_i, w, attn_q_bthf, idx_btk, query_mask_bt)
+        return jnp.sum(_by_query_blocks(jax.checkpoint(block), parts, per_row=False))
+
+
+def _by_query_blocks(fn, args: tuple, per_row: bool = True) -> jax.Array:
+    """``fn`` over blocks of :data:`INDEXER_QUERY_BLOCK` queries (``jax.lax.map``; the whole row
+    when that does not divide T) of ``args``, arrays [B, T, ...]: with ``per_row`` its [B, Tb, ...]
+    results joined back to [B, T, ...], else its per-block results stacked [T / Tb, ...]."""
+    b, t = args[0].shape[:2]
+    tb = INDEXER_QUERY_BLOCK if t % INDEXER_QUERY_BLOCK == 0 else t
+    split = lambda a: jnp.moveaxis(a.reshape(b, t // tb, tb, *a.shape[2:]), 1, 0)  # noqa: E731
+    out = jax.lax.map(fn, tuple(split(a) for a in args))
+    return jnp.moveaxis(out, 0, 1).reshape(b, t, *out.shape[3:]) if per_row else out
 
 
 class MLAttention(nnx.Module):
@@ -166,13 +241,15 @@ class MLAttention(nnx.Module):
     narrowed to them: a dense masked attention (the reference path, on the blocked einsums; the
     fused flash kernel is never used, segment ids are turned into the bool mask). The cache then
     also holds the indexer's keys, ``"index_k"`` [B, S, Di]. Sequence slices and context
-    parallelism are refused.
+    parallelism are refused. ``indexer_stage`` (``train.indexer_stage``) says how the indexer
+    learns: ``"dense_warmup"`` keeps the attention dense (no selection) and records the indexer's
+    KL to it over every visible key, ``"sparse"`` its KL over the selected keys.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, softmax_multiplier: float = 1.0,
                  dtype, init_std: float, out_std: float, fp8: bool = False, index_topk: int | None = None,
-                 index_n_heads: int = 64, index_head_dim: int = 128, rngs: nnx.Rngs):
+                 index_n_heads: int = 64, index_head_dim: int = 128, indexer_stage: str = "none", rngs: nnx.Rngs):
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank or 0, kv_lora_rank
         if index_topk is not None and not self.q_lora_rank:
             raise ValueError("MLAttention: the DSA indexer (index_topk) reads the query latent: needs q_lora_rank >= 1")
@@ -195,10 +272,23 @@ class MLAttention(nnx.Module):
         self.o_proj = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (num_heads * v_head_dim, d_model)),
                                 logical_axes=("heads", "embed"), fp8=self.fp8)
         self.sparse = index_topk is not None
+        self.indexer_stage = indexer_stage if self.sparse else "none"  # train.indexer_stage
         if self.sparse:
             self.indexer = LightningIndexer(d_model, self.q_lora_rank, num_heads=index_n_heads,
                                             head_dim=index_head_dim, rope_dim=qk_rope_head_dim, topk=index_topk,
                                             dtype=dtype, init_std=init_std, rngs=rngs)
+
+    def _absorbed(self, q_nope, q_rope, c_kv, k_rope):
+        """MLA's absorbed form (DeepSeek-V2 sec. 2.1.2): each head's query [q^C W_UK, q^R]
+        [B, T, H, C + R] and the one shared key [c^KV, k^R] [B, S, C + R] a token, in the compute
+        dtype, and ``kv_b_proj`` as [C, H, N + Hv] (its last Hv columns W_UV up-project the latent
+        output)."""
+        c, h, n = self.kv_lora_rank, self.num_heads, self.nope
+        w = effective_weight(self, "kv_b_proj").astype(self.dtype).reshape(c, h, n + self.v_head_dim)
+        q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w[..., :n], preferred_element_type=jnp.float32)
+        q = jnp.concatenate([q_lat.astype(self.dtype), q_rope.astype(self.dtype)], axis=-1)
+        k = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1).astype(self.dtype)
+        return q, k, w
 
     def _sparse_attention(self, q_nope, q_rope, c_kv, k_rope, idx_btk):
         """DSA's attention over the selected keys in MLA's absorbed form
@@ -209,11 +299,8 @@ class MLAttention(nnx.Module):
         same function as the masked reference up to rounding. Returns ``o_proj``'s output [B, T, D]
         and each head's largest logit over the selected keys, float32 [H] (not differentiated)."""
         b, t, h, n = q_nope.shape
-        c, hv = self.kv_lora_rank, self.v_head_dim
-        w = effective_weight(self, "kv_b_proj").astype(self.dtype).reshape(c, h, n + hv)
-        q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w[..., :n], preferred_element_type=jnp.float32)
-        q = jnp.concatenate([q_lat.astype(self.dtype), q_rope.astype(self.dtype)], axis=-1)
-        k = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1).astype(self.dtype)
+        hv = self.v_head_dim
+        q, k, w = self._absorbed(q_nope, q_rope, c_kv, k_rope)
         # each device on its own rows: a Pallas call has no partitioning rule, and left to the
         # partitioner every device would gather the whole batch around it
         o_lat, max_bth = on_own_rows(lambda *a: sparse_attention(*a, scale=self.scale, return_max=True), q, k,
@@ -223,7 +310,7 @@ class MLAttention(nnx.Module):
                 jnp.max(max_bth, axis=(0, 1)))
 
     def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None, *,
-                 record_max: bool = False):
+                 record_max: bool = False, token_mask=None):
         """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin, or
         ``None`` with ``model.position_encoding=none``: the R features stay unrotated, Kimi Linear's NoPE);
         ``cache``: ``{"kv": [B, S, C], "k_rope": [B, S, R]}`` (:func:`init_cache`) or ``None``.
@@ -231,7 +318,10 @@ class MLAttention(nnx.Module):
         ``kv_prefix`` (a sequence slice), the per-head keys [B, S, H, N + R] and values [B, S, H,
         Hv] of the prefix and this slice in place of the cache. With ``record_max`` a third
         result: each head's largest pre-softmax logit ``[q^C, q^R]·[k^C, k^R] · scale`` of these
-        queries, float32 [H], not differentiated (QK-clip), or ``None`` with a cache."""
+        queries, float32 [H], not differentiated (QK-clip), or ``None`` with a cache; while the
+        indexer trains (``indexer_stage`` not ``"none"``, no cache) a fourth: its KL loss summed
+        over the queries ``token_mask`` (bool [B, T], the real tokens) keeps, float32 []
+        (:meth:`LightningIndexer.kl_loss`)."""
         b, t, _ = x_btd.shape
         h, n, r, c, hv = self.num_heads, self.nope, self.rope, self.kv_lora_rank, self.v_head_dim
         if self.q_lora_rank:
@@ -245,24 +335,31 @@ class MLAttention(nnx.Module):
         kv_a = project(self, "kv_a_proj_with_mqa", x_btd, self.dtype, ("embed", "lora"), fp8=self.fp8)
         c_kv = self.kv_a_layernorm(kv_a[..., :c]).astype(self.dtype)  # [B, T, C]
         k_rope = kv_a[..., c:] if rope is None else apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared
-        index_k = None
+        index_k = indexer_kl = None
         if self.sparse:  # DSA: narrow the mask to the indexer's keys (the dense masked reference)
             if kv_prefix is not None or isinstance(mask_b1ts, tuple) or context_size() > 1:
                 raise ValueError("MLAttention with index_topk (sparse MLA) runs on whole rows only: no sequence "
                                  "slices (model.sequence_slices) and no context parallelism (mesh.context)")
             fused = mask_b1ts.ndim == 2  # segment ids: attention_impl=flash
-            if fused:  # the indexer's scores take the bool mask
-                mask_b1ts = segment_mask(mask_b1ts)
+            visible = segment_mask(mask_b1ts)[:, 0] if fused else mask_b1ts[:, 0]  # bool [B, T, S]
             index_k = self.indexer.keys(x_btd, rope)  # [B, T, Di]
             if cache is not None:
                 index_k = jax.lax.dynamic_update_slice_in_dim(cache["index_k"], index_k.astype(cache["index_k"].dtype),
                                                               cache_index, axis=1)
-            if cache is None and fused:
-                # training with the fused kernels: MLA's absorbed form over the selected latents
-                idx = self.indexer.top_keys(x_btd, q_lat, rope, index_k, mask_b1ts[:, 0])
-                out, max_h = self._sparse_attention(q_nope, q_rope, c_kv, k_rope, idx)
-                return (out, None, max_h) if record_max else (out, None)
-            mask_b1ts = self.indexer.select(x_btd, q_lat, rope, index_k, mask_b1ts[:, 0])[:, None]
+            learn = record_max and cache is None and self.indexer_stage != "none"
+            if learn:
+                q_abs, k_abs, _ = self._absorbed(q_nope, q_rope, c_kv, k_rope)
+                query_mask = jnp.ones((b, t), bool) if token_mask is None else token_mask
+                kl = functools.partial(self.indexer.kl_loss, x_btd, q_lat, rope, q_abs, k_abs, self.scale, query_mask)
+            if self.indexer_stage == "dense_warmup":  # dense attention; the indexer learns it over every visible key
+                indexer_kl = kl(mask_bts=visible) if learn else None
+            else:
+                idx = self.indexer.top_keys(x_btd, q_lat, rope, index_k, visible)
+                indexer_kl = kl(idx_btk=idx) if learn else None
+                if cache is None and fused:  # training with the fused kernels: MLA's absorbed form over the selection
+                    out, max_h = self._sparse_attention(q_nope, q_rope, c_kv, k_rope, idx)
+                    return _with_records((out, None), max_h, indexer_kl) if record_max else (out, None)
+                mask_b1ts = self.indexer.select(idx, visible)[:, None]
         if cache is None and kv_prefix is None and context_size() > 1 and not isinstance(mask_b1ts, tuple) \
                 and mask_b1ts.ndim == 2:  # the fused kernel on a context axis: each device gathers the row's
             # latent and RoPE key (C + R features a token, not H (N + R + Hv)) and up-projects them itself
@@ -300,4 +397,10 @@ class MLAttention(nnx.Module):
         o, max_h = o if record_max and cache is None else (o, None)
         out = (project(self, "o_proj", o.reshape(b, t, h * hv), self.dtype, ("heads", "embed"), fp8=self.fp8),
                new_cache)
-        return (*out, max_h) if record_max else out
+        return _with_records(out, max_h, indexer_kl) if record_max else out
+
+
+def _with_records(out: tuple, max_h, indexer_kl) -> tuple:
+    """``(output, cache)`` and what :meth:`MLAttention.__call__` records: the largest logits, then
+    the indexer's loss when it has one."""
+    return (*out, max_h) if indexer_kl is None else (*out, max_h, indexer_kl)

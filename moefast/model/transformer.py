@@ -76,6 +76,9 @@ class ModelOutput(NamedTuple):
     # MTP modules' blocks (moefast.model.layout.softmax_attention_layers); None with a cache or
     # without softmax attention layers (Gated DeltaNet layers have no row)
     max_logits: jax.Array | None = None
+    # float32 [L_attn], differentiated: while DSA's indexers train (train.indexer_stage), each
+    # layer's indexer KL summed over the batch's real queries (the rows of max_logits); else None
+    indexer_loss: jax.Array | None = None
 
 
 def shift_left(a_bt: jax.Array, k: int, fill=0) -> jax.Array:
@@ -182,9 +185,19 @@ def _rows_in_layer_order(parts: list[tuple[tuple[int, ...], jax.Array | None]]) 
     if not parts:
         return None
     ids = np.concatenate([np.asarray(i, np.int64) for i, _ in parts])
-    rows = jnp.concatenate([r for _, r in parts], axis=0) if len(parts) > 1 else parts[0][1]
+    rows = _concat([r for _, r in parts]) if len(parts) > 1 else parts[0][1]
     order = np.argsort(ids, kind="stable")
-    return rows if np.array_equal(order, np.arange(ids.size)) else rows[order]
+    return rows if np.array_equal(order, np.arange(ids.size)) else jax.tree.map(lambda r: r[order], rows)
+
+
+def _stack(records: list):
+    """Per-layer records (arrays, or dicts of them: :meth:`Block.__call__`) stacked on a new leading axis."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *records)
+
+
+def _concat(records: list):
+    """Stacked records joined along their leading (layers) axis."""
+    return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *records)
 
 
 def _stack_modules(blocks: list[Block]) -> Block:
@@ -368,15 +381,17 @@ class Transformer(nnx.Module):
             layer_args["token_mask"] = token_mask  # the MTP modules run on whole rows
         x = self.final_norm(x).astype(x.dtype)
         logits = self._head(restore_order(x))  # the row's order again
+        mtp_logits = None
         if self.mtp_depth and cache is None:
             mtp_logits, mtp_moe, mtp_max = self._mtp(x, tokens_bt, make, routing_state, context=context, **layer_args)
             if mtp_moe is not None:
                 moe = mtp_moe if moe is None else RoutingSums.concatenate([moe, mtp_moe])
-            max_logits = mtp_max if max_logits is None else jnp.concatenate([max_logits, mtp_max], axis=0)
-            return ModelOutput(logits=logits, moe=self._moe_stats(moe), cache=None, mtp_logits=mtp_logits,
-                               max_logits=jax.lax.stop_gradient(max_logits))
+            max_logits = mtp_max if max_logits is None else _concat([max_logits, mtp_max])
+        rec = max_logits or {}  # {"max_logits": [L_attn, H], "indexer_loss": [L_attn] while the indexers train}
         return ModelOutput(logits=logits, moe=self._moe_stats(moe), cache=new_cache,
-                           max_logits=None if max_logits is None else jax.lax.stop_gradient(max_logits))
+                           mtp_logits=mtp_logits,
+                           max_logits=None if not rec else jax.lax.stop_gradient(rec["max_logits"]),
+                           indexer_loss=rec.get("indexer_loss"))
 
     def _moe_stats(self, sums: RoutingSums | None) -> MoEStats | None:
         """Every MoE layer's routing sums [L_moe, S, ...], reduced over the token shards once here
@@ -427,7 +442,7 @@ class Transformer(nnx.Module):
             if s_k is not None:
                 stats.append(s_k)
         moe = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
-        return tuple(logits), moe, jnp.stack(maxes)
+        return tuple(logits), moe, _stack(maxes)
 
     def layer_modules(self) -> list[Block]:
         """The L blocks in order, as modules (scanned stacks sliced, so each holds one layer's
@@ -470,7 +485,7 @@ class Transformer(nnx.Module):
             if max_i and max_i[0] is not None:  # a softmax-attention block (without a cache)
                 maxes.append(max_i[0])
         moe = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
-        return x, moe, new_cache, jnp.stack(maxes) if maxes else None
+        return x, moe, new_cache, _stack(maxes) if maxes else None
 
     def _scanned(self, x, make, routing_state, *, drop_tokens, **kw):
         """The scanned layout: ``jax.lax.scan`` over the prefix stack and over the whole groups
@@ -535,7 +550,7 @@ class Transformer(nnx.Module):
                     moe_rows += 1
                 graphdef, state = nnx.split(self.tail[j])
                 x, s_i, _, m_i = run(_block_fn(graphdef, self.remat, drop_tokens, record_max=True), state, x, i, rs)
-                maxes.append(((i,), None if m_i is None else m_i[None]))
+                maxes.append(((i,), None if m_i is None else jax.tree.map(lambda a: a[None], m_i)))
                 if s_i is not None:
                     stats.append(jax.tree.map(lambda a: a[None], s_i))
         moe = RoutingSums.concatenate(stats) if stats else None

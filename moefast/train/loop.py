@@ -52,7 +52,7 @@ from moefast.train import optimizer
 from moefast.train.resume import OptimizerReset, start_or_resume
 from moefast.train.run_dir import load_run_config
 from moefast.train.signals import StopRequest
-from moefast.train.step import BATCH_KEYS, ModelDef, make_optimizer, train_step
+from moefast.train.step import BATCH_KEYS, ModelDef, make_optimizer, split_trainable, train_step
 from moefast.train.summary import TrainingError, TrainSummary
 from moefast.train.timing import StepBook
 
@@ -259,8 +259,9 @@ class Trainer:
         return parallel.shardings(self.mesh, specs)
 
     def _opt_spec(self, cfg: ExperimentConfig, abstract_opt_state):
-        """``PartitionSpec``s of ``cfg``'s optimizer state (:func:`moefast.train.optimizer.state_specs`)."""
-        trainable = self.model_def.split(self.model_def.param_state_specs(self.mesh))[0]
+        """``PartitionSpec``s of ``cfg``'s optimizer state (:func:`moefast.train.optimizer.state_specs`);
+        ``cfg`` may train other parameters than this run (a checkpoint's, ``train.indexer_stage``)."""
+        trainable = split_trainable(cfg, self.model_def.param_state_specs(self.mesh))[0]
         return optimizer.state_specs(make_optimizer(cfg), abstract_opt_state, trainable)
 
     def init_state(self) -> dict[str, Any]:

@@ -42,9 +42,11 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-_ROW_NAMES = {"max_logit_per_layer": ("attention_layer_names", "layer")}
+_ROW_NAMES = {"max_logit_per_layer": ("attention_layer_names", "layer"),
+              "indexer_loss_per_layer": ("attention_layer_names", "layer")}
 """Per-layer keys whose rows are not the MoE layers: the record's key naming their rows, and the
-tag's fallback stem (``max_logit_per_layer``: one row per softmax-attention layer)."""
+tag's fallback stem (``max_logit_per_layer``, ``indexer_loss_per_layer``: one row per
+softmax-attention layer)."""
 
 
 def _row_tag(names: Any, row: int, rows: int, fallback: str = "moe_layer") -> str:

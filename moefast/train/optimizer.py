@@ -58,8 +58,8 @@ PARAM_KINDS: dict[str, dict[str, str]] = {
     # HF DeepSeek's five Linears, each one matrix (Moonlight trained these with Muon as they are)
     "MLAttention": {"q_a_proj": _MATRIX, "q_b_proj": _MATRIX, "q_proj": _MATRIX, "kv_a_proj_with_mqa": _MATRIX,
                     "kv_b_proj": _MATRIX, "o_proj": _MATRIX},
-    # DSA's lightning indexer: no gradient reaches it (stop_gradient, as transformers' no_grad), so
-    # nothing to orthogonalise; AdamW without weight decay (_decay_mask): it stays as imported
+    # DSA's lightning indexer: AdamW, as DeepSeek-V3.2 trained it; it learns only from its own KL
+    # (train.indexer_stage), and without one no weight decay either (_decay_mask): it stays as imported
     "LightningIndexer": {"wq_b": _ADAMW, "wk": _ADAMW, "weights_proj": _ADAMW},
     "LayerNorm": {"scale": _ADAMW, "bias": _ADAMW},  # the indexer's key norm
     "GatedDeltaNet": {"in_proj": _MATRIX, "out": _MATRIX,
@@ -300,12 +300,15 @@ def state_specs(tx: optax.GradientTransformation, abstract_opt_state, param_spec
                                             is_leaf=lambda x: isinstance(x, P) or masked(x))
 
 
-def _decay_mask(params):
+def _decay_mask(cfg: ExperimentConfig, params):
     """Matrices decay, vectors (norm scales, biases) do not; a scanned stack's layers axis does not
-    count. DSA's lightning indexer does not decay: no gradient reaches it (its own KL loss is not
-    built yet), so decay alone would shrink it; without either, AdamW leaves it as imported."""
+    count. DSA's lightning indexers do not decay while they do not learn (``train.indexer_stage``
+    ``"none"``): no gradient reaches them then, so decay alone would shrink them; without either,
+    AdamW leaves them as imported."""
+    frozen_indexer = cfg.train.indexer_stage == "none"
+
     def decays(path, p):
-        return p.ndim - is_stacked_path(path) >= 2 and "indexer" not in _path_keys(path)
+        return p.ndim - is_stacked_path(path) >= 2 and not (frozen_indexer and "indexer" in _path_keys(path))
 
     return jax.tree_util.tree_map_with_path(decays, params)
 
@@ -321,7 +324,8 @@ def make_optimizer(cfg: ExperimentConfig, schedule: optax.Schedule) -> optax.Gra
         first sees the parameters).
     """
     t = cfg.train
-    adamw = optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=_decay_mask)
+    adamw = optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                        mask=functools.partial(_decay_mask, cfg))
     parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     if t.optimizer == "muon":
         muon = optax.chain(scale_by_muon(cfg), optax.add_decayed_weights(t.weight_decay),

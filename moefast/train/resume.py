@@ -37,13 +37,13 @@ class OptimizerReset:
         import jax
 
         from moefast import parallel
-        from moefast.train.step import make_optimizer, with_schedule_count
+        from moefast.train.step import make_optimizer, split_trainable, with_schedule_count
 
         md, mesh = trainer.model_def, trainer.mesh
         trainable = lambda p: md.split(p)[0]
 
-        def abstract(cfg):
-            state = jax.eval_shape(make_optimizer(cfg).init, trainable(md.abstract_params))
+        def abstract(cfg):  # what that config trains (train.indexer_stage may differ from this run's)
+            state = jax.eval_shape(make_optimizer(cfg).init, split_trainable(cfg, md.abstract_params)[0])
             shard = parallel.shardings(mesh, trainer._opt_spec(cfg, state))
             return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shard)
 

@@ -40,6 +40,7 @@ __all__ = [
     "mtp_loss_weights",
     "train_step",
     "schedule_count",
+    "split_trainable",
     "update_routing_state",
     "with_schedule_count",
 ]
@@ -99,10 +100,8 @@ class ModelDef:
 
     def split(self, params: dict) -> tuple[dict, dict]:
         """``(trainable, frozen)`` parts of pure ``params`` (or of any tree of their structure):
-        everything and ``{}`` without adapters (:func:`moefast.model.lora.split`)."""
-        if not self.cfg.lora.enabled:
-            return params, {}
-        return lora.split(self.cfg.lora, params)
+        :func:`split_trainable`."""
+        return split_trainable(self.cfg, params)
 
     def module(self, params: dict) -> Transformer:
         """The NNX module carrying ``params`` (cheap: no copy)."""
@@ -130,6 +129,25 @@ class ModelDef:
         specs = parallel.param_specs(self.abstract_model_state, mesh)
         return jax.tree.map(lambda spec, p, stacked: parallel.optimizer_spec(spec, p.shape, mesh, layers=stacked),
                             specs, self.abstract_params, self.stacked, is_leaf=lambda x: isinstance(x, P))
+
+
+def split_trainable(cfg: ExperimentConfig, params: dict) -> tuple[dict, dict]:
+    """``(trainable, frozen)`` parts of pure ``params`` (or of any tree of their structure) as
+    ``cfg`` trains them: with ``lora`` the adapters and the groups ``lora.train`` names
+    (:func:`moefast.model.lora.split`); in DSA's dense warm-up (``train.indexer_stage``
+    ``"dense_warmup"``) the lightning indexers only; else everything (and ``{}``)."""
+    if cfg.train.indexer_stage == "dense_warmup":
+        return lora.partition(params, lambda path: "indexer" in (getattr(k, "key", k) for k in path))
+    if not cfg.lora.enabled:
+        return params, {}
+    return lora.split(cfg.lora, params)
+
+
+def _indexer_loss(out: ModelOutput, tokens: jax.Array) -> jax.Array | None:
+    """Each DSA layer's indexer KL per token, float32 [L_attn] (its summed KL over ``tokens``, the
+    real tokens of the batch, or with gradient accumulation of the global batch), or ``None``
+    while the indexers do not train."""
+    return None if out.indexer_loss is None else out.indexer_loss / jnp.maximum(tokens, 1.0)
 
 
 def _loss_terms(out: ModelOutput, batch: dict[str, jax.Array], cfg: ExperimentConfig):
@@ -199,7 +217,9 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step
     prediction modules included), plus, with ``model.mtp_depth`` = D > 0, the multi-token
     prediction loss ``L_MTP = train.mtp_loss_coef / D * sum_k L_MTP^k`` (DeepSeek-V3, arXiv
     2412.19437, eq. 25), ``L_MTP^k`` the mean cross-entropy of module k over its targets
-    (:func:`mtp_loss_weights`, eq. 24).
+    (:func:`mtp_loss_weights`, eq. 24), plus, while DSA's indexers train (``train.indexer_stage``),
+    their KL per real token, the mean over the layers (DeepSeek-V3.2-Exp tech report, eqs. 3-4;
+    its gradient reaches the indexers only).
 
     Args:
       params: pure-dict parameters; batch: arrays [B, T] keyed by :data:`BATCH_KEYS`;
@@ -215,13 +235,15 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step
         ``L_MTP^k`` is then its cross-entropy sum over it.
 
     Returns:
-      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses, max_logits))``, float32
+      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses, max_logits, indexer_losses))``, float32
       scalars; ``moe_stats`` is a :class:`~moefast.model.MoEStats` stacked over MoE layers (the main
       model's, then the D multi-token prediction blocks'), or ``None``; ``mtp_losses`` float32 [D],
       ``L_MTP^k`` of each module (not scaled by the coefficient), or ``None`` without modules;
       ``max_logits`` float32 [L_attn, H], each softmax-attention layer's largest pre-softmax logit
       per head over this batch (:attr:`~moefast.model.ModelOutput.max_logits`: QK-clip), not
-      differentiated, or ``None`` without softmax attention layers.
+      differentiated, or ``None`` without softmax attention layers; ``indexer_losses`` float32
+      [L_attn], each layer's indexer KL per real token (this micro-batch's share with ``micro``),
+      or ``None`` while the indexers do not train.
     """
     cfg = model_def.cfg
     step = jnp.zeros((), jnp.int32) if step is None else step
@@ -247,7 +269,10 @@ def loss_fn(model_def: ModelDef, params: dict, batch: dict[str, jax.Array], step
         mtp_ce_sum, mtp_weight_sum = _mtp_terms(out, batch)
         mtp = mtp_ce_sum / jnp.maximum(mtp_weight_sum if micro is None else micro[3], 1.0)  # [D]
         loss = loss + cfg.train.mtp_loss_coef * jnp.mean(mtp)
-    return loss, (ce, aux, z, out.moe, mtp, out.max_logits)
+    indexer = _indexer_loss(out, _num_tokens(batch) if micro is None else micro[1])
+    if indexer is not None:
+        loss = loss + jnp.mean(indexer)
+    return loss, (ce, aux, z, out.moe, mtp, out.max_logits, indexer)
 
 
 def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.Array],
@@ -283,8 +308,8 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     step = state["step"]
     random = cfg.model.dropout > 0 or cfg.moe.warmup_steps > 0
     step_key = jax.random.fold_in(base_key, step) if random else None
-    loss, (ce, aux, z, moe, mtp, max_logits), grads = loss_and_grads(model_def, state["params"], state["routing"],
-                                                                     batch, step_key, step)
+    loss, (ce, aux, z, moe, mtp, max_logits, indexer), grads = loss_and_grads(
+        model_def, state["params"], state["routing"], batch, step_key, step)
     tx = make_optimizer(cfg)
     grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -318,7 +343,7 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
         "learning_rate": learning_rate_schedule(cfg)(schedule_count(state["opt_state"])),
         "aux_loss_coef": aux_loss_coef(cfg, step),
         "nonfinite": jnp.logical_not(finite).astype(jnp.int32),
-        **_layer_metrics(moe, mtp, max_logits),
+        **_layer_metrics(moe, mtp, max_logits, indexer),
     }
     new_state = {"params": lora.join(params, frozen),
                  "opt_state": opt_state,
@@ -327,10 +352,12 @@ def train_step(model_def: ModelDef, state: dict[str, Any], batch: dict[str, jax.
     return new_state, metrics
 
 
-def _layer_metrics(moe, mtp: jax.Array | None, max_logits: jax.Array | None) -> dict[str, jax.Array]:
+def _layer_metrics(moe, mtp: jax.Array | None, max_logits: jax.Array | None,
+                   indexer: jax.Array | None = None) -> dict[str, jax.Array]:
     """:func:`train_step`'s per-layer and per-module metrics (its docstring): the MoE layers'
-    statistics, the multi-token prediction losses and each softmax-attention layer's largest
-    logit (``max_logits`` [L_attn, H] -> ``max_logit_per_layer`` [L_attn], the max over heads)."""
+    statistics, the multi-token prediction losses, each softmax-attention layer's largest
+    logit (``max_logits`` [L_attn, H] -> ``max_logit_per_layer`` [L_attn], the max over heads)
+    and DSA's indexer losses (``indexer_loss``, their mean, and ``indexer_loss_per_layer``)."""
     metrics = {}
     if moe is not None:
         metrics["tokens_per_expert"] = moe.tokens_per_expert
@@ -344,6 +371,9 @@ def _layer_metrics(moe, mtp: jax.Array | None, max_logits: jax.Array | None) -> 
         metrics["mtp_loss"] = jnp.mean(mtp)
         for k in range(mtp.shape[0]):
             metrics[f"mtp_loss_depth_{k + 1}"] = mtp[k]
+    if indexer is not None:
+        metrics["indexer_loss"] = jnp.mean(indexer)
+        metrics["indexer_loss_per_layer"] = indexer
     return metrics
 
 
@@ -396,7 +426,8 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
     largest pre-softmax logits are the maximum over the micro-batches.
 
     Returns:
-      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses, max_logits), grads)`` (see
+      ``(loss, (cross_entropy, aux_loss, z_loss, moe_stats, mtp_losses, max_logits, indexer_losses),
+      grads)`` (see
       :func:`loss_fn`); ``grads`` in the parameters' shardings under a mesh.
     """
     params, frozen = model_def.split(params)  # the gradient is the trainable parameters' (lora: the adapters')
@@ -416,12 +447,14 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
     def body(grad_sum, xs):
         mb, i = xs
         key = None if step_key is None else jax.random.fold_in(step_key, i)
-        (loss, (ce, aux, z, moe, mtp, max_logits)), g = grad_fn(params, mb, key, routing_state, step, totals)
+        (loss, (ce, aux, z, moe, mtp, max_logits, indexer)), g = grad_fn(params, mb, key, routing_state, step, totals)
         grad_sum = jax.tree.map(jnp.add, grad_sum, _constrain_grads(model_def, g))
-        return grad_sum, (loss, ce, aux, z, moe, mtp, max_logits, _num_tokens(mb) / jnp.maximum(tokens_total, 1.0))
+        return grad_sum, (loss, ce, aux, z, moe, mtp, max_logits, indexer,
+                          _num_tokens(mb) / jnp.maximum(tokens_total, 1.0))
 
     zeros = _constrain_grads(model_def, jax.tree.map(jnp.zeros_like, params))
-    grads, (loss, ce, aux, z, moe, mtp, max_logits, share) = jax.lax.scan(body, zeros, (micro, jnp.arange(m)))
+    grads, (loss, ce, aux, z, moe, mtp, max_logits, indexer, share) = jax.lax.scan(body, zeros,
+                                                                                 (micro, jnp.arange(m)))
     if moe is not None:  # [M, L_moe, ...] -> [L_moe, ...]
         w = share[:, None]
         moe = type(moe)(tokens_per_expert=jnp.sum(moe.tokens_per_expert, axis=0),
@@ -431,7 +464,8 @@ def loss_and_grads(model_def: ModelDef, params: dict, routing_state: dict, batch
                         router_entropy=jnp.sum(moe.router_entropy * w, axis=0))
     mtp = None if mtp is None else jnp.sum(mtp, axis=0)  # [M, D] -> [D]
     max_logits = None if max_logits is None else jnp.max(max_logits, axis=0)  # [M, L_attn, H] -> [L_attn, H]
-    return jnp.sum(loss), (jnp.sum(ce), jnp.sum(aux), jnp.sum(z), moe, mtp, max_logits), grads
+    indexer = None if indexer is None else jnp.sum(indexer, axis=0)  # [M, L_attn] -> [L_attn]
+    return jnp.sum(loss), (jnp.sum(ce), jnp.sum(aux), jnp.sum(z), moe, mtp, max_logits, indexer), grads
 
 
 def schedule_count(opt_state) -> jax.Array:

@@ -126,7 +126,7 @@ def test_mtp_loss_equals_the_equations():
         loss, terms = loss_fn(md, p, batch, None, None, STEP)
         return loss, terms, reference_mtp_losses(md, p, batch, stream)
 
-    loss, (ce, aux, z, moe, mtp, _), ref_logits = both(params)
+    loss, (ce, aux, z, moe, mtp, _, _), ref_logits = both(params)
     want = numpy_losses(ref_logits, batch, stream)
     np.testing.assert_allclose(np.asarray(mtp), want, rtol=2e-5)
     n_moe = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
@@ -179,7 +179,7 @@ def test_mtp_depth_zero_is_the_model_without_it():
     assert md2.abstract_state()["routing"]["bias"].shape == (4, 4)
     batch, _ = packed_batch()
     both = jax.jit(lambda p0, p2: (loss_fn(md0, p0, batch, None, None, STEP), loss_fn(md2, p2, batch, None, None, STEP)))
-    (loss0, (ce0, aux0, z0, _, mtp0, _)), (_, (ce2, _, _, _, mtp2, _)) = both(p0, p2)
+    (loss0, (ce0, aux0, z0, _, mtp0, _, _)), (_, (ce2, _, _, _, mtp2, _, _)) = both(p0, p2)
     assert mtp0 is None and mtp2.shape == (2,)
     assert float(ce0) == float(ce2)
     assert float(loss0) == float(ce0 + aux_loss_coef(md0.cfg, STEP) * aux0 + 0.1 * z0)
