@@ -127,8 +127,10 @@ class ModelConfig:
         transformers' ``models/deepseek_v32/modeling_deepseek_v32.py``, ``DeepseekV32Indexer``):
         each query attends only to the ``index_topk`` keys its lightning indexer scores highest
         among those it may see (all of them while it sees fewer). ``None`` (the default): dense MLA.
-        Hugging Face's name, as are the next two. Computed as a dense masked attention (the
-        reference path: never the fused flash kernel); the indexer gets no gradient
+        Hugging Face's name, as are the next two. On the blocked path the selection narrows a
+        dense mask; with ``attention_impl=flash`` MLA's absorbed form runs over the selected keys
+        (the top-k kernel, :mod:`moefast.kernels.sparse_attention`). No gradient of the model's
+        loss reaches the indexer; ``train.indexer_stage`` trains it by its own KL loss
         (:class:`moefast.model.mla.LightningIndexer`).
       index_n_heads: DSA: the indexer's query heads H^I (DeepSeek-V3.2: 64).
       index_head_dim: DSA: the indexer's query/key width d^I (DeepSeek-V3.2: 128); its first

@@ -179,8 +179,8 @@ class LightningIndexer(nnx.Module):
 
             def block(args):
                 q_i, w, q_a, mask, qm = args
-                logits = jnp.einsum("bthf,bsf->bths", q_a.astype(jnp.float32), attn_k_bsf.astype(jnp.float32),
-                                    precision=hp) * scale
+                logits = jnp.einsum("bthf,bsf->bths", q_a, attn_k_bsf, precision=hp,
+                                    preferred_element_type=jnp.float32) * scale
                 return kl(logits, self._scores(q_i, w, k_i, "bsd"), mask, qm)
 
             parts = (q_i, w, attn_q_bthf, mask_bts, query_mask_bt)
@@ -188,8 +188,8 @@ class LightningIndexer(nnx.Module):
             def block(args):
                 q_i, w, q_a, idx, qm = args
                 safe = jnp.maximum(idx, 0)
-                logits = jnp.einsum("bthf,btkf->bthk", q_a.astype(jnp.float32),
-                                    gather(attn_k_bsf, safe).astype(jnp.float32), precision=hp) * scale
+                logits = jnp.einsum("bthf,btkf->bthk", q_a, gather(attn_k_bsf, safe), precision=hp,
+                                    preferred_element_type=jnp.float32) * scale  # keys in the compute dtype
                 return kl(logits, self._scores(q_i, w, gather(k_i, safe), "btsd"), idx >= 0, qm)
 
             parts = (q_i, w, attn_q_bthf, idx_btk, query_mask_bt)
