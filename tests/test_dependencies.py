@@ -261,3 +261,30 @@ def test_a_session_at_the_checkout_root_imports_the_installed_kernels_package(tm
     at_root, elsewhere = (subprocess.run([sys.executable, "-c", code], cwd=where, env=env, capture_output=True,
                                          text=True) for where in (REPO, tmp_path))
     assert at_root.returncode == 0 and at_root.stdout == elsewhere.stdout, at_root.stderr
+
+
+def test_a_wheel_holds_every_package_and_data_file():
+    """pyproject.toml's explicit ``packages`` list names every package folder of ``moefast/`` and
+    ``kernels/`` (an editable install finds a missing one anyway; a wheel silently leaves it out),
+    and ``package-data`` covers every non-Python file inside them."""
+    import fnmatch
+    import tomllib
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    data = tool.get("package-data", {})
+    for root_name, root in ROOTS.items():
+        for init in root.rglob("__init__.py"):
+            rel = init.parent.relative_to(root).parts
+            package = ".".join((root_name, *rel))
+            assert package in listed, f"pyproject.toml [tool.setuptools] packages lacks {package!r}"
+            for f in init.parent.iterdir():
+                if f.is_file() and f.suffix not in (".py", ".pyc") and not f.name.startswith("."):
+                    raise AssertionError(f"{f}: a data file directly in a package; give it a folder and package-data")
+            for sub in init.parent.iterdir():
+                if sub.is_dir() and not (sub / "__init__.py").exists() and sub.name != "__pycache__":
+                    for f in sub.rglob("*"):
+                        if f.is_file() and "__pycache__" not in f.parts:
+                            rel_f = f.relative_to(init.parent).as_posix()
+                            assert any(fnmatch.fnmatch(rel_f, pat) for pat in data.get(package, [])), \
+                                f"pyproject.toml package-data of {package!r} does not cover {rel_f}"
