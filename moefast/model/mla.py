@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moefast.kernels.lightning_indexer import lightning_indexer_scores
 from moefast.kernels.sparse_attention import sparse_attention
 from moefast.model.attention import attend, causal_attention, context_flash_attention
 from moefast.model.norm import rms_norm
@@ -105,35 +106,57 @@ class LightningIndexer(nnx.Module):
         return q, w
 
     def _scores(self, q_bthd, w_bth, k, keys: str) -> jax.Array:
-        """float32 index scores ``sum_h w · relu(q_h · k · Di^-0.5)`` of the keys ``k``: shared ones
+        """float32 index scores ``sum_h w · relu(q_h · k · Di^-0.5)`` (the reference's, differentiable;
+        products in q's dtype, float32 sums) of the keys ``k``: shared ones
         [B, S, Di] (``keys="bsd"``, scores [B, T, S]) or each query's own [B, T, K, Di]
         (``keys="btsd"``, scores [B, T, K])."""
-        logits = jnp.einsum(f"bthd,{keys}->bths", q_bthd.astype(jnp.float32), k.astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST) * self.head_dim ** -0.5
+        logits = jnp.einsum(f"bthd,{keys}->bths", q_bthd, k.astype(q_bthd.dtype), precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32) * self.head_dim ** -0.5  # the keys in q's dtype
         return jnp.einsum("bth,bths->bts", w_bth, jax.nn.relu(logits), precision=jax.lax.Precision.HIGHEST)
 
-    def top_keys(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope, k_bsd: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    def top_keys(self, x_btd: jax.Array, q_lat_btq: jax.Array, rope, k_bsd: jax.Array, visible: jax.Array) -> jax.Array:
         """int32 [B, T, k], k = min(topk, S): the keys each query keeps, the indices of its
-        min(topk, visible keys) best-scored keys among those ``mask_bts`` (bool [B or 1, T, S],
-        True where the query may see the key) allows, -1 in the slots past its visible keys.
+        min(topk, visible keys) best-scored keys among those it may see, -1 in the slots past its
+        visible keys.
+
+        Scored :data:`INDEXER_QUERY_BLOCK` queries at a time by
+        :func:`moefast.kernels.lightning_indexer.lightning_indexer_scores` (the Pallas kernel when
+        compiling for GPUs, each device on its own rows: float32 [B, Tb, S] scores a block, never the
+        [B, Tb, Hi, S] logits; the reference elsewhere), the keys in the queries' dtype.
 
         Args:
           x_btd: [B, T, D] the layer's input. q_lat_btq: [B, T, Q] MLA's normalised query latent.
           rope: the queries' (cos, sin) float32 [B, T, 1, R/2], or None (nothing rotated).
           k_bsd: float32 [B, S, Di] the keys (:meth:`keys`; with a cache, the cached ones).
+          visible: bool [B or 1, T, S], True where the query may see the key; or, for a training
+            row (S = T), its int [B, T] segment ids: causal inside each document, the mask built a
+            block at a time (no [T, S] mask in memory).
         """
         b, t, _ = x_btd.shape
+        s = k_bsd.shape[1]
         q, w = self._queries(x_btd, q_lat_btq, rope)
-        k = min(self.topk, k_bsd.shape[1])
-        mask_bts = jnp.broadcast_to(mask_bts, (b, t, k_bsd.shape[1]))
+        k = min(self.topk, s)
+        scale = self.head_dim ** -0.5
+        by_ids = visible.ndim == 2
 
-        def block(args):  # one block of queries: float32 [B, Tb, Hi, S] logits, never the whole row's
-            q, w, mask = args
-            scores = jax.lax.stop_gradient(self._scores(q, w, k_bsd, "bsd"))
-            top, idx = jax.lax.top_k(jnp.where(mask, scores, -jnp.inf), k)  # [B, Tb, k]
-            return jnp.where(top > -jnp.inf, idx, -1)
+        def choose(q, w, keys, visible):  # on one device's rows
+            rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), q.shape[:2])
 
-        return _by_query_blocks(block, (q, w, mask_bts))
+            def block(args):
+                q, w, row, seen = args  # seen: [B, Tb] segment ids, or the block's bool mask rows
+                scores = lightning_indexer_scores(q, w, keys, scale=scale)  # float32 [B, Tb, S]
+                if by_ids:
+                    seen = (seen[:, :, None] == visible[:, None, :]) & (row[:, :, None] >= jnp.arange(s)[None, None])
+                top, idx = jax.lax.top_k(jnp.where(seen, scores, -jnp.inf), k)  # [B, Tb, k]
+                return jnp.where(top > -jnp.inf, idx, -1)
+
+            mask = visible if by_ids else jnp.broadcast_to(visible, q.shape[:2] + (s,))
+            return _by_query_blocks(block, (q, w, rows, mask))
+
+        keys = k_bsd.astype(q.dtype)
+        if by_ids:  # training rows: each device on its own (the kernel is a Pallas call)
+            return on_own_rows(choose, q, w, keys, visible, where="lightning indexer")
+        return choose(q, w, keys, visible)
 
     def select(self, idx_btk: jax.Array, mask_bts: jax.Array) -> jax.Array:
         """bool [B, T, S]: :meth:`top_keys`'s ``idx_btk`` as a mask, a subset of ``mask_bts`` (the
@@ -341,7 +364,7 @@ class MLAttention(nnx.Module):
                 raise ValueError("MLAttention with index_topk (sparse MLA) runs on whole rows only: no sequence "
                                  "slices (model.sequence_slices) and no context parallelism (mesh.context)")
             fused = mask_b1ts.ndim == 2  # segment ids: attention_impl=flash
-            visible = segment_mask(mask_b1ts)[:, 0] if fused else mask_b1ts[:, 0]  # bool [B, T, S]
+            visible = mask_b1ts if fused else mask_b1ts[:, 0]  # [B, T] ids, or bool [B or 1, T, S]
             index_k = self.indexer.keys(x_btd, rope)  # [B, T, Di]
             if cache is not None:
                 index_k = jax.lax.dynamic_update_slice_in_dim(cache["index_k"], index_k.astype(cache["index_k"].dtype),
@@ -352,7 +375,7 @@ class MLAttention(nnx.Module):
                 query_mask = jnp.ones((b, t), bool) if token_mask is None else token_mask
                 kl = functools.partial(self.indexer.kl_loss, x_btd, q_lat, rope, q_abs, k_abs, self.scale, query_mask)
             if self.indexer_stage == "dense_warmup":  # dense attention; the indexer learns it over every visible key
-                indexer_kl = kl(mask_bts=visible) if learn else None
+                indexer_kl = kl(mask_bts=segment_mask(visible)[:, 0] if fused else visible) if learn else None
             else:
                 idx = self.indexer.top_keys(x_btd, q_lat, rope, index_k, visible)
                 indexer_kl = kl(idx_btk=idx) if learn else None
