@@ -24,6 +24,12 @@ The convention is PaLM's (Chowdhery et al. 2022, appendix B): training FLOPs per
   nothing. With MLA the term is ``6 * L * H * (Hd_qk + Hv) * T``, Hd_qk = ``qk_nope_head_dim +
   qk_rope_head_dim`` and Hv = ``v_head_dim`` (the training path's expanded heads).
 
+DeepSeek Sparse Attention (``model.index_topk`` = k; DeepSeek-V3.2-Exp tech report, sec. 2.1):
+each query attends to min(T, k) keys, so T -> min(T, k) in MLA's attention term, plus the
+lightning indexer's scores of every key, ``2 * index_n_heads * index_head_dim * T`` per token and
+layer, forward only (no gradient reaches it from the model's loss; its own KL loss,
+``train.indexer_stage``, is not counted).
+
 Full-attention layers of a shape of their own (``model.global_head_dim``, ``num_global_kv_heads``;
 ``attention_k_eq_v``: no value projection) count at their own Hd and G in both terms (Gemma 4).
 
@@ -213,7 +219,11 @@ def model_flops_per_token(cfg: ExperimentConfig, vocab_size: int | None = None, 
     linear = 3 * n_linear * _delta_rule_flops(m)
     layers = m.num_layers - n_linear + m.mtp_depth  # attention layers; each MTP module has one more
     if m.attention == "mla":  # scores over Hd_qk features, weighted values over Hv: 6 * L * H * (Hd_qk + Hv) * T
-        return float(6 * n_active + 6 * layers * m.num_heads * sum(attention_widths(m)) * t + linear)
+        if m.index_topk is None:
+            return float(6 * n_active + 6 * layers * m.num_heads * sum(attention_widths(m)) * t + linear)
+        # DSA: each query attends to min(T, k) keys; its indexer scores all T, forward only
+        keys, index = min(t, m.index_topk), 2 * m.index_n_heads * m.index_head_dim * t
+        return float(6 * n_active + layers * (6 * m.num_heads * sum(attention_widths(m)) * keys + index) + linear)
     # a sliding-window layer's query sees at most W keys: T -> min(T, W) in its term; each layer at its own Hd
     n_sliding = sum(m.layer_type(i) == "sliding_attention" for i in range(m.num_layers))
     width_keys = ((layers - n_sliding) * m.full_head_dim * t

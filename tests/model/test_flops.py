@@ -128,3 +128,18 @@ def test_cpu_peak_is_a_measured_estimate():
     p = peak_flops(jax.devices()[:8])
     assert p.devices == 1 and "estimate" in p.source
     assert 1e9 < p.flops_per_s < 1e14 and np.isfinite(p.flops_per_s)
+
+
+def test_sparse_attention_counts_the_selected_keys_and_the_indexer():
+    """DSA (model.index_topk = k): MLA's attention term over min(T, k) keys a query, plus the
+    indexer's forward scores of all T keys; at T <= k the attention term is dense MLA's."""
+    dsa = [*MLA, "model.index_topk=64", "model.index_n_heads=4", "model.index_head_dim=16", "model.num_layers=2"]
+    for t in (32, 256):
+        sparse = load_config(None, [*dsa, f"data.seq_len={t}"])
+        dense = load_config(None, [*dsa[:-4], "model.num_layers=2", f"data.seq_len={t}"])
+        # the indexer's own weights are in 6 * N_active: take that out before comparing attention terms
+        n_index = param_counts(sparse, BYTE_VOCAB).active - param_counts(dense, BYTE_VOCAB).active
+        per_layer = 6 * 4 * (32 + 16 + 32)  # 6 H (Hd_qk + Hv), heads 4 (the default num_heads)
+        got = model_flops_per_token(sparse, BYTE_VOCAB) - 6 * n_index
+        want = model_flops_per_token(dense, BYTE_VOCAB) + 2 * per_layer * (min(t, 64) - t) + 2 * 2 * 4 * 16 * t
+        assert got == pytest.approx(want), (t, got, want)
