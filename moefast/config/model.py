@@ -457,7 +457,8 @@ class ModelConfig:
             for k in ("index_topk", "index_n_heads", "index_head_dim"):
                 v = getattr(self, k)
                 _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"model.{k}",
-                         f"must be a positive int with model.index_topk set, got {v!r}")
+                         f"must be a positive int (or model.index_topk null: dense MLA), got {v!r}"
+                         if k == "index_topk" else f"must be a positive int with model.index_topk set, got {v!r}")
             _require(self.index_head_dim >= self.qk_rope_head_dim, "model.index_head_dim",
                      f"the indexer rotates its first qk_rope_head_dim={self.qk_rope_head_dim} features: must be at "
                      f"least that, got {self.index_head_dim}")

@@ -135,8 +135,10 @@ class TrainConfig:
         ``"sparse"``: attention over the indexers' selection, everything trains, each indexer by
         the same KL over its selected keys only (eq. 4), its input detached, so the language-model
         loss never reaches it and its KL reaches nothing else. The KL per token (mean over the
-        layers) is added to the loss and logged as ``indexer_loss``. Changing it on resume needs
-        ``moefast train --reset-optimizer`` (the trainable parameters differ); not with ``lora``.
+        layers) is added to the loss and logged as ``indexer_loss``. The warm-up also holds the MoE
+        routing state (selection bias, load average) as it is. Changing it on resume needs
+        ``moefast train --reset-optimizer`` (a fresh optimizer state: the stages train other
+        parameters); not with ``lora``.
     """
 
     steps: int = 600

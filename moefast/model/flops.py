@@ -27,8 +27,12 @@ The convention is PaLM's (Chowdhery et al. 2022, appendix B): training FLOPs per
 DeepSeek Sparse Attention (``model.index_topk`` = k; DeepSeek-V3.2-Exp tech report, sec. 2.1):
 each query attends to min(T, k) keys, so T -> min(T, k) in MLA's attention term, plus the
 lightning indexer's scores of every key, ``2 * index_n_heads * index_head_dim * T`` per token and
-layer, forward only (no gradient reaches it from the model's loss; its own KL loss,
-``train.indexer_stage``, is not counted).
+layer, forward only (no gradient reaches it from the model's loss). Its KL loss
+(``train.indexer_stage``) adds, per token, layer and key of the set it covers, the attention's
+logits again (``2 * H * Hd_qk``, its target) and the indexer's scores forward and backward
+(``3 * 2 * index_n_heads * index_head_dim``); in the dense warm-up over all T keys, on top of the
+dense model's forward pass only (``2 * N_active`` and a third of the attention term: nothing but
+the indexers is differentiated), in the sparse stage over min(T, k).
 
 Full-attention layers of a shape of their own (``model.global_head_dim``, ``num_global_kv_heads``;
 ``attention_k_eq_v``: no value projection) count at their own Hd and G in both terms (Gemma 4).
@@ -219,11 +223,17 @@ def model_flops_per_token(cfg: ExperimentConfig, vocab_size: int | None = None, 
     linear = 3 * n_linear * _delta_rule_flops(m)
     layers = m.num_layers - n_linear + m.mtp_depth  # attention layers; each MTP module has one more
     if m.attention == "mla":  # scores over Hd_qk features, weighted values over Hv: 6 * L * H * (Hd_qk + Hv) * T
+        heads, widths = m.num_heads, sum(attention_widths(m))
         if m.index_topk is None:
-            return float(6 * n_active + 6 * layers * m.num_heads * sum(attention_widths(m)) * t + linear)
+            return float(6 * n_active + 6 * layers * heads * widths * t + linear)
+        index, stage = 2 * m.index_n_heads * m.index_head_dim, cfg.train.indexer_stage
+        qk = 2 * heads * attention_widths(m)[0]  # the KL's target: the attention's logits again
+        if stage == "dense_warmup":  # the dense model forward; the indexers' KL over all T keys, forward and backward
+            return float(2 * n_active + layers * (2 * heads * widths * t + (qk + 3 * index) * t) + linear / 3)
         # DSA: each query attends to min(T, k) keys; its indexer scores all T, forward only
-        keys, index = min(t, m.index_topk), 2 * m.index_n_heads * m.index_head_dim * t
-        return float(6 * n_active + layers * (6 * m.num_heads * sum(attention_widths(m)) * keys + index) + linear)
+        keys = min(t, m.index_topk)
+        kl = (qk + 3 * index) * keys if stage == "sparse" else 0  # the KL over the selected keys
+        return float(6 * n_active + layers * (6 * heads * widths * keys + index * t + kl) + linear)
     # a sliding-window layer's query sees at most W keys: T -> min(T, W) in its term; each layer at its own Hd
     n_sliding = sum(m.layer_type(i) == "sliding_attention" for i in range(m.num_layers))
     width_keys = ((layers - n_sliding) * m.full_head_dim * t

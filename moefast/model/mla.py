@@ -22,7 +22,7 @@ from moefast.model.lora import effective_weight, project
 from moefast.parallel.mesh import on_own_rows
 from moefast.parallel.precision import local_dense
 
-__all__ = ["INDEXER_NORM_EPS", "INDEXER_QUERY_BLOCK", "MLA_NORM_EPS", "LightningIndexer", "MLAttention", "segment_mask"]
+__all__ = ["INDEXER_LOSS_BLOCK", "INDEXER_NORM_EPS", "INDEXER_QUERY_BLOCK", "MLA_NORM_EPS", "LightningIndexer", "MLAttention", "segment_mask"]
 
 
 MLA_NORM_EPS = 1e-6
@@ -33,6 +33,11 @@ and Hugging Face's build them with the default 1e-6 whatever ``rms_norm_eps`` is
 INDEXER_QUERY_BLOCK = 256
 """Queries the lightning indexer's reference scores at a time (rows whose length it divides; else
 the whole row): its float32 [B, Tb, Hi, S] logits stay a block's, not the row's T x S."""
+
+INDEXER_LOSS_BLOCK = 64
+"""Queries the indexer's KL loss (:meth:`LightningIndexer.kl_loss`) takes at a time: the sparse
+stage gathers each block's selected keys, [B, Tb, k, C + R] (151 MiB a row at DeepSeek-V3.2's
+k = 2,048 and 64 queries), so its blocks are smaller than the selection's."""
 
 INDEXER_NORM_EPS = 1e-6
 """Epsilon of the lightning indexer's key LayerNorm (transformers' ``DeepseekV32Indexer.k_norm``)."""
@@ -179,14 +184,15 @@ class LightningIndexer(nnx.Module):
         and shared keys ``attn_k_bsf`` [B, S, F] (F = C + R) at ``scale``; it is a target: no
         gradient. ``I_t`` are the indexer's scores of the same keys from a detached ``x_btd`` and
         ``q_lat_btq`` (:meth:`top_keys`' arguments), so the gradient reaches the indexer's
-        parameters only. Computed in blocks of :data:`INDEXER_QUERY_BLOCK` queries, each under
+        parameters only. Computed in blocks of :data:`INDEXER_LOSS_BLOCK` queries, each under
         ``jax.checkpoint``: float32 temporaries [B, Tb, H, S] (dense) or [B, Tb, k, F] (sparse) a
         block, recomputed in the backward pass (the reference; no kernel). Returns float32 [], nats.
         """
         sg = jax.lax.stop_gradient
         x_btd, q_lat_btq, attn_q_bthf, attn_k_bsf = (sg(a) for a in (x_btd, q_lat_btq, attn_q_bthf, attn_k_bsf))
         b, t, _ = x_btd.shape
-        k_i = self.keys(x_btd, rope)  # [B, S, Di]: the same keys as the selection's, now differentiated
+        # [B, S, Di]: the same keys as the selection's, now differentiated, in the queries' dtype before any gather
+        k_i = self.keys(x_btd, rope).astype(self.dtype)
         q_i, w = self._queries(x_btd, q_lat_btq, rope)
         gather = jax.vmap(lambda a, i: a[i])  # [B, S, F], [B, Tb, k] -> [B, Tb, k, F]
 
@@ -216,15 +222,17 @@ class LightningIndexer(nnx.Module):
                 return kl(logits, self._scores(q_i, w, gather(k_i, safe), "btsd"), idx >= 0, qm)
 
             parts = (q_i, w, attn_q_bthf, idx_btk, query_mask_bt)
-        return jnp.sum(_by_query_blocks(jax.checkpoint(block), parts, per_row=False))
+        return jnp.sum(_by_query_blocks(jax.checkpoint(block), parts, per_row=False, size=INDEXER_LOSS_BLOCK))
 
 
-def _by_query_blocks(fn, args: tuple, per_row: bool = True) -> jax.Array:
-    """``fn`` over blocks of :data:`INDEXER_QUERY_BLOCK` queries (``jax.lax.map``; the whole row
-    when that does not divide T) of ``args``, arrays [B, T, ...]: with ``per_row`` its [B, Tb, ...]
-    results joined back to [B, T, ...], else its per-block results stacked [T / Tb, ...]."""
+def _by_query_blocks(fn, args: tuple, per_row: bool = True, size: int | None = None) -> jax.Array:
+    """``fn`` over blocks of ``size`` (default :data:`INDEXER_QUERY_BLOCK`) queries
+    (``jax.lax.map``; the whole row when that does not divide T) of ``args``, arrays [B, T, ...]:
+    with ``per_row`` its [B, Tb, ...] results joined back to [B, T, ...], else its per-block
+    results stacked [T / Tb, ...]."""
     b, t = args[0].shape[:2]
-    tb = INDEXER_QUERY_BLOCK if t % INDEXER_QUERY_BLOCK == 0 else t
+    size = INDEXER_QUERY_BLOCK if size is None else size
+    tb = size if t % size == 0 else t
     split = lambda a: jnp.moveaxis(a.reshape(b, t // tb, tb, *a.shape[2:]), 1, 0)  # noqa: E731
     out = jax.lax.map(fn, tuple(split(a) for a in args))
     return jnp.moveaxis(out, 0, 1).reshape(b, t, *out.shape[3:]) if per_row else out
@@ -313,17 +321,18 @@ class MLAttention(nnx.Module):
         k = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1).astype(self.dtype)
         return q, k, w
 
-    def _sparse_attention(self, q_nope, q_rope, c_kv, k_rope, idx_btk):
+    def _sparse_attention(self, absorbed, c_kv, idx_btk):
         """DSA's attention over the selected keys in MLA's absorbed form
         (:func:`moefast.kernels.sparse_attention.sparse_attention`: the Pallas kernels when
         compiling for GPUs, the gather reference elsewhere): each head's query [q^C W_UK, q^R]
         [B, T, H, C + R] against one key [c^KV, k^R] and one value c^KV a token, the latent output
         up-projected by W_UV (DeepSeek-V2 sec. 2.1.2's absorption, as the decode path does). The
         same function as the masked reference up to rounding. Returns ``o_proj``'s output [B, T, D]
-        and each head's largest logit over the selected keys, float32 [H] (not differentiated)."""
-        b, t, h, n = q_nope.shape
-        hv = self.v_head_dim
-        q, k, w = self._absorbed(q_nope, q_rope, c_kv, k_rope)
+        and each head's largest logit over the selected keys, float32 [H] (not differentiated).
+        ``absorbed``: :meth:`_absorbed`'s queries, keys and ``kv_b_proj``."""
+        q, k, w = absorbed
+        b, t, h, _ = q.shape
+        n, hv = self.nope, self.v_head_dim
         # each device on its own rows: a Pallas call has no partitioning rule, and left to the
         # partitioner every device would gather the whole batch around it
         o_lat, max_bth = on_own_rows(lambda *a: sparse_attention(*a, scale=self.scale, return_max=True), q, k,
@@ -370,8 +379,9 @@ class MLAttention(nnx.Module):
                 index_k = jax.lax.dynamic_update_slice_in_dim(cache["index_k"], index_k.astype(cache["index_k"].dtype),
                                                               cache_index, axis=1)
             learn = record_max and cache is None and self.indexer_stage != "none"
-            if learn:
-                q_abs, k_abs, _ = self._absorbed(q_nope, q_rope, c_kv, k_rope)
+            absorbed = self._absorbed(q_nope, q_rope, c_kv, k_rope) if cache is None and (fused or learn) else None
+            if learn:  # one absorbed query and key for the kernel and the loss
+                q_abs, k_abs, _ = absorbed
                 query_mask = jnp.ones((b, t), bool) if token_mask is None else token_mask
                 kl = functools.partial(self.indexer.kl_loss, x_btd, q_lat, rope, q_abs, k_abs, self.scale, query_mask)
             if self.indexer_stage == "dense_warmup":  # dense attention; the indexer learns it over every visible key
@@ -380,7 +390,7 @@ class MLAttention(nnx.Module):
                 idx = self.indexer.top_keys(x_btd, q_lat, rope, index_k, visible)
                 indexer_kl = kl(idx_btk=idx) if learn else None
                 if cache is None and fused:  # training with the fused kernels: MLA's absorbed form over the selection
-                    out, max_h = self._sparse_attention(q_nope, q_rope, c_kv, k_rope, idx)
+                    out, max_h = self._sparse_attention(absorbed, c_kv, idx)
                     return _with_records((out, None), max_h, indexer_kl) if record_max else (out, None)
                 mask_b1ts = self.indexer.select(idx, visible)[:, None]
         if cache is None and kv_prefix is None and context_size() > 1 and not isinstance(mask_b1ts, tuple) \

@@ -423,15 +423,15 @@ class Checkpointer:
     def _optimizer_target(self, abstract_state: dict[str, Any], cfg: ExperimentConfig, step: int,
                           saved: dict[str, Any], opt_state_of) -> dict[str, Any]:
         """The restore target: ``abstract_state``, or with ``opt_state_of`` its optimizer state as
-        the checkpoint's config holds it. Refuses a change of ``train.optimizer``, or into or out of
-        ``train.indexer_stage="dense_warmup"``, without it."""
+        the checkpoint's config holds it. Refuses a change of ``train.optimizer`` or of
+        ``train.indexer_stage`` without it."""
         was = (saved.get("train") or {}).get("optimizer", "adamw")
         if opt_state_of is None:
             stage = (saved.get("train") or {}).get("indexer_stage", "none")
-            if "dense_warmup" in (stage, cfg.train.indexer_stage) and stage != cfg.train.indexer_stage:
+            if stage != cfg.train.indexer_stage:  # other parameters train, or the indexers' moments would go on moving them
                 raise CheckpointError(
                     f"checkpoint {self._step_dir(step)} was trained with train.indexer_stage={stage}, this run asks "
-                    f"for {cfg.train.indexer_stage}: they train other parameters, so the optimizer state does not "
+                    f"for {cfg.train.indexer_stage}: the stages train other parameters, so the optimizer state does not "
                     "carry over. Run again with --reset-optimizer (Trainer(..., reset_optimizer=True)): the weights "
                     f"kept, a fresh optimizer state; or keep train.indexer_stage={stage}")
             if was != cfg.train.optimizer:

@@ -197,6 +197,10 @@ def config_warnings(cfg: ExperimentConfig) -> list[str]:
                    "Muon's updates have an RMS of about 1/sqrt(max(m, n)) of AdamW's and want a rate of about 0.02 "
                    "(Keller Jordan's); train.muon_scale=moonlight takes AdamW's rate as it is")
     m = cfg.model
+    if m.index_topk is not None and m.index_topk >= cfg.data.seq_len:
+        out.append(f"model.index_topk={m.index_topk} >= data.seq_len={cfg.data.seq_len}: every query keeps every key "
+                   "it may see, so the sparse attention is dense attention (and the indexer's sparse-stage KL is its "
+                   "dense one); lower model.index_topk below the row length for sparse attention")
     if m.linear_attention_kind != "gated_deltanet" and "linear_attention" not in (m.layer_types or ()):
         out.append(f"model.linear_attention_kind={m.linear_attention_kind} has no effect: no layer is linear_attention "
                    "(model.layer_types); list the linear layers there")

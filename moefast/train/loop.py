@@ -479,7 +479,12 @@ class Trainer:
                   f"{jax.device_count()} {jax.devices()[0].platform} device(s) | compilation cache "
                   f"{self.compile_cache_dir or 'off'} | host malloc {self.host_malloc}")
         if not cfg.lora.enabled:
-            self._log(optimizer.summary(cfg, self.model_def.abstract_params))
+            self._log(optimizer.summary(cfg, self.model_def.split(self.model_def.abstract_params)[0]))
+            if cfg.train.indexer_stage != "none":
+                self._log(f"indexer_stage: {cfg.train.indexer_stage}: " + (
+                    "dense attention; only the lightning indexers train (their KL to it), the rest frozen"
+                    if cfg.train.indexer_stage == "dense_warmup" else
+                    "sparse attention; everything trains, each indexer by its KL over its selected keys"))
         else:
             self._log(lora.summary(cfg.lora, self.model_def.split(lora.sizes(self.model_def.abstract_params))))
         for warning in config_warnings(cfg) + self.corpus.warnings(cfg.data):

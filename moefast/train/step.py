@@ -488,13 +488,15 @@ def with_schedule_count(opt_state, count: jax.Array):
 def update_routing_state(cfg: ExperimentConfig, routing_state: dict[str, jax.Array], moe) -> dict[str, jax.Array]:
     """After a step, outside the optimizer: ``load_ema <- d * load_ema + (1 - d) * share`` (share of
     assignments per expert) and, for aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2),
-    ``bias <- bias + rate * sign(mean_load - load)``.
+    ``bias <- bias + rate * sign(mean_load - load)``; unchanged with ``lora.routing=frozen`` and in
+    DSA's dense warm-up (``train.indexer_stage``).
 
     Args:
       routing_state: ``{"bias", "load_ema"}`` float32 [L_moe, E] (empty without MoE layers).
       moe: this step's :class:`~moefast.model.MoEStats` stacked over MoE layers (or ``None``).
     """
-    if not routing_state or moe is None or (cfg.lora.enabled and cfg.lora.routing == "frozen"):
+    if not routing_state or moe is None or (cfg.lora.enabled and cfg.lora.routing == "frozen") \
+            or cfg.train.indexer_stage == "dense_warmup":  # the warm-up moves the indexers only
         return routing_state
     load = moe.tokens_per_expert.astype(jnp.float32)  # [L_moe, E]
     share = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)

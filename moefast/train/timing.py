@@ -143,7 +143,7 @@ class StepBook:
         drop = float(np.mean(m["dropped_fraction"])) if "dropped_fraction" in m else 0.0
         load = f" | max/mean load {float(np.max(rec['max_load_ratio'])):.2f}" if "max_load_ratio" in rec else ""
         mtp = f" | mtp {rec['mtp_loss']:.3f}" if "mtp_loss" in rec else ""  # model.mtp_depth > 0
-        mtp += f" | indexer {rec['indexer_loss']:.3f}" if "indexer_loss" in rec else ""  # train.indexer_stage
+        mtp += f" | indexer {rec['indexer_loss']:.3g}" if "indexer_loss" in rec else ""  # train.indexer_stage
         logit = f" | attn logit {rec['max_logit']:.3g}" if "max_logit" in rec else ""
         self.say(f"step {step:>6} | loss {rec['loss']:.4f}{mtp} | aux {rec['aux_loss']:.4f} | "
                  f"z {rec['z_loss']:.3f} | dropped {drop:.3f}{load}{logit} | lr {rec['learning_rate']:.2e} | "

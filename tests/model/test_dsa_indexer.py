@@ -135,8 +135,10 @@ def test_dense_warmup_moves_only_the_indexers_and_lowers_their_kl():
     from tests.model.test_mla import _packed_batch
 
     batch = jax.tree.map(jnp.asarray, _packed_batch())
-    md = ModelDef(load_config(None, [*DSA_MODEL, "train.indexer_stage=dense_warmup"]), 259)
+    md = ModelDef(load_config(None, [*DSA_MODEL, "train.indexer_stage=dense_warmup", "moe.aux_free_bias_rate=0.01"]),
+                  259)
     state = md.init_state(0)
+    routing = state["routing"]
     moments = jax.tree_util.tree_leaves_with_path(state["opt_state"][1][0].mu)
     assert moments and all("indexer" in jax.tree_util.keystr(path) for path, _ in moments)
     step = jax.jit(lambda s: train_step(md, s, batch, jax.random.key(0)))
@@ -145,6 +147,8 @@ def test_dense_warmup_moves_only_the_indexers_and_lowers_their_kl():
         state, metrics = step(state)
         losses.append(float(metrics["indexer_loss"]))
     assert metrics["indexer_loss_per_layer"].shape == (2,)
+    for a, b in zip(jax.tree.leaves(state["routing"]), jax.tree.leaves(routing)):  # the selection bias too
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert losses[-1] < 0.8 * losses[0], losses
     flat = lambda p: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(p)}  # noqa: E731
     for name, old in flat(before).items():
@@ -168,7 +172,12 @@ def test_dense_warmup_moves_only_the_indexers_and_lowers_their_kl():
             np.testing.assert_array_equal(np.asarray(sparse[name]), np.asarray(g), err_msg=name)
 
 
-def test_indexer_stage_config_errors():
+def test_indexer_stage_config_errors_and_warnings():
+    from moefast.train.checks import config_warnings
+
+    assert any("every query keeps every key" in w for w in
+               config_warnings(load_config(None, [*DSA_MODEL, "model.index_topk=32"])))
+    assert not any("index_topk" in w for w in config_warnings(load_config(None, DSA_MODEL)))
     with pytest.raises(ConfigError, match="train.indexer_stage.*model.index_topk is null"):
         load_config(None, ["train.indexer_stage=sparse"])
     with pytest.raises(ConfigError, match="train.indexer_stage.*with lora"):

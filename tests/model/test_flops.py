@@ -143,3 +143,12 @@ def test_sparse_attention_counts_the_selected_keys_and_the_indexer():
         got = model_flops_per_token(sparse, BYTE_VOCAB) - 6 * n_index
         want = model_flops_per_token(dense, BYTE_VOCAB) + 2 * per_layer * (min(t, 64) - t) + 2 * 2 * 4 * 16 * t
         assert got == pytest.approx(want), (t, got, want)
+    # the stages' KL: target logits 2 H Hd_qk and the indexer's scores forward + backward, per covered key
+    t, kl = 256, 2 * 4 * 48 + 3 * 2 * 4 * 16
+    base = model_flops_per_token(load_config(None, [*dsa, f"data.seq_len={t}"]), BYTE_VOCAB)
+    sparse = model_flops_per_token(load_config(None, [*dsa, f"data.seq_len={t}", "train.indexer_stage=sparse"]),
+                                   BYTE_VOCAB)
+    assert sparse - base == pytest.approx(2 * kl * 64)
+    warm = load_config(None, [*dsa, f"data.seq_len={t}", "train.indexer_stage=dense_warmup"])
+    n = param_counts(warm, BYTE_VOCAB).active
+    assert model_flops_per_token(warm, BYTE_VOCAB) == pytest.approx(2 * n + 2 * (2 * 4 * 80 * t + kl * t))
