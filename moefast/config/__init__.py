@@ -122,6 +122,10 @@ class ExperimentConfig:
                  f"{c} cuts each row into pieces of data.seq_len / {2 * c} = {self.data.seq_len // (2 * c)} tokens, "
                  f"fewer than the linear-attention convolution's {w - 1} earlier taps "
                  f"(model.linear_conv_kernel_dim={w}); raise data.seq_len or lower mesh.context")
+        _require(c == 1 or self.model.linear_attention_kind != "mamba2"
+                 or "linear_attention" not in (self.model.layer_types or ()), "mesh.context",
+                 f"{c} with Mamba-2 layers (model.linear_attention_kind=mamba2): passing their state along the "
+                 "context axis is not built yet (Gated DeltaNet and KDA's is); use mesh.context=1")
         _require(c == 1 or self.model.index_topk is None, "mesh.context",
                  f"{c} with sparse MLA (model.index_topk={self.model.index_topk}): the lightning indexer would have "
                  "to score keys held on other devices, which moefast does not do yet; use mesh.context=1")

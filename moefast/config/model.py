@@ -193,7 +193,17 @@ class ModelConfig:
         Kimi Linear, arXiv 2510.26692; :mod:`moefast.model.kda`), whose heads are
         ``linear_num_value_heads`` of ``linear_value_head_dim`` (keys and values alike: the key
         heads and width must equal them). KDA runs through the same ``linear_attention_impl``
-        (its Pallas kernels take the per-channel decay).
+        (its Pallas kernels take the per-channel decay). Or ``"mamba2"``: Mamba-2's state-space
+        mixer (Nemotron-H / Nemotron 3; arXiv 2405.21060; :mod:`moefast.model.mamba2`), its heads
+        ``linear_num_value_heads`` of ``linear_value_head_dim`` (HF ``mamba_num_heads``,
+        ``mamba_head_dim``), its B and C shared by ``linear_num_key_heads`` groups (``n_groups``)
+        of ``linear_key_head_dim`` state channels (``ssm_state_size``), its conv
+        ``linear_conv_kernel_dim`` wide with a bias; ``linear_attention_impl`` picks its SSD scan
+        (:mod:`moefast.kernels.mamba2`: ``"chunked"`` is the block decomposition in 128-token
+        chunks, ``"pallas"`` the kernels in 64-token chunks). Not on a ``mesh.context`` axis.
+      time_step_min: Mamba-2's floor on its time steps: ``dt = max(softplus(dt + dt_bias),
+        time_step_min)`` (HF ``time_step_min``: transformers' Nemotron-H clamps at it). Only
+        ``linear_attention_kind=mamba2`` reads it.
       attention_output_gate: full-attention layers gate their output per feature with
         ``sigmoid(x W_gate)`` before the output projection (Qwen3-Next / Qwen3.5's ``q_proj``,
         twice as wide, holds the gate).
@@ -287,7 +297,8 @@ class ModelConfig:
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     linear_attention_impl: Literal["auto", "reference", "chunked", "pallas"] = "auto"
-    linear_attention_kind: Literal["gated_deltanet", "kda"] = "gated_deltanet"
+    linear_attention_kind: Literal["gated_deltanet", "kda", "mamba2"] = "gated_deltanet"
+    time_step_min: float = 0.001
     attention_output_gate: bool = False
     zero_centered_norm: bool = False
     global_head_dim: int | None = None
@@ -371,6 +382,7 @@ class ModelConfig:
                      f"kda layers have as many key as value heads, of one width (keys, queries and values alike); "
                      f"set model.linear_num_key_heads={self.linear_num_value_heads} and "
                      f"model.linear_key_head_dim={self.linear_value_head_dim} (or change the value side)")
+        _require(self.time_step_min >= 0, "model.time_step_min", f"must be >= 0, got {self.time_step_min}")
         _require(self.linear_num_value_heads % self.linear_num_key_heads == 0, "model.linear_num_value_heads",
                  f"must be a multiple of model.linear_num_key_heads={self.linear_num_key_heads} (each key head "
                  f"serves the same number of value heads), got {self.linear_num_value_heads}")

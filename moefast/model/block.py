@@ -17,6 +17,7 @@ from moefast.config import ExperimentConfig
 from moefast.model.attention import Attention
 from moefast.model.gated_deltanet import GatedDeltaNet
 from moefast.model.kda import KimiDeltaAttention
+from moefast.model.mamba2 import Mamba2
 from moefast.model.kv_cache import _DTYPES
 from moefast.model.mla import MLAttention
 from moefast.model.moe import MoELayer
@@ -75,7 +76,13 @@ class Block(nnx.Module):
         zc = m.zero_centered_norm
         self.attn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
         self.linear = m.layer_type(layer) == "linear_attention"
-        if self.linear and m.linear_attention_kind == "kda":
+        if self.linear and m.linear_attention_kind == "mamba2":
+            self.attn = Mamba2(m.d_model, num_heads=m.linear_num_value_heads, head_dim=m.linear_value_head_dim,
+                               num_groups=m.linear_num_key_heads, state_size=m.linear_key_head_dim,
+                               conv_width=m.linear_conv_kernel_dim, time_step_min=m.time_step_min, dtype=dtype,
+                               init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
+                               impl=m.linear_attention_impl, rngs=rngs)
+        elif self.linear and m.linear_attention_kind == "kda":
             self.attn = KimiDeltaAttention(m.d_model, num_heads=m.linear_num_value_heads,
                                            head_dim=m.linear_value_head_dim, conv_width=m.linear_conv_kernel_dim,
                                            dtype=dtype, init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,

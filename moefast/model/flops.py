@@ -160,9 +160,13 @@ def _gqa_params(m, layer: int) -> int:
 
 def _linear_params(m) -> tuple[int, int]:
     """(weights a token multiplies by: projections and conv taps; other parameters: A_log, dt_bias,
-    the output norm) of one Gated DeltaNet block, or of one KDA block (``linear_attention_kind``)."""
+    the output norm) of one Gated DeltaNet block, or of one KDA or Mamba-2 block
+    (``linear_attention_kind``)."""
     c = 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim
     hv, vd = m.linear_num_value_heads, m.linear_value_head_dim
+    if m.linear_attention_kind == "mamba2":  # in_proj (z | xBC | dt), conv taps, out; conv bias, dt_bias, A_log, D, norm
+        weights = m.d_model * (hv * vd + c + hv) + m.linear_conv_kernel_dim * c + hv * vd * m.d_model
+        return weights, c + 3 * hv + hv * vd
     if m.linear_attention_kind == "kda":  # qkv, conv, b, the forget and output gates' factors, out
         hk = hv * vd
         weights = m.d_model * (c + hv + 2 * vd + hk) + 2 * vd * hk + m.linear_conv_kernel_dim * c
@@ -175,7 +179,13 @@ DELTA_RULE_CHUNK = 64  # the chunk of the gated delta rule's chunked form, for i
 
 
 def _delta_rule_flops(m) -> int:
-    """Forward FLOPs per token of one Gated DeltaNet layer's recurrence (module docstring)."""
+    """Forward FLOPs per token of one Gated DeltaNet layer's recurrence (module docstring); of a
+    Mamba-2 layer's SSD scan in 128-token chunks Q: ``2 (G Q N + H Q P + 2 H P N)`` (the chunk's
+    C B^T, its weighted inputs, the states in and out: :func:`moefast.kernels.mamba2.ssd_flops`)."""
+    if m.linear_attention_kind == "mamba2":
+        g, n, h, p, q = m.linear_num_key_heads, m.linear_key_head_dim, m.linear_num_value_heads, \
+            m.linear_value_head_dim, 128
+        return 2 * (g * q * n + h * q * p + 2 * h * p * n)
     k, v, c = m.linear_key_head_dim, m.linear_value_head_dim, DELTA_RULE_CHUNK
     return m.linear_num_value_heads * (6 * k * v + c * (5 * k + 3 * v))
 

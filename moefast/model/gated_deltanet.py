@@ -57,10 +57,12 @@ def init_state(model_cfg, batch: int, dtype) -> dict[str, jax.Array]:
 
 def causal_conv(x_btc: jax.Array, w_wc: jax.Array, prev_bwc: jax.Array | None,
                 segment_ids_bt: jax.Array | None,
-                prev_segment_ids_bw: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                prev_segment_ids_bw: jax.Array | None = None, bias_c: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal convolution over tokens, then SiLU, never across a document start.
 
-    ``out[t, c] = silu(sum_i w[i, c] * x[t - (W - 1) + i, c])``, the taps before the row's start
+    ``out[t, c] = silu(sum_i w[i, c] * x[t - (W - 1) + i, c] + bias[c])`` (no bias: 0; Mamba-2 has
+    one), the taps before the row's start
     taken from ``prev`` (the cache) or zero, and taps in another document (``segment_ids``) zero.
 
     Args:
@@ -92,22 +94,26 @@ def causal_conv(x_btc: jax.Array, w_wc: jax.Array, prev_bwc: jax.Array | None,
         if segment_ids_bt is not None and lag:
             xi = jnp.where((ext_ids[:, i: i + t] == segment_ids_bt)[..., None], xi, 0.0)
         acc = acc + xi * w_wc[i].astype(jnp.float32)[None, None]
+    if bias_c is not None:
+        acc = acc + bias_c.astype(jnp.float32)[None, None]
     return jax.nn.silu(acc).astype(x_btc.dtype), ext[:, t:]
 
 
 def short_conv(x_btc: jax.Array, w_wc: jax.Array, cache: dict | None,
-               segment_ids_bt: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+               segment_ids_bt: jax.Array | None, bias_c: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """A linear-attention layer's :func:`causal_conv`: continuing ``cache["conv"]`` (generation),
     or over training's rows, split along a ``context`` axis or not (with one: each device's pieces
-    continuing their predecessors', :func:`~moefast.parallel.linear_context.context_causal_conv`).
+    continuing their predecessors', :func:`~moefast.parallel.linear_context.context_causal_conv`);
+    ``bias_c`` [C]: :func:`causal_conv`'s.
     Returns ``(out [B, T, C], the last W-1 inputs [B, W-1, C], or None on a context axis)``."""
+    conv = causal_conv if bias_c is None else functools.partial(causal_conv, bias_c=bias_c)
     if cache is not None:
-        return causal_conv(x_btc, w_wc, cache["conv"], None)
+        return conv(x_btc, w_wc, cache["conv"], None)
     if context_size() > 1:
         b, t = x_btc.shape[:2]
         seg = jnp.ones((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt
-        return context_causal_conv(causal_conv, x_btc, w_wc, seg), None
-    return causal_conv(x_btc, w_wc, None, segment_ids_bt)
+        return context_causal_conv(conv, x_btc, w_wc, seg), None
+    return conv(x_btc, w_wc, None, segment_ids_bt)
 
 
 def delta_rule(impl: str, q, k, v, g, beta, segment_ids_bt: jax.Array | None, cache: dict | None, *,

@@ -68,6 +68,8 @@ PARAM_KINDS: dict[str, dict[str, str]] = {
     "KimiDeltaAttention": {"qkv": _MATRIX, "b": _MATRIX, "f_a": _MATRIX, "f_b": _MATRIX, "g_a": _MATRIX,
                            "g_b": _MATRIX, "out": _MATRIX,
                            "conv": _ADAMW, "A_log": _ADAMW, "dt_bias": _ADAMW, "norm": _ADAMW},
+    "Mamba2": {"in_proj": _MATRIX, "out": _MATRIX,
+               "conv": _ADAMW, "conv_bias": _ADAMW, "A_log": _ADAMW, "D": _ADAMW, "dt_bias": _ADAMW, "norm": _ADAMW},
     "DenseMLP": {"w_in": _MATRIX, "w_out": _MATRIX},
     "MoELayer": {"w_in": _EXPERTS, "w_out": _EXPERTS, "shared_w_in": _MATRIX, "shared_w_out": _MATRIX,
                  "router": _ADAMW, "router_bias": _ADAMW, "router_scale": _ADAMW, "expert_scale": _ADAMW,
