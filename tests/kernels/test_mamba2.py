@@ -26,6 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.kernels.recurrence_helpers import (FWD_TOL, GRAD_TOL, assert_close, packed_row_segments,  # noqa: F401
+                                             run, with_vjp)
+from tests.kernels.recurrence_helpers import assert_close_grads as _assert_close_grads
 from moefast.kernels.mamba2 import (BACKWARD_NAME, FORWARD_NAME, IMPLS, STATES_NAME, resolve, ssd, ssd_chunked,
                                     ssd_flops, ssd_pallas, ssd_reference)
 from moefast.kernels.mamba2.chunked import chunked_core
@@ -33,9 +36,11 @@ from moefast.kernels.mamba2.pallas_bwd import ssd_bwd_blocks
 from moefast.kernels.mamba2.reference import run_ids
 
 # Float32 math everywhere; the forms differ only in summation order (and exp(sum) vs prod(exp)).
-FWD_TOL = dict(rtol=1e-5, atol=1e-5)
-GRAD_TOL = dict(rtol=1e-4, atol=2e-5)  # atol relative to max |grad|
 NAMES = ("x", "dt", "A", "B", "C", "initial_state")
+
+
+def assert_close_grads(got, want, names=NAMES):
+    _assert_close_grads(got, want, names)
 
 
 def make_inputs(b=2, t=37, h=4, p=8, g=2, n=16, seed=0, dtype=jnp.float32):
@@ -73,30 +78,10 @@ def numpy_recurrence(x, dt, A, B, C, segment_ids=None, initial_state=None):
     return y, final
 
 
-def assert_close(got, want, tol=FWD_TOL, err_msg=""):
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=err_msg, **tol)
 
 
-def assert_close_grads(got, want, names=NAMES):
-    for name, a, e in zip(names, got, want):
-        a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
-        assert a.shape == e.shape, name
-        np.testing.assert_allclose(a, e, rtol=GRAD_TOL["rtol"], atol=GRAD_TOL["atol"] * max(1.0, np.abs(e).max()),
-                                   err_msg=f"d/d{name}")
 
 
-def packed_row_segments(t):
-    """Two rows of packed documents for T = 70 and chunks of 16: row 0 holds four documents
-    (ids 3, 7, 3, 9: a repeated id still starts a new document) starting at 0, 16 (a chunk edge),
-    41 and 45 (inside one chunk: a 4-token document), row 1 two documents starting at 0 and 33."""
-    assert t == 70
-    starts = [[0, 16, 41, 45], [0, 33]]
-    ids = [[3, 7, 3, 9], [1, 2]]
-    seg = np.zeros((2, t), np.int32)
-    for r in range(2):
-        for s, e, i in zip(starts[r], starts[r][1:] + [t], ids[r]):
-            seg[r, s:e] = i
-    return starts, seg
 
 
 def documents_alone(inputs, s0, starts, t):
@@ -118,18 +103,8 @@ def documents_alone(inputs, s0, starts, t):
     return (x1, dt1, A, b1, c1), jnp.stack(state), where
 
 
-def run(fn, *args):
-    return jax.jit(fn)(*args)
 
 
-def with_vjp(fn, seed=3):
-    """``args -> ((y, final_state), grads of <(y, final_state), random cotangents> w.r.t. args)``."""
-    def f(*args):
-        out, vjp = jax.vjp(fn, *args)
-        rng = np.random.default_rng(seed)
-        cot = tuple(jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in out)
-        return out, vjp(cot)
-    return f
 
 
 def bound(fn, seg=None, **kw):
