@@ -31,8 +31,8 @@ and Hugging Face's build them with the default 1e-6 whatever ``rms_norm_eps`` is
 
 
 INDEXER_QUERY_BLOCK = 256
-"""Queries the lightning indexer's reference scores at a time (rows whose length it divides; else
-the whole row): its float32 [B, Tb, Hi, S] logits stay a block's, not the row's T x S."""
+"""Queries the lightning indexer scores at a time (rows whose length it divides; else the whole
+row): float32 [B, Tb, S] scores a block (the reference's [B, Tb, Hi, S] logits), never the row's T x S."""
 
 INDEXER_LOSS_BLOCK = 64
 """Queries the indexer's KL loss (:meth:`LightningIndexer.kl_loss`) takes at a time: the sparse
@@ -379,8 +379,10 @@ class MLAttention(nnx.Module):
                 index_k = jax.lax.dynamic_update_slice_in_dim(cache["index_k"], index_k.astype(cache["index_k"].dtype),
                                                               cache_index, axis=1)
             learn = record_max and cache is None and self.indexer_stage != "none"
+            # one absorbed query and key for the kernel and the loss: the 671B step at 4k rows fits with
+            # 0.23 GiB less than with two; at 32k rows it holds 20 GiB more (docs/perf.md, "DeepSeek Sparse Attention")
             absorbed = self._absorbed(q_nope, q_rope, c_kv, k_rope) if cache is None and (fused or learn) else None
-            if learn:  # one absorbed query and key for the kernel and the loss
+            if learn:
                 q_abs, k_abs, _ = absorbed
                 query_mask = jnp.ones((b, t), bool) if token_mask is None else token_mask
                 kl = functools.partial(self.indexer.kl_loss, x_btd, q_lat, rope, q_abs, k_abs, self.scale, query_mask)
