@@ -129,9 +129,13 @@ def ssd_flops(b: int, t: int, h: int, p: int, g: int, n: int, chunk_size: int = 
     executed FLOPs exceed this by 2·B·Tp·(H·Pp/Pb - G)·Q·N.
 
     Args:
-      b, t, h, p, g, n: batch, tokens, heads, head dim, groups, state size (positive ints; g
-        divides h).
-      chunk_size: Q, tokens per chunk (positive int).
+      b: batch (a positive int, as every size here).
+      t: tokens.
+      h: heads.
+      p: head dim.
+      g: groups (dividing h).
+      n: state size.
+      chunk_size: Q, tokens per chunk.
 
     Returns:
       The FLOPs (an int).
