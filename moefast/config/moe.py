@@ -139,7 +139,9 @@ class MoEConfig:
         GeGLU ``gelu(gate) * up`` with the tanh approximation of GELU (Shazeer 2020; Hendrycks and
         Gimpel 2016, sec. 2; Gemma 4's ``gelu_pytorch_tanh``); ``"clamped_swiglu"``, gpt-oss's
         ``(clip(up, -L, L) + 1) * g * sigmoid(1.702 g)`` with ``g = min(gate, L)``, L =
-        ``swiglu_limit`` (Hugging Face ``GptOssExperts``). Dense layers stay SwiGLU.
+        ``swiglu_limit`` (Hugging Face ``GptOssExperts``); or ``"relu2"``, not gated: ``relu(h)²``
+        of one up projection (Nemotron-H's ``relu2``; So et al. 2021, "Primer", sec. 3), so
+        ``w_in`` is [E, D, F] (and the shared expert's [D, F]). Dense layers stay SwiGLU.
       swiglu_limit: L of ``"clamped_swiglu"`` (HF ``swiglu_limit``; gpt-oss: 7).
       expert_bias: the routed experts' projections have biases, ``b_in`` [E, 2F] and ``b_out``
         [E, D] (gpt-oss's ``gate_up_proj_bias``, ``down_proj_bias``).
@@ -189,7 +191,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     shared_expert_d_ff: int = 0
     shared_expert_gate: bool = True
-    expert_activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"
+    expert_activation: Literal["silu", "gelu_tanh", "clamped_swiglu", "relu2"] = "silu"
     swiglu_limit: float = 7.0
     expert_bias: bool = False
     router_bias: bool = False
@@ -199,6 +201,12 @@ class MoEConfig:
     @property
     def dropless(self) -> bool:
         return self.capacity_factor == 0
+
+    @property
+    def gated(self) -> bool:
+        """Whether the experts' input projection is a fused gate | up pair (2F wide), not a single
+        up projection (``expert_activation="relu2"``)."""
+        return self.expert_activation != "relu2"
 
     def __post_init__(self):
         _check_choices(self, "moe")

@@ -32,7 +32,8 @@ class MoELayer(nnx.Module):
     :mod:`moefast.kernels.routing`) and never the shared expert.
 
     Parameters (float32, logical axes in brackets): ``router`` [D, E] (embed, router), ``w_in``
-    [E, D, 2F] (expert, embed, mlp) — gate and up projections fused, gate first — and ``w_out``
+    [E, D, 2F] (expert, embed, mlp) — gate and up projections fused, gate first; [E, D, F], the up
+    projection alone, with ``moe.expert_activation=relu2``, as the shared expert's — and ``w_out``
     [E, F, D] (expert, mlp, embed). With ``moe.shared_expert_d_ff`` = Fs > 0 also ``shared_w_in``
     [D, 2Fs] (embed, mlp), ``shared_w_out`` [Fs, D] (mlp, embed) and, with
     ``moe.shared_expert_gate``, ``shared_gate`` [D, 1] (embed, None). With ``moe.router_bias``:
@@ -71,16 +72,17 @@ class MoELayer(nnx.Module):
         init = jax.nn.initializers.normal(init_std)
         out_init = jax.nn.initializers.normal(out_std or init_std)
         self.router = nnx.Param(init(rngs.params(), (d_model, e)), logical_axes=("embed", "router"))
-        self.w_in = nnx.Param(init(rngs.params(), (e, d_model, 2 * d_ff)), logical_axes=("expert", "embed", "mlp"))
+        up = 2 if moe.gated else 1  # a fused gate | up, or (relu2) the up projection alone
+        self.w_in = nnx.Param(init(rngs.params(), (e, d_model, up * d_ff)), logical_axes=("expert", "embed", "mlp"))
         self.w_out = nnx.Param(out_init(rngs.params(), (e, d_ff, d_model)), logical_axes=("expert", "mlp", "embed"))
         if moe.router_bias:
             self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("router",))
         if moe.expert_bias:
-            self.b_in = nnx.Param(jnp.zeros((e, 2 * d_ff), jnp.float32), logical_axes=("expert", "mlp"))
+            self.b_in = nnx.Param(jnp.zeros((e, up * d_ff), jnp.float32), logical_axes=("expert", "mlp"))
             self.b_out = nnx.Param(jnp.zeros((e, d_model), jnp.float32), logical_axes=("expert", "embed"))
         fs = moe.shared_expert_d_ff
         if fs:
-            self.shared_w_in = nnx.Param(init(rngs.params(), (d_model, 2 * fs)), logical_axes=("embed", "mlp"))
+            self.shared_w_in = nnx.Param(init(rngs.params(), (d_model, up * fs)), logical_axes=("embed", "mlp"))
             self.shared_w_out = nnx.Param(out_init(rngs.params(), (fs, d_model)), logical_axes=("mlp", "embed"))
             if moe.shared_expert_gate:
                 self.shared_gate = nnx.Param(init(rngs.params(), (d_model, 1)), logical_axes=("embed", None))

@@ -123,7 +123,10 @@ def gated_unit(h: jax.Array, activation: str = "silu", limit: float = 7.0) -> ja
     (``moe.expert_activation``): ``"silu"``, ``silu(gate) * up`` (SwiGLU, Shazeer 2020);
     ``"gelu_tanh"``, ``gelu(gate) * up`` with GELU's tanh approximation (GeGLU, Shazeer 2020);
     ``"clamped_swiglu"``, gpt-oss's ``(clip(up, -L, L) + 1) * g * sigmoid(1.702 g)``, ``g =
-    min(gate, L)``. In ``h``'s dtype."""
+    min(gate, L)``; ``"relu2"``, not gated: ``relu(h)²`` of an up projection ``[..., F]`` itself
+    (Nemotron-H). In ``h``'s dtype."""
+    if activation == "relu2":
+        return jnp.square(jax.nn.relu(h))
     gate, up = jnp.split(h, 2, axis=-1)
     if activation == "silu":
         return jax.nn.silu(gate) * up

@@ -99,8 +99,9 @@ class MuonSpec(NamedTuple):
 
 def matrix_parts(module: nnx.Module, name: str) -> tuple[int, ...]:
     """The output widths of the matrices ``module.{name}`` stores side by side: the adapters'
-    split (:func:`moefast.model.lora.parts_of`), and the routed experts' fused gate | up as two."""
-    if type(module).__name__ == "MoELayer" and name == "w_in":
+    split (:func:`moefast.model.lora.parts_of`), and the routed experts' fused gate | up as two
+    (``relu2`` experts: one up projection)."""
+    if type(module).__name__ == "MoELayer" and name == "w_in" and module.moe.gated:
         half = getattr(module, name).shape[-1] // 2
         return (half, half)
     return lora.parts_of(module, name)

@@ -524,3 +524,35 @@ def test_gpt_oss_experts_with_biases_and_clamped_swiglu(mesh_shape, extra, devic
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="router_bias_e of shape"):
         moe_ffn(x, mask, router, (w_in, b_in), (w_out, b_out), spec)
+
+
+@pytest.mark.parametrize("mesh_shape, extra", [
+    ((8, 1, 1), dict(capacity_factor=8.0)),  # capacity buffers, one device's experts
+    ((2, 1, 4), dict(capacity_factor=0.0)),  # dropless: grouped rows, moved by the ragged exchange
+], ids=["capacity", "dropless-exchange"])
+def test_relu2_experts_are_not_gated(mesh_shape, extra, devices):
+    """moe.expert_activation=relu2 (Nemotron-H): one up projection [E, D, F], relu(h)², on the
+    capacity and the dropless expert-parallel paths: outputs and weight gradients equal a dense
+    reference (softmax over the top-k logits, nothing drops)."""
+    router, w_in, w_out = weights(5)
+    w_in = w_in[..., :F]  # the up projection alone
+    x, mask = inputs()
+    spec = MoEConfig(num_experts=E, top_k=K, min_capacity=1, expert_activation="relu2", aux_loss_coef=0.0,
+                     z_loss_coef=0.0, **extra)
+
+    def ref(w_in, w_out):
+        xt = x.reshape(-1, D)
+        top, idx = jax.lax.top_k(xt @ router, K)
+        h = jnp.square(jax.nn.relu(jnp.einsum("td,edf->tef", xt, w_in)))
+        y_te = jnp.einsum("tef,efd->ted", h, w_out)
+        y = jnp.einsum("tk,tkd->td", jax.nn.softmax(top, axis=-1), jnp.take_along_axis(y_te, idx[..., None], axis=1))
+        return jnp.where(mask.reshape(-1, 1), y, 0.0).reshape(x.shape)
+
+    ours = lambda w_in, w_out: moe_ffn(x, mask, router, w_in, w_out, spec)[0]  # noqa: E731
+    loss = lambda fn: lambda *w: jnp.sum(jnp.sin(fn(*w)))  # noqa: E731
+    want, want_g = jax.jit(ref)(w_in, w_out), jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(w_in, w_out)
+    with jax.set_mesh(mesh_of(*mesh_shape)):
+        got, got_g = jax.jit(ours)(w_in, w_out), jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(w_in, w_out)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    for a, e in zip(got_g, want_g):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-4)
