@@ -59,7 +59,7 @@ PARAMETER_KEYS = {"model": ("d_model", "num_layers", "num_heads", "num_kv_heads"
                             "zero_centered_norm", "global_head_dim", "num_global_kv_heads", "attention_k_eq_v",
                             "sandwich_norm", "layer_scalar", "index_topk", "index_n_heads", "index_head_dim"),
                   "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate", "expert_bias", "router_bias",
-                          "branch_norms", "per_expert_scale"),
+                          "branch_norms", "per_expert_scale", "expert_activation", "latent_size"),
                   "lora": ("rank", "targets", "expert_rank", "base_dtype", "train")}
 # Keys that belong to one invocation of a run, never to the run: the run dir's config.yaml does
 # not keep them, and they are ignored in one that an older moefast wrote with them

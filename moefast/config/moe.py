@@ -158,6 +158,11 @@ class MoEConfig:
       per_expert_scale: each routed expert's gates are multiplied by a learned scale of its own
         (``expert_scale`` [E], starting at 1), after ``norm_topk_prob`` (HF Gemma 4's
         ``router.per_expert_scale``); the choice does not change.
+      latent_size: the routed experts work in a latent width L < D (Nemotron 3 Super's latent MoE,
+        HF ``moe_latent_size``): ``fc1_latent_proj`` [D, L] projects each token down before the
+        exchange and ``fc2_latent_proj`` [L, D] their gated sum back up; the router and the shared
+        expert read the full width. The exchange moves L features a token instead of D. ``None``:
+        the experts work in D.
     """
 
     num_experts: int = 8
@@ -197,6 +202,7 @@ class MoEConfig:
     router_bias: bool = False
     branch_norms: bool = False
     per_expert_scale: bool = False
+    latent_size: int | None = None
 
     @property
     def dropless(self) -> bool:
@@ -210,6 +216,8 @@ class MoEConfig:
 
     def __post_init__(self):
         _check_choices(self, "moe")
+        _require(self.latent_size is None or (isinstance(self.latent_size, int) and self.latent_size >= 1),
+                 "moe.latent_size", f"must be null (the experts work in d_model) or a positive int, got {self.latent_size!r}")
         _require(self.num_experts >= 1, "moe.num_experts", f"must be >= 1, got {self.num_experts}")
         _require(1 <= self.top_k <= self.num_experts, "moe.top_k",
                  f"must be in [1, moe.num_experts={self.num_experts}], got {self.top_k}")

@@ -116,10 +116,13 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     n_dense = m.num_layers - n_moe
     up = 2 if e.gated else 1  # a fused gate | up, or (relu2) the up projection alone
-    expert = (up + 1) * d * f + ((up * f + d) if e.expert_bias else 0)
+    de = e.latent_size or d  # the experts' width (moe.latent_size)
+    expert = (up + 1) * de * f + ((up * f + de) if e.expert_bias else 0)
+    latent = 2 * d * de if e.latent_size else 0  # fc1_latent_proj, fc2_latent_proj: every token, once a layer
     router = d * e.num_experts + (e.num_experts if e.router_bias else 0) + (e.num_experts if e.per_expert_scale else 0)
     dense = 3 * d * m.dense_ff
-    shared = (up + 1) * d * e.shared_expert_d_ff + (d if e.shared_expert_d_ff and e.shared_expert_gate else 0)
+    # every token's weights in an MoE layer besides the router and its experts: the shared expert, the latent projections
+    shared = (up + 1) * d * e.shared_expert_d_ff + (d if e.shared_expert_d_ff and e.shared_expert_gate else 0) + latent
     norms_moe = 4 * d if e.branch_norms else 0  # not multiplied by a token's features: in the total only
     experts = n_moe * e.num_experts * expert
     n_full = m.num_layers - n_linear

@@ -73,13 +73,17 @@ class MoELayer(nnx.Module):
         out_init = jax.nn.initializers.normal(out_std or init_std)
         self.router = nnx.Param(init(rngs.params(), (d_model, e)), logical_axes=("embed", "router"))
         up = 2 if moe.gated else 1  # a fused gate | up, or (relu2) the up projection alone
-        self.w_in = nnx.Param(init(rngs.params(), (e, d_model, up * d_ff)), logical_axes=("expert", "embed", "mlp"))
-        self.w_out = nnx.Param(out_init(rngs.params(), (e, d_ff, d_model)), logical_axes=("expert", "mlp", "embed"))
+        de = moe.latent_size or d_model  # the width the routed experts work in
+        if moe.latent_size:  # Nemotron 3's latent MoE: down before the experts, up after
+            self.fc1_latent_proj = nnx.Param(init(rngs.params(), (d_model, de)), logical_axes=("embed", "lora"))
+            self.fc2_latent_proj = nnx.Param(out_init(rngs.params(), (de, d_model)), logical_axes=("lora", "embed"))
+        self.w_in = nnx.Param(init(rngs.params(), (e, de, up * d_ff)), logical_axes=("expert", "embed", "mlp"))
+        self.w_out = nnx.Param(out_init(rngs.params(), (e, d_ff, de)), logical_axes=("expert", "mlp", "embed"))
         if moe.router_bias:
             self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("router",))
         if moe.expert_bias:
             self.b_in = nnx.Param(jnp.zeros((e, up * d_ff), jnp.float32), logical_axes=("expert", "mlp"))
-            self.b_out = nnx.Param(jnp.zeros((e, d_model), jnp.float32), logical_axes=("expert", "embed"))
+            self.b_out = nnx.Param(jnp.zeros((e, de), jnp.float32), logical_axes=("expert", "embed"))
         fs = moe.shared_expert_d_ff
         if fs:
             self.shared_w_in = nnx.Param(init(rngs.params(), (d_model, up * fs)), logical_axes=("embed", "mlp"))
@@ -154,6 +158,9 @@ class MoELayer(nnx.Module):
             eps = self.norm_eps
             routed_x = rms(residual_btd, eps, self.routed_in_norm[...]).astype(x_btd.dtype)
             router_x = rms(residual_btd, eps, self.router_scale[...]) * d_model ** -0.5  # float32
+        if self.moe.latent_size:  # the router reads the full width, the experts the latent one
+            router_x = routed_x if router_x is None else router_x
+            routed_x = project(self, "fc1_latent_proj", routed_x, self.dtype, ("embed", "lora"), fp8=self.fp8)
 
         def routed(routed_x, router_x):
             bias = self.moe.expert_bias
@@ -168,6 +175,8 @@ class MoELayer(nnx.Module):
 
         # NF4 experts (lora.base_dtype: nf4): dequantized again in the backward pass, never kept
         y, stats = (recompute_dequantized(routed) if is_nf4(self) else routed)(routed_x, router_x)
+        if self.moe.latent_size:
+            y = project(self, "fc2_latent_proj", y.astype(self.dtype), self.dtype, ("lora", "embed"), fp8=self.fp8)
         if self.moe.shared_expert_d_ff:
             x = x_btd.astype(self.dtype)
             h = project(self, "shared_w_in", x, self.dtype, ("embed", "mlp"), fp8=self.fp8)

@@ -491,7 +491,7 @@ def _moe_local(x_btd, mask_bt, router_x_btd, router_de, w_in_edf, w_out_efd, bia
                          "on a device): every chunk would hold at most one slot; use fewer chunks")
     if not hierarchical:  # the buffer splits evenly (a dynamic limit stays below it); hierarchical splits tokens
         capacity = exchange_capacity(capacity, chunks)
-    logits_te = router_x_btd.reshape(b * t, d).astype(jnp.float32) @ router_de.astype(jnp.float32)
+    logits_te = router_x_btd.reshape(b * t, -1).astype(jnp.float32) @ router_de.astype(jnp.float32)
     if moe.router_bias:
         logits_te = logits_te + router_bias_e.astype(jnp.float32)[None]
     if warmup:  # (key, active)
@@ -572,8 +572,9 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
         axes in this call). False: :class:`RoutingSums` per token shard, reduced later by
         :meth:`RoutingSums.stats` (the model reduces all its layers' at once, after them).
       router_bias_e: [E] bias of the router's logits (``moe.router_bias``; required then).
-      router_x_btd: [B, T, D] what the router reads, where it differs from the experts' input
-        (``moe.branch_norms``: its own norm of the residual stream); ``None``: ``x_btd``.
+      router_x_btd: [B, T, Dr] what the router reads (Dr = ``router_de``'s rows), where it differs
+        from the experts' input (``moe.branch_norms``: its own norm of the residual stream;
+        ``moe.latent_size``: the full width, the experts reading the latent one); ``None``: ``x_btd``.
       expert_scale_e: [E] each expert's gate multiplier (``moe.per_expert_scale``; required then).
 
     Returns:
@@ -608,8 +609,9 @@ def moe_ffn(x_btd: jax.Array, mask_bt: jax.Array, router_de: jax.Array, w_in_edf
     if moe.per_expert_scale and (expert_scale_e is None or expert_scale_e.shape != (num_experts,)):
         raise ValueError(f"moe.per_expert_scale: pass expert_scale_e of shape [{num_experts}], got "
                          f"{None if expert_scale_e is None else list(expert_scale_e.shape)}")
-    if router_x_btd is not None and router_x_btd.shape != x_btd.shape:
-        raise ValueError(f"router_x_btd must be shaped as x_btd {tuple(x_btd.shape)}, got {tuple(router_x_btd.shape)}")
+    if router_x_btd is not None and router_x_btd.shape != (*x_btd.shape[:2], router_de.shape[0]):
+        raise ValueError(f"router_x_btd must be [B, T] = {tuple(x_btd.shape[:2])} rows of the router's width "
+                         f"{router_de.shape[0]}, got {tuple(router_x_btd.shape)}")
     if router_bias_e is None:
         router_bias_e = jnp.zeros((num_experts,), jnp.float32)
     if expert_scale_e is None:

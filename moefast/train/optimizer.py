@@ -72,6 +72,7 @@ PARAM_KINDS: dict[str, dict[str, str]] = {
                "conv": _ADAMW, "conv_bias": _ADAMW, "A_log": _ADAMW, "D": _ADAMW, "dt_bias": _ADAMW, "norm": _ADAMW},
     "DenseMLP": {"w_in": _MATRIX, "w_out": _MATRIX},
     "MoELayer": {"w_in": _EXPERTS, "w_out": _EXPERTS, "shared_w_in": _MATRIX, "shared_w_out": _MATRIX,
+                 "fc1_latent_proj": _MATRIX, "fc2_latent_proj": _MATRIX,
                  "router": _ADAMW, "router_bias": _ADAMW, "router_scale": _ADAMW, "expert_scale": _ADAMW,
                  "b_in": _ADAMW, "b_out": _ADAMW, "shared_gate": _ADAMW, "routed_in_norm": _ADAMW,
                  "routed_out_norm": _ADAMW, "shared_out_norm": _ADAMW},

@@ -68,7 +68,7 @@ def test_param_counts_equal_the_built_model():
     ["model.layer_types=[linear_attention,full_attention,linear_attention]", "model.linear_attention_kind=mamba2",
      "model.linear_num_key_heads=2", "model.linear_num_value_heads=4", "model.linear_key_head_dim=16",
      "model.linear_value_head_dim=8", "moe.expert_activation=relu2", "moe.shared_expert_d_ff=48",
-     "moe.expert_bias=true"],  # Nemotron-H: Mamba-2 blocks, relu² experts (one up projection)
+     "moe.expert_bias=true", "moe.latent_size=24"],  # Nemotron-H: Mamba-2 blocks, relu² experts, a latent MoE
     ["model.layer_types=[sliding_attention,full_attention,sliding_attention]", "model.sliding_window=8",
      "model.attention_sinks=true", "model.attention_bias=all", "moe.router_bias=true", "moe.expert_bias=true",
      "moe.expert_activation=clamped_swiglu", "model.mtp_depth=1"],  # gpt-oss: sinks, router and expert biases

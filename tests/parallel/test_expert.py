@@ -556,3 +556,43 @@ def test_relu2_experts_are_not_gated(mesh_shape, extra, devices):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     for a, e in zip(got_g, want_g):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-4)
+
+
+def test_latent_relu2_moe_layer_on_an_expert_mesh_equals_one_device(devices):
+    """Nemotron 3 Super's MoE block (moe.latent_size, relu² experts, a relu² shared expert on the full
+    width) equals a dense reference on one device, and on data 2 x expert 4 the same outputs and
+    parameter gradients (nothing drops)."""
+    from flax import nnx
+
+    from moefast.model.moe import MoELayer
+
+    spec = MoEConfig(num_experts=E, top_k=K, expert_activation="relu2", latent_size=12, shared_expert_d_ff=20,
+                     shared_expert_gate=False, capacity_factor=8.0, min_capacity=1, aux_loss_coef=0.0, z_loss_coef=0.0)
+    layer = MoELayer(D, F, spec, init_std=0.3, rngs=nnx.Rngs(3))
+    graphdef, params = nnx.split(layer)
+    x, mask = inputs()
+    mask = jnp.ones_like(mask)
+
+    def ref(p):
+        p = nnx.to_pure_dict(p)
+        xt = x.reshape(-1, D)
+        top, idx = jax.lax.top_k(xt @ p["router"], K)  # the router reads the full width
+        lat = xt @ p["fc1_latent_proj"]
+        y_te = jnp.einsum("tef,efl->tel", jnp.square(jax.nn.relu(jnp.einsum("tl,elf->tef", lat, p["w_in"]))), p["w_out"])
+        y = jnp.einsum("tk,tkl->tl", jax.nn.softmax(top, axis=-1), jnp.take_along_axis(y_te, idx[..., None], axis=1))
+        shared = jnp.square(jax.nn.relu(xt @ p["shared_w_in"])) @ p["shared_w_out"]
+        return (y @ p["fc2_latent_proj"] + shared).reshape(x.shape)
+
+    def ours(p):
+        return nnx.merge(graphdef, p)(x, mask)[0]
+
+    loss = lambda fn: lambda p: jnp.sum(jnp.sin(fn(p)))  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(ref)(params)
+        one, g_one = jax.jit(ours)(params), jax.jit(jax.grad(loss(ours)))(params)
+        with jax.set_mesh(mesh_of(2, 1, 4)):
+            ep, g_ep = jax.jit(ours)(params), jax.jit(jax.grad(loss(ours)))(params)
+    np.testing.assert_allclose(one, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ep, one, rtol=1e-5, atol=1e-5)
+    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(g_ep), jax.tree.leaves(g_one)):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
