@@ -57,7 +57,8 @@ PARAMETER_KEYS = {"model": ("d_model", "num_layers", "num_heads", "num_kv_heads"
                             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                             "linear_value_head_dim", "linear_conv_kernel_dim", "linear_attention_kind", "attention_output_gate",
                             "zero_centered_norm", "global_head_dim", "num_global_kv_heads", "attention_k_eq_v",
-                            "sandwich_norm", "layer_scalar", "index_topk", "index_n_heads", "index_head_dim"),
+                            "sandwich_norm", "layer_scalar", "index_topk", "index_n_heads", "index_head_dim",
+                            "dense_activation"),
                   "moe": ("num_experts", "shared_expert_d_ff", "shared_expert_gate", "expert_bias", "router_bias",
                           "branch_norms", "per_expert_scale", "expert_activation", "latent_size"),
                   "lora": ("rank", "targets", "expert_rank", "base_dtype", "train")}

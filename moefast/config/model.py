@@ -166,7 +166,14 @@ class ModelConfig:
         packed document's start.
         ``None``: every layer ``"full_attention"``. With ``scan_layers`` the repeating period of
         (token mixer, MoE or dense) is scanned (:mod:`moefast.model.layout`). Multi-token
-        prediction blocks use full attention.
+        prediction blocks use full attention. A pattern holding ``"moe"`` or ``"mlp"`` entries is
+        Nemotron-H's (HF ``layers_block_type``; :attr:`sublayers`): every entry is then one
+        pre-norm residual sublayer, a token mixer alone (the three kinds above) or a feed-forward
+        alone (``"moe"``: the MoE layer; ``"mlp"``: the dense MLP of ``dense_d_ff``), so
+        ``num_layers`` counts sublayers; ``num_dense_layers`` and ``moe_every`` do not apply
+        (0 and 1), nor multi-token prediction yet.
+      dense_activation: the dense MLP's unit: ``"silu"`` (SwiGLU, a fused gate | up) or ``"relu2"``
+        (``relu(h)²`` of one up projection; Nemotron-H's ``mlp_hidden_act``).
       sliding_window: W, the keys a ``"sliding_attention"`` layer's query sees: its W latest
         positions, itself included (Hugging Face's ``sliding_window``: key s when ``t - s < W``).
         Required by such layers, below ``max_seq_len`` (a window that covers the context is full
@@ -288,7 +295,8 @@ class ModelConfig:
     index_head_dim: int = 128
     mtp_depth: int = 0
     sequence_slices: int = 1
-    layer_types: tuple[Literal["full_attention", "sliding_attention", "linear_attention"], ...] | None = None
+    layer_types: tuple[Literal["full_attention", "sliding_attention", "linear_attention", "moe", "mlp"], ...] | None = None
+    dense_activation: Literal["silu", "relu2"] = "silu"
     sliding_window: int | None = None
     attention_sinks: bool = False
     linear_num_key_heads: int = 16
@@ -359,11 +367,20 @@ class ModelConfig:
             return
         if isinstance(self.layer_types, list):  # built in code with a list: keep the config hashable
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        kinds = ("full_attention", "sliding_attention", "linear_attention")
+        kinds = ("full_attention", "sliding_attention", "linear_attention", "moe", "mlp")
         bad = [f"{i}: {k!r}" for i, k in enumerate(self.layer_types) if k not in kinds]
         _require(not bad, "model.layer_types", f"entries must be one of {list(kinds)}; got {', '.join(bad)}")
         _require(len(self.layer_types) == self.num_layers, "model.layer_types",
                  f"needs one entry per layer: {len(self.layer_types)} entries for model.num_layers={self.num_layers}")
+        if self.sublayers:  # Nemotron-H: one sublayer per entry
+            _require(self.num_dense_layers == 0 and self.moe_every == 1, "model.layer_types",
+                     "holds moe / mlp sublayers, which say where the feed-forwards are: set model.num_dense_layers=0 "
+                     f"and model.moe_every=1 (got {self.num_dense_layers} and {self.moe_every})")
+            _require(self.mtp_depth == 0, "model.mtp_depth", f"{self.mtp_depth} with a sublayer pattern "
+                     "(moe / mlp entries in model.layer_types): multi-token prediction modules of sublayers are not "
+                     "built yet; use 0")
+            _require(any(k not in ("moe", "mlp") for k in self.layer_types), "model.layer_types",
+                     "holds feed-forward sublayers only: add a token mixer (full_attention, linear_attention)")
         if "sliding_attention" in self.layer_types:
             w = self.sliding_window
             _require(w is not None and 1 <= w < self.max_seq_len, "model.sliding_window",
@@ -454,6 +471,12 @@ class ModelConfig:
         ``global_rotary_fraction`` set)."""
         return self.global_rope_base is not None or self.global_rotary_fraction is not None
 
+    @property
+    def sublayers(self) -> bool:
+        """Whether ``layer_types`` is a Nemotron-H pattern: each entry one sublayer (``"moe"`` and
+        ``"mlp"`` entries present)."""
+        return self.layer_types is not None and any(k in ("moe", "mlp") for k in self.layer_types)
+
     def layer_type(self, layer: int) -> str:
         """Block ``layer``'s token mixer: ``"full_attention"``, ``"sliding_attention"`` or
         ``"linear_attention"`` (blocks past ``num_layers``, the multi-token prediction blocks, use
@@ -534,6 +557,8 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` (0-based) has an MoE feed-forward."""
+        if self.sublayers:
+            return layer < self.num_layers and self.layer_types[layer] == "moe"
         if layer < self.num_dense_layers:
             return False
         return (layer - self.num_dense_layers) % self.moe_every == 0

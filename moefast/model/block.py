@@ -38,18 +38,24 @@ def _dropout(x, rate: float, key, site: int):
 
 
 class DenseMLP(nnx.Module):
-    """SwiGLU feed-forward (Shazeer 2020), gate and up projections fused into one [D, 2F] matrix."""
+    """SwiGLU feed-forward (Shazeer 2020), gate and up projections fused into one [D, 2F] matrix; or,
+    with ``activation="relu2"`` (``model.dense_activation``; Nemotron-H), ``relu(x W_in)² W_out`` with
+    one up projection [D, F]."""
 
     def __init__(self, d_model: int, d_ff: int, *, dtype, init_std: float, out_std: float, fp8: bool = False,
-                 rngs: nnx.Rngs):
-        self.dtype, self.fp8 = dtype, fp8  # fp8: model.precision == "fp8"
-        self.w_in = nnx.Param(jax.nn.initializers.normal(init_std)(rngs.params(), (d_model, 2 * d_ff)),
+                 activation: str = "silu", rngs: nnx.Rngs):
+        self.dtype, self.fp8, self.activation = dtype, fp8, activation  # fp8: model.precision == "fp8"
+        up = 1 if activation == "relu2" else 2
+        self.w_in = nnx.Param(jax.nn.initializers.normal(init_std)(rngs.params(), (d_model, up * d_ff)),
                               logical_axes=("embed", "mlp"))
         self.w_out = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (d_ff, d_model)),
                                logical_axes=("mlp", "embed"))
 
     def __call__(self, x_btd):
-        gate, up = jnp.split(project(self, "w_in", x_btd, self.dtype, ("embed", "mlp"), fp8=self.fp8), 2, axis=-1)
+        h = project(self, "w_in", x_btd, self.dtype, ("embed", "mlp"), fp8=self.fp8)
+        if self.activation == "relu2":
+            return project(self, "w_out", jnp.square(jax.nn.relu(h)), self.dtype, ("mlp", "embed"), fp8=self.fp8)
+        gate, up = jnp.split(h, 2, axis=-1)
         return project(self, "w_out", jax.nn.silu(gate) * up, self.dtype, ("mlp", "embed"), fp8=self.fp8)
 
 
@@ -60,6 +66,9 @@ model's, and the full layers'."""
 
 LORA_SITE = 1 << 29
 """Layer i's adapters are drawn from ``fold_in(params key, LORA_SITE + i)`` (``lora``)."""
+
+FFN_KINDS = ("moe", "mlp")
+"""``model.layer_types`` entries that are a feed-forward sublayer alone (Nemotron-H's patterns)."""
 
 SLICE_SITE = 1 << 30
 """Sequence slice i's random draws use ``fold_in(step_key, SLICE_SITE + i)`` as their step key
@@ -74,43 +83,48 @@ class Block(nnx.Module):
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
         self.dropout = m.dropout
         zc = m.zero_centered_norm
-        self.attn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
-        self.linear = m.layer_type(layer) == "linear_attention"
-        if self.linear and m.linear_attention_kind == "mamba2":
-            self.attn = Mamba2(m.d_model, num_heads=m.linear_num_value_heads, head_dim=m.linear_value_head_dim,
-                               num_groups=m.linear_num_key_heads, state_size=m.linear_key_head_dim,
-                               conv_width=m.linear_conv_kernel_dim, time_step_min=m.time_step_min, dtype=dtype,
-                               init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
-                               impl=m.linear_attention_impl, rngs=rngs)
-        elif self.linear and m.linear_attention_kind == "kda":
-            self.attn = KimiDeltaAttention(m.d_model, num_heads=m.linear_num_value_heads,
-                                           head_dim=m.linear_value_head_dim, conv_width=m.linear_conv_kernel_dim,
-                                           dtype=dtype, init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
-                                           impl=m.linear_attention_impl, rngs=rngs)
-        elif self.linear:
-            self.attn = GatedDeltaNet(m.d_model, num_key_heads=m.linear_num_key_heads,
-                                      num_value_heads=m.linear_num_value_heads, key_head_dim=m.linear_key_head_dim,
-                                      value_head_dim=m.linear_value_head_dim, conv_width=m.linear_conv_kernel_dim,
-                                      dtype=dtype, init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
-                                      impl=m.linear_attention_impl, rngs=rngs)
-        elif m.attention == "mla":
-            yarn = Yarn.from_config(m)
-            self.attn = MLAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-                                    qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
-                                    v_head_dim=m.v_head_dim, softmax_multiplier=yarn.softmax_multiplier if yarn else 1.0,
-                                    dtype=dtype, init_std=m.init_std, out_std=out_std, fp8=fp8,
-                                    index_topk=m.index_topk, index_n_heads=m.index_n_heads,
-                                    index_head_dim=m.index_head_dim, indexer_stage=cfg.train.indexer_stage,
-                                    rngs=rngs)
-        else:
-            kv_heads, head_dim = m.attention_shape(layer)
-            full = m.layer_type(layer) == "full_attention"
-            self.attn = Attention(m.d_model, m.num_heads, kv_heads, head_dim, dtype=dtype,
-                                  init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
-                                  norm_eps=m.norm_eps, output_gate=m.attention_output_gate, zero_centered=zc,
-                                  window=None if full else m.sliding_window, sinks=m.attention_sinks,
-                                  k_eq_v=m.attention_k_eq_v and full, value_norm=m.value_norm,
-                                  scale=m.attention_scale, fp8=fp8, rngs=rngs)
+        # Nemotron-H's patterns (model.sublayers): a block is one sublayer, a mixer or a feed-forward
+        kind = m.layer_type(layer)
+        self.has_mixer = kind not in FFN_KINDS
+        self.has_ffn = not m.sublayers or kind in FFN_KINDS
+        self.linear = kind == "linear_attention"
+        if self.has_mixer:
+            self.attn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
+            if self.linear and m.linear_attention_kind == "mamba2":
+                self.attn = Mamba2(m.d_model, num_heads=m.linear_num_value_heads, head_dim=m.linear_value_head_dim,
+                                   num_groups=m.linear_num_key_heads, state_size=m.linear_key_head_dim,
+                                   conv_width=m.linear_conv_kernel_dim, time_step_min=m.time_step_min, dtype=dtype,
+                                   init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
+                                   impl=m.linear_attention_impl, rngs=rngs)
+            elif self.linear and m.linear_attention_kind == "kda":
+                self.attn = KimiDeltaAttention(m.d_model, num_heads=m.linear_num_value_heads,
+                                               head_dim=m.linear_value_head_dim, conv_width=m.linear_conv_kernel_dim,
+                                               dtype=dtype, init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
+                                               impl=m.linear_attention_impl, rngs=rngs)
+            elif self.linear:
+                self.attn = GatedDeltaNet(m.d_model, num_key_heads=m.linear_num_key_heads,
+                                          num_value_heads=m.linear_num_value_heads, key_head_dim=m.linear_key_head_dim,
+                                          value_head_dim=m.linear_value_head_dim, conv_width=m.linear_conv_kernel_dim,
+                                          dtype=dtype, init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
+                                          impl=m.linear_attention_impl, rngs=rngs)
+            elif m.attention == "mla":
+                yarn = Yarn.from_config(m)
+                self.attn = MLAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                                        qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                                        v_head_dim=m.v_head_dim, softmax_multiplier=yarn.softmax_multiplier if yarn else 1.0,
+                                        dtype=dtype, init_std=m.init_std, out_std=out_std, fp8=fp8,
+                                        index_topk=m.index_topk, index_n_heads=m.index_n_heads,
+                                        index_head_dim=m.index_head_dim, indexer_stage=cfg.train.indexer_stage,
+                                        rngs=rngs)
+            else:
+                kv_heads, head_dim = m.attention_shape(layer)
+                full = m.layer_type(layer) == "full_attention"
+                self.attn = Attention(m.d_model, m.num_heads, kv_heads, head_dim, dtype=dtype,
+                                      init_std=m.init_std, out_std=out_std, bias=m.attention_bias, qk_norm=m.qk_norm,
+                                      norm_eps=m.norm_eps, output_gate=m.attention_output_gate, zero_centered=zc,
+                                      window=None if full else m.sliding_window, sinks=m.attention_sinks,
+                                      k_eq_v=m.attention_k_eq_v and full, value_norm=m.value_norm,
+                                      scale=m.attention_scale, fp8=fp8, rngs=rngs)
         # the rotary table this block reads (Transformer._rope_tables): the full layers' own, or the model's
         self.rope_table = FULL_ROPE if m.full_layer_rope and m.layer_type(layer) == "full_attention" else DEFAULT_ROPE
         self.sandwich = m.sandwich_norm
@@ -120,18 +134,22 @@ class Block(nnx.Module):
         self.has_layer_scalar = m.layer_scalar
         if m.layer_scalar:
             self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32), logical_axes=(None,))
-        self.ffn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
-        self.is_moe = m.is_moe_layer(layer) if is_moe is None else is_moe
-        if self.is_moe:
-            self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe, dtype=dtype, init_std=m.init_std, out_std=out_std,
-                                norm_eps=m.norm_eps, fp8=fp8, rngs=rngs)
-        else:
-            self.ffn = DenseMLP(m.d_model, m.dense_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, fp8=fp8,
-                                rngs=rngs)
+        self.is_moe = False
+        if self.has_ffn:
+            self.ffn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
+            self.is_moe = m.is_moe_layer(layer) if is_moe is None else is_moe
+            if self.is_moe:
+                self.ffn = MoELayer(m.d_model, m.d_ff, cfg.moe, dtype=dtype, init_std=m.init_std, out_std=out_std,
+                                    norm_eps=m.norm_eps, fp8=fp8, rngs=rngs)
+            else:
+                self.ffn = DenseMLP(m.d_model, m.dense_ff, dtype=dtype, init_std=m.init_std, out_std=out_std, fp8=fp8,
+                                    activation=m.dense_activation, rngs=rngs)
         # adapters (lora.rank > 0) from a key of their own: the base's initial values do not depend on them
         lora_key = jax.random.fold_in(rngs.params.key[...], LORA_SITE + layer)
-        lora.attach(self.attn, cfg.lora, jax.random.fold_in(lora_key, 0))
-        lora.attach(self.ffn, cfg.lora, jax.random.fold_in(lora_key, 1))
+        if self.has_mixer:
+            lora.attach(self.attn, cfg.lora, jax.random.fold_in(lora_key, 0))
+        if self.has_ffn:
+            lora.attach(self.ffn, cfg.lora, jax.random.fold_in(lora_key, 1))
 
     def __call__(self, x, layer, rope, attn_mask, token_mask, cache=None, cache_index=0, step_key=None,
                  routing_state=None, routing_warmup=None, *, drop_tokens=True, record_max=False):
@@ -176,6 +194,20 @@ class Block(nnx.Module):
         None)``; with a ``kv_prefix`` (a sequence slice) the third result is the keys and
         values for the next slice."""
         mask, segment_ids = attn_mask if isinstance(attn_mask, tuple) else (attn_mask, None)
+        rec, stats, new_cache = None, None, cache  # a feed-forward sublayer keeps its (empty) cache entry
+        if self.has_mixer:
+            x, new_cache, rec = self._mixer(x, layer, rope, mask, segment_ids, token_mask, cache, cache_index,
+                                            step_key, kv_prefix, record_max)
+        if self.has_ffn:
+            x, stats = self._ffn(x, layer, token_mask, step_key, routing_state, routing_warmup, drop_tokens)
+        if self.has_layer_scalar:
+            # in float32: the scalar's gradient sums every token's product in float32, then reduces
+            x = (x.astype(jnp.float32) * self.layer_scalar[...].reshape(1, 1, 1)).astype(x.dtype)
+        return x, stats, new_cache, rec
+
+    def _mixer(self, x, layer, rope, mask, segment_ids, token_mask, cache, cache_index, step_key, kv_prefix,
+               record_max):
+        """The token mixer's pre-norm residual sublayer: ``(x, new cache, records or None)``."""
         xn = self.attn_norm(x).astype(x.dtype)
         rec = None
         if self.linear:  # no softmax: nothing to record
@@ -190,7 +222,10 @@ class Block(nnx.Module):
                 rec = {"max_logits": found[0], **({"indexer_loss": found[1]} if len(found) > 1 else {})}
         if self.sandwich:
             a = self.post_attn_norm(a).astype(x.dtype)
-        x = x + _dropout(a, self.dropout, step_key, 3 * layer)
+        return x + _dropout(a, self.dropout, step_key, 3 * layer), new_cache, rec
+
+    def _ffn(self, x, layer, token_mask, step_key, routing_state, routing_warmup, drop_tokens):
+        """The feed-forward's pre-norm residual sublayer: ``(x, routing sums or None)``."""
         h = self.ffn_norm(x).astype(x.dtype)
         stats = None
         if self.is_moe:
@@ -205,11 +240,7 @@ class Block(nnx.Module):
             f = self.ffn(h)
         if self.sandwich:
             f = self.post_ffn_norm(f).astype(x.dtype)
-        x = x + _dropout(f, self.dropout, step_key, 3 * layer + 1)
-        if self.has_layer_scalar:
-            # in float32: the scalar's gradient sums every token's product in float32, then reduces
-            x = (x.astype(jnp.float32) * self.layer_scalar[...].reshape(1, 1, 1)).astype(x.dtype)
-        return x, stats, new_cache, rec
+        return x + _dropout(f, self.dropout, step_key, 3 * layer + 1), stats
 
 
 def _slices(a_bt: jax.Array, n: int) -> tuple[jax.Array, ...]:

@@ -102,33 +102,38 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
     d, f = m.d_model, m.d_ff
     # a logit per head (sinks), not multiplied by a token: in the total only
     attn_other = m.num_heads if m.attention_sinks else 0
-    norms = 2 * d + (2 * d if m.sandwich_norm else 0) + (1 if m.layer_scalar else 0)
+    # each sublayer's pre-norm (and sandwich norm), a block's layer scalar
+    norm_ffn = d + (d if m.sandwich_norm else 0)
+    norm_mixer, scalar = norm_ffn, (1 if m.layer_scalar else 0)
     if m.attention == "mla":
         attn, mla_norms = _mla_params(m)
-        norms += mla_norms
+        norm_mixer += mla_norms
         attn_at = lambda i: attn  # noqa: E731
     else:
         attn_at = lambda i: _gqa_params(m, i)  # noqa: E731
         attn = attn_at(m.num_layers)  # a full-attention layer's (the MTP blocks')
-    n_linear = sum(m.layer_type(i) == "linear_attention" for i in range(m.num_layers))
-    attn_layers = sum(attn_at(i) for i in range(m.num_layers) if m.layer_type(i) != "linear_attention")
+    norms = norm_mixer + norm_ffn + scalar  # a whole block's
+    mixers = [i for i in range(m.num_layers) if m.layer_type(i) not in ("moe", "mlp")]  # all but Nemotron-H's FFNs
+    n_linear = sum(m.layer_type(i) == "linear_attention" for i in mixers)
+    attn_layers = sum(attn_at(i) for i in mixers if m.layer_type(i) != "linear_attention")
     linear_weights, linear_other = _linear_params(m)
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
-    n_dense = m.num_layers - n_moe
+    n_dense = sum(k == "mlp" for k in m.layer_types) if m.sublayers else m.num_layers - n_moe
+    n_ffn = n_moe + n_dense
+    layer_norms = len(mixers) * norm_mixer + n_ffn * norm_ffn + m.num_layers * scalar
     up = 2 if e.gated else 1  # a fused gate | up, or (relu2) the up projection alone
     de = e.latent_size or d  # the experts' width (moe.latent_size)
     expert = (up + 1) * de * f + ((up * f + de) if e.expert_bias else 0)
     latent = 2 * d * de if e.latent_size else 0  # fc1_latent_proj, fc2_latent_proj: every token, once a layer
     router = d * e.num_experts + (e.num_experts if e.router_bias else 0) + (e.num_experts if e.per_expert_scale else 0)
-    dense = 3 * d * m.dense_ff
+    dense = (2 if m.dense_activation == "relu2" else 3) * d * m.dense_ff
     # every token's weights in an MoE layer besides the router and its experts: the shared expert, the latent projections
     shared = (up + 1) * d * e.shared_expert_d_ff + (d if e.shared_expert_d_ff and e.shared_expert_gate else 0) + latent
     norms_moe = 4 * d if e.branch_norms else 0  # not multiplied by a token's features: in the total only
     experts = n_moe * e.num_experts * expert
-    n_full = m.num_layers - n_linear
+    n_full = len(mixers) - n_linear
     mixers_total = attn_layers + n_full * attn_other + n_linear * (linear_weights + linear_other)
-    layers_total = (mixers_total + m.num_layers * norms + n_moe * (router + shared + norms_moe) + experts
-                    + n_dense * dense)
+    layers_total = (mixers_total + layer_norms + n_moe * (router + shared + norms_moe) + experts + n_dense * dense)
     embed = v * d
     total = layers_total + embed + d + (0 if m.tie_embeddings else embed)  # + final norm
     active = (attn_layers + n_linear * linear_weights + n_moe * (router + e.top_k * expert + shared)
@@ -235,7 +240,8 @@ def model_flops_per_token(cfg: ExperimentConfig, vocab_size: int | None = None, 
     n_active = param_counts(cfg, vocab_size).active
     n_linear = sum(m.layer_type(i) == "linear_attention" for i in range(m.num_layers))
     linear = 3 * n_linear * _delta_rule_flops(m)
-    layers = m.num_layers - n_linear + m.mtp_depth  # attention layers; each MTP module has one more
+    n_ffn = sum(m.layer_type(i) in ("moe", "mlp") for i in range(m.num_layers))  # Nemotron-H's feed-forward sublayers
+    layers = m.num_layers - n_linear - n_ffn + m.mtp_depth  # attention layers; each MTP module has one more
     if m.attention == "mla":  # scores over Hd_qk features, weighted values over Hv: 6 * L * H * (Hd_qk + Hv) * T
         heads, widths = m.num_heads, sum(attention_widths(m))
         if m.index_topk is None:

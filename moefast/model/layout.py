@@ -64,10 +64,10 @@ def softmax_attention_layers(model_cfg) -> tuple[int, ...]:
     """The block of each row of the per-layer largest attention logits
     (:attr:`~moefast.model.ModelOutput.max_logits`, the step's ``max_logit_per_layer``): the main
     stack's softmax-attention blocks in layer order (every token mixer but ``linear_attention``,
-    which has no softmax), then the ``mtp_depth`` multi-token prediction blocks, numbered L .. L + D - 1
+    which has no softmax; no feed-forward sublayer), then the ``mtp_depth`` multi-token prediction blocks, numbered L .. L + D - 1
     (full attention, :meth:`~moefast.config.ModelConfig.layer_type`)."""
     n = model_cfg.num_layers
-    main = tuple(i for i in range(n) if model_cfg.layer_type(i) != "linear_attention")
+    main = tuple(i for i in range(n) if model_cfg.layer_type(i) not in ("linear_attention", "moe", "mlp"))
     return main + tuple(range(n, n + model_cfg.mtp_depth))
 
 

@@ -73,7 +73,7 @@ _PARTS: dict[str, Callable] = {
     "Attention": _attention_parts,
     "GatedDeltaNet": _gdn_parts,
     "KimiDeltaAttention": lambda m, name, shape: (shape[-1] // 3,) * 3 if name == "qkv" else (shape[-1],),
-    "DenseMLP": lambda m, name, shape: _gated_parts(name, shape),
+    "DenseMLP": lambda m, name, shape: (shape[-1],) if m.activation == "relu2" else _gated_parts(name, shape),
     "MoELayer": lambda m, name, shape: _gated_parts(name, shape) if name.startswith("shared") and m.moe.gated
     else (shape[-1],),
 }

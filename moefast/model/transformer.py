@@ -314,7 +314,7 @@ class Transformer(nnx.Module):
         check_positions(positions_bt, self.max_seq_len)
         if cache is not None:
             # key length S: the attention layers' caches (Gated DeltaNet layers carry states instead)
-            s = next((next(iter(c.values())).shape[1] for c in cache if "state" not in c), 0)
+            s = next((next(iter(c.values())).shape[1] for c in cache if c and "state" not in c), 0)
             if s > self.max_seq_len:
                 raise ValueError(f"cache length {s} exceeds model.max_seq_len={self.max_seq_len}")
 

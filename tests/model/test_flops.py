@@ -69,6 +69,11 @@ def test_param_counts_equal_the_built_model():
      "model.linear_num_key_heads=2", "model.linear_num_value_heads=4", "model.linear_key_head_dim=16",
      "model.linear_value_head_dim=8", "moe.expert_activation=relu2", "moe.shared_expert_d_ff=48",
      "moe.expert_bias=true", "moe.latent_size=24"],  # Nemotron-H: Mamba-2 blocks, relu² experts, a latent MoE
+    ["model.num_layers=6", "model.num_dense_layers=0",
+     "model.layer_types=[linear_attention,moe,full_attention,mlp,linear_attention,moe]",
+     "model.linear_attention_kind=mamba2", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
+     "model.linear_key_head_dim=16", "model.linear_value_head_dim=8", "model.dense_activation=relu2",
+     "moe.expert_activation=relu2", "model.position_encoding=none"],  # Nemotron-H: one sublayer per entry
     ["model.layer_types=[sliding_attention,full_attention,sliding_attention]", "model.sliding_window=8",
      "model.attention_sinks=true", "model.attention_bias=all", "moe.router_bias=true", "moe.expert_bias=true",
      "moe.expert_activation=clamped_swiglu", "model.mtp_depth=1"],  # gpt-oss: sinks, router and expert biases
@@ -78,7 +83,8 @@ def test_param_counts_equal_the_built_model():
      "moe.shared_expert_gate=false", "moe.branch_norms=true", "moe.per_expert_scale=true",
      "model.mtp_depth=1"],  # Gemma 4: full layers of their own shape, keys as values, its norms and scales
 ], ids=["qkv-bias-per-head-norm", "all-bias-full-norm", "mla-q-lora", "mla-direct-q", "mla-dsa", "mtp2-shared",
-        "mtp1-dense", "hybrid-deltanet", "hybrid-kda", "hybrid-mamba2", "gpt-oss", "gemma4"])
+        "mtp1-dense", "hybrid-deltanet", "hybrid-kda", "hybrid-mamba2", "nemotron-h-sublayers", "gpt-oss",
+        "gemma4"])
 def test_param_counts_cover_the_hf_family_options(extra):
     cfg = load_config(None, ["model.vocab_size=300", "model.num_dense_layers=1", "model.num_layers=3",
                              "model.num_kv_heads=2", *extra])

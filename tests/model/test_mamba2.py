@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moefast.config import load_config
 from moefast.model.mamba2 import Mamba2
 
 torch = pytest.importorskip("torch")
@@ -77,3 +78,70 @@ def test_packed_documents_and_decoding():
         o, cache = step(ours, x[:, i: i + 1], cache)
         out.append(o)
     np.testing.assert_allclose(np.concatenate(out, axis=1), np.asarray(first), rtol=1e-4, atol=1e-5)
+
+
+NEMOTRON = ["model.d_model=32", "model.num_layers=8", "model.num_dense_layers=0", "model.num_heads=4",
+            "model.num_kv_heads=2", "model.head_dim=8", "model.position_encoding=none", "model.max_seq_len=64",
+            "model.layer_types=[linear_attention,moe,full_attention,mlp,linear_attention,moe,full_attention,mlp]",
+            "model.linear_attention_kind=mamba2", f"model.linear_num_value_heads={H}",
+            f"model.linear_value_head_dim={P}", f"model.linear_num_key_heads={G}", f"model.linear_key_head_dim={N}",
+            "model.linear_attention_impl=chunked", "model.d_ff=24", "model.dense_d_ff=40",
+            "model.dense_activation=relu2", "moe.expert_activation=relu2", "moe.num_experts=4", "moe.top_k=2",
+            "moe.capacity_factor=8", "moe.latent_size=16", "moe.shared_expert_d_ff=20", "moe.shared_expert_gate=false",
+            "data.seq_len=32"]
+
+
+def test_nemotron_h_sublayers_scan_decode_and_train():
+    """A Nemotron-H pattern (one pre-norm residual sublayer per entry: Mamba-2, MoE, NoPE attention,
+    relu² MLP, twice): its blocks are sublayers (a mixer or a feed-forward alone); scanned by its
+    period of 4 it equals the unrolled model; decoding through the Mamba-2 states and the attention
+    cache equals the full pass; a train step moves every parameter."""
+    from moefast.model import build_model, init_cache
+    from moefast.model.layout import layer_layout, to_layout
+    from moefast.train import ModelDef
+    from moefast.train.step import train_step
+
+    cfg = load_config(None, NEMOTRON)
+    model = build_model(cfg, 259, seed=0)
+    kinds = [(hasattr(b, "attn"), hasattr(b, "ffn")) for b in model.blocks]
+    assert kinds == [(True, False), (False, True)] * 4
+    assert type(model.blocks[0].attn).__name__ == "Mamba2" and model.blocks[1].is_moe and not model.blocks[3].is_moe
+    scanned_cfg = load_config(None, NEMOTRON + ["model.scan_layers=true", "model.remat=full"])
+    assert layer_layout(scanned_cfg.model).groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    params = nnx.to_pure_dict(nnx.state(model))
+    scanned = build_model(scanned_cfg, 259, seed=0)
+    graphdef, state = nnx.split(scanned)
+    nnx.replace_by_pure_dict(state, to_layout(params, scanned_cfg.model, scanned=True))
+    scanned = nnx.merge(graphdef, state)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 15)), jnp.int32)
+    run = nnx.jit(lambda m: m(ids, drop_tokens=False).logits)
+    full = run(model)
+    np.testing.assert_allclose(run(scanned), full, rtol=1e-5, atol=1e-5)
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def decode(state):
+        m = nnx.merge(graphdef, state)
+        out = m(ids[:, :9], cache=init_cache(m, 2, 16), cache_index=0, drop_tokens=False)
+        steps, cache = [out.logits], out.cache
+        for i in range(9, 15):
+            out = m(ids[:, i: i + 1], cache=cache, cache_index=jnp.int32(i), drop_tokens=False)
+            steps.append(out.logits)
+            cache = out.cache
+        return jnp.concatenate(steps, axis=1), cache
+
+    decoded, cache = decode(state)
+    np.testing.assert_allclose(decoded, full, rtol=1e-4, atol=1e-4)
+    assert [sorted(c) for c in cache] == [["conv", "state"], [], ["k", "v"], []] * 2
+
+    md = ModelDef(load_config(None, NEMOTRON + ["data.batch_size=2", "train.warmup_steps=0"]), 259)
+    state = md.init_state(0)
+    batch = {"tokens": ids[:, :14], "targets": ids[:, 1:], "segment_ids": jnp.ones((2, 14), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(14, dtype=jnp.int32), (2, 14)),
+             "loss_weight": jnp.ones((2, 14), jnp.float32)}
+    new, metrics = jax.jit(lambda s: train_step(md, s, batch, jax.random.key(0)))(state)
+    assert np.isfinite(float(metrics["loss"])) and metrics["tokens_per_expert"].shape == (2, 4)
+    moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), state["params"], new["params"])
+    assert all(jax.tree.leaves(moved)), [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(moved)
+                                         if not v]
