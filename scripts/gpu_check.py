@@ -552,6 +552,94 @@ def check_gated_delta_rule(ctx: Context) -> list[dict]:
     return rows
 
 
+@register_check("mamba2")
+def check_mamba2(ctx: Context) -> list[dict]:
+    """Mamba-2's SSD scan (``moefast.kernels.mamba2``): the Pallas kernels (forward and backward,
+    chunks of 64) against the chunked XLA form (chunks of 128) and the token-by-token reference,
+    forward + backward time and the largest difference from the reference, packed documents,
+    bfloat16 inputs, Nemotron 3 Nano's heads (64 of 64, 8 groups of 128 state channels)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moefast.kernels.mamba2 import ssd
+
+    rows = []
+    shapes = [(1, 40, 2, 16, 1, 16)] if ctx.args.cpu_smoke else [(2, 4096, 64, 64, 8, 128), (1, 16384, 64, 64, 8, 128)]
+    for b, t, h, p, g, n in shapes:
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.normal(size=(b, t, h, p)), jnp.bfloat16)
+        dt = jnp.asarray(np.log1p(np.exp(rng.normal(size=(b, t, h)) - 2)), jnp.float32)
+        bg, cg = (jnp.asarray(rng.normal(size=(b, t, g, n)) / n ** 0.5, jnp.bfloat16) for _ in range(2))
+        a = -jnp.asarray(np.arange(1, h + 1), jnp.float32)
+        seg = jnp.asarray(np.where(np.arange(t)[None] < rng.integers(1, t, (b, 1)), 1, 2), jnp.int32)
+        ct = jnp.asarray(rng.normal(size=(b, t, h, p)), jnp.float32)
+        run = lambda impl, cs: (lambda x, dt, bg, cg: ssd(  # noqa: E731
+            x, dt, a, bg, cg, segment_ids=seg, impl=impl, chunk_size=cs,
+            **({"interpret": ctx.interpret} if impl == "pallas" else {}))[0])
+        impls = {"pallas": run("pallas", 64), "chunked": run("chunked", 128), "reference": run("reference", 128)}
+        if t > 4096:  # the recurrence is T sequential steps: compared up to 4k tokens
+            del impls["reference"]
+        rows += _against_reference(ctx, {"shape": f"B{b} T{t} H{h} P{p} G{g} N{n}"}, impls, (x, dt, bg, cg), ct)
+    return rows
+
+
+@register_check("sparse_attention")
+def check_sparse_attention(ctx: Context) -> list[dict]:
+    """DeepSeek Sparse Attention: the top-k kernel (``moefast.kernels.sparse_attention``, MLA's absorbed
+    form, forward and backward) against its gather reference at DeepSeek-V3.2's widths (128 heads,
+    576 / 512, 2,048 keys a query), and the lightning indexer's scores kernel
+    (``moefast.kernels.lightning_indexer``, forward) against its reference: time and largest difference."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moefast.kernels.lightning_indexer import lightning_indexer_scores
+    from moefast.kernels.sparse_attention import sparse_attention
+
+    rows = []
+    shapes = [(40, 4, 16, 8)] if ctx.args.cpu_smoke else [(4096, 128, 576, 2048)]
+    for t, h, dqk, k in shapes:
+        rng = np.random.default_rng(0)
+        dv = dqk * 8 // 9
+        q = jnp.asarray(rng.normal(size=(1, t, h, dqk)) / dqk ** 0.25, jnp.bfloat16)
+        kk = jnp.asarray(rng.normal(size=(1, t, dqk)) / dqk ** 0.25, jnp.bfloat16)
+        v = jnp.asarray(rng.normal(size=(1, t, dv)), jnp.bfloat16)
+        idx = np.full((1, t, k), -1, np.int32)
+        for i in range(t):  # each query's min(i + 1, K) keys at random among the visible ones
+            idx[0, i, : min(i + 1, k)] = rng.permutation(i + 1)[:k]
+        idx = jnp.asarray(idx)
+        ct = jnp.asarray(rng.normal(size=(1, t, h, dv)), jnp.float32)
+        run = lambda impl: (lambda q, kk, v: sparse_attention(  # noqa: E731
+            q, kk, v, idx, scale=dqk ** -0.5, impl=impl, **({"interpret": ctx.interpret} if impl == "pallas" else {})))
+        rows += _against_reference(ctx, {"shape": f"T{t} H{h} D{dqk} K{k} (sparse attention)"},
+                                    {"pallas": run("pallas"), "reference": run("reference")}, (q, kk, v), ct)
+    index_shapes = [(1, 40, 2, 16, 40)] if ctx.args.cpu_smoke else [(1, 256, 64, 128, 32768)]
+    for b, tq, hi, di, s in index_shapes:
+        rng = np.random.default_rng(1)
+        q = jnp.asarray(rng.normal(size=(b, tq, hi, di)), jnp.bfloat16)
+        w = jnp.asarray(rng.normal(size=(b, tq, hi)), jnp.float32)
+        keys = jnp.asarray(rng.normal(size=(b, s, di)), jnp.bfloat16)
+        row = {"shape": f"Tq{tq} Hi{hi} Di{di} S{s} (indexer scores)"}
+        want = None
+        for impl in ("pallas", "reference"):
+            r = {**row, "impl": impl}
+            if ctx.time_left() < 20:
+                rows.append({**r, "status": "skipped (budget)"})
+                continue
+            try:
+                fn = jax.jit(lambda q, w, keys, impl=impl: lightning_indexer_scores(
+                    q, w, keys, scale=di ** -0.5, impl=impl,
+                    **({"interpret": ctx.interpret} if impl == "pallas" else {})))
+                out = jax.block_until_ready(fn(q, w, keys))
+                if impl == "pallas":
+                    want = out
+                rows.append({**r, "status": "ok", **time_fn(fn, q, w, keys, runs=ctx.args.runs),
+                             "max_err_vs_reference": None if impl == "pallas" else _max_err(want, out)})
+            except Exception:
+                rows.append(error_row(**r))
+    return rows
+
+
 @register_check("grouped_matmul")
 def check_grouped_matmul(ctx: Context) -> list[dict]:
     """The dropless experts' grouped matmul, forward + both backward products: the Pallas kernel

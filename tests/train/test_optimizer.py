@@ -44,8 +44,10 @@ def test_every_shipped_config_has_a_kind_for_each_parameter(path):
             assert len(s.parts) == len(p[-1]) and s.parts[0] % cfg.model.num_heads == 0, p
             assert s.parts[1:] == (s.parts[1],) * (len(p[-1]) - 1), p
     for p, s in specs.items():
-        if p[-1] in ("w_in", "shared_w_in"):  # gate and up: two matrices
-            assert len(s.parts) == 2 and s.parts[0] == s.parts[1], p
+        if p[-1] in ("w_in", "shared_w_in"):  # gate and up: two matrices; relu² (not gated): one
+            moe = "expert" in s.names or p[-1] == "shared_w_in"
+            gated = cfg.moe.gated if moe else cfg.model.dense_activation != "relu2"
+            assert len(s.parts) == (2 if gated else 1) and s.parts[0] == s.parts[-1], p
         if p[-1] in ("kv_b_proj", "o_proj", "eh_proj", "w_out"):
             assert s is not None and len(s.parts) == 1, p
 
