@@ -91,8 +91,8 @@ def test_context_parallel_step_equals_whole_rows(case, small_config, devices):
     key = tuple(arch)
     if key not in _reference:  # whole rows on one device, the blocked einsums
         _reference[key] = _loss_and_grads(small_config(*common, "model.attention_impl=blocked"))
-    g1, (l1, *_, mtp1, max1) = _reference[key]
-    g2, (l2, *_, mtp2, max2) = _loss_and_grads(small_config(*common, f"model.attention_impl={impl}", *mesh), devices)
+    g1, (l1, *_, mtp1, max1, _) = _reference[key]
+    g2, (l2, *_, mtp2, max2, _) = _loss_and_grads(small_config(*common, f"model.attention_impl={impl}", *mesh), devices)
     np.testing.assert_allclose(l2, l1, rtol=1e-5)
     np.testing.assert_allclose(max2, max1, rtol=1e-5)  # each head's largest logit (QK-clip), the kernel's too
     if mtp1 is not None:

@@ -52,9 +52,9 @@ def test_micro_batches_give_the_global_batch_loss_and_gradients(mesh_overrides, 
     # aux_loss_coef 0: the gradients are those of cross-entropy + z-loss (+ MTP), linear in the batch
     results = {m: run(m, "moe.aux_loss_coef=0", f"model.mtp_depth={mtp}", mesh_overrides=mesh_overrides)
                for m in (1, 2, 4)}
-    _, (ce1, _, z1, moe1, mtp1, max1), g1 = results[1]
+    _, (ce1, _, z1, moe1, mtp1, max1, _), g1 = results[1]
     for m in (2, 4):
-        loss, (ce, aux, z, moe, mtp_m, max_m), g = results[m]
+        loss, (ce, aux, z, moe, mtp_m, max_m, _), g = results[m]
         np.testing.assert_allclose(float(ce), float(ce1), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(float(z), float(z1), rtol=1e-5, atol=1e-5)
         mtp_term = 0.0 if mtp1 is None else 0.3 * float(np.mean(mtp1))  # train.mtp_loss_coef's default
@@ -96,7 +96,7 @@ def test_load_balancing_loss_is_the_mean_over_micro_batches(mesh_overrides, mtp)
     The M = 4 run is the one the test above made (aux_loss_coef 0): the step returns the
     load-balancing loss before its coefficient, and the references use the default coefficient."""
     m = 4
-    _, (_, aux, _, moe, _, _), _ = run(m, "moe.aux_loss_coef=0", f"model.mtp_depth={mtp}", mesh_overrides=mesh_overrides)
+    _, (_, aux, _, moe, _, _, _), _ = run(m, "moe.aux_loss_coef=0", f"model.mtp_depth={mtp}", mesh_overrides=mesh_overrides)
     per_micro, whole = micro_batch_references(m, mtp)
     expected_layers = np.mean([np.asarray(t[3].aux_loss) for t in per_micro], axis=0)
     np.testing.assert_allclose(np.asarray(moe.aux_loss), expected_layers, rtol=1e-5)
