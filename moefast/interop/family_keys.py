@@ -1,6 +1,6 @@
 """One family's own ``config.json`` keys, read into moefast's fields and written back: the
-:class:`~moefast.interop.family_spec.FamilySpec` fields ``family_keys`` (:class:`Gemma4Keys`) and
-``config_keys`` (:class:`KimiLinearKeys`). The pieces several families share are in
+:class:`~moefast.interop.family_spec.FamilySpec` fields ``family_keys`` (:class:`Gemma4Keys`,
+:class:`NemotronHKeys`) and ``config_keys`` (:class:`KimiLinearKeys`, :class:`NemotronHSpelling`). The pieces several families share are in
 :mod:`moefast.interop.family_spec`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from moefast.config import ExperimentConfig
 from moefast.interop.family_spec import LINEAR_KEYS
 
-__all__ = ["Gemma4Keys", "KimiLinearKeys"]
+__all__ = ["Gemma4Keys", "KimiLinearKeys", "NemotronHKeys", "NemotronHSpelling"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,3 +298,150 @@ class KimiLinearKeys:
         if not any(dense[k:]):
             out["first_k_dense_replace"] = k
         return out
+
+
+_NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
+"""``hybrid_override_pattern``'s characters (transformers' ``NemotronHConfig._pattern_to_list``)."""
+_NEMOTRON_LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+"""Older ``layers_block_type`` names transformers remaps (``remap_legacy_layer_types``)."""
+_NEMOTRON_LEGACY_KEYS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_min": "time_step_min",
+                         "mamba_conv_bias": "use_conv_bias"}
+"""Older config.json names of Nemotron-H's keys that ``NemotronHConfig`` reads (and prefers) -> the
+current name (the others it renames, ``mamba_expand``, ``mamba_dt_max``, ..., shape nothing moefast
+computes)."""
+_MAMBA_KEYS = {"linear_num_value_heads": ("mamba_num_heads", 128), "linear_value_head_dim": ("mamba_head_dim", 64),
+               "linear_num_key_heads": ("n_groups", 8), "linear_key_head_dim": ("ssm_state_size", 128),
+               "linear_conv_kernel_dim": ("conv_kernel", 4)}
+"""The :data:`LINEAR_KEYS` (Mamba-2's shape, :mod:`moefast.model.mamba2`) -> (Nemotron-H's key,
+transformers' default)."""
+_NEMOTRON_SIZES = {"intermediate_size": 21504, "moe_intermediate_size": 7688, "n_routed_experts": 8}
+"""Widths and the expert count where config.json omits them: transformers' defaults."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NemotronHSpelling:
+    """Nemotron-H's ``config.json`` (transformers' ``NemotronHConfig``) as the keys the engine
+    reads, and back (:meth:`read`, :meth:`write`):
+
+    * ``layers_block_type``, one entry per layer, each ``linear_attention`` (Mamba-2; the legacy
+      ``mamba``), ``full_attention`` (``attention``), ``moe`` or ``mlp``; or, where it is absent, the
+      legacy ``hybrid_override_pattern`` string, one character per layer: ``M``, ``*``, ``E``, ``-``;
+      neither: transformers' default ``M E * -``. It is the engine's ``layer_types`` (moefast's
+      sublayer pattern) and sets ``num_hidden_layers`` (transformers derives it, ignoring the key);
+    * ``layer_norm_epsilon`` (``rms_norm_eps``; default 1e-5); Mamba-2's shape ``mamba_num_heads``,
+      ``mamba_head_dim``, ``n_groups``, ``ssm_state_size``, ``conv_kernel`` (the :data:`LINEAR_KEYS`;
+      the older ``mamba_n_groups``, ``mamba_d_conv``, ``mamba_dt_min``, ``mamba_conv_bias`` win where
+      present, as in transformers); ``num_key_value_heads`` null is ``num_attention_heads``;
+      ``moe_shared_expert_intermediate_size`` 0 or null is ``intermediate_size`` (transformers'
+      ``NemotronHMLP`` falls back to it); absent widths and expert counts are transformers' defaults;
+    * ignored, as transformers ignores them: ``attention_bias`` (``NemotronHAttention`` has no
+      biases), ``n_shared_experts``, ``sliding_window``, ``time_step_limit``, ``num_hidden_layers``;
+      ``num_nextn_predict_layers``: the checkpoint's ``mtp.*`` tensors are skipped with one note;
+    * refused, each by its key: activations other than ``relu2`` (``mlp_hidden_act``: MLPs, experts)
+      and ``silu`` (``mamba_hidden_act``), biases (``use_bias``: Mamba-2's projections; ``mlp_bias``),
+      a convolution without a bias (``use_conv_bias: false``), a tied output head, an unknown
+      pattern character or layer kind, ``n_groups`` not dividing ``mamba_num_heads``.
+    """
+
+    def read(self, hf: Mapping[str, Any], reject: Callable[[str, Any, str], None]) -> dict[str, Any]:
+        """``hf`` with the engine's keys (``layer_types``, ``num_hidden_layers``, ``rms_norm_eps``,
+        the :data:`LINEAR_KEYS`) filled in; ``reject(key, value, why)`` raises."""
+        out = dict(hf)
+        out.update({new: hf[old] for old, new in _NEMOTRON_LEGACY_KEYS.items() if old in hf})
+        for key, want, why in (("mlp_hidden_act", "relu2", "the MLPs and experts are relu² (Nemotron-H's relu2)"),
+                               ("mamba_hidden_act", "silu", "Mamba-2's convolution is followed by SiLU (silu)")):
+            if out.get(key, want) != want:
+                reject(key, out[key], why)
+        for key, bad, why in (("use_bias", True, "biases on Mamba-2's in/out projections"),
+                              ("mlp_bias", True, "biases in the MLPs, experts and latent projections"),
+                              ("use_conv_bias", False, "a Mamba-2 convolution without a bias (moefast's has one)"),
+                              ("tie_word_embeddings", True, "transformers' NemotronHForCausalLM never ties its "
+                                                            "output head to the embedding")):
+            if key in out and bool(out[key]) == bad:
+                reject(key, out[key], why)
+        out["layer_types"] = self._types(hf, reject)
+        out["num_hidden_layers"] = len(out["layer_types"])
+        out["rms_norm_eps"] = out.get("layer_norm_epsilon") or 1e-5
+        for key, (own, default) in _MAMBA_KEYS.items():
+            value = out.get(own, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                reject(own, value, "an int >= 1")
+            out[key] = value
+        if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
+            reject("n_groups", out["linear_num_key_heads"], f"Mamba-2's groups must divide its "
+                   f"mamba_num_heads={out['linear_num_value_heads']} heads")
+        if "num_key_value_heads" in out and out["num_key_value_heads"] is None:
+            out["num_key_value_heads"] = out["num_attention_heads"]
+        if out.get("n_routed_experts") is None and out.get("num_local_experts") is not None:
+            out["n_routed_experts"] = out["num_local_experts"]  # transformers' attribute_map
+        for key, default in _NEMOTRON_SIZES.items():  # the engine reads these without defaults
+            if out.get(key) is None:
+                out[key] = default
+        shared = "moe_shared_expert_intermediate_size"
+        if shared in out and not out[shared]:
+            out[shared] = out["intermediate_size"]
+        return out
+
+    @staticmethod
+    def _types(hf: Mapping[str, Any], reject) -> list[str]:
+        """Each layer's kind from ``layers_block_type`` or ``hybrid_override_pattern``."""
+        given, pattern = hf.get("layers_block_type"), hf.get("hybrid_override_pattern")
+        if given is None and pattern is not None:
+            bad = [f"{c!r} (layer {i})" for i, c in enumerate(str(pattern)) if c not in _NEMOTRON_PATTERN]
+            if not isinstance(pattern, str) or not pattern or bad:
+                reject("hybrid_override_pattern", pattern, f"{', '.join(bad) or 'no layers'}: one character per "
+                       "layer, each M (Mamba-2), * (attention), E (MoE) or - (MLP)")
+            return [_NEMOTRON_PATTERN[c] for c in pattern]
+        if given is None:
+            return ["linear_attention", "moe", "full_attention", "mlp"]  # transformers' default
+        kinds = set(_NEMOTRON_PATTERN.values())
+        types = [_NEMOTRON_LEGACY_TYPES.get(t, t) for t in given] if isinstance(given, (list, tuple)) else None
+        bad = [f"{t!r} (layer {i})" for i, t in enumerate(types or []) if t not in kinds]
+        if not types or bad:
+            reject("layers_block_type", given, f"{', '.join(bad) or 'no layers'}: one entry per layer, each "
+                   "linear_attention (Mamba-2), full_attention, moe or mlp")
+        return types
+
+    def write(self, out: dict[str, Any], cfg: ExperimentConfig) -> dict[str, Any]:
+        """``out`` (the engine's keys) in Nemotron-H's: ``layers_block_type``, ``layer_norm_epsilon``,
+        Mamba-2's shape under its names, the activations and biases it implies; no RoPE keys (nothing
+        rotates) and no MTP layers."""
+        m = cfg.model
+        dropped = {*LINEAR_KEYS, "layer_types", "rms_norm_eps", "rope_theta", "rope_parameters", "hidden_act",
+                   "partial_rotary_factor"}
+        out = {k: v for k, v in out.items() if k not in dropped}
+        out.update({own: getattr(m, key) for key, (own, _) in _MAMBA_KEYS.items()})
+        out.update(layers_block_type=list(m.layer_types), layer_norm_epsilon=m.norm_eps, mlp_hidden_act="relu2",
+                   mamba_hidden_act="silu", use_bias=False, mlp_bias=False, use_conv_bias=True, attention_bias=False,
+                   num_nextn_predict_layers=0)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class NemotronHKeys:
+    """Nemotron-H's own config.json keys, read into moefast's fields and written back:
+    ``time_step_min`` (transformers' default 0.001; Mamba-2's floor on its time steps, which
+    transformers' mixer clamps at: ``model.time_step_min``) and ``moe_latent_size`` (null: the experts
+    work in ``hidden_size``; ``moe.latent_size``)."""
+
+    hf_keys: Mapping[str, str] = dataclasses.field(default_factory=lambda: {
+        "model.time_step_min": "time_step_min", "moe.latent_size": "moe_latent_size"})
+    """moefast keys -> the config.json key they come from, for error messages."""
+    owns: tuple[str, ...] = ("model.time_step_min", "moe.latent_size")
+
+    def read(self, hf: Mapping[str, Any], reject: Callable[[str, Any, str], None]) -> tuple[dict, dict]:
+        """``(model, moe)`` fields from config.json dict ``hf``; ``reject(key, value, why)`` raises."""
+        floor = hf.get("time_step_min", 0.001)
+        if not isinstance(floor, (int, float)) or isinstance(floor, bool) or not floor >= 0:
+            reject("time_step_min", floor, "Mamba-2's floor on its time steps: a number >= 0")
+        latent = hf.get("moe_latent_size")
+        if latent is not None and (not isinstance(latent, int) or isinstance(latent, bool) or latent < 1):
+            reject("moe_latent_size", latent, "the experts' latent width: an int >= 1, or null (hidden_size)")
+        return {"time_step_min": float(floor)}, {"latent_size": latent}
+
+    def write(self, cfg: ExperimentConfig) -> dict[str, Any]:
+        return {"time_step_min": cfg.model.time_step_min, "moe_latent_size": cfg.moe.latent_size}
+
+    def problems(self, cfg: ExperimentConfig, name: str) -> list[str]:
+        """Nothing beyond the :class:`FamilySpec` fields."""
+        return []

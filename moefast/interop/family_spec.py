@@ -14,7 +14,7 @@ from moefast.config import ExperimentConfig, ModelConfig
 from moefast.interop.transforms import SubPath, Tensor
 
 if TYPE_CHECKING:  # one family's own config.json keys (the FamilySpec fields below)
-    from moefast.interop.family_keys import Gemma4Keys, KimiLinearKeys
+    from moefast.interop.family_keys import Gemma4Keys, KimiLinearKeys, NemotronHKeys, NemotronHSpelling
 
 # ------------------------------------------------------------------------------------ config keys
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +22,7 @@ class AllMoE:
     """Every layer is MoE (Mixtral, OLMoE); nothing to write in config.json."""
 
     allows_dense = False
+    sublayers = False
     keys: tuple[str, ...] = ()
 
     def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
@@ -43,6 +44,7 @@ class MlpOnlyLayers:
     decoder_sparse_step == 0`` (Qwen-MoE)."""
 
     allows_dense = True
+    sublayers = False
     keys: tuple[str, ...] = ("mlp_only_layers", "decoder_sparse_step")
 
     def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
@@ -66,6 +68,7 @@ class FirstKDense:
     default: int = 0
     key: str = "first_k_dense_replace"
     allows_dense = True
+    sublayers = False
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -169,6 +172,7 @@ class MlpLayerTypes:
 
     key: str = "mlp_layer_types"
     allows_dense = True
+    sublayers = False
     leading: FirstKDense | None = None
 
     @property
@@ -204,6 +208,34 @@ class MlpLayerTypes:
         return None  # any set of dense layers can be listed
 
 
+@dataclasses.dataclass(frozen=True)
+class SublayerPattern:
+    """Every layer is one pre-norm residual sublayer, a token mixer or a feed-forward alone, as
+    the (engine's) ``layer_types`` lists them: ``"moe"`` layers are MoE, ``"mlp"`` ones dense, the
+    others have no feed-forward (Nemotron-H's ``layers_block_type``; moefast ``model.layer_types``
+    with :attr:`~moefast.config.ModelConfig.sublayers`, ``num_dense_layers`` 0 and ``moe_every``
+    1). The pattern is written with the layer types, so nothing here."""
+
+    allows_dense = True
+    sublayers = True
+    keys: tuple[str, ...] = ("layer_types",)
+
+    def moe_layers(self, hf: Mapping[str, Any], num_layers: int) -> list[bool]:
+        types = list(hf.get("layer_types") or [])
+        if len(types) != num_layers:
+            raise ValueError(f"{len(types)} entries for num_hidden_layers={num_layers}: one per layer")
+        return [t == "moe" for t in types]
+
+    def to_hf(self, dense: list[int], num_layers: int) -> dict[str, Any]:
+        return {}
+
+    def problem(self, m: ModelConfig, name: str) -> str | None:
+        if not m.sublayers:
+            return (f"model.layer_types without moe / mlp sublayers ({name}'s layers are single sublayers, a token "
+                    "mixer or a feed-forward each)")
+        return None
+
+
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                "linear_conv_kernel_dim")
 """config.json keys of Gated DeltaNet's shape, read into moefast's ``model.*`` keys of the same names."""
@@ -214,30 +246,34 @@ class LayerTypes:
     """``layer_types`` lists each layer's token mixer, ``"full_attention"`` or ``"linear_attention"``
     (Gated DeltaNet; moefast ``model.layer_types``, HF's name). Absent or null: layer i is full
     attention where ``(i + 1) % full_attention_interval == 0`` (default 4) and linear otherwise, as
-    transformers' Qwen3-Next and Qwen3.5 configs assume."""
+    transformers' Qwen3-Next and Qwen3.5 configs assume. ``kinds``: the entries the family has
+    (Nemotron-H's sublayers: also ``"moe"`` and ``"mlp"``)."""
 
     key: str = "layer_types"
     interval_key: str = "full_attention_interval"
     interval_default: int = 4
+    kinds: tuple[str, ...] = ("full_attention", "linear_attention")
 
     def types(self, hf: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
-        """Each layer's mixer.
+        """Each layer's kind, one of :attr:`kinds` (Nemotron-H's also ``"moe"`` and ``"mlp"``:
+        :class:`SublayerPattern`).
 
         Raises:
-          ValueError: the list's length is not ``num_layers``, or an entry is neither kind.
+          ValueError: the list's length is not ``num_layers``, or an entry is none of the kinds.
         """
-        kinds = ("full_attention", "linear_attention")
+        kinds = self.kinds
+        each = ", ".join(map(repr, kinds[:-1])) + f" or {kinds[-1]!r}"
         types = hf.get(self.key)
         if types is None:
             every = hf.get(self.interval_key) or self.interval_default
             return tuple("linear_attention" if (i + 1) % every else "full_attention" for i in range(num_layers))
         if not isinstance(types, (list, tuple)):
-            raise ValueError(f"one entry per layer ({num_layers}), each {kinds[0]!r} or {kinds[1]!r}")
+            raise ValueError(f"one entry per layer ({num_layers}), each {each}")
         other = sorted({repr(t) for t in types if t not in kinds})
         if len(types) != num_layers or other:
             raise ValueError(f"{len(types)} entries for num_hidden_layers={num_layers}"
                              + (f", with {', '.join(other)}" if other else "")
-                             + f": one per layer, each {kinds[0]!r} or {kinds[1]!r}")
+                             + f": one per layer, each {each}")
         return tuple(types)
 
     def to_hf(self, types: tuple[str, ...]) -> dict[str, Any]:
@@ -261,7 +297,8 @@ class FamilySpec:
       dense_ff_key: key of the dense layers' width (moefast ``model.dense_d_ff``); None: the family
         has no dense layers of their own width.
       moe_layers: which layers are MoE (:class:`AllMoE`, :class:`MlpOnlyLayers` or
-        :class:`FirstKDense` or :class:`MlpLayerTypes`).
+        :class:`FirstKDense` or :class:`MlpLayerTypes`), or every layer a single sublayer
+        (:class:`SublayerPattern`: Nemotron-H).
       attention_bias: the key switching attention biases on; None: the family has none.
       qk_norm: moefast's ``model.qk_norm`` for the family (``"none"``, ``"per_head"``, ``"full"``).
       qk_norm_key: config.json key switching the q/k norms on (GLM-4.5's ``use_qk_norm``; absent:
@@ -336,9 +373,10 @@ class FamilySpec:
       moe_tensors: per-layer tables of MoE layers' MLPs by on-disk expert layout (``"per_expert"``
         and, where it exists, ``"fused"``); reading picks the layout whose tensors the files hold.
       global_tensors: table of the parameters outside the layers (embedding, final norm, head).
-      layer_types: the family mixes tokens per layer by full attention or Gated DeltaNet, listed in
-        config.json (:class:`LayerTypes`; moefast ``model.layer_types``, the :data:`LINEAR_KEYS` under
-        the same names, defaults from ``hf_defaults``); None: full attention only (a
+      layer_types: the family mixes tokens per layer by full attention or a linear-attention kind
+        (Gated DeltaNet, KDA, Mamba-2: the spec's ``fixed`` ``model.linear_attention_kind``), listed
+        in config.json (:class:`LayerTypes`; moefast ``model.layer_types``, the :data:`LINEAR_KEYS`
+        under the same names, defaults from ``hf_defaults``); None: full attention only (a
         ``layer_types`` with another entry is refused).
       linear_tensors: per-layer table of the linear-attention layers (their norms and Gated
         DeltaNet), used for those layers instead of ``layer_tensors``.
@@ -371,10 +409,11 @@ class FamilySpec:
         set on import, and a model with another value cannot be written as this family; a key that
         some family fixes must hold its default in the others.
       family_keys: config.json keys only this family has, read into moefast's keys and written
-        back (:class:`Gemma4Keys`: ``read``, ``write``, ``problems``, the moefast keys it ``owns``,
-        which must hold their defaults in other families).
+        back (:class:`Gemma4Keys`, :class:`NemotronHKeys`: ``read``, ``write``, ``problems``, the
+        moefast keys it ``owns``, which must hold their defaults in other families).
       config_keys: the family spells config.json otherwise: its keys turned into the engine's before
-        anything is read, and the export's turned back (:class:`KimiLinearKeys`: ``read``, ``write``).
+        anything is read, and the export's turned back (:class:`KimiLinearKeys`,
+        :class:`NemotronHSpelling`: ``read``, ``write``).
       read_renames: ``(regex, replacement)`` applied to the checkpoint's tensor names before they are
         matched with the tables: names another writer gives some tensors (transformers' Kimi Linear
         ``save_pretrained`` puts the dense layers' MLP under ``block_sparse_moe.``, the hub's
@@ -403,7 +442,7 @@ class FamilySpec:
     moe_tensors: Mapping[str, Mapping[SubPath, Tensor]]
     global_tensors: Mapping[SubPath, Tensor]
     dense_ff_key: str | None = None
-    moe_layers: AllMoE | MlpOnlyLayers | FirstKDense | MlpLayerTypes = AllMoE()
+    moe_layers: AllMoE | MlpOnlyLayers | FirstKDense | MlpLayerTypes | SublayerPattern = AllMoE()
     attention_bias: BiasKey | None = None
     qk_norm: Literal["none", "per_head", "full"] = "none"
     qk_norm_key: str | None = None
@@ -441,8 +480,8 @@ class FamilySpec:
     mxfp4_experts: bool = False
     sliding_pattern: int = 2
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    family_keys: Gemma4Keys | None = None
-    config_keys: KimiLinearKeys | None = None
+    family_keys: Gemma4Keys | NemotronHKeys | None = None
+    config_keys: KimiLinearKeys | NemotronHSpelling | None = None
     read_renames: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):

@@ -13,7 +13,9 @@ and writes any of them and names none.
   (``model`` and ``moe`` sections from the checkpoint, everything else from a base config and
   overrides). Hybrid families (Qwen3-Next, Qwen3.5-MoE) give ``model.layer_types`` (transformers'
   default from ``full_attention_interval`` when absent), the ``linear_*`` keys, the attention output
-  gate and zero-centred norms; a vision-language config (Qwen3.5-MoE's ``qwen3_5_moe``) is read
+  gate and zero-centred norms; Nemotron-H (``nemotron_h``) its pattern of single sublayers
+  (``layers_block_type``: Mamba-2, attention, MoE, MLP) as ``model.layer_types`` with Mamba-2's
+  shape in the ``linear_*`` keys; a vision-language config (Qwen3.5-MoE's ``qwen3_5_moe``) is read
   from its ``text_config``. Options moefast does not implement (sliding windows, RoPE scaling other than the
   YaRN of families with ``yarn``, partial rotary outside families with ``partial_rotary``, a
   ``scoring_func`` / ``topk_method`` the family's router does not compute, a family's own

@@ -221,7 +221,9 @@ def _hf_sections(hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     ids = [i for i, m in enumerate(moe_at) if m]
     nd = ids[0]
     every = ids[1] - ids[0] if len(ids) > 1 else n_layers - nd  # one MoE layer: the rest are dense
-    if moe_at != [i >= nd and (i - nd) % every == 0 for i in range(n_layers)]:
+    if spec.moe_layers.sublayers:  # Nemotron-H: layer_types says where the MoE (and dense) sublayers are
+        nd, every = 0, 1
+    elif moe_at != [i >= nd and (i - nd) % every == 0 for i in range(n_layers)]:
         reject(layer_field, layer_value,
                f"MoE layers {ids}: moefast's layers are num_dense_layers leading dense ones, then every "
                "moe_every-th one MoE")
@@ -435,6 +437,9 @@ def _problems(spec: FamilySpec, cfg: ExperimentConfig) -> list[str]:
     out += _mtp_problems(spec, m)
     if "linear_attention" in (m.layer_types or ()) and spec.layer_types is None:
         out.append(f"model.layer_types with linear_attention layers ({name}'s layers are full attention)")
+    if m.sublayers and not spec.moe_layers.sublayers:
+        out.append(f"model.layer_types with moe / mlp sublayers ({name}'s layers each hold a token mixer and a "
+                   "feed-forward)")
     if m.attention_output_gate != spec.attention_output_gate:
         out.append(f"model.attention_output_gate={str(m.attention_output_gate).lower()} ({name} "
                    f"{'gates' if spec.attention_output_gate else 'does not gate'} its attention output)")
