@@ -9,7 +9,12 @@ weighted sum of the outputs with respect to q, k, v, g and beta is compiled for 
 and read: XLA's temporaries (``memory_analysis``), XLA's FLOP count (which counts no FLOPs inside
 a Pallas kernel: a custom call), the analytical FLOPs MFU counts (:func:`chunked_flops`), the kernels in the program and what is left of the chunked form's XLA
 ops (while loops over chunks). The shapes are Qwen3.5-35B-A3B's and Kimi Linear's linear layers
-(32 heads, K = V = 128) on one row, bfloat16 inputs, chunks of 64 tokens for both forms. These
+(32 heads, K = V = 128) on one row, bfloat16 inputs, chunks of 64 tokens for both forms.
+
+``mamba2``: Mamba-2's SSD scan (:func:`moefast.kernels.mamba2.ssd`) with respect to x, dt, B and
+C at Nemotron 3 Nano's shapes (64 heads of P = 64, B and C in 8 groups of N = 128; the record's
+``heads``, ``value_dim`` and ``key_dim``), the Pallas kernels in chunks of 64 against the chunked
+form in chunks of 128; its analytical FLOPs are :mod:`moefast.model.flops`' Mamba-2 count. These
 are compiled figures; times need a GPU (``scripts/gpu_check.py``).
 """
 
@@ -26,11 +31,12 @@ __all__ = ["LinearAttentionRecord", "bench_linear_attention", "chunked_flops", "
 TOKENS = (4096, 16384, 65536)
 QUICK_TOKENS = (4096,)
 HEADS, KEY_DIM, VALUE_DIM, CHUNK = 32, 128, 128, 64
+MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_GROUPS, MAMBA_STATE = 64, 64, 8, 128  # Nemotron 3 Nano
 
 
 @dataclasses.dataclass
 class LinearAttentionRecord:
-    decay: str  # "head" (Gated DeltaNet) or "channel" (KDA)
+    decay: str  # "head" (Gated DeltaNet), "channel" (KDA) or "mamba2" (Mamba-2's SSD scan)
     impl: str  # "pallas" or "chunked"
     tokens: int
     heads: int
@@ -45,15 +51,21 @@ class LinearAttentionRecord:
     while_loops: int  # XLA while loops left (the chunked form's scan over chunks)
 
 
-def chunked_flops(tokens: int) -> float:
-    """Forward + backward FLOPs of the chunked gated delta rule at this bench's shapes:
-    :mod:`moefast.model.flops`' count per token (the one MFU uses; chunks of its
-    ``DELTA_RULE_CHUNK``), times ``tokens``, times 3 (the backward as twice the forward)."""
+def chunked_flops(tokens: int, kind: str = "head") -> float:
+    """Forward + backward FLOPs of the chunked gated delta rule (or, ``kind="mamba2"``, the SSD
+    scan) at this bench's shapes: :mod:`moefast.model.flops`' count per token (the one MFU uses;
+    chunks of its ``DELTA_RULE_CHUNK``, or 128), times ``tokens``, times 3 (the backward as twice
+    the forward)."""
     from moefast.config import ModelConfig
     from moefast.model.flops import _delta_rule_flops
 
-    m = ModelConfig(num_layers=1, layer_types=("linear_attention",), linear_num_key_heads=HEADS,
-                    linear_num_value_heads=HEADS, linear_key_head_dim=KEY_DIM, linear_value_head_dim=VALUE_DIM)
+    if kind == "mamba2":
+        m = ModelConfig(num_layers=1, layer_types=("linear_attention",), linear_attention_kind="mamba2",
+                        linear_num_key_heads=MAMBA_GROUPS, linear_num_value_heads=MAMBA_HEADS,
+                        linear_key_head_dim=MAMBA_STATE, linear_value_head_dim=MAMBA_HEAD_DIM)
+    else:
+        m = ModelConfig(num_layers=1, layer_types=("linear_attention",), linear_num_key_heads=HEADS,
+                        linear_num_value_heads=HEADS, linear_key_head_dim=KEY_DIM, linear_value_head_dim=VALUE_DIM)
     return 3.0 * tokens * _delta_rule_flops(m)
 
 
@@ -75,12 +87,16 @@ def compile_and_read(fn, args) -> dict:
 
 
 def _record(fn, args, decay: str, impl: str, tokens: int) -> LinearAttentionRecord:
-    return LinearAttentionRecord(decay=decay, impl=impl, tokens=tokens, heads=HEADS, key_dim=KEY_DIM,
-                                 value_dim=VALUE_DIM, chunk_size=CHUNK, model_flops=chunked_flops(tokens),
-                                 **compile_and_read(fn, args))
+    mamba = decay == "mamba2"
+    return LinearAttentionRecord(decay=decay, impl=impl, tokens=tokens, heads=MAMBA_HEADS if mamba else HEADS,
+                                 key_dim=MAMBA_STATE if mamba else KEY_DIM,
+                                 value_dim=MAMBA_HEAD_DIM if mamba else VALUE_DIM,
+                                 chunk_size=(64 if impl == "pallas" else 128) if mamba else CHUNK,
+                                 model_flops=chunked_flops(tokens, decay), **compile_and_read(fn, args))
 
 
-def bench_linear_attention(gpu: str = "h100", tokens=TOKENS, decays=("head", "channel"), impls=("pallas", "chunked"),
+def bench_linear_attention(gpu: str = "h100", tokens=TOKENS, decays=("head", "channel", "mamba2"),
+                           impls=("pallas", "chunked"),
                            log=print) -> list[LinearAttentionRecord]:
     """Compiles and reads every (decay, impl, tokens) case (module docstring) for one ``gpu``
     (a key of :data:`moefast.bench.gpu_compile.GPUS`). Needs :func:`~moefast.bench.gpu_compile.prepare_process`
@@ -96,12 +112,16 @@ def bench_linear_attention(gpu: str = "h100", tokens=TOKENS, decays=("head", "ch
 
     from moefast.bench.gpu_compile import compile_only_devices
     from moefast.kernels.gated_delta_rule import gated_delta_rule
+    from moefast.kernels.mamba2 import ssd
 
     mesh = jax.sharding.Mesh(np.array(compile_only_devices(gpu, 1, 1)), ("data",))
     whole = NamedSharding(mesh, P())
     records = []
     for decay in decays:
         for t in tokens:
+            if decay == "mamba2":
+                records += _mamba2_records(t, impls, whole, mesh, gpu, ssd, log)
+                continue
             shapes = {"q": ((1, t, HEADS, KEY_DIM), jnp.bfloat16), "k": ((1, t, HEADS, KEY_DIM), jnp.bfloat16),
                       "v": ((1, t, HEADS, VALUE_DIM), jnp.bfloat16),
                       "g": ((1, t, HEADS) + ((KEY_DIM,) if decay == "channel" else ()), jnp.float32),
@@ -120,11 +140,35 @@ def bench_linear_attention(gpu: str = "h100", tokens=TOKENS, decays=("head", "ch
     return records
 
 
+def _mamba2_records(t: int, impls, whole, mesh, gpu: str, ssd, log) -> list[LinearAttentionRecord]:
+    """The SSD scan's cases at ``t`` tokens (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    h, p, g, n = MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_GROUPS, MAMBA_STATE
+    shapes = [((1, t, h, p), jnp.bfloat16), ((1, t, h), jnp.float32), ((1, t, g, n), jnp.bfloat16),
+              ((1, t, g, n), jnp.bfloat16), ((1, t, h, p), jnp.float32)]
+    args = [jax.ShapeDtypeStruct(s, d, sharding=whole) for s, d in shapes]
+    a = -jnp.arange(1, h + 1, dtype=jnp.float32)
+    records = []
+    for impl in impls:
+        def loss(x, dt, b, c, w, impl=impl):
+            y, _ = ssd(x, dt, a, b, c, impl=impl, chunk_size=64 if impl == "pallas" else 128,
+                       **({"interpret": False} if impl == "pallas" else {}))
+            return jnp.sum(y.astype(jnp.float32) * w)
+
+        log(f"compiling {impl} (Mamba-2 SSD) at {t:,} tokens for {gpu} ...")
+        with jax.set_mesh(mesh):
+            records.append(_record(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), args, "mamba2", impl, t))
+    return records
+
+
 def format_table(records: list[LinearAttentionRecord], gpu: str) -> str:
     """Markdown: a row per case, the chunked form's temporaries beside each Pallas row."""
     base = {(r.decay, r.tokens): r for r in records if r.impl == "chunked"}
     lines = [f"Gated delta rule forward + backward compiled for one {gpu} (compile-only; B = 1, H = {HEADS}, "
-             f"K = V = {KEY_DIM}, C = {CHUNK}, bfloat16 inputs)", "",
+             f"K = V = {KEY_DIM}, C = {CHUNK}, bfloat16 inputs; mamba2: the SSD scan, H = {MAMBA_HEADS} of "
+             f"P = {MAMBA_HEAD_DIM}, {MAMBA_GROUPS} groups of N = {MAMBA_STATE}, C = 64 Pallas / 128 chunked)", "",
              "| decay | impl | tokens | temporaries (MiB) | vs chunked | XLA GFLOP (Pallas kernels count 0) | "
              "analytical GFLOP (moefast.model.flops, fwd + bwd) | kernels | while loops |",
              "|---|---|---:|---:|---:|---:|---:|---|---:|"]

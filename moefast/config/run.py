@@ -217,7 +217,9 @@ class MeshConfig:
         one more token axis. For rows too long for one device's activations. ``data.seq_len``
         must be a multiple of 2 x context (with linear-attention layers, of pieces of at least
         ``model.linear_conv_kernel_dim`` - 1 tokens); not with ``model.sequence_slices`` nor sparse
-        MLA (``model.index_topk``: its indexer scores keys on other devices, not built yet); dropout masks differ from an unsplit run's (drawn over the
+        MLA (``model.index_topk``: its indexer scores keys on other devices, not built yet) nor Mamba-2
+        layers (``model.linear_attention_kind=mamba2``: their state does not pass along the axis yet);
+        dropout masks differ from an unsplit run's (drawn over the
         reordered tokens). 1 (default): rows whole on each device. Never -1.
     """
 

@@ -145,3 +145,22 @@ def test_nemotron_h_sublayers_scan_decode_and_train():
     moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), state["params"], new["params"])
     assert all(jax.tree.leaves(moved)), [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(moved)
                                          if not v]
+
+
+def test_generate_through_the_nemotron_h_states():
+    """``moefast generate``'s sampling loop on the Nemotron-H pattern (prefill, then a token at a
+    time through the Mamba-2 states and the attention cache): every step's logits equal the full
+    forward pass over the prompt and the tokens so far."""
+    from moefast.data import ByteTokenizer
+    from moefast.train import ModelDef, generate
+
+    md = ModelDef(load_config(None, NEMOTRON), 259)
+    params = md.init_params(seed=5)
+    tok = ByteTokenizer()
+    text, logits = generate(md, params, tok, "def f(x):", max_new_tokens=4, temperature=0.0, return_logits=True)
+    ids = np.concatenate([[tok.bos_id], tok.encode("def f(x):"), tok.encode(text)])[None]
+    full = jax.jit(lambda p, ids: md.module(p)(ids, drop_tokens=False).logits)(params, jnp.asarray(ids))[0]
+    n = ids.shape[1] - len(tok.encode(text))
+    assert len(logits) >= 2
+    for i in range(len(logits)):
+        np.testing.assert_allclose(logits[i], np.asarray(full[n - 1 + i]), rtol=1e-4, atol=1e-4)
