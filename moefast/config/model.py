@@ -375,7 +375,7 @@ class ModelConfig:
         if self.sublayers:  # Nemotron-H: one sublayer per entry
             _require(self.num_dense_layers == 0 and self.moe_every == 1, "model.layer_types",
                      "holds moe / mlp sublayers, which say where the feed-forwards are: set model.num_dense_layers=0 "
-                     f"and model.moe_every=1 (got {self.num_dense_layers} and {self.moe_every})")
+                     f"and model.moe_every=1 (got num_dense_layers={self.num_dense_layers}, moe_every={self.moe_every})")
             _require(self.mtp_depth == 0, "model.mtp_depth", f"{self.mtp_depth} with a sublayer pattern "
                      "(moe / mlp entries in model.layer_types): multi-token prediction modules of sublayers are not "
                      "built yet; use 0")
