@@ -341,6 +341,44 @@ class MLAttention(nnx.Module):
         return (project(self, "o_proj", o.reshape(b, t, h * hv), self.dtype, ("heads", "embed"), fp8=self.fp8),
                 jnp.max(max_bth, axis=(0, 1)))
 
+    def _sparse(self, x_btd, q_lat, rope, q_nope, q_rope, c_kv, k_rope, mask_b1ts, cache, cache_index, kv_prefix,
+                record_max, token_mask):
+        """DSA's part of :meth:`__call__` (its arguments, the query latent and MLA's query and key
+        parts): ``(the mask narrowed to the selected keys, the indexer keys [B, S, Di] (the cache's
+        with one), the indexer's KL or None, None)``; in training with the fused kernels the last
+        entry is :meth:`_sparse_attention`'s ``(output, largest logits)`` instead (the mask unused).
+        The dense warm-up (``indexer_stage``) keeps the mask.
+
+        Raises:
+          ValueError: sequence slices or a context axis.
+        """
+        if kv_prefix is not None or isinstance(mask_b1ts, tuple) or context_size() > 1:
+            raise ValueError("MLAttention with index_topk (sparse MLA) runs on whole rows only: no sequence "
+                             "slices (model.sequence_slices) and no context parallelism (mesh.context)")
+        fused = mask_b1ts.ndim == 2  # segment ids: attention_impl=flash
+        visible = mask_b1ts if fused else mask_b1ts[:, 0]  # [B, T] ids, or bool [B or 1, T, S]
+        index_k = self.indexer.keys(x_btd, rope)  # [B, T, Di]
+        if cache is not None:
+            index_k = jax.lax.dynamic_update_slice_in_dim(cache["index_k"], index_k.astype(cache["index_k"].dtype),
+                                                          cache_index, axis=1)
+        learn = record_max and cache is None and self.indexer_stage != "none"
+        # one absorbed query and key for the kernel and the loss: the 671B step at 4k rows fits with
+        # 0.23 GiB less than with two; at 32k rows it holds 20 GiB more (docs/perf.md, "DeepSeek Sparse Attention")
+        absorbed = self._absorbed(q_nope, q_rope, c_kv, k_rope) if cache is None and (fused or learn) else None
+        if learn:
+            q_abs, k_abs, _ = absorbed
+            query_mask = jnp.ones(x_btd.shape[:2], bool) if token_mask is None else token_mask
+            kl = functools.partial(self.indexer.kl_loss, x_btd, q_lat, rope, q_abs, k_abs, self.scale, query_mask)
+        if self.indexer_stage == "dense_warmup":  # dense attention; the indexer learns it over every visible key
+            indexer_kl = kl(mask_bts=segment_mask(visible)[:, 0] if fused else visible) if learn else None
+        else:
+            idx = self.indexer.top_keys(x_btd, q_lat, rope, index_k, visible)
+            indexer_kl = kl(idx_btk=idx) if learn else None
+            if cache is None and fused:
+                return mask_b1ts, index_k, indexer_kl, self._sparse_attention(absorbed, c_kv, idx)
+            mask_b1ts = self.indexer.select(idx, visible)[:, None]
+        return mask_b1ts, index_k, indexer_kl, None
+
     def __call__(self, x_btd, rope, mask_b1ts, cache: dict | None, cache_index, kv_prefix: tuple | None = None, *,
                  record_max: bool = False, token_mask=None):
         """Arguments as :meth:`Attention.__call__` (``rope``: float32 [B, T, 1, R/2] cos and sin, or
@@ -368,33 +406,13 @@ class MLAttention(nnx.Module):
         c_kv = self.kv_a_layernorm(kv_a[..., :c]).astype(self.dtype)  # [B, T, C]
         k_rope = kv_a[..., c:] if rope is None else apply_rope(kv_a[..., None, c:], *rope)[:, :, 0]  # [B, T, R], shared
         index_k = indexer_kl = None
-        if self.sparse:  # DSA: narrow the mask to the indexer's keys (the dense masked reference)
-            if kv_prefix is not None or isinstance(mask_b1ts, tuple) or context_size() > 1:
-                raise ValueError("MLAttention with index_topk (sparse MLA) runs on whole rows only: no sequence "
-                                 "slices (model.sequence_slices) and no context parallelism (mesh.context)")
-            fused = mask_b1ts.ndim == 2  # segment ids: attention_impl=flash
-            visible = mask_b1ts if fused else mask_b1ts[:, 0]  # [B, T] ids, or bool [B or 1, T, S]
-            index_k = self.indexer.keys(x_btd, rope)  # [B, T, Di]
-            if cache is not None:
-                index_k = jax.lax.dynamic_update_slice_in_dim(cache["index_k"], index_k.astype(cache["index_k"].dtype),
-                                                              cache_index, axis=1)
-            learn = record_max and cache is None and self.indexer_stage != "none"
-            # one absorbed query and key for the kernel and the loss: the 671B step at 4k rows fits with
-            # 0.23 GiB less than with two; at 32k rows it holds 20 GiB more (docs/perf.md, "DeepSeek Sparse Attention")
-            absorbed = self._absorbed(q_nope, q_rope, c_kv, k_rope) if cache is None and (fused or learn) else None
-            if learn:
-                q_abs, k_abs, _ = absorbed
-                query_mask = jnp.ones((b, t), bool) if token_mask is None else token_mask
-                kl = functools.partial(self.indexer.kl_loss, x_btd, q_lat, rope, q_abs, k_abs, self.scale, query_mask)
-            if self.indexer_stage == "dense_warmup":  # dense attention; the indexer learns it over every visible key
-                indexer_kl = kl(mask_bts=segment_mask(visible)[:, 0] if fused else visible) if learn else None
-            else:
-                idx = self.indexer.top_keys(x_btd, q_lat, rope, index_k, visible)
-                indexer_kl = kl(idx_btk=idx) if learn else None
-                if cache is None and fused:  # training with the fused kernels: MLA's absorbed form over the selection
-                    out, max_h = self._sparse_attention(absorbed, c_kv, idx)
-                    return _with_records((out, None), max_h, indexer_kl) if record_max else (out, None)
-                mask_b1ts = self.indexer.select(idx, visible)[:, None]
+        if self.sparse:  # DSA: the indexer's keys (the dense masked reference), or the fused sparse kernel
+            mask_b1ts, index_k, indexer_kl, fused = self._sparse(x_btd, q_lat, rope, q_nope, q_rope, c_kv, k_rope,
+                                                                 mask_b1ts, cache, cache_index, kv_prefix, record_max,
+                                                                 token_mask)
+            if fused is not None:  # training with the fused kernels: MLA's absorbed form over the selection
+                out, max_h = fused
+                return _with_records((out, None), max_h, indexer_kl) if record_max else (out, None)
         if cache is None and kv_prefix is None and context_size() > 1 and not isinstance(mask_b1ts, tuple) \
                 and mask_b1ts.ndim == 2:  # the fused kernel on a context axis: each device gathers the row's
             # latent and RoPE key (C + R features a token, not H (N + R + Hv)) and up-projects them itself
