@@ -177,15 +177,18 @@ class MoELayer(nnx.Module):
         y, stats = (recompute_dequantized(routed) if is_nf4(self) else routed)(routed_x, router_x)
         if self.moe.latent_size:
             y = project(self, "fc2_latent_proj", y.astype(self.dtype), self.dtype, ("lora", "embed"), fp8=self.fp8)
-        if self.moe.shared_expert_d_ff:
-            x = x_btd.astype(self.dtype)
-            h = project(self, "shared_w_in", x, self.dtype, ("embed", "mlp"), fp8=self.fp8)
-            act = gated_unit(h, self.moe.expert_activation, self.moe.swiglu_limit)
-            shared = project(self, "shared_w_out", act, self.dtype, ("mlp", "embed"), fp8=self.fp8)
-            if self.moe.shared_expert_gate:
-                shared = jax.nn.sigmoid(dense(x, self.shared_gate[...], self.dtype, ("embed", None))) * shared
-            if self.moe.branch_norms:
-                y = rms(y, self.norm_eps, self.routed_out_norm[...]).astype(y.dtype)
-                shared = rms(shared, self.norm_eps, self.shared_out_norm[...])
-            y = y + shared.astype(y.dtype)
-        return y, stats
+        return (self._with_shared(x_btd, y) if self.moe.shared_expert_d_ff else y), stats
+
+    def _with_shared(self, x_btd, y_btd):
+        """The routed output ``y_btd`` plus the shared expert's on ``x_btd`` (gated with
+        ``moe.shared_expert_gate``; each branch normalised with ``moe.branch_norms``), [B, T, D]."""
+        x = x_btd.astype(self.dtype)
+        h = project(self, "shared_w_in", x, self.dtype, ("embed", "mlp"), fp8=self.fp8)
+        act = gated_unit(h, self.moe.expert_activation, self.moe.swiglu_limit)
+        shared = project(self, "shared_w_out", act, self.dtype, ("mlp", "embed"), fp8=self.fp8)
+        if self.moe.shared_expert_gate:
+            shared = jax.nn.sigmoid(dense(x, self.shared_gate[...], self.dtype, ("embed", None))) * shared
+        if self.moe.branch_norms:
+            y_btd = rms(y_btd, self.norm_eps, self.routed_out_norm[...]).astype(y_btd.dtype)
+            shared = rms(shared, self.norm_eps, self.shared_out_norm[...])
+        return y_btd + shared.astype(y_btd.dtype)
