@@ -13,6 +13,10 @@ MAX_SEQUENCE_SLICES = 8
 """The most ``model.sequence_slices``: each slice's layers compile as code of their own."""
 
 
+FFN_SUBLAYERS = ("moe", "mlp")
+"""``model.layer_types`` entries that are a feed-forward sublayer alone (Nemotron-H's patterns)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer shape.
@@ -379,7 +383,7 @@ class ModelConfig:
             _require(self.mtp_depth == 0, "model.mtp_depth", f"{self.mtp_depth} with a sublayer pattern "
                      "(moe / mlp entries in model.layer_types): multi-token prediction modules of sublayers are not "
                      "built yet; use 0")
-            _require(any(k not in ("moe", "mlp") for k in self.layer_types), "model.layer_types",
+            _require(any(k not in FFN_SUBLAYERS for k in self.layer_types), "model.layer_types",
                      "holds feed-forward sublayers only: add a token mixer (full_attention, linear_attention)")
         if "sliding_attention" in self.layer_types:
             w = self.sliding_window
@@ -475,7 +479,12 @@ class ModelConfig:
     def sublayers(self) -> bool:
         """Whether ``layer_types`` is a Nemotron-H pattern: each entry one sublayer (``"moe"`` and
         ``"mlp"`` entries present)."""
-        return self.layer_types is not None and any(k in ("moe", "mlp") for k in self.layer_types)
+        return self.layer_types is not None and any(k in FFN_SUBLAYERS for k in self.layer_types)
+
+    def is_ffn_sublayer(self, layer: int) -> bool:
+        """Whether block ``layer`` is a feed-forward alone (a ``"moe"`` or ``"mlp"`` entry of a
+        sublayer pattern, :attr:`sublayers`): no token mixer."""
+        return self.layer_type(layer) in FFN_SUBLAYERS
 
     def layer_type(self, layer: int) -> str:
         """Block ``layer``'s token mixer: ``"full_attention"``, ``"sliding_attention"`` or

@@ -67,9 +67,6 @@ model's, and the full layers'."""
 LORA_SITE = 1 << 29
 """Layer i's adapters are drawn from ``fold_in(params key, LORA_SITE + i)`` (``lora``)."""
 
-FFN_KINDS = ("moe", "mlp")
-"""``model.layer_types`` entries that are a feed-forward sublayer alone (Nemotron-H's patterns)."""
-
 SLICE_SITE = 1 << 30
 """Sequence slice i's random draws use ``fold_in(step_key, SLICE_SITE + i)`` as their step key
 (``model.sequence_slices`` > 1); far above any ``3 * layer + site``."""
@@ -84,10 +81,9 @@ class Block(nnx.Module):
         self.dropout = m.dropout
         zc = m.zero_centered_norm
         # Nemotron-H's patterns (model.sublayers): a block is one sublayer, a mixer or a feed-forward
-        kind = m.layer_type(layer)
-        self.has_mixer = kind not in FFN_KINDS
-        self.has_ffn = not m.sublayers or kind in FFN_KINDS
-        self.linear = kind == "linear_attention"
+        self.has_mixer = not m.is_ffn_sublayer(layer)
+        self.has_ffn = not m.sublayers or not self.has_mixer
+        self.linear = m.layer_type(layer) == "linear_attention"
         if self.has_mixer:
             self.attn_norm = rms_norm(m.d_model, m.norm_eps, dtype, rngs, zero_centered=zc)
             if self.linear and m.linear_attention_kind == "mamba2":

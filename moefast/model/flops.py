@@ -113,7 +113,7 @@ def param_counts(cfg: ExperimentConfig, vocab_size: int | None = None) -> ParamC
         attn_at = lambda i: _gqa_params(m, i)  # noqa: E731
         attn = attn_at(m.num_layers)  # a full-attention layer's (the MTP blocks')
     norms = norm_mixer + norm_ffn + scalar  # a whole block's
-    mixers = [i for i in range(m.num_layers) if m.layer_type(i) not in ("moe", "mlp")]  # all but Nemotron-H's FFNs
+    mixers = [i for i in range(m.num_layers) if not m.is_ffn_sublayer(i)]  # all but Nemotron-H's FFNs
     n_linear = sum(m.layer_type(i) == "linear_attention" for i in mixers)
     attn_layers = sum(attn_at(i) for i in mixers if m.layer_type(i) != "linear_attention")
     linear_weights, linear_other = _linear_params(m)
@@ -240,7 +240,7 @@ def model_flops_per_token(cfg: ExperimentConfig, vocab_size: int | None = None, 
     n_active = param_counts(cfg, vocab_size).active
     n_linear = sum(m.layer_type(i) == "linear_attention" for i in range(m.num_layers))
     linear = 3 * n_linear * _delta_rule_flops(m)
-    n_ffn = sum(m.layer_type(i) in ("moe", "mlp") for i in range(m.num_layers))  # Nemotron-H's feed-forward sublayers
+    n_ffn = sum(m.is_ffn_sublayer(i) for i in range(m.num_layers))  # Nemotron-H's feed-forward sublayers
     layers = m.num_layers - n_linear - n_ffn + m.mtp_depth  # attention layers; each MTP module has one more
     if m.attention == "mla":  # scores over Hd_qk features, weighted values over Hv: 6 * L * H * (Hd_qk + Hv) * T
         heads, widths = m.num_heads, sum(attention_widths(m))

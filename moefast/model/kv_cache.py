@@ -62,6 +62,6 @@ def init_cache(model, batch: int, length: int, dtype: Any = None) -> KVCache:
     dtype = dtype or model.dtype
     m = model.model_cfg
     return [init_state(m, batch, dtype) if m.layer_type(i) == "linear_attention" else
-            {} if m.layer_type(i) in ("moe", "mlp") else  # a feed-forward sublayer caches nothing
+            {} if m.is_ffn_sublayer(i) else  # a feed-forward sublayer caches nothing
             {k: jnp.zeros((batch, length, *w), dtype) for k, w in model.cache_widths[i]}
             for i in range(m.num_layers)]

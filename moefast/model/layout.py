@@ -67,7 +67,8 @@ def softmax_attention_layers(model_cfg) -> tuple[int, ...]:
     which has no softmax; no feed-forward sublayer), then the ``mtp_depth`` multi-token prediction blocks, numbered L .. L + D - 1
     (full attention, :meth:`~moefast.config.ModelConfig.layer_type`)."""
     n = model_cfg.num_layers
-    main = tuple(i for i in range(n) if model_cfg.layer_type(i) not in ("linear_attention", "moe", "mlp"))
+    main = tuple(i for i in range(n) if model_cfg.layer_type(i) != "linear_attention"
+                 and not model_cfg.is_ffn_sublayer(i))
     return main + tuple(range(n, n + model_cfg.mtp_depth))
 
 
