@@ -98,17 +98,19 @@ _NOT_FP8 = re.compile(r"embed_tokens|lm_head|shared_head|\.gate\.weight$|router|
 
 
 def _fp8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``x`` [..., O, I] as float8_e4m3fn and its float32 ``scale_inv`` [..., ceil(O/128), ceil(I/128)]
-    (each block's max-abs / 448; 1 for an all-zero block), so that the reader's
-    ``q[..., r, c] * scale_inv[..., r // 128, c // 128]`` gives ``x`` to e4m3's precision (DeepSeek-V3
-    repo, ``inference/fp8_cast_bf16.py``)."""
+    """``x`` [..., O, I] as float8_e4m3fn and its float32 ``scale_inv`` [..., ceil(O/128), ceil(I/128)],
+    so that the reader's ``q[..., r, c] * scale_inv[..., r // 128, c // 128]`` gives ``x`` to e4m3's
+    precision (DeepSeek-V3 repo, ``inference/fp8_cast_bf16.py``). A block's scale is the training
+    quantizer's (:mod:`moefast.parallel.fp8`): its max-abs / 448, at least the smallest normal float32
+    (a block whose max-abs is subnormal would otherwise get scale 0 and NaN codes), 1 for an all-zero
+    block."""
     x = np.asarray(x, np.float32)
     *lead, o, i = x.shape
     po, pi = -o % 128, -i % 128
     xp = np.pad(x, [(0, 0)] * len(lead) + [(0, po), (0, pi)])
     b = xp.reshape(*lead, (o + po) // 128, 128, (i + pi) // 128, 128)
     amax = np.abs(b).max(axis=(-3, -1))
-    s = np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32)
+    s = np.where(amax > 0, np.maximum(amax / np.float32(448), np.finfo(np.float32).tiny), 1).astype(np.float32)
     q = np.clip(b / s[..., :, None, :, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
     return q.reshape(xp.shape)[..., :o, :i], s
 
@@ -116,10 +118,22 @@ def _fp8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _fp8_rows(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
     """Every matrix but the routers', the embeddings', the output heads' and convolutions'
     (:data:`_NOT_FP8`: the attention and MLP projections, routed and shared experts in either layout)
-    as FP8 blocks with their ``_scale_inv``; the rest in bfloat16."""
+    as FP8 blocks with their ``_scale_inv``; the rest in bfloat16.
+
+    Raises:
+      ValueError: a matrix with a non-finite value, or (a bug) a non-finite code or scale; the export
+        writes nothing then (it writes into a temporary directory it removes on failure).
+    """
     for name, x in tensors:
         if np.ndim(x) >= 2 and not _NOT_FP8.search(name):
+            if not np.isfinite(x).all():
+                raise ValueError(f"export-hf --dtype fp8: {name} holds non-finite values (NaN or inf), which FP8 "
+                                 "cannot encode: export a checkpoint with finite weights (nothing was written)")
             q, s = _fp8_blocks(x)
+            codes = q.view(np.uint8) & 0x7F  # e4m3fn's only non-finite code is S.1111.111
+            if (codes == 0x7F).any() or not (np.isfinite(s) & (s > 0)).all():
+                raise ValueError(f"export-hf --dtype fp8: {name} quantized to non-finite codes or scales "
+                                 "(a bug in moefast; nothing was written)")
             yield name, q
             yield name + "_scale_inv", s
         else:

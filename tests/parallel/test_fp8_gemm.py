@@ -125,6 +125,52 @@ def test_grouped_gemms_follow_the_recipe():
     assert not np.asarray(dw[1]).any() and not np.asarray(y[250:]).any()
 
 
+def test_scale_floors_of_export_and_training(tmp_path):
+    """A 128 x 128 block whose largest magnitude is subnormal (1e-44: max/448 rounds to 0), one of
+    tiny normals (1e-37: max/448 is subnormal, which XLA flushes to 0) and an all-zero block: the
+    export (``export-hf --dtype fp8``) and the training quantizers give finite codes and scales of at
+    least the smallest normal float32 (the old export rule, max/448 with only 0 guarded, gave scale
+    0 and NaN codes), and the export reads back through moefast's reader with its zeros zero."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from moefast.interop import hf_files, hf_write
+
+    w = np.zeros((256, 384), np.float32)
+    w[0, 0], w[:128, 128:256] = 1e-44, 1e-37  # block (0, 0): one subnormal, the rest zeros
+    w[128:, :128] = np.random.default_rng(0).standard_normal((128, 128))  # block (1, 0): ordinary
+    q, s = hf_write._fp8_blocks(w)
+    assert np.isfinite(s).all() and (s >= TINY).all() and s[0, 2] == 1.0, s
+    assert not np.isnan(q.astype(np.float32)).any()
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": hf_write.FP8_BLOCK_CONFIG}))
+    save_file({"w": q, "w_scale_inv": s}, str(tmp_path / "model.safetensors"))
+    f = hf_files._Files(tmp_path)
+    try:
+        back = f.get("w")
+    finally:
+        f.close()
+    assert np.isfinite(back).all() and (back[w == 0] == 0).all()
+    ordinary = w[128:, :128]
+    assert np.abs(back[128:, :128] - ordinary).max() <= np.abs(ordinary).max() * 2.0 ** -4
+    # training: the same blocks through the weights' and the activations' quantizers
+    for quantize in (quantize_blocks, quantize_tiles):
+        qj, sj = quantize(jnp.asarray(w))
+        assert np.isfinite(np.asarray(sj)).all() and (np.asarray(sj) >= TINY).all()
+        assert not np.isnan(np.asarray(qj, np.float32)).any()
+        assert (np.asarray(qj, np.float32)[w == 0] == 0).all()
+
+
+def test_export_refuses_non_finite_weights():
+    """A non-finite weight cannot be encoded: one clear error naming the tensor, before any write."""
+    from moefast.interop import hf_write
+
+    w = np.ones((128, 128), np.float32)
+    w[3, 4] = np.nan
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight holds non-finite values"):
+        list(hf_write._fp8_rows([("model.layers.0.mlp.up_proj.weight", w)]))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_no_nan_or_overflow_with_scales_at_their_limits(dtype):
     """Activations near the dtype's largest value (1e38), subnormal ones (1e-40, where max/448
