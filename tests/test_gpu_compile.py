@@ -187,16 +187,19 @@ def test_sparse_mla_runs_the_top_k_kernels(compiled):
 def test_fp8_gemms_are_e4m3_kernels_in_the_step(compiled):
     """model.precision=fp8 on 8 H100s: every GEMM of the attention projections and the experts is a
     launch of the FP8 kernels on e4m3 operands — forward, dgrad and wgrad, 2 layers x (2 attention
-    projections + 2 expert GEMMs in each of the 2 exchange chunks) = 12 each — costed in the replay
-    from their FLOPs; the dense layers' weight gradients still reach the shards as float32
-    reduce-scatters (test_gradients_are_reduced_in_float32). The kernels' instructions (Hopper's
-    e4m3 MMA): tests/kernels/test_fp8_matmul.py."""
+    projections + 2 expert GEMMs in each of the 2 exchange chunks) = 12 each — and each GEMM's
+    activation and cotangent quantized once by the one-pass quantizer (24 launches), costed in the
+    replay by the rule both precisions share; the dense layers' weight gradients still reach the
+    shards as float32 reduce-scatters (test_gradients_are_reduced_in_float32). The kernels'
+    instructions (Hopper's e4m3 MMA): tests/kernels/test_fp8_matmul.py."""
     r, md = compiled("ep-chunks2")
     for kind in ("forward", "dgrad", "wgrad"):
         assert r["custom_calls"].get(f"kernel moefast_fp8_gemm_{kind} (jax-triton, f8e4m3fn x f8e4m3fn)") == 12, (
             kind, r["custom_calls"])
-    assert r["custom_calls"]["triton_kernel_call"] == 36
-    assert r["estimate"]["recosted"]["kernels"] >= 36 and "FP8 GEMM kernels at 50% of the FP8 peak" in md
+    assert r["custom_calls"]["kernel moefast_fp8_gemm_quantize (jax-triton, bf16 -> f8e4m3fn)"] == 24
+    assert r["custom_calls"]["triton_kernel_call"] == 60
+    assert r["estimate"]["recosted"]["kernels"] >= 60
+    assert "GEMM kernels at 50% of their dtype's peak" in md and "quantizer's bytes at 70% of the memory" in md
     assert any(c["kind"] == "reduce-scatter" and c["dtype"] == "f32" for c in r["collectives"])
 
 

@@ -9,15 +9,20 @@ Parameter order is jax-triton's calling convention: the input arrays as passed t
 
 import triton.language as tl
 
+INV_MAX = tl.constexpr(0.0022321429569274187)  # float32(1 / 448): 448 is e4m3's largest finite value
+TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal float32: no scale below it
+
 
 def scaled_grouped_kernel(table_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, o_ptr, PAIRS: tl.constexpr, K: tl.constexpr,
                           N: tl.constexpr, STRIDE_BG: tl.constexpr, STRIDE_BK: tl.constexpr,
-                          STRIDE_BN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                          STRIDE_BN: tl.constexpr, STRIDE_SK: tl.constexpr, STRIDE_SN: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # one program per (row tile, group) pair of the table and BN-wide output tile: the pair's rows
     # of A (e4m3 [M, K], scales sa [M, K / BK]) times its group's B (e4m3, element (k, n) of group
-    # g at g * STRIDE_BG + k * STRIDE_BK + n * STRIDE_BN; scales sb [G, K / BK, N] per column);
-    # each BK-long piece of the contraction is one tensor-core product (accumulated by the MMA for
-    # at most BK products), then scaled and added in float32 (DeepSeek-V3 sec. 3.3.2's promotion)
+    # g at g * STRIDE_BG + k * STRIDE_BK + n * STRIDE_BN; one scale per BK x BN block, block (kb, j)
+    # of group g at g * (K / BK) * (N / BN) + kb * STRIDE_SK + j * STRIDE_SN); each BK-long piece
+    # of the contraction is one tensor-core product (accumulated by the MMA for at most BK
+    # products), then scaled and added in float32 (DeepSeek-V3 sec. 3.3.2's promotion)
     p = tl.program_id(0)
     j = tl.program_id(1)
     g = tl.load(table_ptr + p)
@@ -34,8 +39,8 @@ def scaled_grouped_kernel(table_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, o_ptr, PAIRS:
             a = tl.load(a_ptr + rows[:, None] * K + kb * BK + rk[None, :], mask=keep[:, None], other=0.0)
             b = tl.load(b_ptr + g * STRIDE_BG + (kb * BK + rk)[:, None] * STRIDE_BK + cols[None, :] * STRIDE_BN)
             sa = tl.load(sa_ptr + rows * (K // BK) + kb, mask=keep, other=0.0)
-            sb = tl.load(sb_ptr + (g * (K // BK) + kb) * N + cols)
-            acc += tl.dot(a, b, max_num_imprecise_acc=BK) * sa[:, None] * sb[None, :]
+            sb = tl.load(sb_ptr + g * (K // BK) * (N // BN) + kb * STRIDE_SK + j * STRIDE_SN)
+            acc += tl.dot(a, b, max_num_imprecise_acc=BK) * (sa * sb)[:, None]
         tl.store(o_ptr + rows[:, None] * N + cols[None, :], acc.to(o_ptr.dtype.element_ty), mask=keep[:, None])
 
 
@@ -61,3 +66,35 @@ def scaled_dw_kernel(bounds_ptr, xt_ptr, sxt_ptr, dyt_ptr, sdyt_ptr, dw_ptr, G: 
         sd = tl.load(sdyt_ptr + oo * (M // BT) + c)
         acc += tl.dot(xa, tl.trans(db), max_num_imprecise_acc=BT) * sx[:, None] * sd[None, :]
     tl.store(dw_ptr + g * K * N + ii[:, None] * N + oo[None, :], acc)
+
+
+def quantize_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M: tl.constexpr, K: tl.constexpr, MP: tl.constexpr,
+                    KP: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, B: tl.constexpr):
+    # one program per B x B tile of x [M, K] (any float; read once, zeros past M and K): ROWS
+    # writes its 1 x B tiles along K (e4m3 q [MP, KP], scales s [MP, KP / B]), COLS its B x 1
+    # tiles along M, transposed (B tokens of one channel: e4m3 qt [KP, MP], scales st [KP, MP / B],
+    # the weight gradient's layout). A tile's scale: max-abs times float32 1/448, at least the
+    # smallest normal float32, 1 when all zero; values times the scale's IEEE-rounded reciprocal (as
+    # XLA computes x / broadcast(s)), clipped to +-448 before the cast (moefast.parallel.fp8: the
+    # same bits)
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    r = i * B + tl.arange(0, B)
+    k = c * B + tl.arange(0, B)
+    x = tl.load(x_ptr + r[:, None] * K + k[None, :], mask=(r < M)[:, None] & (k < K)[None, :], other=0.0)
+    x = x.to(tl.float32)
+    ax = tl.abs(x)
+    if ROWS:
+        amax = tl.max(ax, axis=1)
+        s = tl.where(amax > 0, tl.maximum(amax * INV_MAX, TINY), 1.0)
+        v = x * tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[:, None]
+        q = tl.minimum(tl.maximum(v, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + r[:, None] * KP + k[None, :], q)
+        tl.store(s_ptr + r * (KP // B) + c, s)
+    if COLS:
+        amax = tl.max(ax, axis=0)
+        s = tl.where(amax > 0, tl.maximum(amax * INV_MAX, TINY), 1.0)
+        v = x * tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[None, :]
+        q = tl.minimum(tl.maximum(v, -448.0), 448.0).to(qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + k[None, :] * MP + r[:, None], q)
+        tl.store(st_ptr + k * (MP // B) + i, s)

@@ -31,8 +31,8 @@ import functools
 from ..routing.triton import _assembler_for_jax, compile_kernel, interpreting
 from ..vma import vary_together
 
-__all__ = ["BLOCK", "available", "compile_for", "scaled_grouped_matmul", "scaled_grouped_matmul_torch",
-           "scaled_weight_grads", "scaled_weight_grads_torch", "tile_rows"]
+__all__ = ["BLOCK", "available", "compile_for", "quantize", "quantize_torch", "scaled_grouped_matmul",
+           "scaled_grouped_matmul_torch", "scaled_weight_grads", "scaled_weight_grads_torch", "tile_rows"]
 
 BLOCK = 128  # the scaling granularity (DeepSeek-V3: 1 x 128 tiles, 128 x 128 blocks), the K step, N's tile
 NUM_WARPS, NUM_STAGES = 4, 3
@@ -49,9 +49,9 @@ def tile_rows(num_rows: int, num_groups: int) -> int:
 def _kernels():
     import triton
 
-    from ._triton_kernel import scaled_dw_kernel, scaled_grouped_kernel
+    from ._triton_kernel import quantize_kernel, scaled_dw_kernel, scaled_grouped_kernel
 
-    return triton.jit(scaled_grouped_kernel), triton.jit(scaled_dw_kernel)
+    return triton.jit(scaled_grouped_kernel), triton.jit(scaled_dw_kernel), triton.jit(quantize_kernel)
 
 
 def available(platform: str | None = None) -> str | None:
@@ -82,10 +82,11 @@ def _check(m, k, n, g, bm):
 
 
 def _grouped_args(m, k_b, n_b, transpose_b):
-    """(K, N, strides of B) of the product for B stored [G, k_b, n_b]."""
+    """(K, N, strides of B, strides of its block scales along K and N) of the product for B stored
+    [G, k_b, n_b] with scales [G, k_b / 128, n_b / 128]."""
     if transpose_b:
-        return n_b, k_b, (k_b * n_b, 1, n_b)
-    return k_b, n_b, (k_b * n_b, n_b, 1)
+        return n_b, k_b, (k_b * n_b, 1, n_b), (1, n_b // BLOCK)
+    return k_b, n_b, (k_b * n_b, n_b, 1), (n_b // BLOCK, 1)
 
 
 def _call(kernel, args, out_shape, grid, scope, **constexprs):
@@ -108,7 +109,11 @@ def _call(kernel, args, out_shape, grid, scope, **constexprs):
     with jax.named_scope(scope):  # the launch's op_name in the HLO (what moefast bench gpu-compile counts)
         out = jt.triton_call(*args, kernel=kernel, **{name: out_shape}, grid=grid, num_warps=NUM_WARPS,
                              num_stages=NUM_STAGES, **({"compute_capability": cc} if cc else {}), **constexprs)
-    return vary_together(out, *args)[0][0] if axes else out
+    if not axes:
+        return out
+    if isinstance(out, (list, tuple)):
+        return list(vary_together(*out, *args)[0][:len(out)])
+    return vary_together(out, *args)[0][0]
 
 
 def scaled_grouped_matmul(a, sa, b, sb, group_sizes, *, transpose_b: bool = False, out_dtype=None,
@@ -118,7 +123,8 @@ def scaled_grouped_matmul(a, sa, b, sb, group_sizes, *, transpose_b: bool = Fals
     Args:
       a: [M, K] float8_e4m3fn rows sorted by group; sa: [M, K / 128] float32 scales.
       b: [G, K, N] float8_e4m3fn (``transpose_b``: [G, N, K], read transposed).
-      sb: [G, K / 128, N] float32: each 128 x 128 block's scale repeated over its columns.
+      sb: float32 scales of ``b``'s 128 x 128 blocks as stored: [G, K / 128, N / 128]
+        (``transpose_b``: [G, N / 128, K / 128]; :func:`moefast.parallel.fp8.quantize_blocks`).
       group_sizes: [G] int32 rows per group (sum <= M).
       out_dtype: the result's dtype (default bfloat16).
       block_rows: BM (default :func:`tile_rows`).
@@ -139,14 +145,15 @@ def scaled_grouped_matmul(a, sa, b, sb, group_sizes, *, transpose_b: bool = Fals
         raise RuntimeError(why)
     m, _ = a.shape
     g, k_b, n_b = b.shape
-    k, n, (sg, sk, sn) = _grouped_args(m, k_b, n_b, transpose_b)
+    k, n, (sg, sk, sn), (ssk, ssn) = _grouped_args(m, k_b, n_b, transpose_b)
     bm = block_rows or tile_rows(m, g)
     _check(m, k, n, g, bm)
     table = tile_table(group_sizes, m, bm)
     out = jax.ShapeDtypeStruct((m, n), out_dtype or jnp.bfloat16)
     scope = f"{SCOPE}_{'dgrad' if transpose_b else 'forward'}"
     return _call(_kernels()[0], (table, a, sa, b, sb), out, (table.shape[1], n // BLOCK), scope, PAIRS=table.shape[1],
-                 K=k, N=n, STRIDE_BG=sg, STRIDE_BK=sk, STRIDE_BN=sn, BM=bm, BN=BLOCK, BK=BLOCK)
+                 K=k, N=n, STRIDE_BG=sg, STRIDE_BK=sk, STRIDE_BN=sn, STRIDE_SK=ssk, STRIDE_SN=ssn, BM=bm, BN=BLOCK,
+                 BK=BLOCK)
 
 
 def scaled_weight_grads(xt, sxt, dyt, sdyt, group_sizes):
@@ -176,6 +183,45 @@ def scaled_weight_grads(xt, sxt, dyt, sdyt, group_sizes):
                  BT=BLOCK, BI=BLOCK, BO=BLOCK)
 
 
+def _padded_to_block(v: int) -> int:
+    return -(-v // BLOCK) * BLOCK
+
+
+def quantize(x, *, rows: bool = True, cols: bool = False):
+    """One pass over ``x`` [M, K] (any float; JAX, GPU): its e4m3 values and float32 scales in 1 x 128
+    tiles along K (``rows``) and/or in 128 x 1 tiles along M, written transposed (``cols``: 128
+    tokens of one channel, the weight gradient's operand), the same numbers as
+    :func:`moefast.parallel.fp8.quantize_tiles` of ``x`` and of ``x.T``. Sizes are padded with zeros
+    to multiples of 128 in the kernel (no padded copy).
+
+    Returns:
+      ``(q [Mp, Kp], s [Mp, Kp / 128])`` with ``rows``, then ``(qt [Kp, Mp], st [Kp, Mp / 128])``
+      with ``cols`` (Mp, Kp: M, K rounded up to 128), as one flat tuple.
+
+    Raises:
+      ValueError: neither ``rows`` nor ``cols``; RuntimeError: no GPU or no jax-triton.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    why = available()
+    if why:
+        raise RuntimeError(why)
+    if not (rows or cols):
+        raise ValueError("quantize: ask for rows, cols or both")
+    m, k = x.shape
+    mp, kp = _padded_to_block(m), _padded_to_block(k)
+    f8, f32 = jnp.float8_e4m3fn, jnp.float32
+    unused = lambda dtype: jax.ShapeDtypeStruct((1,), dtype)  # noqa: E731  (a constexpr branch skips it)
+    outs = [jax.ShapeDtypeStruct((mp, kp), f8), jax.ShapeDtypeStruct((mp, kp // BLOCK), f32)] if rows else \
+        [unused(f8), unused(f32)]
+    outs += [jax.ShapeDtypeStruct((kp, mp), f8), jax.ShapeDtypeStruct((kp, mp // BLOCK), f32)] if cols else \
+        [unused(f8), unused(f32)]
+    got = _call(_kernels()[2], (x,), outs, (mp // BLOCK, kp // BLOCK), f"{SCOPE}_quantize", M=m, K=k, MP=mp, KP=kp,
+                ROWS=bool(rows), COLS=bool(cols), B=BLOCK)
+    return tuple(got[:2] if rows else ()) + tuple(got[2:] if cols else ())
+
+
 def _interpretable(t):
     if t.device.type == "cpu" and not interpreting():
         raise RuntimeError("Triton kernels run on CPU tensors only in the Triton interpreter: set "
@@ -191,13 +237,13 @@ def scaled_grouped_matmul_torch(a, sa, b, sb, table, *, transpose_b: bool = Fals
     _interpretable(a)
     m, _ = a.shape
     g, k_b, n_b = b.shape
-    k, n, (sg, sk, sn) = _grouped_args(m, k_b, n_b, transpose_b)
+    k, n, (sg, sk, sn), (ssk, ssn) = _grouped_args(m, k_b, n_b, transpose_b)
     _check(m, k, n, g, block_rows)
     out = torch.zeros((m, n), dtype=out_dtype or torch.bfloat16, device=a.device)
     pairs = table.shape[1]
     _kernels()[0][(pairs, n // BLOCK)](table.contiguous(), a.contiguous(), sa.contiguous(), b.contiguous(),
                                         sb.contiguous(), out, PAIRS=pairs, K=k, N=n, STRIDE_BG=sg, STRIDE_BK=sk,
-                                        STRIDE_BN=sn, BM=block_rows, BN=BLOCK, BK=BLOCK,
+                                        STRIDE_BN=sn, STRIDE_SK=ssk, STRIDE_SN=ssn, BM=block_rows, BN=BLOCK, BK=BLOCK,
                                         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
@@ -220,32 +266,52 @@ def scaled_weight_grads_torch(xt, sxt, dyt, sdyt, bounds):
     return out
 
 
+def quantize_torch(x, *, rows: bool = True, cols: bool = False):
+    """:func:`quantize` on a torch tensor (CUDA, or CPU under the Triton interpreter)."""
+    import torch
+
+    _interpretable(x)
+    m, k = x.shape
+    mp, kp = _padded_to_block(m), _padded_to_block(k)
+    f8 = torch.float8_e4m3fn
+    q, s = torch.zeros((mp, kp), dtype=f8, device=x.device), torch.zeros((mp, kp // BLOCK), device=x.device)
+    qt, st = torch.zeros((kp, mp), dtype=f8, device=x.device), torch.zeros((kp, mp // BLOCK), device=x.device)
+    _kernels()[2][(mp // BLOCK, kp // BLOCK)](x.contiguous(), q, s, qt, st, M=m, K=k, MP=mp, KP=kp, ROWS=rows,
+                                               COLS=cols, B=BLOCK, num_warps=NUM_WARPS)
+    return tuple((q, s) if rows else ()) + tuple((qt, st) if cols else ())
+
+
 def compile_for(kind: str = "forward", arch: int = 90, *, ptxas: str | None = None) -> str:
     """PTX of a kernel compiled by Triton for compute capability ``arch`` (no GPU needed), with the
     PTX version JAX's toolkit assembles.
 
     Args:
-      kind: ``"forward"`` (A @ B[g]), ``"dgrad"`` (A @ B[g]^T) or ``"wgrad"``.
+      kind: ``"forward"`` (A @ B[g]), ``"dgrad"`` (A @ B[g]^T), ``"wgrad"`` or ``"quantize"``.
       arch: compute capability x 10.
       ptxas: the assembler whose CUDA release sets the PTX version (``None``: JAX's toolkit's).
 
     Raises:
       ValueError: an unknown ``kind``; triton.runtime.errors.PTXASError: ptxas rejected the PTX.
     """
-    from ._triton_kernel import scaled_dw_kernel, scaled_grouped_kernel
+    from ._triton_kernel import quantize_kernel, scaled_dw_kernel, scaled_grouped_kernel
 
     if kind in ("forward", "dgrad"):
         k, n = 512, 384
-        _, _, (sg, sk, sn) = _grouped_args(1024, *((n, k) if kind == "dgrad" else (k, n)), kind == "dgrad")
+        _, _, (sg, sk, sn), (ssk, ssn) = _grouped_args(1024, *((n, k) if kind == "dgrad" else (k, n)), kind == "dgrad")
         fn, names = scaled_grouped_kernel, ["table_ptr", "a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "o_ptr"]
         types = ["*i32", "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16"]
-        consts = dict(PAIRS=16, K=k, N=n, STRIDE_BG=sg, STRIDE_BK=sk, STRIDE_BN=sn, BM=128, BN=BLOCK, BK=BLOCK)
+        consts = dict(PAIRS=16, K=k, N=n, STRIDE_BG=sg, STRIDE_BK=sk, STRIDE_BN=sn, STRIDE_SK=ssk, STRIDE_SN=ssn,
+                      BM=128, BN=BLOCK, BK=BLOCK)
     elif kind == "wgrad":
         fn, names = scaled_dw_kernel, ["bounds_ptr", "xt_ptr", "sxt_ptr", "dyt_ptr", "sdyt_ptr", "dw_ptr"]
         types = ["*i32", "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*fp32"]
         consts = dict(G=4, M=1024, K=512, N=384, BT=BLOCK, BI=BLOCK, BO=BLOCK)
+    elif kind == "quantize":
+        fn, names = quantize_kernel, ["x_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr"]
+        types = ["*bf16", "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"]
+        consts = dict(M=1000, K=576, MP=1024, KP=640, ROWS=True, COLS=True, B=BLOCK)
     else:
-        raise ValueError(f"kind={kind!r}: one of 'forward', 'dgrad', 'wgrad'")
+        raise ValueError(f"kind={kind!r}: one of 'forward', 'dgrad', 'wgrad', 'quantize'")
     kernel = compile_kernel(fn, dict(zip(names, types)), consts, arch=arch, ptxas=ptxas,
                             options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES})
     return kernel.asm["ptx"]

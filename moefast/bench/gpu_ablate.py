@@ -11,9 +11,9 @@ TFLOP/s per GPU, and the program's own peak memory. Two tables:
   alone added to the config as given (the baseline), and all together; for expert-parallel
   configs across hosts (``--network``);
 * ``precision`` (``--ablate-precision``): the config with ``model.precision`` bf16, then fp8
-  (:data:`PRECISION_ROWS`). XLA's own estimate charges each launch of the FP8 kernels a flat
-  10 µs (a custom call): only the re-costed columns, which cost them from their FLOPs
-  (:data:`moefast.bench.gpu_schedule.FP8_KERNEL_UTILIZATION`), compare the two.
+  (:data:`PRECISION_ROWS`). XLA's own estimate charges each launch of the kernels a flat 10 µs
+  (a custom call): only the re-costed columns, which cost them by one rule for both precisions
+  (:data:`moefast.bench.gpu_schedule.GEMM_KERNEL_UTILIZATION`), compare the two.
 """
 
 from __future__ import annotations
@@ -165,9 +165,12 @@ def run_ablation(table: str, *, json_out: str | None, config: str | None, overri
               f"config {config or 'configs/tiny.yaml'} {' '.join(overrides or [])}")
     text = format_ablation(rows)
     if table == "precision":
-        text += ("\n\nXLA's own estimate (the first columns) charges each FP8 kernel launch a flat 10 µs: compare the "
-                 "re-costed columns, which cost the FP8 kernels from their FLOPs at an assumed "
-                 "moefast.bench.gpu_schedule.FP8_KERNEL_UTILIZATION of the FP8 peak.")
+        text += ("\n\nXLA's own estimate (the first columns) charges each kernel launch a flat 10 µs: compare the "
+                 "re-costed columns. Their rule, the same for both precisions: moefast's GEMM kernels (FP8, and the "
+                 "bf16 grouped GEMM) cost their FLOPs at moefast.bench.gpu_schedule.GEMM_KERNEL_UTILIZATION of their "
+                 "dtype's dense peak (assumed), the FP8 quantizer its bytes at MEMORY_KERNEL_UTILIZATION of the memory "
+                 "bandwidth (assumed), the attention kernels their FLOPs at ATTENTION_KERNEL_UTILIZATION of the bf16 "
+                 "peak; XLA's own GEMMs and fusions keep XLA's costs in both.")
     print(f"\n{header}\n\n{text}")
     if json_out:
         from moefast.bench.process import write_results

@@ -307,7 +307,7 @@ def _custom_calls(text: str) -> dict[str, int]:
         m = re.search(r"(moefast_fp8_gemm_\w+?)/", line) if 'custom_call_target="triton_kernel_call"' in line else None
         if m:
             ops = re.findall(r"(\w+)\[[\d,]*\]", line.split("operand_layout_constraints={", 1)[-1])
-            kinds = f"{ops[1]} x {ops[3]}" if len(ops) >= 4 else "?"
+            kinds = f"{ops[1]} x {ops[3]}" if len(ops) >= 4 else f"{ops[0]} -> f8e4m3fn" if ops else "?"
             calls[f"kernel {m.group(1)} (jax-triton, {kinds})"] += 1
     return dict(sorted(calls.items()))
 
@@ -502,8 +502,9 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
                     if mesh_shape[a] > 1} for p in range(trainer.mesh.size)]
         net = network_options(network) if network else None
         peak_tflops = peak_flops(devs).per_device_tflops
+        hbm = _memory_bandwidth(gpu)
         as_compiled = read_estimate(dump, text, hosts_of, time_unit=not ragged, network=net, peak_tflops=peak_tflops,
-                                    axes_of_partition=axes_of)
+                                    axes_of_partition=axes_of, hbm_bytes_per_s=hbm)
         estimated, unprofiled = as_compiled, None
         if twin:
             log("compiling its costing twin for XLA's estimate (weight-gradient GEMMs with bf16 results) ...")
@@ -517,7 +518,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
             twin_options = {**options, "xla_gpu_experimental_force_split_k": 1}
             twin_text = _compile(lowered, twin_options, twin_dump, autotune).as_text()
             estimated = read_estimate(twin_dump, twin_text, hosts_of, time_unit=not ragged, network=net,
-                                      peak_tflops=peak_tflops, axes_of_partition=axes_of)
+                                      peak_tflops=peak_tflops, axes_of_partition=axes_of, hbm_bytes_per_s=hbm)
             if net and estimated is not None and estimated.profile and estimated.fingerprint:
                 # XLA scheduled the twin believing its own costs (a flat 10 µs per attention kernel, a
                 # fixed 5,000 µs per collective it cannot cost): once more, with the replay's costs as
@@ -530,7 +531,7 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
                 pgle_text = _compile(lowered, {**twin_options, "xla_gpu_pgle_profile_file_or_directory_path": profile_path},
                                      pgle_dump, autotune).as_text()
                 estimated = read_estimate(pgle_dump, pgle_text, hosts_of, time_unit=not ragged, network=net,
-                                          peak_tflops=peak_tflops, axes_of_partition=axes_of)
+                                          peak_tflops=peak_tflops, axes_of_partition=axes_of, hbm_bytes_per_s=hbm)
 
     def shard_bytes(tree):
         return int(sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
@@ -568,6 +569,13 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
             "step": as_compiled.step, "gemms": [dataclasses.asdict(g) for g in as_compiled.gemms]},
         model_flops_per_step=trainer.flops_per_token * cfg.data.batch_size * cfg.data.seq_len,
         peak_tflops=peak_tflops)
+
+
+def _memory_bandwidth(gpu: str) -> float | None:
+    """Bytes/s of the ``--gpu`` target's memory (its file's ``memory_bandwidth``, what XLA's
+    performance model reads); ``None`` for a target file without it."""
+    m = re.search(r"memory_bandwidth:\s*(\d+)", target_config(gpu))
+    return float(m.group(1)) if m else None
 
 
 def _compile(lowered, options: dict, dump: str, autotune: str | None):

@@ -59,8 +59,9 @@ import re
 import statistics
 from pathlib import Path
 
-__all__ = ["ATTENTION_KERNEL_UTILIZATION", "FP8_KERNEL_UTILIZATION", "NETWORKS", "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
-           "attention_kernel_flops", "fp8_kernel_flops", "nic_bytes", "pgle_profile",
+__all__ = ["ATTENTION_KERNEL_UTILIZATION", "GEMM_KERNEL_UTILIZATION", "MEMORY_KERNEL_UTILIZATION", "NETWORKS", "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
+           "attention_kernel_flops", "fp8_kernel_flops", "gemm_kernel_peak", "nic_bytes", "pgle_profile",
+           "quantize_kernel_bytes",
            "read_estimate"]
 
 # --network name -> file in moefast/bench/gpu_targets/ (key=value lines of XLA's
@@ -299,7 +300,8 @@ def _label(ops: list[str]) -> str:
 
 def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *, time_unit: bool,
                   network: dict[str, str] | None = None, peak_tflops: float | None = None,
-                  axes_of_partition: list[dict[str, int]] | None = None) -> ScheduleEstimate | None:
+                  axes_of_partition: list[dict[str, int]] | None = None,
+                  hbm_bytes_per_s: float | None = None) -> ScheduleEstimate | None:
     """The trip-weighted estimate of the train step from a compilation's dump.
 
     Args:
@@ -311,11 +313,14 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
       network: the network model's options (:func:`network_options`; ``None``: XLA's defaults).
       peak_tflops: the GPU's dense bf16 peak; given, the replay also costs the fused attention
         kernels from their FLOPs (:func:`attention_kernel_flops`) at
-        :data:`ATTENTION_KERNEL_UTILIZATION` of it, and the FP8 GEMM kernels
-        (:func:`fp8_kernel_flops`) at :data:`FP8_KERNEL_UTILIZATION` of the FP8 peak.
+        :data:`ATTENTION_KERNEL_UTILIZATION` of it, and moefast's GEMM kernels, FP8 and bf16
+        (:func:`fp8_kernel_flops`), at :data:`GEMM_KERNEL_UTILIZATION` of their dtype's peak.
       axes_of_partition: each SPMD partition's coordinate on every mesh axis longer than 1
         (``{"data": 0, "context": 3}``); given, the exposed time is also split by the axes each
         collective's groups span (``exposed_by_axis``).
+      hbm_bytes_per_s: the GPU's memory bandwidth (the target's ``memory_bandwidth``); given, the
+        replay costs the FP8 quantizer's launches from their bytes (:func:`quantize_kernel_bytes`)
+        at :data:`MEMORY_KERNEL_UTILIZATION` of it.
 
     Returns:
       ``None`` when XLA wrote no schedule (its scheduler did not run).
@@ -474,9 +479,14 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
                     f = attention_kernel_flops(ins.op_name, raw.get(name, "").split("custom-call(", 1)[-1])
                     if f:
                         kernel_us[name] = f / (ATTENTION_KERNEL_UTILIZATION * peak_tflops * 1e6)
-                    f8 = fp8_kernel_flops(ins.op_name, raw.get(name, ""))
+                    line = raw.get(name, "")
+                    f8 = fp8_kernel_flops(ins.op_name, line)
                     if f8:
-                        kernel_us[name] = f8 / (FP8_KERNEL_UTILIZATION * FP8_OVER_BF16 * peak_tflops * 1e6)
+                        kernel_us[name] = f8 / (GEMM_KERNEL_UTILIZATION * gemm_kernel_peak(ins.op_name, line)
+                                                * peak_tflops * 1e6)
+                    qb = quantize_kernel_bytes(ins.op_name, line) if hbm_bytes_per_s else 0.0
+                    if qb:
+                        kernel_us[name] = qb / (MEMORY_KERNEL_UTILIZATION * hbm_bytes_per_s) * 1e6
         profile.update(kernel_us)
         re_len, re_waits = _replay(ordered, pairs, latency, kernel_us)
         re_ex = sum(re_waits.values())
@@ -562,31 +572,70 @@ ATTENTION_KERNEL_UTILIZATION = 0.35
 _ATTENTION_MATMULS = {"forward": (1, 1), "dkdv": (2, 2), "dq": (2, 1)}
 
 
-# moefast's FP8 GEMM kernels (kernels/fp8_matmul, launched through jax-triton; XLA charges each
-# launch a flat 10 µs) are costed in the replay at this share of the GPU's dense FP8 peak, which is
-# FP8_OVER_BF16 x its bf16 peak on Hopper (H100 SXM: 1,979 vs 989 TFLOP/s). An assumption, not a
-# measurement: below the 1,550 TFLOP/s (78 % of H800's peak) that DeepGEMM (deepseek-ai/DeepGEMM,
-# README) reports for GEMMs with the same 1 x 128 / 128 x 128 scaling, as this Triton kernel has
-# none of its TMA loads, warp specialisation or persistent scheduling; scripts/gpu_check.py times
-# the kernel on a GPU.
-FP8_KERNEL_UTILIZATION = 0.5
+# moefast's GEMM kernels -- the FP8 ones (kernels/fp8_matmul, through jax-triton) and the bf16
+# grouped GEMM (kernels/grouped_matmul, Pallas) -- which XLA charges a flat 10 µs a launch, are
+# costed in the replay by one rule: their FLOPs at this share of the dense peak of their inputs'
+# dtype (bf16: the GPU's peak; e4m3: FP8_OVER_BF16 x it, H100 SXM 1,979 vs 989 TFLOP/s), the same
+# share for both, while XLA's own GEMMs keep XLA's table in both precisions. An assumption, not a
+# measurement: below the 1,550 TFLOP/s (78 % of H800's FP8 peak) DeepGEMM (deepseek-ai/DeepGEMM,
+# README) reports for the same 1 x 128 / 128 x 128 scaling, as these kernels have none of its TMA
+# loads, warp specialisation or persistent scheduling; scripts/gpu_check.py --only fp8_gemm times
+# them on a GPU, bf16 and FP8 side by side.
+GEMM_KERNEL_UTILIZATION = 0.5
 FP8_OVER_BF16 = 2.0
+# moefast's memory-bound kernels (the FP8 one-pass quantizer, moefast_fp8_gemm_quantize) at this share
+# of the GPU's memory bandwidth (the target file's memory_bandwidth, which XLA's own roofline for its
+# fusions reads): their bytes read and written / (share x bandwidth). Assumed, as above.
+MEMORY_KERNEL_UTILIZATION = 0.7
+_FP8_KERNEL = re.compile(r"moefast_fp8_gemm_(forward|dgrad|wgrad)")
+_GROUPED_KERNEL = re.compile(r"grouped_matmul_(?:dw_)?m\d+")
+
+
+def _shapes(text: str) -> list[list[int]]:
+    return [[int(v) for v in m.split(",") if v] for m in re.findall(r"\w+\[([\d,]*)\]", text)]
 
 
 def fp8_kernel_flops(op_name: str, line: str) -> float:
-    """FLOPs of one launch of moefast's FP8 GEMM kernels (named scope ``moefast_fp8_gemm_*`` in
-    ``op_name``), ``2 M K N`` from the HLO ``line``: the result [M, N] (wgrad: [G, K, N]) and the
-    second operand (A [M, K]; wgrad: x transposed [K, M]) in ``operand_layout_constraints``. 0 for
-    any other instruction."""
-    m = re.search(r"moefast_fp8_gemm_(forward|dgrad|wgrad)", op_name or "")
+    """FLOPs of one launch of moefast's GEMM kernels: the FP8 ones (named scope
+    ``moefast_fp8_gemm_{forward,dgrad,wgrad}`` in ``op_name``) and the bf16 grouped GEMM (its
+    Pallas name ``grouped_matmul_m..`` / ``grouped_matmul_dw_m..`` in ``op_name`` or ``line``),
+    ``2 M K N`` from the HLO ``line``: the result [M, N] (weight gradients: [G, K, N]) and the
+    operands (``operand_layout_constraints``: A [M, K]; the FP8 wgrad: x transposed [K, M]; the
+    grouped dw: x [M, K]). 0 for any other instruction."""
+    fp8 = _FP8_KERNEL.search(op_name or "")
+    grouped = None if fp8 else _GROUPED_KERNEL.search(op_name or "") or _GROUPED_KERNEL.search(line)
     result = re.search(r"=\s*\w+\[([\d,]+)\]", line)
     ops = re.search(r"operand_layout_constraints=\{(.*?\})\}", line)
-    shapes = re.findall(r"\w+\[([\d,]+)\]", ops.group(1)) if ops else []
-    if not (m and result and len(shapes) >= 2):
+    shapes = _shapes(ops.group(1)) if ops else []
+    if not ((fp8 or grouped) and result and len(shapes) >= 2):
         return 0.0
-    a = [int(v) for v in shapes[1].split(",")]
-    n = int(result.group(1).split(",")[-1])
-    return 2.0 * a[0] * a[1] * n
+    out = [int(v) for v in result.group(1).split(",")]
+    if grouped:
+        if "_dw_" in grouped.group(0):  # x [M, K] (after the table), dw [G, K, N]
+            return 2.0 * shapes[1][0] * out[-2] * out[-1]
+        return 2.0 * out[0] * shapes[1][1] * out[-1]  # x [M, K], y [M, N]
+    a = shapes[1]
+    return 2.0 * a[0] * a[1] * out[-1]
+
+
+def gemm_kernel_peak(op_name: str, line: str) -> float:
+    """The dense peak multiple of a GEMM kernel's inputs' dtype: :data:`FP8_OVER_BF16` for moefast's
+    FP8 kernels, 1 for bf16 ones."""
+    return FP8_OVER_BF16 if _FP8_KERNEL.search(op_name or "") else 1.0
+
+
+def quantize_kernel_bytes(op_name: str, line: str) -> float:
+    """Bytes one launch of the FP8 one-pass quantizer (``moefast_fp8_gemm_quantize``) reads and
+    writes: its operand and every result of its tuple (unused outputs are 1-element). 0 for any
+    other instruction."""
+    if "moefast_fp8_gemm_quantize" not in (op_name or ""):
+        return 0.0
+    from moefast.parallel.hlo import shape_bytes
+
+    head, _, rest = line.partition("custom-call(")
+    ops = re.search(r"operand_layout_constraints=\{(.*?\})\}", rest)
+    result = head.split("=", 1)[-1]
+    return float(shape_bytes(result.strip())) + (float(shape_bytes(ops.group(1))) if ops else 0.0)
 
 
 def attention_kernel_flops(op_name: str, operands: str) -> float:

@@ -110,8 +110,8 @@ def _fp8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     xp = np.pad(x, [(0, 0)] * len(lead) + [(0, po), (0, pi)])
     b = xp.reshape(*lead, (o + po) // 128, 128, (i + pi) // 128, 128)
     amax = np.abs(b).max(axis=(-3, -1))
-    s = np.where(amax > 0, np.maximum(amax / np.float32(448), np.finfo(np.float32).tiny), 1).astype(np.float32)
-    q = np.clip(b / s[..., :, None, :, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    s = np.where(amax > 0, np.maximum(amax * np.float32(1 / 448), np.finfo(np.float32).tiny), 1).astype(np.float32)
+    q = np.clip(b * (np.float32(1) / s)[..., :, None, :, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
     return q.reshape(xp.shape)[..., :o, :i], s
 
 

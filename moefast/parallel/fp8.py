@@ -3,7 +3,9 @@ quantized in 1 x 128 tiles and weights in 128 x 128 blocks, each scaled by its m
 range): the expert exchange's dispatch (``moe.dispatch_dtype: float8_e4m3fn``) and the FP8 GEMMs'
 operands (``model.precision: fp8``, :mod:`moefast.parallel.fp8_gemm`).
 
-A tile's scale is ``max|x| / 448`` (448: the largest finite e4m3), at least the smallest normal
+A tile's scale is ``max|x| / 448`` (448: the largest finite e4m3; computed as ``max|x|`` times
+float32 ``1 / 448``; the values are multiplied by the scale's float32 reciprocal, as XLA computes a
+division by a broadcast scale, so every path -- eager, jitted, the GPU kernel -- has the same bits), at least the smallest normal
 float32 (a tile of tiny values never divides by 0) and 1 for an all-zero tile; the scaled values
 are clipped to [-448, 448] before the cast (e4m3fn has no infinity: an overflowing cast would give
 NaN), so no finite input yields a NaN or an infinity."""
@@ -34,12 +36,15 @@ def fp8_quantize(x_ecd: jax.Array) -> tuple[jax.Array, jax.Array]:
     *lead, d = x_ecd.shape
     t = x_ecd.astype(jnp.float32).reshape(*lead, d // FP8_BLOCK, FP8_BLOCK)
     scale = _scale(jnp.max(jnp.abs(t), axis=-1))
-    return _cast(t / scale[..., None]).reshape(*lead, d), scale
+    return _cast(t * (1.0 / scale)[..., None]).reshape(*lead, d), scale
 
 
 def _scale(amax: jax.Array) -> jax.Array:
-    """A tile's float32 scale from its max-abs (module docstring)."""
-    return jnp.where(amax > 0, jnp.maximum(amax / FP8_MAX, jnp.finfo(jnp.float32).tiny), 1.0)
+    """A tile's float32 scale from its max-abs (module docstring), as ``amax * float32(1 / 448)``:
+    what XLA computes for ``amax / 448`` (its simplifier turns a division by a constant into a
+    product with the constant's float32 reciprocal), written out so that the GPU quantizer
+    (:func:`moefast.kernels.fp8_matmul.quantize`) computes the same bits."""
+    return jnp.where(amax > 0, jnp.maximum(amax * jnp.float32(1.0 / FP8_MAX), jnp.finfo(jnp.float32).tiny), 1.0)
 
 
 def _cast(t: jax.Array) -> jax.Array:
@@ -82,7 +87,7 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     *lead, i, o = wp.shape
     b = wp.reshape(*lead, i // FP8_BLOCK, FP8_BLOCK, o // FP8_BLOCK, FP8_BLOCK)
     scale = _scale(jnp.max(jnp.abs(b), axis=(-3, -1)))
-    return _cast(b / scale[..., :, None, :, None]).reshape(*lead, i, o), scale
+    return _cast(b * (1.0 / scale)[..., :, None, :, None]).reshape(*lead, i, o), scale
 
 
 def fake_quantize_tiles(x: jax.Array) -> jax.Array:

@@ -49,11 +49,11 @@ from jax.sharding import PartitionSpec as P
 
 from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.parallel.context import CONTEXT_AXIS
-from moefast.parallel.fp8 import FP8_BLOCK, fake_quantize_blocks, fake_quantize_tiles, quantize_blocks, quantize_tiles
+from moefast.parallel.fp8 import fake_quantize_blocks, fake_quantize_tiles, quantize_blocks
 from moefast.parallel.mesh import BATCH_AXES
 
-__all__ = ["PRECISIONS", "check_device", "fp8_dense_grads", "fp8_dense_forward", "fp8_grouped_matmul", "fp8_matmul",
-           "gspmd_forward", "gspmd_grads"]
+__all__ = ["PRECISIONS", "check_device", "dense_backward", "dense_forward", "fp8_dense_grads", "fp8_dense_forward",
+           "fp8_grouped_matmul", "fp8_matmul", "gspmd_forward", "gspmd_grads"]
 
 PRECISIONS = ("bf16", "fp8")
 """``model.precision``: the GEMMs' input format (module docstring)."""
@@ -97,41 +97,41 @@ def _kernels() -> bool:
     return fp8_matmul.available() is None
 
 
-def _pad2(a: jax.Array, rows: int, cols: int) -> jax.Array:
-    """[M, C] zero-padded to multiples of ``rows`` and ``cols``."""
-    pr, pc = -a.shape[0] % rows, -a.shape[1] % cols
-    return jnp.pad(a, ((0, pr), (0, pc))) if pr or pc else a
-
-
 def _live_rows(y: jax.Array, sizes: jax.Array) -> jax.Array:
     """``y`` with the rows after the last group set to 0 (the kernels never write them)."""
     live = jnp.arange(y.shape[0], dtype=jnp.int32) < jnp.sum(sizes)
     return jnp.where(live[:, None], y, jnp.zeros((), y.dtype))
 
 
-def _kernel_forward(x2, w, sizes, dtype):
-    """GPU: [M, K] rows grouped by ``sizes`` times ``w`` [G, K, N] -> [M, N] in ``dtype``."""
-    from moefast.kernels.fp8_matmul import scaled_grouped_matmul
+def _kernel_forward(x2, w, sizes, dtype, *, live=False):
+    """GPU: [M, K] rows grouped by ``sizes`` times ``w`` [G, K, N] -> [M, N] in ``dtype``, and what the
+    backward needs, each operand quantized once: x's 128-token tiles, written transposed [Kp, Mp]
+    by the same one-pass kernel that writes its 1 x 128 tiles, and w's 128 x 128 blocks (the dgrad
+    reads them transposed). ``live``: rows after the last group may exist (zeroed)."""
+    from moefast.kernels.fp8_matmul import quantize, scaled_grouped_matmul
 
-    m, k = x2.shape
-    xq, sx = quantize_tiles(_pad2(x2, FP8_BLOCK, FP8_BLOCK))
+    m, n = x2.shape[0], w.shape[-1]
+    xq, sx, xt, sxt = quantize(x2, rows=True, cols=True)
     wq, sw = quantize_blocks(w)
-    y = scaled_grouped_matmul(xq, sx, wq, jnp.repeat(sw, FP8_BLOCK, axis=-1), sizes, out_dtype=dtype)
-    return _live_rows(y[:m, :w.shape[-1]], sizes)
+    y = scaled_grouped_matmul(xq, sx, wq, sw, sizes, out_dtype=dtype)
+    y = y[:m, :n] if y.shape != (m, n) else y
+    return (_live_rows(y, sizes) if live else y), (xt, sxt, wq, sw)
 
 
-def _kernel_grads(x2, w, g2, sizes):
-    """GPU: the backward GEMMs of :func:`_kernel_forward`: (dx [M, K], dw [G, K, N]), float32."""
-    from moefast.kernels.fp8_matmul import scaled_grouped_matmul, scaled_weight_grads
+def _kernel_grads(payload, g2, sizes, k, dx_dtype, *, live=False):
+    """GPU: the backward GEMMs of :func:`_kernel_forward` from its ``payload`` and the cotangent
+    ``g2`` [M, N] (quantized once, both tilings from one read): (dx [M, K] in ``dx_dtype``,
+    dw [G, K, N] float32)."""
+    from moefast.kernels.fp8_matmul import quantize, scaled_grouped_matmul, scaled_weight_grads
 
-    (m, k), n = x2.shape, w.shape[-1]
-    xp, gp = _pad2(x2, FP8_BLOCK, FP8_BLOCK), _pad2(g2, FP8_BLOCK, FP8_BLOCK)
-    wq, sw = quantize_blocks(w)
-    gq, sg = quantize_tiles(gp)
-    sw_t = jnp.repeat(jnp.swapaxes(sw, -1, -2), FP8_BLOCK, axis=-1)  # [G, N/128, K]: the blocks read transposed
-    dx = scaled_grouped_matmul(gq, sg, wq, sw_t, sizes, transpose_b=True, out_dtype=jnp.float32)
-    dw = scaled_weight_grads(*quantize_tiles(xp.T), *quantize_tiles(gp.T), sizes)
-    return _live_rows(dx[:m, :k], sizes), dw[:, :k, :n]
+    xt, sxt, wq, sw = payload
+    m, n = g2.shape
+    gq, sg, gt, sgt = quantize(g2, rows=True, cols=True)
+    dx = scaled_grouped_matmul(gq, sg, wq, sw, sizes, transpose_b=True, out_dtype=dx_dtype)
+    dx = dx[:m, :k] if dx.shape != (m, k) else dx
+    dw = scaled_weight_grads(xt, sxt, gt, sgt, sizes)
+    dw = dw[:, :k, :n] if dw.shape[1:] != (k, n) else dw
+    return (_live_rows(dx, sizes) if live else dx), dw
 
 
 def _groups(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -155,25 +155,17 @@ def _flat(x: jax.Array, batch: int) -> jax.Array:
 
 
 def fp8_dense_forward(x: jax.Array, w: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """Forward GEMM on this device: ``x`` [*B, *T, K] (1 x 128 tiles) times ``w`` [*B, K, N]
-    (128 x 128 blocks), at most one batch dim B; [*B, *T, N] in ``dtype`` (the kernels write it;
-    emulated: float32 cast to it)."""
-    if _kernels():
-        x2, sizes = _groups(x, w)
-        w3 = w if w.ndim == 3 else w[None]
-        return _kernel_forward(x2, w3, sizes, jnp.dtype(dtype)).reshape(*x.shape[:-1], w.shape[-1])
+    """The emulated forward GEMM (float32 GEMM of the e4m3 values times their scales): ``x``
+    [*B, *T, K] (1 x 128 tiles) times ``w`` [*B, K, N] (128 x 128 blocks), at most one batch dim B;
+    [*B, *T, N] in ``dtype``."""
     batch = w.ndim - 2
     y = jnp.matmul(_flat(fake_quantize_tiles(x), batch), fake_quantize_blocks(w), precision=_HI)
     return y.reshape(*x.shape[:-1], w.shape[-1]).astype(dtype)
 
 
 def fp8_dense_grads(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The backward GEMMs of :func:`fp8_dense_forward` for the cotangent ``g`` [*B, *T, N]:
+    """The emulated backward GEMMs of :func:`fp8_dense_forward` for the cotangent ``g`` [*B, *T, N]:
     ``(dx [*B, *T, K], dw [*B, K, N])``, both float32."""
-    if _kernels():
-        x2, sizes = _groups(x, w)
-        dx, dw = _kernel_grads(x2, w if w.ndim == 3 else w[None], g.reshape(-1, g.shape[-1]), sizes)
-        return dx.reshape(x.shape), dw.reshape(w.shape)
     batch = w.ndim - 2
     dx = jnp.matmul(_flat(fake_quantize_tiles(g), batch), jnp.swapaxes(fake_quantize_blocks(w), -1, -2), precision=_HI)
     # 128-token tiles of all rows in order (with a batch dim: across its entries, as the kernels
@@ -182,6 +174,42 @@ def fp8_dense_grads(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Array
     gt = _tokens_tiles(g.reshape(-1, g.shape[-1])).reshape(_flat(g, batch).shape)
     dw = jnp.matmul(jnp.swapaxes(xt, -1, -2), gt, precision=_HI)
     return dx.reshape(x.shape), dw
+
+
+def dense_forward(x: jax.Array, w: jax.Array, dtype) -> tuple[jax.Array, tuple]:
+    """The forward GEMM on this device and what :func:`dense_backward` needs.
+
+    Args:
+      x: [*B, *T, K] activations; w: [*B, K, N] weights (at most one batch dim B, e.g. experts).
+      dtype: the result's dtype.
+
+    Returns:
+      ``(y, payload)``: y [*B, *T, N] in ``dtype``. On GPUs (the kernels) the payload holds ``x``
+      and ``w`` already quantized for the backward -- x's 128-token tiles (e4m3 [Kp, Mp] and
+      float32 scales [Kp, Mp / 128]) from the same pass as its forward tiles, w's e4m3 blocks and
+      their scales -- so nothing is quantized twice and it holds about half the bytes of the
+      bfloat16 operands; emulated, ``(x, w)``.
+    """
+    if not _kernels():
+        return fp8_dense_forward(x, w, dtype), (x, w)
+    x2, sizes = _groups(x, w)
+    y, payload = _kernel_forward(x2, w if w.ndim == 3 else w[None], sizes, jnp.dtype(dtype))
+    return y.reshape(*x.shape[:-1], w.shape[-1]), payload
+
+
+def dense_backward(payload: tuple, g: jax.Array, w_shape: tuple[int, ...], x_dtype) -> tuple[jax.Array, jax.Array]:
+    """The backward GEMMs of :func:`dense_forward` for the cotangent ``g`` [*B, *T, N]: ``(dx
+    [*B, *T, K] in ``x_dtype``, dw [*B, K, N] float32)``; ``w_shape`` is ``w``'s."""
+    if not _kernels():
+        x, w = payload
+        dx, dw = fp8_dense_grads(x, w, g)
+        return dx.astype(x_dtype), dw
+    k = w_shape[-2]
+    groups = w_shape[0] if len(w_shape) == 3 else 1
+    g2 = g.reshape(-1, g.shape[-1])
+    sizes = jnp.full((groups,), g2.shape[0] // groups, jnp.int32)
+    dx, dw = _kernel_grads(payload, g2, sizes, k, jnp.dtype(x_dtype))
+    return dx.reshape(*g.shape[:-1], k), dw.reshape(w_shape)
 
 
 def _token_spec(x: jax.Array):
@@ -200,45 +228,59 @@ def _token_spec(x: jax.Array):
     return P(rows or None, *([ctx] if x.ndim >= 3 else []), *([None] * (x.ndim - (2 if x.ndim >= 3 else 1))))
 
 
-def gspmd_forward(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """:func:`fp8_dense_forward` for a dense layer under GSPMD: ``x`` [B, T, K] split over the
-    token axes, ``w`` [K, N] whole on every device. The GPU kernels run in ``jax.shard_map`` over
-    the token axes; the emulation is plain XLA (partitioned as any GEMM)."""
+def _spec_axes(spec: P) -> tuple[str, ...]:
+    return tuple(a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,)))
+
+
+def _payload_specs(spec: P) -> tuple:
+    """shard_map specs of a GPU payload (:func:`dense_forward`): x's transposed tiles split along
+    their tokens (the last dim) over the token axes, the weight's blocks whole."""
+    tokens = P(None, _spec_axes(spec))
+    return tokens, tokens, P(), P()
+
+
+def gspmd_forward(x: jax.Array, w: jax.Array, dtype) -> tuple[jax.Array, tuple]:
+    """:func:`dense_forward` for a dense layer under GSPMD: ``x`` [B, T, K] split over the token
+    axes, ``w`` [K, N] whole on every device. The GPU kernels run in ``jax.shard_map`` over the
+    token axes (a custom call is not partitioned); the emulation is plain XLA (partitioned as any
+    GEMM). Returns ``(y, payload)`` for :func:`gspmd_grads`."""
     spec = _token_spec(x) if _kernels() else None
     if spec is None:
-        return fp8_dense_forward(x, w, dtype)
-    return jax.shard_map(lambda a, b: fp8_dense_forward(a, b, dtype), in_specs=(spec, P()), out_specs=spec,
-                         check_vma=False)(x, w)
+        return dense_forward(x, w, dtype)
+    return jax.shard_map(lambda a, b: dense_forward(a, b, dtype), in_specs=(spec, P()),
+                         out_specs=(spec, _payload_specs(spec)), check_vma=False)(x, w)
 
 
-def gspmd_grads(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """:func:`fp8_dense_grads` under GSPMD (:func:`gspmd_forward`): ``w``'s gradient summed over
-    the token axes in float32."""
-    spec = _token_spec(x) if _kernels() else None
+def gspmd_grads(payload: tuple, g: jax.Array, w_shape: tuple[int, ...], x_dtype) -> tuple[jax.Array, jax.Array]:
+    """:func:`dense_backward` under GSPMD (:func:`gspmd_forward`): ``w``'s gradient summed over the
+    token axes in float32."""
+    spec = _token_spec(g) if _kernels() else None
     if spec is None:
-        return fp8_dense_grads(x, w, g)
-    axes = tuple(a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,)))
+        return dense_backward(payload, g, w_shape, x_dtype)
+    axes = _spec_axes(spec)
 
-    def local(a, b, c):
-        dx, dw = fp8_dense_grads(a, b, c)
+    def local(p, c):
+        dx, dw = dense_backward(p, c, w_shape, x_dtype)
         return dx, jax.lax.psum(dw, axes)
 
-    return jax.shard_map(local, in_specs=(spec, P(), spec), out_specs=(spec, P()), check_vma=False)(x, w, g)
+    return jax.shard_map(local, in_specs=(_payload_specs(spec), spec), out_specs=(spec, P()),
+                         check_vma=False)(payload, g)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul(x, w, dtype):
-    return fp8_dense_forward(x, w, dtype)
+    return dense_forward(x, w, dtype)[0]
 
 
 def _matmul_fwd(x, w, dtype):
-    return _matmul(x, w, dtype), (x, w)
+    y, payload = dense_forward(x, w, dtype)
+    return y, (payload, jnp.zeros((0,) + w.shape, w.dtype), jnp.zeros((0,), x.dtype))
 
 
 def _matmul_bwd(dtype, res, g):
-    x, w = res
-    dx, dw = fp8_dense_grads(x, w, g)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    payload, w_like, x_like = res
+    dx, dw = dense_backward(payload, g, w_like.shape[1:], x_like.dtype)
+    return dx, dw.astype(w_like.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -267,21 +309,25 @@ def fp8_matmul(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _grouped(x, w, group_sizes, impl, dtype):
-    if _kernels():
-        return _kernel_forward(x, w, group_sizes, dtype)
-    return grouped_matmul(fake_quantize_tiles(x), fake_quantize_blocks(w), group_sizes, impl=impl).astype(dtype)
+    return _grouped_fwd(x, w, group_sizes, impl, dtype)[0]
 
 
 def _grouped_fwd(x, w, group_sizes, impl, dtype):
-    return _grouped(x, w, group_sizes, impl, dtype), (x, w, group_sizes)
+    if _kernels():
+        y, payload = _kernel_forward(x, w, group_sizes, dtype, live=True)
+    else:
+        y = grouped_matmul(fake_quantize_tiles(x), fake_quantize_blocks(w), group_sizes, impl=impl).astype(dtype)
+        payload = (x, w)
+    return y, (payload, group_sizes, jnp.zeros((0,) + w.shape, w.dtype), jnp.zeros((0,), x.dtype))
 
 
 def _grouped_bwd(impl, dtype, res, g):
-    x, w, group_sizes = res
+    payload, group_sizes, w_like, x_like = res
     zero = np.zeros(group_sizes.shape, jax.dtypes.float0)
     if _kernels():
-        dx, dw = _kernel_grads(x, w, g, group_sizes)
-        return dx.astype(x.dtype), dw.astype(w.dtype), zero
+        dx, dw = _kernel_grads(payload, g, group_sizes, w_like.shape[-2], x_like.dtype, live=True)
+        return dx, dw.astype(w_like.dtype), zero
+    x, w = payload
     wq = fake_quantize_blocks(w)
     _, dx_of = jax.vjp(lambda a: grouped_matmul(a, wq, group_sizes, impl=impl), jnp.zeros(x.shape, jnp.float32))
     (dx,) = dx_of(fake_quantize_tiles(g))

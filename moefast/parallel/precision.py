@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moefast.parallel.context import CONTEXT_AXIS
-from moefast.parallel.fp8_gemm import fp8_dense_forward, fp8_dense_grads, gspmd_forward, gspmd_grads
+from moefast.parallel.fp8_gemm import dense_backward, dense_forward, gspmd_forward, gspmd_grads
 from moefast.parallel.mesh import BATCH_AXES, state_spec
 
 __all__ = ["costing_twin", "dense", "embed_lookup", "expert_weights", "local_dense"]
@@ -88,23 +88,29 @@ def _dense(x, w, dtype, names, transposed, w_dtype, fp8):
 
 
 def _product(x, wc, transposed, fp8, local=False):
-    """``x @ wc`` (``wc.T``); ``fp8``: by the FP8 recipe, under GSPMD or, ``local``, on this device."""
+    """``x @ wc`` (``wc.T``) and what :func:`_dense_grads` needs; ``fp8``: by the FP8 recipe, under
+    GSPMD or, ``local``, on this device, the residuals the operands quantized once
+    (:func:`moefast.parallel.fp8_gemm.dense_forward`)."""
     if fp8:
-        return (fp8_dense_forward if local else gspmd_forward)(x, wc.T if transposed else wc, x.dtype)
-    return x @ (wc.T if transposed else wc)
+        w = wc.T if transposed else wc
+        y, payload = (dense_forward if local else gspmd_forward)(x, w, x.dtype)
+        return y, (payload, jnp.zeros((0,) + w.shape, w.dtype))
+    return x @ (wc.T if transposed else wc), (x, wc)
 
 
 def _dense_fwd(x, w, dtype, names, transposed, w_dtype, fp8):
-    wc = _gather(w, names, dtype)
-    return _product(x, wc, transposed, fp8), (x, wc)
+    return _product(x, _gather(w, names, dtype), transposed, fp8)
 
 
-def _dense_grads(x, wc, g, transposed, w_dtype, fp8=False, local=False):
-    """(dx in the compute dtype, dw from a GEMM with a float32 result, as ``w_dtype``); with
-    ``fp8``, both from e4m3 GEMMs (:func:`moefast.parallel.fp8_gemm.gspmd_grads`)."""
+def _dense_grads(res, g, transposed, w_dtype, x_dtype, fp8=False, local=False):
+    """(dx in the compute dtype, dw from a GEMM with a float32 result, as ``w_dtype``) from
+    :func:`_product`'s residuals; with ``fp8``, both from e4m3 GEMMs
+    (:func:`moefast.parallel.fp8_gemm.gspmd_grads`)."""
     if fp8:
-        dx, dw = (fp8_dense_grads if local else gspmd_grads)(x, wc.T if transposed else wc, g)
-        return dx.astype(x.dtype), (dw.T if transposed else dw).astype(w_dtype)
+        payload, w_like = res
+        dx, dw = (dense_backward if local else gspmd_grads)(payload, g, w_like.shape[1:], x_dtype)
+        return dx.astype(x_dtype), (dw.T if transposed else dw).astype(w_dtype)
+    x, wc = res
     lead = "".join(chr(ord("a") + i) for i in range(x.ndim - 1))  # the token dimensions
     w_spec = "oi" if transposed else "io"
     dx = jnp.einsum(f"{lead}o,{w_spec}->{lead}i", g, wc)
@@ -116,8 +122,7 @@ def _dense_grads(x, wc, g, transposed, w_dtype, fp8=False, local=False):
 
 
 def _dense_bwd(dtype, names, transposed, w_dtype, fp8, res, g):
-    x, wc = res
-    return _dense_grads(x, wc, g, transposed, w_dtype, fp8)
+    return _dense_grads(res, g, transposed, w_dtype, dtype, fp8)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -125,7 +130,7 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _local_dense(x, w, dtype, fp8):
-    return _product(x, w.astype(dtype), False, fp8, local=True)
+    return _product(x, w.astype(dtype), False, fp8, local=True)[0]
 
 
 def local_dense(x: jax.Array, w: jax.Array, dtype, fp8: bool = False) -> jax.Array:
@@ -136,13 +141,13 @@ def local_dense(x: jax.Array, w: jax.Array, dtype, fp8: bool = False) -> jax.Arr
 
 
 def _local_dense_fwd(x, w, dtype, fp8):
-    wc = w.astype(dtype)
-    return _product(x, wc, False, fp8, local=True), (x, wc, jnp.zeros((0,), w.dtype))
+    y, res = _product(x, w.astype(dtype), False, fp8, local=True)
+    return y, (res, jnp.zeros((0,), w.dtype))
 
 
 def _local_dense_bwd(dtype, fp8, res, g):
-    x, wc, w_like = res
-    return _dense_grads(x, wc, g, False, w_like.dtype, fp8, local=True)
+    res, w_like = res
+    return _dense_grads(res, g, False, w_like.dtype, dtype, fp8, local=True)
 
 
 _local_dense.defvjp(_local_dense_fwd, _local_dense_bwd)

@@ -37,6 +37,48 @@ def _deq_blocks(q, s):
     return (b * np.asarray(s)[:, :, None, :, None]).reshape(g, i, o)
 
 
+@pytest.fixture
+def rn_cast(monkeypatch):
+    """The Triton interpreter's float32 -> e4m3 cast made round-to-nearest-even with saturation, as
+    Hopper's ``cvt.rn.satfinite.e4m3x2.f32`` (what the compiled kernel emits; checked below): the
+    interpreter's own cast (triton 3.9, ``interpreter._convert_float``) drops the carry of its
+    rounding into the exponent (7.96 becomes 4), which no GPU does."""
+    import ml_dtypes
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def rounded(data, src, dst, mode):
+        if dst == tl.float8e4nv and src == tl.float32:
+            return np.clip(np.asarray(data, np.float32), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        return convert(data, src, dst, mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", rounded)
+
+
+def test_one_pass_quantizer_equals_the_recipe_bitwise(rn_cast):
+    """The GPU quantizer (one read of x [300, 200]: its 1 x 128 tiles, and its 128-token tiles written
+    transposed) gives moefast.parallel.fp8.quantize_tiles' codes and scales of x and of x.T bit for
+    bit, over magnitudes 1e-13..1e13, an all-zero row and tiny normals (1e-37), padding with zeros
+    to multiples of 128."""
+    from moefast.kernels.fp8_matmul import quantize_torch
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((300, 200)) * np.exp(rng.uniform(-30, 30, (300, 1)))).astype(np.float32)
+    x[5], x[7, :128] = 0, 1e-37
+    q, s, qt, st = quantize_torch(torch.from_numpy(x), rows=True, cols=True)
+    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    for (got_q, got_s), ref in (((q, s), x), ((qt, st), x.T)):
+        want_q, want_s = quantize_tiles(jnp.asarray(ref))
+        rows = ref.shape[0]
+        np.testing.assert_array_equal(bits(got_q.view(torch.uint8).numpy()[:rows]), bits(want_q))
+        np.testing.assert_array_equal(got_s.numpy()[:rows], np.asarray(want_s))
+        assert not got_q.view(torch.uint8).numpy()[rows:].any()  # padding rows: zeros
+    (q_only, s_only) = quantize_torch(torch.from_numpy(x), rows=True, cols=False)
+    assert torch.equal(q_only.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_only, s)
+
+
 def test_interpreted_kernels_equal_the_recipe():
     """Forward (A @ B[g]), dgrad (A @ B[g]^T, B read transposed) and wgrad (128-token tiles) on
     groups of 100, 0 and 150 rows out of 384 (a 128-row tile spans two groups; rows past the
@@ -54,10 +96,9 @@ def test_interpreted_kernels_equal_the_recipe():
     gq, sg = quantize_tiles(jnp.asarray(dy))
     bm = tile_rows(m, 3)
     table = _t(tile_table(jnp.asarray(sizes), m, bm))
-    y = scaled_grouped_matmul_torch(_t(xq), _t(sx), _t(wq), _t(np.repeat(np.asarray(sw), 128, axis=-1)), table,
-                                    out_dtype=torch.float32, block_rows=bm).numpy()
-    sw_t = np.repeat(np.swapaxes(np.asarray(sw), -1, -2), 128, axis=-1)  # [G, N/128, K]
-    dx = scaled_grouped_matmul_torch(_t(gq), _t(sg), _t(wq), _t(sw_t), table, transpose_b=True,
+    y = scaled_grouped_matmul_torch(_t(xq), _t(sx), _t(wq), _t(sw), table, out_dtype=torch.float32,
+                                    block_rows=bm).numpy()
+    dx = scaled_grouped_matmul_torch(_t(gq), _t(sg), _t(wq), _t(sw), table, transpose_b=True,
                                      out_dtype=torch.float32, block_rows=bm).numpy()
     xtq, sxt = quantize_tiles(jnp.asarray(x.T))
     gtq, sgt = quantize_tiles(jnp.asarray(dy.T))
@@ -80,9 +121,9 @@ _ASSEMBLE = """
 import re, sys
 sys.path.insert(0, sys.argv[1])
 from moefast.kernels.fp8_matmul import compile_for
-for kind in ("forward", "dgrad", "wgrad"):
+for kind in ("forward", "dgrad", "wgrad", "quantize"):
     ptx = compile_for(kind)
-    print(kind, sorted(set(re.findall(r"wgmma\\.mma_async[.a-z0-9_]*|mma\\.sync[.a-z0-9_]*|cvt\\.rn\\.f16x2\\.e4m3x2", ptx))))
+    print(kind, sorted(set(re.findall(r"wgmma\\.mma_async[.a-z0-9_]*|mma\\.sync[.a-z0-9_]*|cvt\\.rn[.a-z0-9_]*e4m3x2[.a-z0-9]*|div\\.[a-z0-9.]*f32", ptx))))
 """
 
 
@@ -101,9 +142,11 @@ def test_kernels_compile_to_hopper_fp8_tensor_core_instructions(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 3, proc.stdout
-    for line in lines:
+    assert len(lines) == 4, proc.stdout
+    for line in lines[:3]:
         assert line.endswith("['wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3']"), line
+    # the quantizer: IEEE division (as XLA's) and the saturating round-to-nearest-even e4m3 cast
+    assert lines[3] == "quantize ['cvt.rn.satfinite.e4m3x2.f32', 'div.rn.f32']", lines[3]
 
 
 def _interpreted(monkeypatch):
@@ -141,12 +184,27 @@ def _interpreted(monkeypatch):
 
         return jax.pure_callback(run, out, xt, sxt, dyt, sdyt, bounds)
 
+    def quantize(x, *, rows=True, cols=False):
+        mp, kp = (-(-v // 128) * 128 for v in x.shape)
+        f8, f32 = jnp.float8_e4m3fn, jnp.float32
+        outs = ([jax.ShapeDtypeStruct((mp, kp), f8), jax.ShapeDtypeStruct((mp, kp // 128), f32)] if rows else []) + \
+            ([jax.ShapeDtypeStruct((kp, mp), f8), jax.ShapeDtypeStruct((kp, mp // 128), f32)] if cols else [])
+
+        def run(a):
+            with lock:
+                got = fp8_matmul.quantize_torch(_t(a.astype(np.float32)), rows=rows, cols=cols)
+            return tuple(g.view(torch.uint8).numpy().view(jnp.float8_e4m3fn) if g.dtype == torch.float8_e4m3fn
+                         else g.numpy() for g in got)
+
+        return jax.pure_callback(run, tuple(outs), x)
+
     monkeypatch.setattr(fp8_matmul, "available", lambda platform=None: None)
+    monkeypatch.setattr(fp8_matmul, "quantize", quantize)
     monkeypatch.setattr(fp8_matmul, "scaled_grouped_matmul", grouped)
     monkeypatch.setattr(fp8_matmul, "scaled_weight_grads", wgrad)
 
 
-def test_gpu_path_equals_the_emulation(monkeypatch, devices):
+def test_gpu_path_equals_the_emulation(monkeypatch, devices, rn_cast):
     """The kernels' path through moefast.parallel.fp8_gemm (odd sizes padded to 128, dense layers as
     one group, capacity experts as equal groups, dropless groups; on an 8-device mesh a dense
     layer's launches inside shard_map with the weight gradient summed over the token shards, each
@@ -184,8 +242,8 @@ def test_gpu_path_equals_the_emulation(monkeypatch, devices):
 
         @jax.jit
         def sharded(a, b, g):
-            y = fp8_gemm.gspmd_forward(a, b, jnp.float32)
-            return y, *fp8_gemm.gspmd_grads(a, b, g)
+            y, payload = fp8_gemm.gspmd_forward(a, b, jnp.float32)
+            return y, *fp8_gemm.gspmd_grads(payload, g, b.shape, a.dtype)
 
         y, dx, dw = sharded(xs, w, jnp.cos(want[0]))
     np.testing.assert_allclose(np.asarray(y), np.asarray(want[0]), rtol=2e-5, atol=2e-4)

@@ -26,7 +26,7 @@ def np_tiles(x):
     t = t.reshape(*x.shape[:-1], kp // 128, 128)
     amax = np.abs(t).max(-1)
     s = np.where(amax > 0, np.maximum(amax / np.float32(448), TINY), 1).astype(np.float32)
-    q = np.clip(t / s[..., None], -448, 448).astype(E4M3)
+    q = np.clip(t * (np.float32(1) / s)[..., None], -448, 448).astype(E4M3)
     return q.reshape(*x.shape[:-1], kp), s
 
 
@@ -46,7 +46,7 @@ def np_fq_blocks(w):
     b = p.reshape(*lead, ip // 128, 128, op // 128, 128)
     amax = np.abs(b).max(axis=(-3, -1))
     s = np.where(amax > 0, np.maximum(amax / np.float32(448), TINY), 1).astype(np.float32)
-    q = np.clip(b / s[..., :, None, :, None], -448, 448).astype(E4M3)
+    q = np.clip(b * (np.float32(1) / s)[..., :, None, :, None], -448, 448).astype(E4M3)
     return (q.astype(np.float64) * s[..., :, None, :, None]).reshape(*lead, ip, op)[..., :i, :o]
 
 
