@@ -65,7 +65,7 @@ def scaled_dw_kernel(bounds_ptr, xt_ptr, sxt_ptr, dyt_ptr, sdyt_ptr, dw_ptr, G: 
         sx = tl.load(sxt_ptr + ii * (M // BT) + c)
         sd = tl.load(sdyt_ptr + oo * (M // BT) + c)
         acc += tl.dot(xa, tl.trans(db), max_num_imprecise_acc=BT) * sx[:, None] * sd[None, :]
-    tl.store(dw_ptr + g * K * N + ii[:, None] * N + oo[None, :], acc)
+    tl.store(dw_ptr + g * K * N + ii[:, None] * N + oo[None, :], acc.to(dw_ptr.dtype.element_ty))
 
 
 def quantize_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M: tl.constexpr, K: tl.constexpr, MP: tl.constexpr,
@@ -98,3 +98,22 @@ def quantize_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M: tl.constexpr, K: tl.
         q = tl.minimum(tl.maximum(v, -448.0), 448.0).to(qt_ptr.dtype.element_ty)
         tl.store(qt_ptr + k[None, :] * MP + r[:, None], q)
         tl.store(st_ptr + k * (MP // B) + i, s)
+
+
+def quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, K: tl.constexpr, N: tl.constexpr, KP: tl.constexpr,
+                           NP: tl.constexpr, B: tl.constexpr):
+    # one program per B x B block (g, kb, nb) of the weights w [G, K, N] (any float; read once,
+    # zeros past K and N): its e4m3 values q [G, KP, NP] and one float32 scale s [G, KP / B, NP / B],
+    # the scale and values as quantize_kernel's (moefast.parallel.fp8.quantize_blocks: the same bits)
+    g = tl.program_id(0)
+    kb = tl.program_id(1)
+    nb = tl.program_id(2)
+    k = kb * B + tl.arange(0, B)
+    n = nb * B + tl.arange(0, B)
+    w = tl.load(w_ptr + g * K * N + k[:, None] * N + n[None, :], mask=(k < K)[:, None] & (n < N)[None, :], other=0.0)
+    w = w.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
+    s = tl.where(amax > 0, tl.maximum(amax * INV_MAX, TINY), 1.0)
+    q = tl.minimum(tl.maximum(w * tl.math.div_rn(1.0, s), -448.0), 448.0).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + g * KP * NP + k[:, None] * NP + n[None, :], q)
+    tl.store(s_ptr + (g * (KP // B) + kb) * (NP // B) + nb, s)

@@ -31,8 +31,9 @@ import functools
 from ..routing.triton import _assembler_for_jax, compile_kernel, interpreting
 from ..vma import vary_together
 
-__all__ = ["BLOCK", "available", "compile_for", "quantize", "quantize_torch", "scaled_grouped_matmul",
-           "scaled_grouped_matmul_torch", "scaled_weight_grads", "scaled_weight_grads_torch", "tile_rows"]
+__all__ = ["BLOCK", "available", "compile_for", "quantize", "quantize_torch", "quantize_weights",
+           "quantize_weights_torch", "scaled_grouped_matmul", "scaled_grouped_matmul_torch", "scaled_weight_grads",
+           "scaled_weight_grads_torch", "tile_rows"]
 
 BLOCK = 128  # the scaling granularity (DeepSeek-V3: 1 x 128 tiles, 128 x 128 blocks), the K step, N's tile
 NUM_WARPS, NUM_STAGES = 4, 3
@@ -49,9 +50,10 @@ def tile_rows(num_rows: int, num_groups: int) -> int:
 def _kernels():
     import triton
 
-    from ._triton_kernel import quantize_kernel, scaled_dw_kernel, scaled_grouped_kernel
+    from ._triton_kernel import quantize_blocks_kernel, quantize_kernel, scaled_dw_kernel, scaled_grouped_kernel
 
-    return triton.jit(scaled_grouped_kernel), triton.jit(scaled_dw_kernel), triton.jit(quantize_kernel)
+    return (triton.jit(scaled_grouped_kernel), triton.jit(scaled_dw_kernel), triton.jit(quantize_kernel),
+            triton.jit(quantize_blocks_kernel))
 
 
 def available(platform: str | None = None) -> str | None:
@@ -156,8 +158,9 @@ def scaled_grouped_matmul(a, sa, b, sb, group_sizes, *, transpose_b: bool = Fals
                  BK=BLOCK)
 
 
-def scaled_weight_grads(xt, sxt, dyt, sdyt, group_sizes):
-    """``[G, K, N]`` float32: per group the sum over its rows of ``x_row^T dy_row`` (JAX, GPU).
+def scaled_weight_grads(xt, sxt, dyt, sdyt, group_sizes, *, out_dtype=None):
+    """``[G, K, N]`` in ``out_dtype`` (default float32; summed in float32 either way): per group the
+    sum over its rows of ``x_row^T dy_row`` (JAX, GPU).
 
     Args:
       xt: [K, M] float8_e4m3fn, x transposed; sxt: [K, M / 128] float32, one scale per 128 tokens
@@ -177,7 +180,7 @@ def scaled_weight_grads(xt, sxt, dyt, sdyt, group_sizes):
     _check(m, k, n, g, BLOCK)
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     bounds = jnp.concatenate([ends - group_sizes.astype(jnp.int32), ends])
-    out = jax.ShapeDtypeStruct((g, k, n), jnp.float32)
+    out = jax.ShapeDtypeStruct((g, k, n), out_dtype or jnp.float32)
     return _call(_kernels()[1], (bounds, xt, sxt, dyt, sdyt), out, (g, k // BLOCK, n // BLOCK), f"{SCOPE}_wgrad",
                  G=g, M=m, K=k, N=n,
                  BT=BLOCK, BI=BLOCK, BO=BLOCK)
@@ -220,6 +223,31 @@ def quantize(x, *, rows: bool = True, cols: bool = False):
     got = _call(_kernels()[2], (x,), outs, (mp // BLOCK, kp // BLOCK), f"{SCOPE}_quantize", M=m, K=k, MP=mp, KP=kp,
                 ROWS=bool(rows), COLS=bool(cols), B=BLOCK)
     return tuple(got[:2] if rows else ()) + tuple(got[2:] if cols else ())
+
+
+def quantize_weights(w):
+    """One pass over the weights ``w`` [G, K, N] (any float; JAX, GPU): their e4m3 values and one
+    float32 scale per 128 x 128 block, the same bits as :func:`moefast.parallel.fp8.quantize_blocks`;
+    K and N padded with zeros to multiples of 128 in the kernel.
+
+    Returns:
+      ``(q [G, Kp, Np] float8_e4m3fn, s [G, Kp / 128, Np / 128] float32)``.
+
+    Raises:
+      RuntimeError: no GPU or no jax-triton.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    why = available()
+    if why:
+        raise RuntimeError(why)
+    g, k, n = w.shape
+    kp, np_ = _padded_to_block(k), _padded_to_block(n)
+    outs = [jax.ShapeDtypeStruct((g, kp, np_), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((g, kp // BLOCK, np_ // BLOCK), jnp.float32)]
+    return tuple(_call(_kernels()[3], (w,), outs, (g, kp // BLOCK, np_ // BLOCK), f"{SCOPE}_quantize_weights",
+                       K=k, N=n, KP=kp, NP=np_, B=BLOCK))
 
 
 def _interpretable(t):
@@ -281,19 +309,34 @@ def quantize_torch(x, *, rows: bool = True, cols: bool = False):
     return tuple((q, s) if rows else ()) + tuple((qt, st) if cols else ())
 
 
+def quantize_weights_torch(w):
+    """:func:`quantize_weights` on a torch tensor (CUDA, or CPU under the Triton interpreter)."""
+    import torch
+
+    _interpretable(w)
+    g, k, n = w.shape
+    kp, np_ = _padded_to_block(k), _padded_to_block(n)
+    q = torch.zeros((g, kp, np_), dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.zeros((g, kp // BLOCK, np_ // BLOCK), device=w.device)
+    _kernels()[3][(g, kp // BLOCK, np_ // BLOCK)](w.contiguous(), q, s, K=k, N=n, KP=kp, NP=np_, B=BLOCK,
+                                                   num_warps=NUM_WARPS)
+    return q, s
+
+
 def compile_for(kind: str = "forward", arch: int = 90, *, ptxas: str | None = None) -> str:
     """PTX of a kernel compiled by Triton for compute capability ``arch`` (no GPU needed), with the
     PTX version JAX's toolkit assembles.
 
     Args:
-      kind: ``"forward"`` (A @ B[g]), ``"dgrad"`` (A @ B[g]^T), ``"wgrad"`` or ``"quantize"``.
+      kind: ``"forward"`` (A @ B[g]), ``"dgrad"`` (A @ B[g]^T), ``"wgrad"``, ``"quantize"`` or
+        ``"quantize_weights"``.
       arch: compute capability x 10.
       ptxas: the assembler whose CUDA release sets the PTX version (``None``: JAX's toolkit's).
 
     Raises:
       ValueError: an unknown ``kind``; triton.runtime.errors.PTXASError: ptxas rejected the PTX.
     """
-    from ._triton_kernel import quantize_kernel, scaled_dw_kernel, scaled_grouped_kernel
+    from ._triton_kernel import quantize_blocks_kernel, quantize_kernel, scaled_dw_kernel, scaled_grouped_kernel
 
     if kind in ("forward", "dgrad"):
         k, n = 512, 384
@@ -310,8 +353,12 @@ def compile_for(kind: str = "forward", arch: int = 90, *, ptxas: str | None = No
         fn, names = quantize_kernel, ["x_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr"]
         types = ["*bf16", "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"]
         consts = dict(M=1000, K=576, MP=1024, KP=640, ROWS=True, COLS=True, B=BLOCK)
+    elif kind == "quantize_weights":
+        fn, names = quantize_blocks_kernel, ["w_ptr", "q_ptr", "s_ptr"]
+        types = ["*fp32", "*fp8e4nv", "*fp32"]
+        consts = dict(K=576, N=1408, KP=640, NP=1408, B=BLOCK)
     else:
-        raise ValueError(f"kind={kind!r}: one of 'forward', 'dgrad', 'wgrad', 'quantize'")
+        raise ValueError(f"kind={kind!r}: one of 'forward', 'dgrad', 'wgrad', 'quantize', 'quantize_weights'")
     kernel = compile_kernel(fn, dict(zip(names, types)), consts, arch=arch, ptxas=ptxas,
                             options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES})
     return kernel.asm["ptx"]

@@ -91,18 +91,18 @@ class Block(nnx.Module):
                                    num_groups=m.linear_num_key_heads, state_size=m.linear_key_head_dim,
                                    conv_width=m.linear_conv_kernel_dim, time_step_min=m.time_step_min, dtype=dtype,
                                    init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
-                                   impl=m.linear_attention_impl, rngs=rngs)
+                                   impl=m.linear_attention_impl, fp8=fp8, rngs=rngs)
             elif self.linear and m.linear_attention_kind == "kda":
                 self.attn = KimiDeltaAttention(m.d_model, num_heads=m.linear_num_value_heads,
                                                head_dim=m.linear_value_head_dim, conv_width=m.linear_conv_kernel_dim,
                                                dtype=dtype, init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
-                                               impl=m.linear_attention_impl, rngs=rngs)
+                                               impl=m.linear_attention_impl, fp8=fp8, rngs=rngs)
             elif self.linear:
                 self.attn = GatedDeltaNet(m.d_model, num_key_heads=m.linear_num_key_heads,
                                           num_value_heads=m.linear_num_value_heads, key_head_dim=m.linear_key_head_dim,
                                           value_head_dim=m.linear_value_head_dim, conv_width=m.linear_conv_kernel_dim,
                                           dtype=dtype, init_std=m.init_std, out_std=out_std, norm_eps=m.norm_eps,
-                                          impl=m.linear_attention_impl, rngs=rngs)
+                                          impl=m.linear_attention_impl, fp8=fp8, rngs=rngs)
             elif m.attention == "mla":
                 yarn = Yarn.from_config(m)
                 self.attn = MLAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,

@@ -153,9 +153,10 @@ class GatedDeltaNet(nnx.Module):
 
     def __init__(self, d_model: int, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, conv_width: int, dtype, init_std: float, out_std: float, norm_eps: float,
-                 impl: str = "auto", rngs: nnx.Rngs):
+                 impl: str = "auto", fp8: bool = False, rngs: nnx.Rngs):
         self.hk, self.hv, self.k_dim, self.v_dim = num_key_heads, num_value_heads, key_head_dim, value_head_dim
         self.conv_width, self.dtype, self.norm_eps, self.impl = conv_width, dtype, norm_eps, impl
+        self.fp8 = fp8  # model.precision == "fp8": in_proj and out by the FP8 recipe
         self.channels = 2 * num_key_heads * key_head_dim + num_value_heads * value_head_dim
         width = self.channels + num_value_heads * value_head_dim + 2 * num_value_heads
         init = jax.nn.initializers.normal(init_std)
@@ -178,7 +179,7 @@ class GatedDeltaNet(nnx.Module):
         the updated cache or None)``."""
         b, t, _ = x_btd.shape
         hk, hv, kd, vd, c = self.hk, self.hv, self.k_dim, self.v_dim, self.channels
-        proj = project(self, "in_proj", x_btd, self.dtype, ("embed", "heads"))
+        proj = project(self, "in_proj", x_btd, self.dtype, ("embed", "heads"), fp8=self.fp8)
         qkv, z = proj[..., :c], proj[..., c: c + hv * vd]
         beta_in, a = proj[..., c + hv * vd: c + hv * vd + hv], proj[..., c + hv * vd + hv:]
         qkv, conv_state = short_conv(qkv, self.conv[...], cache, segment_ids_bt)
@@ -191,5 +192,5 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...])[None, None] * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...][None, None])
         o, state = delta_rule(self.impl, q, k, v, g, beta, segment_ids_bt, cache, where="Gated DeltaNet")
         o = gated_rms_norm(o, z.reshape(b, t, hv, vd), self.norm[...], self.norm_eps, self.dtype)
-        out = project(self, "out", o.reshape(b, t, hv * vd), self.dtype, ("heads", "embed"))
+        out = project(self, "out", o.reshape(b, t, hv * vd), self.dtype, ("heads", "embed"), fp8=self.fp8)
         return out, (None if cache is None else {"conv": conv_state, "state": state})

@@ -45,9 +45,12 @@ class KimiDeltaAttention(nnx.Module):
     """
 
     def __init__(self, d_model: int, *, num_heads: int, head_dim: int, conv_width: int, dtype, init_std: float,
-                 out_std: float, norm_eps: float, impl: str = "auto", rngs: nnx.Rngs):
+                 out_std: float, norm_eps: float, impl: str = "auto", fp8: bool = False, rngs: nnx.Rngs):
         self.h, self.k_dim, self.conv_width = num_heads, head_dim, conv_width
         self.dtype, self.norm_eps, self.impl = dtype, norm_eps, impl
+        # model.precision == "fp8": qkv and out by the FP8 recipe; the low-rank gate paths and beta
+        # (outputs of head_dim or num_heads, padded to 128 they would mostly multiply zeros) stay bf16
+        self.fp8 = fp8
         hk = num_heads * head_dim
         self.channels = 3 * hk
         init = jax.nn.initializers.normal(init_std)
@@ -77,7 +80,7 @@ class KimiDeltaAttention(nnx.Module):
         ``([B, T, D] in the compute dtype, the updated cache or None)``."""
         b, t, _ = x_btd.shape
         h, kd, hk = self.h, self.k_dim, self.h * self.k_dim
-        qkv = project(self, "qkv", x_btd, self.dtype, ("embed", "heads"))
+        qkv = project(self, "qkv", x_btd, self.dtype, ("embed", "heads"), fp8=self.fp8)
         qkv, conv_state = short_conv(qkv, self.conv[...], cache, segment_ids_bt)
         q = _l2_normalize(qkv[..., :hk].reshape(b, t, h, kd))
         k = _l2_normalize(qkv[..., hk: 2 * hk].reshape(b, t, h, kd))
@@ -91,5 +94,5 @@ class KimiDeltaAttention(nnx.Module):
         o32 = o.astype(jnp.float32)  # transformers' KimiLinearRMSNormGated: float32 throughout
         normed = o32 * jax.lax.rsqrt(jnp.mean(jnp.square(o32), axis=-1, keepdims=True) + self.norm_eps)
         o = (normed * self.norm[...][None, None, None] * jax.nn.sigmoid(gate)).astype(self.dtype)
-        out = project(self, "out", o.reshape(b, t, hk), self.dtype, ("heads", "embed"))
+        out = project(self, "out", o.reshape(b, t, hk), self.dtype, ("heads", "embed"), fp8=self.fp8)
         return out, (None if cache is None else {"conv": conv_state, "state": state})

@@ -52,11 +52,12 @@ class Mamba2(nnx.Module):
 
     def __init__(self, d_model: int, *, num_heads: int, head_dim: int, num_groups: int, state_size: int,
                  conv_width: int, time_step_min: float, dtype, init_std: float, out_std: float, norm_eps: float,
-                 impl: str = "auto", rngs: nnx.Rngs):
+                 impl: str = "auto", fp8: bool = False, rngs: nnx.Rngs):
         if num_heads % num_groups:
             raise ValueError(f"Mamba2: {num_heads} heads do not divide into {num_groups} groups")
         self.h, self.p, self.g, self.n = num_heads, head_dim, num_groups, state_size
         self.conv_width, self.dtype, self.norm_eps, self.impl = conv_width, dtype, norm_eps, impl
+        self.fp8 = fp8  # model.precision == "fp8": in_proj and out by the FP8 recipe
         self.time_step_min = time_step_min
         self.channels = num_heads * head_dim + 2 * num_groups * state_size
         init = jax.nn.initializers.normal(init_std)
@@ -81,7 +82,7 @@ class Mamba2(nnx.Module):
         ``([B, T, D] in the compute dtype, the updated cache or None)``."""
         b, t, _ = x_btd.shape
         h, p, g, n, c = self.h, self.p, self.g, self.n, self.channels
-        proj = project(self, "in_proj", x_btd, self.dtype, ("embed", "heads"))
+        proj = project(self, "in_proj", x_btd, self.dtype, ("embed", "heads"), fp8=self.fp8)
         z, xbc, dt = proj[..., : h * p], proj[..., h * p: h * p + c], proj[..., h * p + c:]
         xbc, conv_state = short_conv(xbc, self.conv[...], cache, segment_ids_bt, bias_c=self.conv_bias[...])
         x = xbc[..., : h * p].reshape(b, t, h, p)
@@ -102,5 +103,5 @@ class Mamba2(nnx.Module):
         grouped = y.reshape(b, t, g, h * p // g)
         grouped = grouped * jax.lax.rsqrt(jnp.mean(jnp.square(grouped), axis=-1, keepdims=True) + self.norm_eps)
         y = (grouped.reshape(b, t, h * p) * self.norm[...][None, None]).astype(self.dtype)
-        out = project(self, "out", y, self.dtype, ("heads", "embed"))
+        out = project(self, "out", y, self.dtype, ("heads", "embed"), fp8=self.fp8)
         return out, (None if cache is None else {"conv": conv_state, "state": jnp.swapaxes(state, -1, -2)})

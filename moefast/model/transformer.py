@@ -126,6 +126,7 @@ class MTPModule(nnx.Module):
     def __init__(self, cfg: ExperimentConfig, k: int, *, rngs: nnx.Rngs):
         m = cfg.model
         self.dtype = _DTYPES[m.dtype]
+        self.fp8 = m.precision == "fp8"  # eh_proj by the FP8 recipe, as the blocks' projections
         self.enorm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs, zero_centered=m.zero_centered_norm)
         self.hnorm = rms_norm(m.d_model, m.norm_eps, self.dtype, rngs, zero_centered=m.zero_centered_norm)
         self.eh_proj = nnx.Param(jax.nn.initializers.normal(m.init_std)(rngs.params(), (2 * m.d_model, m.d_model)),
@@ -145,7 +146,7 @@ class MTPModule(nnx.Module):
         Returns ``(h^k [B, T, D] in the compute dtype, stats or None, None)``, with ``record_max``
         and the block's largest logits per head, float32 [H]."""
         x = jnp.concatenate([self.enorm(emb_btd), self.hnorm(h_btd)], axis=-1).astype(self.dtype)
-        x = dense(x, self.eh_proj[...], self.dtype, (None, "embed"))
+        x = dense(x, self.eh_proj[...], self.dtype, (None, "embed"), fp8=self.fp8)
         x, stats, _, *max_h = self.block(x, layer, rope, attn_mask, token_mask, None, cache_index, step_key,
                                          routing_state, routing_warmup, drop_tokens=drop_tokens, record_max=record_max)
         return self.head_norm(x).astype(self.dtype), stats, None, *max_h

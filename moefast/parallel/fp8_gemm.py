@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from moefast.kernels.grouped_matmul import grouped_matmul
 from moefast.parallel.context import CONTEXT_AXIS
-from moefast.parallel.fp8 import fake_quantize_blocks, fake_quantize_tiles, quantize_blocks
+from moefast.parallel.fp8 import fake_quantize_blocks, fake_quantize_tiles
 from moefast.parallel.mesh import BATCH_AXES
 
 __all__ = ["PRECISIONS", "check_device", "dense_backward", "dense_forward", "fp8_dense_grads", "fp8_dense_forward",
@@ -108,20 +108,20 @@ def _kernel_forward(x2, w, sizes, dtype, *, live=False):
     backward needs, each operand quantized once: x's 128-token tiles, written transposed [Kp, Mp]
     by the same one-pass kernel that writes its 1 x 128 tiles, and w's 128 x 128 blocks (the dgrad
     reads them transposed). ``live``: rows after the last group may exist (zeroed)."""
-    from moefast.kernels.fp8_matmul import quantize, scaled_grouped_matmul
+    from moefast.kernels.fp8_matmul import quantize, quantize_weights, scaled_grouped_matmul
 
     m, n = x2.shape[0], w.shape[-1]
     xq, sx, xt, sxt = quantize(x2, rows=True, cols=True)
-    wq, sw = quantize_blocks(w)
+    wq, sw = quantize_weights(w)
     y = scaled_grouped_matmul(xq, sx, wq, sw, sizes, out_dtype=dtype)
     y = y[:m, :n] if y.shape != (m, n) else y
     return (_live_rows(y, sizes) if live else y), (xt, sxt, wq, sw)
 
 
-def _kernel_grads(payload, g2, sizes, k, dx_dtype, *, live=False):
+def _kernel_grads(payload, g2, sizes, k, dx_dtype, dw_dtype=jnp.float32, *, live=False):
     """GPU: the backward GEMMs of :func:`_kernel_forward` from its ``payload`` and the cotangent
     ``g2`` [M, N] (quantized once, both tilings from one read): (dx [M, K] in ``dx_dtype``,
-    dw [G, K, N] float32)."""
+    dw [G, K, N] in ``dw_dtype``, summed in float32)."""
     from moefast.kernels.fp8_matmul import quantize, scaled_grouped_matmul, scaled_weight_grads
 
     xt, sxt, wq, sw = payload
@@ -129,7 +129,7 @@ def _kernel_grads(payload, g2, sizes, k, dx_dtype, *, live=False):
     gq, sg, gt, sgt = quantize(g2, rows=True, cols=True)
     dx = scaled_grouped_matmul(gq, sg, wq, sw, sizes, transpose_b=True, out_dtype=dx_dtype)
     dx = dx[:m, :k] if dx.shape != (m, k) else dx
-    dw = scaled_weight_grads(xt, sxt, gt, sgt, sizes)
+    dw = scaled_weight_grads(xt, sxt, gt, sgt, sizes, out_dtype=dw_dtype)
     dw = dw[:, :k, :n] if dw.shape[1:] != (k, n) else dw
     return (_live_rows(dx, sizes) if live else dx), dw
 
@@ -197,18 +197,20 @@ def dense_forward(x: jax.Array, w: jax.Array, dtype) -> tuple[jax.Array, tuple]:
     return y.reshape(*x.shape[:-1], w.shape[-1]), payload
 
 
-def dense_backward(payload: tuple, g: jax.Array, w_shape: tuple[int, ...], x_dtype) -> tuple[jax.Array, jax.Array]:
+def dense_backward(payload: tuple, g: jax.Array, w_shape: tuple[int, ...], x_dtype,
+                   dw_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """The backward GEMMs of :func:`dense_forward` for the cotangent ``g`` [*B, *T, N]: ``(dx
-    [*B, *T, K] in ``x_dtype``, dw [*B, K, N] float32)``; ``w_shape`` is ``w``'s."""
+    [*B, *T, K] in ``x_dtype``, dw [*B, K, N] in ``dw_dtype``, summed in float32)``; ``w_shape`` is
+    ``w``'s."""
     if not _kernels():
         x, w = payload
         dx, dw = fp8_dense_grads(x, w, g)
-        return dx.astype(x_dtype), dw
+        return dx.astype(x_dtype), dw.astype(dw_dtype)
     k = w_shape[-2]
     groups = w_shape[0] if len(w_shape) == 3 else 1
     g2 = g.reshape(-1, g.shape[-1])
     sizes = jnp.full((groups,), g2.shape[0] // groups, jnp.int32)
-    dx, dw = _kernel_grads(payload, g2, sizes, k, jnp.dtype(x_dtype))
+    dx, dw = _kernel_grads(payload, g2, sizes, k, jnp.dtype(x_dtype), jnp.dtype(dw_dtype))
     return dx.reshape(*g.shape[:-1], k), dw.reshape(w_shape)
 
 
@@ -279,8 +281,7 @@ def _matmul_fwd(x, w, dtype):
 
 def _matmul_bwd(dtype, res, g):
     payload, w_like, x_like = res
-    dx, dw = dense_backward(payload, g, w_like.shape[1:], x_like.dtype)
-    return dx, dw.astype(w_like.dtype)
+    return dense_backward(payload, g, w_like.shape[1:], x_like.dtype, w_like.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -325,8 +326,8 @@ def _grouped_bwd(impl, dtype, res, g):
     payload, group_sizes, w_like, x_like = res
     zero = np.zeros(group_sizes.shape, jax.dtypes.float0)
     if _kernels():
-        dx, dw = _kernel_grads(payload, g, group_sizes, w_like.shape[-2], x_like.dtype, live=True)
-        return dx, dw.astype(w_like.dtype), zero
+        dx, dw = _kernel_grads(payload, g, group_sizes, w_like.shape[-2], x_like.dtype, w_like.dtype, live=True)
+        return dx, dw, zero
     x, w = payload
     wq = fake_quantize_blocks(w)
     _, dx_of = jax.vjp(lambda a: grouped_matmul(a, wq, group_sizes, impl=impl), jnp.zeros(x.shape, jnp.float32))

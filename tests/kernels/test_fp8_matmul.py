@@ -57,12 +57,13 @@ def rn_cast(monkeypatch):
     monkeypatch.setattr(interpreter, "_convert_float", rounded)
 
 
-def test_one_pass_quantizer_equals_the_recipe_bitwise(rn_cast):
-    """The GPU quantizer (one read of x [300, 200]: its 1 x 128 tiles, and its 128-token tiles written
-    transposed) gives moefast.parallel.fp8.quantize_tiles' codes and scales of x and of x.T bit for
-    bit, over magnitudes 1e-13..1e13, an all-zero row and tiny normals (1e-37), padding with zeros
-    to multiples of 128."""
-    from moefast.kernels.fp8_matmul import quantize_torch
+def test_one_pass_quantizers_equal_the_recipe_bitwise(rn_cast):
+    """The GPU quantizers give moefast.parallel.fp8's codes and scales bit for bit, over magnitudes
+    1e-13..1e13, an all-zero row and tiny normals (1e-37), padding with zeros to multiples of 128:
+    the activations' (one read of x [300, 200]: its 1 x 128 tiles, and its 128-token tiles written
+    transposed) as quantize_tiles of x and of x.T, the weights' (128 x 128 blocks, from float32 and
+    from bfloat16) as quantize_blocks."""
+    from moefast.kernels.fp8_matmul import quantize_torch, quantize_weights_torch
 
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((300, 200)) * np.exp(rng.uniform(-30, 30, (300, 1)))).astype(np.float32)
@@ -77,6 +78,15 @@ def test_one_pass_quantizer_equals_the_recipe_bitwise(rn_cast):
         assert not got_q.view(torch.uint8).numpy()[rows:].any()  # padding rows: zeros
     (q_only, s_only) = quantize_torch(torch.from_numpy(x), rows=True, cols=False)
     assert torch.equal(q_only.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_only, s)
+    # the weights' quantizer: 128 x 128 blocks of [2, 300, 200] (float32 and bfloat16), as quantize_blocks
+    w = np.stack([x, -0.5 * x[::-1]])
+    for dtype in (jnp.float32, jnp.bfloat16):
+        wj = jnp.asarray(w, dtype)
+        got_q, got_s = quantize_weights_torch(_t(wj) if dtype == jnp.float32 else
+                                              torch.from_numpy(np.asarray(wj, np.float32)).to(torch.bfloat16))
+        want_q, want_s = quantize_blocks(wj)
+        np.testing.assert_array_equal(got_q.view(torch.uint8).numpy(), bits(want_q))
+        np.testing.assert_array_equal(got_s.numpy(), np.asarray(want_s))
 
 
 def test_interpreted_kernels_equal_the_recipe():
@@ -121,7 +131,7 @@ _ASSEMBLE = """
 import re, sys
 sys.path.insert(0, sys.argv[1])
 from moefast.kernels.fp8_matmul import compile_for
-for kind in ("forward", "dgrad", "wgrad", "quantize"):
+for kind in ("forward", "dgrad", "wgrad", "quantize", "quantize_weights"):
     ptx = compile_for(kind)
     print(kind, sorted(set(re.findall(r"wgmma\\.mma_async[.a-z0-9_]*|mma\\.sync[.a-z0-9_]*|cvt\\.rn[.a-z0-9_]*e4m3x2[.a-z0-9]*|div\\.[a-z0-9.]*f32", ptx))))
 """
@@ -142,16 +152,17 @@ def test_kernels_compile_to_hopper_fp8_tensor_core_instructions(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 4, proc.stdout
+    assert len(lines) == 5, proc.stdout
     for line in lines[:3]:
         assert line.endswith("['wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3']"), line
-    # the quantizer: IEEE division (as XLA's) and the saturating round-to-nearest-even e4m3 cast
+    # the quantizers: IEEE division (as XLA's) and the saturating round-to-nearest-even e4m3 cast
     assert lines[3] == "quantize ['cvt.rn.satfinite.e4m3x2.f32', 'div.rn.f32']", lines[3]
+    assert lines[4] == "quantize_weights ['cvt.rn.satfinite.e4m3x2.f32', 'div.rn.f32']", lines[4]
 
 
 def _interpreted(monkeypatch):
-    """moefast's GPU path of model.precision=fp8 (quantize, pad, launch, unpad) with the kernels run
-    by the Triton interpreter through jax.pure_callback in place of jax-triton."""
+    """moefast's GPU path of model.precision=fp8 (quantize, launch, unpad) with the kernels run by the
+    Triton interpreter through jax.pure_callback in place of jax-triton."""
     import threading
 
     import jax
@@ -174,13 +185,14 @@ def _interpreted(monkeypatch):
 
         return jax.pure_callback(run, out, table, a, sa, b, sb)
 
-    def wgrad(xt, sxt, dyt, sdyt, group_sizes):
+    def wgrad(xt, sxt, dyt, sdyt, group_sizes, *, out_dtype=None):
         ends = jnp.cumsum(group_sizes)
         bounds = jnp.concatenate([ends - group_sizes, ends]).astype(jnp.int32)
-        out = jax.ShapeDtypeStruct((group_sizes.shape[0], xt.shape[0], dyt.shape[0]), jnp.float32)
+        out = jax.ShapeDtypeStruct((group_sizes.shape[0], xt.shape[0], dyt.shape[0]), out_dtype or jnp.float32)
+
         def run(*arrays):
             with lock:
-                return scaled_weight_grads_torch(*map(_t, arrays)).numpy()
+                return scaled_weight_grads_torch(*map(_t, arrays)).numpy().astype(out.dtype)
 
         return jax.pure_callback(run, out, xt, sxt, dyt, sdyt, bounds)
 
@@ -200,6 +212,10 @@ def _interpreted(monkeypatch):
 
     monkeypatch.setattr(fp8_matmul, "available", lambda platform=None: None)
     monkeypatch.setattr(fp8_matmul, "quantize", quantize)
+    # the weights' quantizer as moefast.parallel.fp8.quantize_blocks, whose bits it has
+    # (test_one_pass_quantizers_equal_the_recipe_bitwise): one more callback per weight, replicated
+    # over the 8 devices inside shard_map, deadlocks XLA:CPU's callback threads
+    monkeypatch.setattr(fp8_matmul, "quantize_weights", quantize_blocks)
     monkeypatch.setattr(fp8_matmul, "scaled_grouped_matmul", grouped)
     monkeypatch.setattr(fp8_matmul, "scaled_weight_grads", wgrad)
 
