@@ -680,18 +680,44 @@ def _grouped_rows(ctx: Context, shapes, impls: dict) -> list[dict]:
 def check_fp8_gemm(ctx: Context) -> list[dict]:
     """``model.precision=fp8``'s GEMMs, forward + both backward products: the Triton FP8 kernels
     (``moefast.kernels.fp8_matmul`` through ``moefast.parallel.fp8_gemm``, e4m3 with 1 x 128 / 128 x
-    128 scales) against the bf16 grouped GEMM and the bf16 reference (the error is e4m3's: a few %
-    of the largest value). The figures replace the estimate's assumed FP8 kernel utilization
-    (``moefast.bench.gpu_schedule.FP8_KERNEL_UTILIZATION``)."""
+    128 scales, each operand quantized once by the one-pass kernels) against the bf16 grouped GEMM
+    and XLA's own bf16 GEMM (the reference; the error is e4m3's: a few % of the largest value),
+    side by side; each row's share of its dtype's dense peak (``of_peak``: FP8 at twice the bf16
+    peak) is the measured counterpart of the replay's assumed
+    ``moefast.bench.gpu_schedule.GEMM_KERNEL_UTILIZATION`` (the same share for both dtypes). Then
+    the one-pass quantizer's bytes per second against the copy bandwidth (``bandwidth`` check)
+    and the target's memory bandwidth, the measured counterpart of
+    ``MEMORY_KERNEL_UTILIZATION``."""
+    import jax
+    import jax.numpy as jnp
+
+    from moefast.bench.gpu_schedule import FP8_OVER_BF16
+    from moefast.kernels import fp8_matmul
     from moefast.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
     from moefast.parallel.fp8_gemm import fp8_grouped_matmul
+    from moefast.train.mfu import peak_flops
 
     shapes = [(256, 4, 128, 256)] if ctx.args.cpu_smoke else [(16384, 1, 7168, 2048), (32768, 8, 2048, 1408),
                                                             (16384, 64, 2048, 1408)]
     impls = {"fp8": lambda x, w, gs: fp8_grouped_matmul(x, w, gs, impl="pallas"),
              "bf16_pallas": lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"),
              "reference": grouped_matmul_reference}
-    return _grouped_rows(ctx, shapes, impls)
+    rows = _grouped_rows(ctx, shapes, impls)
+    peak = peak_flops(jax.devices()[:1]).per_device_tflops
+    for r in rows:
+        if peak and r.get("tflops_exact"):
+            r["of_peak"] = r["tflops_exact"] / (peak * (FP8_OVER_BF16 if r["impl"] == "fp8" else 1.0))
+    if ctx.args.cpu_smoke or fp8_matmul.available() is not None or ctx.time_left() < 20:
+        return rows
+    x = jax.random.normal(jax.random.key(0), (16384, 7168), jnp.bfloat16)
+    quantize = jax.jit(lambda a: fp8_matmul.quantize(a, rows=True, cols=True))
+    t = time_fn(quantize, x, runs=ctx.args.runs)
+    moved = x.size * (2 + 1 + 1) + 2 * 4 * x.size // 128  # bf16 in; e4m3 rows and columns, their scales out
+    gbs = moved / (t["median_ms"] * 1e-3) / 1e9
+    rows.append({"shape": "quantize [16384, 7168] bf16, rows + columns", "impl": "fp8_quantize", "status": "ok", **t,
+                 "GBs": gbs, "of_copy_bandwidth": gbs / ctx.shared["bandwidth_gbs"]
+                 if ctx.shared.get("bandwidth_gbs") else None})
+    return rows
 
 
 @register_check("overlap")

@@ -111,6 +111,8 @@ def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: 
                     "recosted_step": rc.get("step", 0.0),
                     "recosted_exposed": rc["exposed"] / rc["step"] if rc.get("step") else 0.0,
                     "recosted_worst_body": max(rbodies, default=0.0),
+                    "quantize_kernels": rc["quantize_kernels"] / rc["step"] if rc.get("step") else 0.0,
+                    "quantize_xla": rc["quantize_xla"] / rc["step"] if rc.get("step") else 0.0,
                     "network_floor": (e.get("network_floor") or {}).get("step", 0.0),
                     "exposed": e.get("exposed", 0.0) / step if step else 0.0,
                     "exposed_all_to_all": e.get("exposed_by_kind", {}).get("all-to-all", 0.0) / step if step else 0.0,
@@ -139,6 +141,10 @@ def format_ablation(rows: list[dict]) -> str:
         head += (" re-costed: step (µs) | re-costed: speed-up | re-costed: exposed | re-costed: worst loop body exposed "
                  "| re-costed: model TFLOP/s per GPU | the NIC's floor (µs) |")
         rule += "---:|---:|---:|---:|---:|---:|"
+    quant = any(r.get("quantize_kernels") or r.get("quantize_xla") for r in rows)
+    if quant:
+        head += " re-costed: FP8 quantization in moefast's kernels | re-costed: FP8 quantization outside kernels (XLA) |"
+        rule += "---:|---:|"
     lines = [head + " peak GiB per GPU | overrides |", rule + "---:|---|"]
     num = lambda v: "n/a" if v is None else f"{v:,.0f}" if v >= 10 else f"{v:.2g}"
     for r in rows:
@@ -148,6 +154,8 @@ def format_ablation(rows: list[dict]) -> str:
         if recost:
             line += (f" {r['recosted_step']:,.0f} | {r['recosted_speedup']:.2f}x | {r['recosted_exposed']:.1%} | "
                      f"{r['recosted_worst_body']:.1%} | {num(r['recosted_tflops'])} | {r.get('network_floor', 0):,.0f} |")
+        if quant:
+            line += f" {r.get('quantize_kernels', 0):.1%} | {r.get('quantize_xla', 0):.1%} |"
         lines.append(line + f" {r['peak_bytes'] / 2**30:.2f}{'' if r['fits'] else ' (does not fit)'} | {over} |")
     return "\n".join(lines)
 

@@ -431,7 +431,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
     by_axis = collections.Counter()
     fallback = {"count": 0, "bytes": 0, "exposed": 0.0}
     recost = {"step": 0.0, "exposed": 0.0, "by_kind": collections.Counter(), "by_tier": collections.Counter(),
-              "floor": 0.0, "bounded": 0.0, "kernels": 0}
+              "floor": 0.0, "bounded": 0.0, "kernels": 0, "quantize_xla": 0.0, "quantize_kernels": 0.0}
     gemm_acc = collections.defaultdict(lambda: [0, 0.0, 0.0, []])
     for block in blocks:
         st = re.search(r"scheduler_statistics \{([^}]*)\}", block)
@@ -494,6 +494,14 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
             recost["by_kind"][pair_kind[st][0]] += v * w
             recost["by_tier"][pair_kind[st][1]] += v * w
         recost["kernels"] += len(kernel_us) * w
+        from moefast.parallel.fp8 import QUANTIZE_SCOPE  # the XLA quantizers' named scope
+
+        for name, st, en in ordered:  # the FP8 quantization: moefast's kernels, and XLA's own passes
+            op = getattr(module.instrs.get(name), "op_name", "") or ""
+            if QUANTIZE_SCOPE in op:  # the XLA quantizers (moefast.parallel.fp8), under their named scope
+                recost["quantize_xla"] += (en - st) * w
+            elif "moefast_fp8_gemm_quantize" in op and name in kernel_us:
+                recost["quantize_kernels"] += kernel_us[name] * w
         recost["step"] += re_len * w
         recost["exposed"] += re_ex * w
         recost["floor"] += floor * w
@@ -553,7 +561,9 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         unscheduled_loops=sorted(b for b in loop_bodies if b not in scheduled), unknown_trips=sorted(set(unknown)),
         gemms=gemms, once=dict(once), fallback=fallback,
         recosted={"step": recost["step"], "exposed": recost["exposed"], "exposed_by_kind": dict(recost["by_kind"]),
-                  "exposed_by_tier": dict(recost["by_tier"]), "kernels": recost["kernels"]} if time_unit else {},
+                  "exposed_by_tier": dict(recost["by_tier"]), "kernels": recost["kernels"],
+                  "quantize_xla": recost["quantize_xla"], "quantize_kernels": recost["quantize_kernels"]}
+        if time_unit else {},
         network_floor={"step": recost["floor"], "bounded": recost["bounded"], "gbps": nic_rate / 1e3}
         if time_unit else {},
         profile=profile if time_unit else {}, exposed_by_axis=dict(by_axis),

@@ -64,8 +64,10 @@ class ModelConfig:
         projections (MLA's included) and the dense MLPs: ``"bf16"`` (in ``dtype``) or ``"fp8"``
         (DeepSeek-V3's recipe, Liu et al. 2024 sec. 3.3: e4m3 inputs, activations and gradients
         in 1 x 128 tiles, weights in 128 x 128 blocks, float32 sums; forward and both backward
-        GEMMs; :mod:`moefast.parallel.fp8_gemm`). Master weights, optimizer state, norms,
-        router, attention scores, embeddings, the LM head and the losses keep ``dtype``/float32.
+        GEMMs; :mod:`moefast.parallel.fp8_gemm`), also the linear-attention mixers' input and
+        output projections (Gated DeltaNet, KDA, Mamba-2) and MTP's ``eh_proj``. Master weights,
+        optimizer state, norms, router, attention scores, KDA's low-rank gates, embeddings, the
+        LM head and the losses keep ``dtype``/float32.
         On GPUs (compute capability 8.9 or later, with jax-triton) the GEMMs run in Triton FP8
         kernels (:mod:`moefast.kernels.fp8_matmul`); elsewhere the same numbers are emulated from
         the e4m3 values and their scales with float32 GEMMs (no speed-up); an older GPU is

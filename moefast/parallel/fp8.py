@@ -18,6 +18,7 @@ import jax.numpy as jnp
 __all__ = ["FP8_BLOCK", "FP8_MAX", "fake_quantize_blocks", "fake_quantize_tiles", "fp8_dequantize", "fp8_pack",
            "fp8_quantize", "fp8_unpack", "quantize_blocks", "quantize_tiles"]
 
+QUANTIZE_SCOPE = "moefast_fp8_quantize"  # the XLA quantizers' named scope (moefast.bench.gpu_schedule reads it)
 FP8_BLOCK = 128  # channels sharing one scale (DeepSeek-V3 sec. 3.3.1: 1 x 128 activation tiles)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -34,9 +35,10 @@ def fp8_quantize(x_ecd: jax.Array) -> tuple[jax.Array, jax.Array]:
       an all-zero tile has scale 1 and stays exactly 0).
     """
     *lead, d = x_ecd.shape
-    t = x_ecd.astype(jnp.float32).reshape(*lead, d // FP8_BLOCK, FP8_BLOCK)
-    scale = _scale(jnp.max(jnp.abs(t), axis=-1))
-    return _cast(t * (1.0 / scale)[..., None]).reshape(*lead, d), scale
+    with jax.named_scope(QUANTIZE_SCOPE):  # what moefast bench gpu-compile counts as quantization
+        t = x_ecd.astype(jnp.float32).reshape(*lead, d // FP8_BLOCK, FP8_BLOCK)
+        scale = _scale(jnp.max(jnp.abs(t), axis=-1))
+        return _cast(t * (1.0 / scale)[..., None]).reshape(*lead, d), scale
 
 
 def _scale(amax: jax.Array) -> jax.Array:
@@ -83,11 +85,12 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
       ``(q, scale)``: q [..., Ip, Op] float8_e4m3fn (I, O rounded up to multiples of 128, zeros in
       the padding) and scale [..., Ip / 128, Op / 128] float32, one per block.
     """
-    wp = _padded(w.astype(jnp.float32), (w.ndim - 2, w.ndim - 1))
-    *lead, i, o = wp.shape
-    b = wp.reshape(*lead, i // FP8_BLOCK, FP8_BLOCK, o // FP8_BLOCK, FP8_BLOCK)
-    scale = _scale(jnp.max(jnp.abs(b), axis=(-3, -1)))
-    return _cast(b * (1.0 / scale)[..., :, None, :, None]).reshape(*lead, i, o), scale
+    with jax.named_scope(QUANTIZE_SCOPE):
+        wp = _padded(w.astype(jnp.float32), (w.ndim - 2, w.ndim - 1))
+        *lead, i, o = wp.shape
+        b = wp.reshape(*lead, i // FP8_BLOCK, FP8_BLOCK, o // FP8_BLOCK, FP8_BLOCK)
+        scale = _scale(jnp.max(jnp.abs(b), axis=(-3, -1)))
+        return _cast(b * (1.0 / scale)[..., :, None, :, None]).reshape(*lead, i, o), scale
 
 
 def fake_quantize_tiles(x: jax.Array) -> jax.Array:
@@ -109,21 +112,24 @@ def fake_quantize_blocks(w: jax.Array) -> jax.Array:
 def fp8_dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """Inverse of :func:`fp8_quantize`: [..., D] in ``dtype``."""
     *lead, d = q.shape
-    t = q.astype(jnp.float32).reshape(*lead, d // FP8_BLOCK, FP8_BLOCK) * scale[..., None]
-    return t.reshape(*lead, d).astype(dtype)
+    with jax.named_scope(QUANTIZE_SCOPE):
+        t = q.astype(jnp.float32).reshape(*lead, d // FP8_BLOCK, FP8_BLOCK) * scale[..., None]
+        return t.reshape(*lead, d).astype(dtype)
 
 
 def fp8_pack(q: jax.Array, scale: jax.Array) -> jax.Array:
     """e4m3 values [..., D] and their float32 scales [..., D/128] as one uint8 array
     [..., D + 4·D/128] (the bytes of both: one collective moves a row with its scales, as DeepEP
     does, instead of a second small collective paying its own launch and round trips)."""
-    u = jax.lax.bitcast_convert_type(q, jnp.uint8)
-    us = jax.lax.bitcast_convert_type(scale, jnp.uint8)  # [..., D/128, 4]
-    return jnp.concatenate([u, us.reshape(*us.shape[:-2], -1)], axis=-1)
+    with jax.named_scope(QUANTIZE_SCOPE):
+        u = jax.lax.bitcast_convert_type(q, jnp.uint8)
+        us = jax.lax.bitcast_convert_type(scale, jnp.uint8)  # [..., D/128, 4]
+        return jnp.concatenate([u, us.reshape(*us.shape[:-2], -1)], axis=-1)
 
 
 def fp8_unpack(packed: jax.Array, d: int) -> tuple[jax.Array, jax.Array]:
     """Inverse of :func:`fp8_pack` for rows of ``d`` values."""
-    q = jax.lax.bitcast_convert_type(packed[..., :d], jnp.float8_e4m3fn)
-    s = packed[..., d:].reshape(*packed.shape[:-1], d // FP8_BLOCK, 4)
-    return q, jax.lax.bitcast_convert_type(s, jnp.float32)
+    with jax.named_scope(QUANTIZE_SCOPE):
+        q = jax.lax.bitcast_convert_type(packed[..., :d], jnp.float8_e4m3fn)
+        s = packed[..., d:].reshape(*packed.shape[:-1], d // FP8_BLOCK, 4)
+        return q, jax.lax.bitcast_convert_type(s, jnp.float32)

@@ -15,17 +15,23 @@ The three GEMMs of ``y = x @ w`` (:func:`fp8_matmul`, :func:`fp8_grouped_matmul`
   covers both, each expert's sum stays its own), as the grouped kernels read them.
 
 Sizes that are not multiples of 128 are zero-padded to the next multiple for the scaling (zeros
-change no product; e.g. MLA's 576-wide ``kv_a_proj_with_mqa``).
+change no product; e.g. MLA's 576-wide ``kv_a_proj_with_mqa``); the GPU quantizers pad as they
+write, with no padded copy.
 
 Two paths compute the same numbers:
 
 * **GPU kernels** (a step compiled for GPUs, with jax-triton: the ``[gpu]`` extra): the Triton
   FP8 grouped GEMMs of :mod:`moefast.kernels.fp8_matmul` on the e4m3 operands and their scales
   (Hopper's e4m3 tensor-core MMA, each 128-long piece of the contraction scaled and summed in
-  float32). A dense layer's GEMM is one group; the capacity experts' ``[E, C, D]`` buffers are E
-  equal groups. Under a multi-device mesh (GSPMD) a dense layer's kernel runs inside
-  ``jax.shard_map`` over the tokens' mesh axes (a custom call is not partitioned), its weight
-  gradient summed over them in float32.
+  float32). Each operand is quantized once, by one-pass kernels: an activation (and in the
+  backward the cotangent) is read once for both its 1 x 128 tiles and its 128-token tiles,
+  written transposed as the weight-gradient kernel reads them; a weight's 128 x 128 blocks serve
+  the forward and, read transposed, the dgrad. The forward keeps the quantized x (its 128-token
+  tiles) and w for the backward -- about half the bytes of the bfloat16 operands, and nothing
+  quantized again there. A dense layer's GEMM is one group; the capacity experts' ``[E, C, D]``
+  buffers are E equal groups. Under a multi-device mesh (GSPMD) a dense layer's kernels run
+  inside ``jax.shard_map`` over the tokens' mesh axes (a custom call is not partitioned), its
+  weight gradient summed over them in float32.
 * **Emulated** (CPU, or a GPU without jax-triton): each GEMM computed from its operands' e4m3
   values times their scales in float32 (:func:`~moefast.parallel.fp8.fake_quantize_tiles`,
   ml_dtypes' e4m3 rounding) with float32 GEMMs: the recipe's numbers, not its speed.
