@@ -78,8 +78,10 @@ CASES = {
                     "moe.shared_expert_gate=false", "model.num_layers=3", "model.num_dense_layers=1",
                     "model.mtp_depth=1"],
     # DeepSeek-V3.2's sparse MLA (configs/tiny_deepseek_v32.yaml) on 2 GPUs: the lightning
-    # indexer's top-k and the sparse attention kernels over the selected latents
-    "dsa": ["--config", "configs/tiny_deepseek_v32.yaml", "--devices", "2", "model.dtype=bfloat16"],
+    # indexer's top-k and the sparse attention kernels over the selected latents; its GEMMs in FP8
+    # (MLA's projections, the dense MLP, routed and shared experts, MTP's eh_proj)
+    "dsa": ["--config", "configs/tiny_deepseek_v32.yaml", "--devices", "2", "model.dtype=bfloat16",
+            "model.precision=fp8"],
     # the shipped DeepSeek-V3 671B config at its widths with 4 layers (3 dense, 1 MoE) and its MTP
     # module, on 32 hosts x 8 H100s: the expert axis (64) spans 8 hosts; rows whole (the sequence
     # slices double the compiled layers: covered by scan-2-hosts)
@@ -201,6 +203,12 @@ def test_fp8_gemms_are_e4m3_kernels_in_the_step(compiled):
     assert r["estimate"]["recosted"]["kernels"] >= 60
     assert "GEMM kernels at 50% of their dtype's peak" in md and "quantizer's bytes at 70% of the memory" in md
     assert any(c["kind"] == "reduce-scatter" and c["dtype"] == "f32" for c in r["collectives"])
+    # DeepSeek-V3.2's architecture (4 layers and an MTP block): 5 MLA blocks x 4 projections (q_a,
+    # q_b, kv_a, o; kv_b absorbed into the query and output), the dense layer's 2, 4 MoE blocks x
+    # (2 routed + 2 shared) and MTP's eh_proj = 39 GEMMs, each forward, dgrad and wgrad
+    calls = compiled("dsa")[0]["custom_calls"]
+    for kind in ("forward", "dgrad", "wgrad"):
+        assert calls.get(f"kernel moefast_fp8_gemm_{kind} (jax-triton, f8e4m3fn x f8e4m3fn)") == 39, (kind, calls)
 
 
 def test_dropless_exchange_is_ragged_and_the_estimate_says_its_units(compiled):

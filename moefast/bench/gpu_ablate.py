@@ -54,9 +54,9 @@ TABLES = ("levers", "exchange", "precision")
 
 def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: str = "h100", devices: str = "8",
            network: str | None = None, twin: bool = True, autotune: str | None = None,
-           log: Callable[[str], None] | None = None) -> list[dict]:
-    """The rows of lever table ``table`` (module docstring); ``twin``, ``autotune`` and ``network``
-    as in :func:`~moefast.bench.gpu_compile.gpu_compile`.
+           log: Callable[[str], None] | None = None, gemm_utilization: float | None = None) -> list[dict]:
+    """The rows of lever table ``table`` (module docstring); ``twin``, ``autotune``, ``network`` and
+    ``gemm_utilization`` as in :func:`~moefast.bench.gpu_compile.gpu_compile`.
 
     Raises:
       ValueError: an unknown ``table``.
@@ -99,6 +99,7 @@ def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: 
         if log:
             log(f"[{name}]")
         r = gpu_compile(config, [*(overrides or []), *base, *extra], gpu=gpu, devices=devices, network=network,
+                        gemm_utilization=gemm_utilization,
                         twin=twin, autotune=autotune)
         e = r.estimate or {}
         step = e.get("step", 0.0)
@@ -161,11 +162,12 @@ def format_ablation(rows: list[dict]) -> str:
 
 
 def run_ablation(table: str, *, json_out: str | None, config: str | None, overrides: list[str] | None, gpu: str,
-                 devices: str, network: str | None, twin: bool = True, autotune: str | None = None) -> int:
+                 devices: str, network: str | None, twin: bool = True, autotune: str | None = None,
+                 gemm_utilization: float | None = None) -> int:
     import jax
 
     rows = ablate(table, config, overrides, gpu=gpu, devices=devices, network=network, twin=twin, autotune=autotune,
-                  log=print)
+                  log=print, gemm_utilization=gemm_utilization)
     on = "each row's costing twin" if twin else "each row's program as compiled (--no-twin)"
     header = (f"Lever table '{table}' estimated for {devices} x {gpu} (compiled, nothing run; XLA's speed-of-light "
               f"latency estimator on {on}, loop bodies x trip counts, {'autotuned GEMMs, ' if autotune else ''}"
@@ -173,12 +175,17 @@ def run_ablation(table: str, *, json_out: str | None, config: str | None, overri
               f"config {config or 'configs/tiny.yaml'} {' '.join(overrides or [])}")
     text = format_ablation(rows)
     if table == "precision":
+        from moefast.bench.gpu_schedule import (ATTENTION_KERNEL_UTILIZATION, GEMM_KERNEL_UTILIZATION,
+                                                MEMORY_KERNEL_UTILIZATION)
+
+        u = gemm_utilization or GEMM_KERNEL_UTILIZATION
         text += ("\n\nXLA's own estimate (the first columns) charges each kernel launch a flat 10 µs: compare the "
                  "re-costed columns. Their rule, the same for both precisions: moefast's GEMM kernels (FP8, and the "
-                 "bf16 grouped GEMM) cost their FLOPs at moefast.bench.gpu_schedule.GEMM_KERNEL_UTILIZATION of their "
-                 "dtype's dense peak (assumed), the FP8 quantizer its bytes at MEMORY_KERNEL_UTILIZATION of the memory "
-                 "bandwidth (assumed), the attention kernels their FLOPs at ATTENTION_KERNEL_UTILIZATION of the bf16 "
-                 "peak; XLA's own GEMMs and fusions keep XLA's costs in both.")
+                 f"bf16 grouped GEMM) cost their FLOPs at {u:.0%} of their dtype's dense peak "
+                 f"({'given, --gemm-utilization' if gemm_utilization else 'assumed, GEMM_KERNEL_UTILIZATION'}), the "
+                 f"FP8 quantizers their bytes at {MEMORY_KERNEL_UTILIZATION:.0%} of the memory bandwidth (assumed), "
+                 f"the attention kernels their FLOPs at {ATTENTION_KERNEL_UTILIZATION:.0%} of the bf16 peak; XLA's own "
+                 "GEMMs and fusions keep XLA's costs in both.")
     print(f"\n{header}\n\n{text}")
     if json_out:
         from moefast.bench.process import write_results

@@ -426,7 +426,8 @@ def _flops(compiled) -> float | None:
 
 def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *, gpu: str = "h100",
                 devices: str = "8", autotune: str | None = None, network: str | None = None,
-                twin: bool = True, log: Callable[[str], None] | None = None) -> GpuCompileResult:
+                twin: bool = True, log: Callable[[str], None] | None = None,
+                gemm_utilization: float | None = None) -> GpuCompileResult:
     """Compiles ``config`` + ``overrides``'s train step for ``devices`` GPUs of kind ``gpu`` and reads
     the compiled program (module docstring).
 
@@ -504,7 +505,8 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
         peak_tflops = peak_flops(devs).per_device_tflops
         hbm = _memory_bandwidth(gpu)
         as_compiled = read_estimate(dump, text, hosts_of, time_unit=not ragged, network=net, peak_tflops=peak_tflops,
-                                    axes_of_partition=axes_of, hbm_bytes_per_s=hbm)
+                                    axes_of_partition=axes_of, hbm_bytes_per_s=hbm,
+                gemm_utilization=gemm_utilization)
         estimated, unprofiled = as_compiled, None
         if twin:
             log("compiling its costing twin for XLA's estimate (weight-gradient GEMMs with bf16 results) ...")
@@ -518,7 +520,8 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
             twin_options = {**options, "xla_gpu_experimental_force_split_k": 1}
             twin_text = _compile(lowered, twin_options, twin_dump, autotune).as_text()
             estimated = read_estimate(twin_dump, twin_text, hosts_of, time_unit=not ragged, network=net,
-                                      peak_tflops=peak_tflops, axes_of_partition=axes_of, hbm_bytes_per_s=hbm)
+                                      peak_tflops=peak_tflops, axes_of_partition=axes_of, hbm_bytes_per_s=hbm,
+                gemm_utilization=gemm_utilization)
             if net and estimated is not None and estimated.profile and estimated.fingerprint:
                 # XLA scheduled the twin believing its own costs (a flat 10 µs per attention kernel, a
                 # fixed 5,000 µs per collective it cannot cost): once more, with the replay's costs as
@@ -531,7 +534,8 @@ def gpu_compile(config: str | None = None, overrides: list[str] | None = None, *
                 pgle_text = _compile(lowered, {**twin_options, "xla_gpu_pgle_profile_file_or_directory_path": profile_path},
                                      pgle_dump, autotune).as_text()
                 estimated = read_estimate(pgle_dump, pgle_text, hosts_of, time_unit=not ragged, network=net,
-                                          peak_tflops=peak_tflops, axes_of_partition=axes_of, hbm_bytes_per_s=hbm)
+                                          peak_tflops=peak_tflops, axes_of_partition=axes_of, hbm_bytes_per_s=hbm,
+                gemm_utilization=gemm_utilization)
 
     def shard_bytes(tree):
         return int(sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
@@ -662,8 +666,10 @@ def format_report(r: GpuCompileResult) -> str:
 
 
 def run_cli(*, json_out: str | None, config: str | None, overrides: list[str] | None, gpu: str,
-            devices: str, autotune: str | None = None, network: str | None = None, twin: bool = True) -> int:
+            devices: str, autotune: str | None = None, network: str | None = None, twin: bool = True,
+            gemm_utilization: float | None = None) -> int:
     r = gpu_compile(config, overrides, gpu=gpu, devices=devices, autotune=autotune, network=network, twin=twin,
+                    gemm_utilization=gemm_utilization,
                     log=print)
     header = (f"GPU compile check (compiled for compile-only devices, nothing run), jax {r.jax}, {r.date}; "
               f"{r.tokens_per_step:,} tokens/step; XLA options: "

@@ -6,7 +6,7 @@ the estimator costs GEMMs."""
 
 from __future__ import annotations
 
-from moefast.bench.gpu_schedule import (ATTENTION_KERNEL_UTILIZATION, BETWEEN, GEMM_KERNEL_UTILIZATION, INSIDE,
+from moefast.bench.gpu_schedule import (ATTENTION_KERNEL_UTILIZATION, BETWEEN, INSIDE,
                                         MEMORY_KERNEL_UTILIZATION)
 
 __all__ = ["format_estimate"]
@@ -66,8 +66,8 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
         rs = rc["step"]
         kern = (f"; the fused attention kernels, which XLA charges a flat 10 µs, costed from their FLOPs at "
                 f"{ATTENTION_KERNEL_UTILIZATION:.0%} of peak (FlashAttention-2 on H100; attention_kernel_flops)"
-                + (f", moefast's GEMM kernels at {GEMM_KERNEL_UTILIZATION:.0%} of their dtype's peak (bf16 or FP8, "
-                   "the same share; assumed; fp8_kernel_flops)" if any("moefast_fp8_gemm" in k or "grouped_matmul" in k
+                + (f", moefast's GEMM kernels at {rc.get('gemm_utilization', 0):.0%} of their dtype's peak (bf16 or FP8, "
+                   f"the same share; {'given' if rc.get('gemm_utilization_given') else 'assumed'}; fp8_kernel_flops)" if any("moefast_fp8_gemm" in k or "grouped_matmul" in k
                                                                         for k in custom_calls or {}) else "")
                 + (f", the FP8 quantizer's bytes at {MEMORY_KERNEL_UTILIZATION:.0%} of the memory bandwidth (assumed; "
                    "quantize_kernel_bytes)" if any("moefast_fp8_gemm_quantize" in k for k in custom_calls or {}) else "")

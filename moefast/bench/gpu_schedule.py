@@ -301,7 +301,8 @@ def _label(ops: list[str]) -> str:
 def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *, time_unit: bool,
                   network: dict[str, str] | None = None, peak_tflops: float | None = None,
                   axes_of_partition: list[dict[str, int]] | None = None,
-                  hbm_bytes_per_s: float | None = None) -> ScheduleEstimate | None:
+                  hbm_bytes_per_s: float | None = None,
+                  gemm_utilization: float | None = None) -> ScheduleEstimate | None:
     """The trip-weighted estimate of the train step from a compilation's dump.
 
     Args:
@@ -321,12 +322,18 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
       hbm_bytes_per_s: the GPU's memory bandwidth (the target's ``memory_bandwidth``); given, the
         replay costs the FP8 quantizer's launches from their bytes (:func:`quantize_kernel_bytes`)
         at :data:`MEMORY_KERNEL_UTILIZATION` of it.
+      gemm_utilization: the GEMM kernels' share of their dtype's peak in place of the assumed
+        :data:`GEMM_KERNEL_UTILIZATION` (e.g. what ``scripts/gpu_check.py --only fp8_gemm``
+        measured), in (0, 1].
 
     Returns:
       ``None`` when XLA wrote no schedule (its scheduler did not run).
     """
     from moefast.parallel.hlo import HloModule, shape_bytes
 
+    gemm_u = gemm_utilization or GEMM_KERNEL_UTILIZATION
+    if not 0 < gemm_u <= 1:
+        raise ValueError(f"--gemm-utilization {gemm_u}: a share of the peak, in (0, 1]")
     gpus_per_node = int(float((network or {}).get("gpus_per_node", 8)))
     nic_rate = float((network or {}).get("nic_speed_gbps", _XLA_H100["nic_speed_gbps"])) * 1e3  # bytes per µs
 
@@ -482,7 +489,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
                     line = raw.get(name, "")
                     f8 = fp8_kernel_flops(ins.op_name, line)
                     if f8:
-                        kernel_us[name] = f8 / (GEMM_KERNEL_UTILIZATION * gemm_kernel_peak(ins.op_name, line)
+                        kernel_us[name] = f8 / (gemm_u * gemm_kernel_peak(ins.op_name, line)
                                                 * peak_tflops * 1e6)
                     qb = quantize_kernel_bytes(ins.op_name, line) if hbm_bytes_per_s else 0.0
                     if qb:
@@ -562,7 +569,8 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         gemms=gemms, once=dict(once), fallback=fallback,
         recosted={"step": recost["step"], "exposed": recost["exposed"], "exposed_by_kind": dict(recost["by_kind"]),
                   "exposed_by_tier": dict(recost["by_tier"]), "kernels": recost["kernels"],
-                  "quantize_xla": recost["quantize_xla"], "quantize_kernels": recost["quantize_kernels"]}
+                  "quantize_xla": recost["quantize_xla"], "quantize_kernels": recost["quantize_kernels"],
+                  "gemm_utilization": gemm_u, "gemm_utilization_given": gemm_utilization is not None}
         if time_unit else {},
         network_floor={"step": recost["floor"], "bounded": recost["bounded"], "gbps": nic_rate / 1e3}
         if time_unit else {},

@@ -117,6 +117,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "target description file (scripts/gpu_check.py saves a real GPU's)")
     b.add_argument("--autotune", default=None, metavar="FILE",
                    help="gpu-compile: XLA autotuning results from a real GPU (scripts/gpu_check.py saves them)")
+    b.add_argument("--gemm-utilization", type=float, default=None, metavar="U",
+                   help="gpu-compile: the share of their dtype's peak at which the replay costs moefast's GEMM kernels "
+                        "(bf16 and FP8 alike; default the assumed moefast.bench.gpu_schedule.GEMM_KERNEL_UTILIZATION, "
+                        "0.5): e.g. what scripts/gpu_check.py --only fp8_gemm measured")
     b.add_argument("--devices", default="8", metavar="N|HOSTSxN",
                    help="gpu-compile: GPUs to compile for, N on one host or HOSTSxN (default 8)")
     b.add_argument("--network", default=None, metavar="dgx-h100|dgx-h200|FILE",
@@ -197,7 +201,7 @@ BENCH_OPTIONS = {
     "malloc": {"overrides", "config", "json", "steps", "rounds"},
     "overlap": {"overrides", "config", "json", "steps", "rounds", "cpu_devices"},
     "gpu-compile": {"overrides", "config", "json", "gpu", "devices", "autotune", "ablate", "ablate_exchange",
-                    "ablate_precision", "network", "twin"},
+                    "ablate_precision", "network", "twin", "gemm_utilization"},
     "linear-attention": {"json", "gpu", "quick"},
     "sparse-attention": {"json", "gpu", "quick"},
     "data": {"json", "rounds", "steps", "sizes", "prepare_mb", "work_dir"},
@@ -238,10 +242,10 @@ def _gpu_compile(args) -> int:
             return gpu_ablate.run_ablation(table, json_out=args.json,
                                            config=args.config, overrides=args.overrides, gpu=args.gpu,
                                            devices=args.devices, network=args.network, twin=args.twin,
-                                           autotune=args.autotune)
+                                           autotune=args.autotune, gemm_utilization=args.gemm_utilization)
         return gpu_compile.run_cli(json_out=args.json, config=args.config, overrides=args.overrides,
                                    gpu=args.gpu, devices=args.devices, autotune=args.autotune,
-                                   network=args.network, twin=args.twin)
+                                   network=args.network, twin=args.twin, gemm_utilization=args.gemm_utilization)
     except (ValueError, RuntimeError) as e:  # bad --devices; the CUDA plugin missing
         if isinstance(e, ConfigError):
             raise

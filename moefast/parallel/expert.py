@@ -52,7 +52,7 @@ from moefast.parallel.fp8_gemm import fp8_grouped_matmul, fp8_matmul
 from moefast.parallel.hierarchical import hierarchical_exchange
 from moefast.parallel.context import CONTEXT_AXIS
 from moefast.parallel.mesh import BATCH_AXES, check_mesh_axes, reshard_for_shard_map, state_spec
-from moefast.parallel.precision import expert_weights, held_whole
+from moefast.parallel.precision import expert_weights
 
 __all__ = ["EXPERT_IN", "ExpertProjection", "EXPERT_OUT", "ROUTING", "MoEStats", "RoutingSums", "check_hierarchical", "exchange_capacity", "exchange_experts", "expert_ffn", "moe_ffn"]
 
@@ -153,12 +153,9 @@ def _projection(w) -> ExpertProjection:
     return ExpertProjection(*w) if isinstance(w, tuple) else ExpertProjection(w)
 
 
-def _weight_and_bias(w, dtype, fp8: bool = False):
-    """An expert projection (:class:`ExpertProjection`, a weight, or ``(weight, bias)``) in ``dtype``;
-    ``fp8``: the weight as it comes (the FP8 GEMMs quantize it into e4m3 blocks from whatever float
-    dtype it has: from the float32 master where it is not gathered, with no bfloat16 copy first)."""
-    p = jax.tree.map(lambda a: a.astype(dtype), _projection(w))
-    return p._replace(w=_projection(w).w) if fp8 else p
+def _weight_and_bias(w, dtype):
+    """An expert projection (:class:`ExpertProjection`, a weight, or ``(weight, bias)``) in ``dtype``."""
+    return jax.tree.map(lambda a: a.astype(dtype), _projection(w))
 
 
 def _adapted(y, x, p: ExpertProjection, mm):
@@ -185,7 +182,7 @@ def expert_ffn(x_ecd: jax.Array, w_in_edf, w_out_efd, dtype, activation: str = "
     Returns:
       [E, C, D] in ``dtype``. With biases, empty slots hold the biases' output (never combined).
     """
-    p_in, p_out = _weight_and_bias(w_in_edf, dtype, fp8), _weight_and_bias(w_out_efd, dtype, fp8)
+    p_in, p_out = _weight_and_bias(w_in_edf, dtype), _weight_and_bias(w_out_efd, dtype)
     mm = functools.partial(fp8_matmul, dtype=dtype) if fp8 else jnp.matmul
     x = x_ecd.astype(dtype)
     h_ecf = _adapted(mm(x, p_in.w), x, p_in, jnp.matmul)
@@ -372,7 +369,7 @@ def _experts_grouped(x_nd, counts, w_in_edf, w_out_efd, dtype, impl: str, activa
                      limit: float = 7.0, fp8: bool = False):
     """Gated experts (:func:`expert_ffn`'s, with its optional biases) on rows grouped by expert
     (:func:`moefast.kernels.grouped_matmul`; ``fp8``: :func:`~moefast.parallel.fp8_gemm.fp8_grouped_matmul`)."""
-    p_in, p_out = _weight_and_bias(w_in_edf, dtype, fp8), _weight_and_bias(w_out_efd, dtype, fp8)
+    p_in, p_out = _weight_and_bias(w_in_edf, dtype), _weight_and_bias(w_out_efd, dtype)
     gmm = fp8_grouped_matmul if fp8 else grouped_matmul
     thin = lambda x, w: grouped_matmul(x, w, counts, impl=impl)  # noqa: E731  (the adapters', in dtype)
     x_nd = x_nd.astype(dtype)
@@ -477,12 +474,7 @@ def _moe_local(x_btd, mask_bt, router_x_btd, router_de, w_in_edf, w_out_efd, bia
     b, t, d = x_btd.shape
     if w_specs:  # this device's shards -> its experts' whole weights (and biases), in the compute dtype
         keep = EXPERT_AXIS if ep > 1 else None
-
-        def gather(w, spec):
-            # fp8: a weight this device holds whole stays float32 (the FP8 GEMMs quantize it from
-            # the master: no bfloat16 copy, and its gradient arrives in float32 with no round trip)
-            whole = fp8 and held_whole(spec, reduce_axes, keep)
-            return expert_weights(w, jnp.float32 if whole else dtype, spec, reduce_axes, keep)
+        gather = lambda w, spec: expert_weights(w, dtype, spec, reduce_axes, keep)  # noqa: E731
         w_in_edf = jax.tree.map(gather, w_in_edf, w_specs[0])
         w_out_efd = jax.tree.map(gather, w_out_efd, w_specs[1])
     act = dict(activation=moe.expert_activation, limit=moe.swiglu_limit, fp8=fp8)

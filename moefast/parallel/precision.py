@@ -241,12 +241,6 @@ def _gather_plan(spec: P, token_axes: tuple[str, ...], keep: str | None):
     return tuple(gathers), tuple(a for a in token_axes if a not in split)
 
 
-def held_whole(spec: P, token_axes: tuple[str, ...], keep: str | None) -> bool:
-    """Whether :func:`expert_weights` gathers nothing for a weight of ``spec`` (this device holds
-    its experts' weights whole)."""
-    return not _gather_plan(spec, token_axes, keep)[0]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _expert_weights(w, dtype, gathers, sum_axes, token_axes, w_dtype):
     return _expert_weights_fwd(w, dtype, gathers, sum_axes, token_axes, w_dtype)[0]
