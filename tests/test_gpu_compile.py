@@ -418,6 +418,32 @@ def test_between_hosts_cost_and_replay():
     assert attention_kernel_flops("jit(step)/moe_routing/pallas_call", ops) == 0.0
 
 
+def test_gemm_kernels_of_both_precisions_are_costed_by_one_rule():
+    """The replay's rule for moefast's kernels, from their HLO lines: a GEMM kernel's 2 M K N FLOPs
+    at one share of its inputs' dtype's peak (the FP8 kernels' peak twice bf16's, the bf16 grouped
+    GEMM's bf16's), the quantizer's bytes read and written; other instructions 0."""
+    from moefast.bench.gpu_schedule import FP8_OVER_BF16, fp8_kernel_flops, gemm_kernel_peak, quantize_kernel_bytes
+
+    fwd = ("%t = bf16[4096,1408]{1,0} custom-call(%a, %b), custom_call_target=\"triton_kernel_call\", "
+           "operand_layout_constraints={s32[4,40]{1,0}, f8e4m3fn[4096,2048]{1,0}, f32[4096,16]{1,0}, "
+           "f8e4m3fn[8,2048,1408]{2,1,0}, f32[8,16,11]{2,1,0}}")
+    op = "jit(step)/shard_map/moefast_fp8_gemm_forward/triton_kernel_call"
+    assert fp8_kernel_flops(op, fwd) == 2.0 * 4096 * 2048 * 1408 and gemm_kernel_peak(op, fwd) == FP8_OVER_BF16 == 2.0
+    wgrad = ("%w = f32[8,2048,1408]{2,1,0} custom-call(%a), operand_layout_constraints={s32[16]{0}, "
+             "f8e4m3fn[2048,4096]{1,0}, f32[2048,32]{1,0}, f8e4m3fn[1408,4096]{1,0}, f32[1408,32]{1,0}}")
+    assert fp8_kernel_flops(op.replace("forward", "wgrad"), wgrad) == 2.0 * 2048 * 4096 * 1408
+    bf16 = ("%g = bf16[4096,1408]{1,0} custom-call(%t, %x, %w), custom_call_target=\"__gpu$xla.gpu.triton\", "
+            "operand_layout_constraints={s32[4,40]{1,0}, bf16[4096,2048]{1,0}, bf16[8,2048,1408]{2,1,0}}, "
+            "backend_config={name = \"grouped_matmul_m128_n128_k2048\"}")
+    assert fp8_kernel_flops("jit(step)/pallas_call", bf16) == 2.0 * 4096 * 2048 * 1408
+    assert gemm_kernel_peak("jit(step)/pallas_call", bf16) == 1.0
+    quant = ("%q = (f8e4m3fn[4096,2048]{1,0}, f32[4096,16]{1,0}, f8e4m3fn[2048,4096]{1,0}, f32[2048,32]{1,0}) "
+             "custom-call(%x), operand_layout_constraints={bf16[4096,2048]{1,0}}")
+    qop = "jit(step)/moefast_fp8_gemm_quantize/triton_kernel_call"
+    assert quantize_kernel_bytes(qop, quant) == 4096 * 2048 * (2 + 1 + 1) + 4 * (4096 * 16 + 2048 * 32)
+    assert quantize_kernel_bytes(op, quant) == 0.0 and fp8_kernel_flops(qop, quant) == 0.0
+
+
 def test_network_must_be_the_one_the_process_was_prepared_with():
     """XLA reads the cluster model from XLA_FLAGS once per process: asking another one of
     gpu_compile is refused before anything is compiled."""
