@@ -1,8 +1,12 @@
-"""Launchers of the FP8 grouped GEMM kernels (:mod:`._triton_kernel`, Triton).
+"""Launchers of the FP8 grouped GEMM kernels and their quantizers (:mod:`._triton_kernel`, Triton).
 
-Dimension letters: M rows (sorted by group), K the contraction, N outputs, G groups; all
-multiples of :data:`BLOCK` (the caller zero-pads).
+Dimension letters: M rows (sorted by group), K the contraction, N outputs, G groups; the GEMMs'
+all multiples of :data:`BLOCK` (the quantizers write them padded with zeros).
 
+* :func:`quantize` — one read of x [M, K] (bf16 or float32): its 1 x 128 tiles along K and/or
+  its 128 x 1 tiles along M written transposed [K, M] (the weight gradient's operand), e4m3 with
+  float32 scales; :func:`quantize_weights` — w [G, K, N] in 128 x 128 blocks. Both compute the
+  bits of :mod:`moefast.parallel.fp8`'s XLA quantizers (checked in the tests).
 * :func:`scaled_grouped_matmul` — ``y[rows of g] = A[rows] @ B[g]`` with e4m3 A in 1 x 128
   tiles and e4m3 B in 128 x 128 blocks, per (row tile, group) pair as the bf16 grouped kernel
   schedules them (:func:`moefast.kernels.grouped_matmul.pallas.tile_table`); ``transpose_b``
