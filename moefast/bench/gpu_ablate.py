@@ -144,7 +144,8 @@ def format_ablation(rows: list[dict]) -> str:
         rule += "---:|---:|---:|---:|---:|---:|"
     quant = any(r.get("quantize_kernels") or r.get("quantize_xla") for r in rows)
     if quant:
-        head += " re-costed: FP8 quantization in moefast's kernels | re-costed: FP8 quantization outside kernels (XLA) |"
+        head += (" re-costed: FP8 quantization in moefast's kernels | re-costed: FP8 quantization outside kernels "
+                 "(XLA) |")
         rule += "---:|---:|"
     lines = [head + " peak GiB per GPU | overrides |", rule + "---:|---|"]
     num = lambda v: "n/a" if v is None else f"{v:,.0f}" if v >= 10 else f"{v:.2g}"

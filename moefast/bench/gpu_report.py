@@ -64,13 +64,15 @@ def format_estimate(est: dict, *, tokens: int, gpus: int, model_flops: float, pe
     rc = est.get("recosted") or {}
     if rc.get("step"):
         rs = rc["step"]
+        calls = custom_calls or {}
+        gemms = any("moefast_fp8_gemm" in k or "grouped_matmul" in k for k in calls)
+        share = "given" if rc.get("gemm_utilization_given") else "assumed"
         kern = (f"; the fused attention kernels, which XLA charges a flat 10 µs, costed from their FLOPs at "
                 f"{ATTENTION_KERNEL_UTILIZATION:.0%} of peak (FlashAttention-2 on H100; attention_kernel_flops)"
-                + (f", moefast's GEMM kernels at {rc.get('gemm_utilization', 0):.0%} of their dtype's peak (bf16 or FP8, "
-                   f"the same share; {'given' if rc.get('gemm_utilization_given') else 'assumed'}; fp8_kernel_flops)" if any("moefast_fp8_gemm" in k or "grouped_matmul" in k
-                                                                        for k in custom_calls or {}) else "")
-                + (f", the FP8 quantizer's bytes at {MEMORY_KERNEL_UTILIZATION:.0%} of the memory bandwidth (assumed; "
-                   "quantize_kernel_bytes)" if any("moefast_fp8_gemm_quantize" in k for k in custom_calls or {}) else "")
+                + (f", moefast's GEMM kernels at {rc.get('gemm_utilization', 0):.0%} of their dtype's peak (bf16 or "
+                   f"FP8, the same share; {share}; fp8_kernel_flops)" if gemms else "")
+                + (f", the FP8 quantizer's bytes at {MEMORY_KERNEL_UTILIZATION:.0%} of the memory bandwidth "
+                   "(assumed; quantize_kernel_bytes)" if any("moefast_fp8_gemm_quantize" in k for k in calls) else "")
                 if rc.get("kernels") else "")
         lines.append(f"| **replayed with the collectives between hosts re-costed** (XLA's own formulas on each group's "
                      f"real shape, moefast.bench.gpu_schedule.between_hosts_us{kern}; XLA's schedule and other costs "

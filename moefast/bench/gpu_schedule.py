@@ -59,7 +59,8 @@ import re
 import statistics
 from pathlib import Path
 
-__all__ = ["ATTENTION_KERNEL_UTILIZATION", "GEMM_KERNEL_UTILIZATION", "MEMORY_KERNEL_UTILIZATION", "NETWORKS", "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
+__all__ = ["ATTENTION_KERNEL_UTILIZATION", "GEMM_KERNEL_UTILIZATION", "MEMORY_KERNEL_UTILIZATION", "NETWORKS",
+           "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
            "attention_kernel_flops", "fp8_kernel_flops", "gemm_kernel_peak", "nic_bytes", "pgle_profile",
            "quantize_kernel_bytes",
            "read_estimate"]

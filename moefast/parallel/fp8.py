@@ -3,12 +3,13 @@ quantized in 1 x 128 tiles and weights in 128 x 128 blocks, each scaled by its m
 range): the expert exchange's dispatch (``moe.dispatch_dtype: float8_e4m3fn``) and the FP8 GEMMs'
 operands (``model.precision: fp8``, :mod:`moefast.parallel.fp8_gemm`).
 
-A tile's scale is ``max|x| / 448`` (448: the largest finite e4m3; computed as ``max|x|`` times
-float32 ``1 / 448``; the values are multiplied by the scale's float32 reciprocal, as XLA computes a
-division by a broadcast scale, so every path -- eager, jitted, the GPU kernel -- has the same bits), at least the smallest normal
+A tile's scale is ``max|x| / 448`` (448: the largest finite e4m3), at least the smallest normal
 float32 (a tile of tiny values never divides by 0) and 1 for an all-zero tile; the scaled values
 are clipped to [-448, 448] before the cast (e4m3fn has no infinity: an overflowing cast would give
-NaN), so no finite input yields a NaN or an infinity."""
+NaN), so no finite input yields a NaN or an infinity. The scale is computed as ``max|x|`` times
+float32 ``1 / 448`` and the values are multiplied by the scale's float32 reciprocal, as XLA
+computes a division by a constant or a broadcast scale: every path (eager, jitted, the GPU
+quantizer kernels) has the same bits."""
 
 from __future__ import annotations
 

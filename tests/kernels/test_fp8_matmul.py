@@ -133,7 +133,9 @@ sys.path.insert(0, sys.argv[1])
 from moefast.kernels.fp8_matmul import compile_for
 for kind in ("forward", "dgrad", "wgrad", "quantize", "quantize_weights"):
     ptx = compile_for(kind)
-    print(kind, sorted(set(re.findall(r"wgmma\\.mma_async[.a-z0-9_]*|mma\\.sync[.a-z0-9_]*|cvt\\.rn[.a-z0-9_]*e4m3x2[.a-z0-9]*|div\\.[a-z0-9.]*f32", ptx))))
+    pattern = (r"wgmma\\.mma_async[.a-z0-9_]*|mma\\.sync[.a-z0-9_]*|cvt\\.rn[.a-z0-9_]*e4m3x2[.a-z0-9]*"
+               r"|div\\.[a-z0-9.]*f32")
+    print(kind, sorted(set(re.findall(pattern, ptx))))
 """
 
 
