@@ -198,7 +198,8 @@ def test_no_nan_or_overflow_with_scales_at_their_limits(dtype):
 
 def test_model_runs_the_named_gemms_in_fp8():
     """A model with every named layer (GQA projections, a dense MLP, routed and shared experts;
-    MLA's six projections in a second model): one pair of e4m3 casts (x tiles, w blocks) per GEMM in
+    MLA's six projections in a second model; Gated DeltaNet's projections and MTP's eh_proj in a
+    third): one pair of e4m3 casts (x tiles, w blocks) per GEMM in
     the forward pass and none with precision bf16 (the router, embeddings and LM head stay); logits
     within e4m3's error of bf16's, gradients finite."""
     from moefast.train import ModelDef
@@ -208,8 +209,14 @@ def test_model_runs_the_named_gemms_in_fp8():
             "data.seq_len=32"]
     mla = ["model.attention=mla", "model.q_lora_rank=64", "model.kv_lora_rank=64", "model.qk_nope_head_dim=32",
            "model.qk_rope_head_dim=32", "model.v_head_dim=32"]
+    # a Gated DeltaNet layer (in_proj, out) before the attention layer, and an MTP module (eh_proj,
+    # then a full-attention MoE block)
+    gdn_mtp = ["model.layer_types=[linear_attention,full_attention]", "model.linear_num_key_heads=1",
+               "model.linear_num_value_heads=2", "model.linear_key_head_dim=32", "model.linear_value_head_dim=32",
+               "model.linear_attention_impl=reference", "model.mtp_depth=1"]
     ids = jnp.asarray(np.random.default_rng(4).integers(0, 256, (2, 32)), jnp.int32)
-    for extra, gemms in (([], 2 * 2 + 2 + 2 + 2), (mla, 2 * 5 + 2 + 2 + 2)):  # per layer: attention, MLP or experts
+    for extra, gemms in (([], 2 * 2 + 2 + 2 + 2), (mla, 2 * 5 + 2 + 2 + 2),  # per layer: attention, MLP or experts
+                         (gdn_mtp, 2 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2)):
         out = {}
         for precision in ("bf16", "fp8"):
             md = ModelDef(load_config(None, [*base, *extra, f"model.precision={precision}"]), 259)
