@@ -129,13 +129,14 @@ def ablate(table: str, config: str | None, overrides: list[str] | None, *, gpu: 
     return out
 
 
-def format_ablation(rows: list[dict]) -> str:
+def format_ablation(rows: list[dict], first: str = "variant (each lever alone, then all)") -> str:
     """Two column groups per row: XLA's estimate, then the same schedule replayed with the
     collectives between hosts re-costed (:mod:`moefast.bench.gpu_schedule`) and the NIC's floor
-    (the bytes between hosts at the NIC's rate: no step is shorter)."""
+    (the bytes between hosts at the NIC's rate: no step is shorter); ``first``: the first column's
+    heading."""
     unit = rows[0]["unit"] if rows else ""
     recost = any(r.get("recosted_step") for r in rows)
-    head = (f"| variant (each lever alone, then all) | XLA: step ({unit}) | XLA: speed-up | XLA: exposed | XLA: exposed "
+    head = (f"| {first} | XLA: step ({unit}) | XLA: speed-up | XLA: exposed | XLA: exposed "
             "all-to-all | XLA: worst loop body exposed | XLA: model TFLOP/s per GPU |")
     rule = "|---|---:|---:|---:|---:|---:|---:|"
     if recost:
@@ -174,16 +175,16 @@ def run_ablation(table: str, *, json_out: str | None, config: str | None, overri
               f"latency estimator on {on}, loop bodies x trip counts, {'autotuned GEMMs, ' if autotune else ''}"
               f"{'network ' + network if network else 'XLA default network'}: an estimate, not a measurement), jax {jax.__version__}, {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%MZ')}; "
               f"config {config or 'configs/tiny.yaml'} {' '.join(overrides or [])}")
-    text = format_ablation(rows)
+    text = format_ablation(rows, "precision" if table == "precision" else "variant (each lever alone, then all)")
     if table == "precision":
         from moefast.bench.gpu_schedule import (ATTENTION_KERNEL_UTILIZATION, GEMM_KERNEL_UTILIZATION,
                                                 MEMORY_KERNEL_UTILIZATION)
 
-        u = gemm_utilization or GEMM_KERNEL_UTILIZATION
+        u = GEMM_KERNEL_UTILIZATION if gemm_utilization is None else gemm_utilization
         text += ("\n\nXLA's own estimate (the first columns) charges each kernel launch a flat 10 µs: compare the "
                  "re-costed columns. Their rule, the same for both precisions: moefast's GEMM kernels (FP8, and the "
                  f"bf16 grouped GEMM) cost their FLOPs at {u:.0%} of their dtype's dense peak "
-                 f"({'given, --gemm-utilization' if gemm_utilization else 'assumed, GEMM_KERNEL_UTILIZATION'}), the "
+                 f"({'assumed, GEMM_KERNEL_UTILIZATION' if gemm_utilization is None else 'given, --gemm-utilization'}), the "
                  f"FP8 quantizers their bytes at {MEMORY_KERNEL_UTILIZATION:.0%} of the memory bandwidth (assumed), "
                  f"the attention kernels their FLOPs at {ATTENTION_KERNEL_UTILIZATION:.0%} of the bf16 peak; XLA's own "
                  "GEMMs and fusions keep XLA's costs in both.")

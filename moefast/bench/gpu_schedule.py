@@ -61,7 +61,7 @@ from pathlib import Path
 
 __all__ = ["ATTENTION_KERNEL_UTILIZATION", "GEMM_KERNEL_UTILIZATION", "MEMORY_KERNEL_UTILIZATION", "NETWORKS",
            "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
-           "attention_kernel_flops", "fp8_kernel_flops", "gemm_kernel_peak", "nic_bytes", "pgle_profile",
+           "attention_kernel_flops", "check_gemm_utilization", "fp8_kernel_flops", "gemm_kernel_peak", "nic_bytes", "pgle_profile",
            "quantize_kernel_bytes",
            "read_estimate"]
 
@@ -332,9 +332,7 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
     """
     from moefast.parallel.hlo import HloModule, shape_bytes
 
-    gemm_u = gemm_utilization or GEMM_KERNEL_UTILIZATION
-    if not 0 < gemm_u <= 1:
-        raise ValueError(f"--gemm-utilization {gemm_u}: a share of the peak, in (0, 1]")
+    gemm_u = GEMM_KERNEL_UTILIZATION if gemm_utilization is None else check_gemm_utilization(gemm_utilization)
     gpus_per_node = int(float((network or {}).get("gpus_per_node", 8)))
     nic_rate = float((network or {}).get("nic_speed_gbps", _XLA_H100["nic_speed_gbps"])) * 1e3  # bytes per µs
 
@@ -612,6 +610,17 @@ _GROUPED_KERNEL = re.compile(r"grouped_matmul_(?:dw_)?m\d+")
 
 def _shapes(text: str) -> list[list[int]]:
     return [[int(v) for v in m.split(",") if v] for m in re.findall(r"\w+\[([\d,]*)\]", text)]
+
+
+def check_gemm_utilization(u: float) -> float:
+    """``u`` when it is a share of the peak in (0, 1].
+
+    Raises:
+      ValueError: anything else (0, negative, above 1, NaN).
+    """
+    if not 0 < u <= 1:  # NaN fails too
+        raise ValueError(f"--gemm-utilization {u}: the GEMM kernels' share of their dtype's peak, in (0, 1]")
+    return u
 
 
 def fp8_kernel_flops(op_name: str, line: str) -> float:

@@ -235,6 +235,10 @@ def _gpu_compile(args) -> int:
     from moefast.bench import gpu_ablate, gpu_compile
 
     try:
+        if args.gemm_utilization is not None:  # before any compile
+            from moefast.bench.gpu_schedule import check_gemm_utilization
+
+            check_gemm_utilization(args.gemm_utilization)
         if args.ablate + args.ablate_exchange + args.ablate_precision > 1:
             raise ConfigError("--ablate, --ablate-exchange and --ablate-precision are three tables: give one")
         if args.ablate or args.ablate_exchange or args.ablate_precision:

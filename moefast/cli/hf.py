@@ -286,6 +286,9 @@ def _export_hf(args: argparse.Namespace) -> None:
             raise hf.HFFormatError(f"{d} exists and is not an empty directory; choose a new one (nothing is "
                                    "overwritten)")
     cfg = _inference_config(load_run_config(args.run_dir))
+    if args.adapter and args.out_dir is None and args.dtype != "float32":
+        raise ValueError(f"--dtype {args.dtype} applies to the model's export (OUT_DIR); a PEFT adapter is written "
+                         "in float32: drop --dtype, or give OUT_DIR too")
     if args.adapter and not cfg.lora.enabled:
         raise ValueError(f"--adapter: {args.run_dir} has no LoRA adapters (lora.rank=0); export its model with "
                          "OUT_DIR")

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
@@ -121,14 +122,16 @@ def _fp8_rows(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, 
     as FP8 blocks with their ``_scale_inv``; the rest in bfloat16.
 
     Raises:
-      ValueError: a matrix with a non-finite value, or (a bug) a non-finite code or scale; the export
-        writes nothing then (it writes into a temporary directory it removes on failure).
+      ValueError: a tensor with a non-finite value (FP8 cannot encode one, and a block's scale would
+        spread it over the block; the bfloat16 ones are refused alike), or (a bug) a non-finite code
+        or scale; the export writes nothing then (it writes into a temporary directory it removes on
+        failure).
     """
     for name, x in tensors:
+        if not np.isfinite(np.asarray(x, np.float32)).all():
+            raise ValueError(f"export-hf --dtype fp8: {name} holds non-finite values (NaN or inf): export a "
+                             "checkpoint with finite weights (nothing was written)")
         if np.ndim(x) >= 2 and not _NOT_FP8.search(name):
-            if not np.isfinite(x).all():
-                raise ValueError(f"export-hf --dtype fp8: {name} holds non-finite values (NaN or inf), which FP8 "
-                                 "cannot encode: export a checkpoint with finite weights (nothing was written)")
             q, s = _fp8_blocks(x)
             codes = q.view(np.uint8) & 0x7F  # e4m3fn's only non-finite code is S.1111.111
             if (codes == 0x7F).any() or not (np.isfinite(s) & (s > 0)).all():
@@ -216,6 +219,11 @@ def save_hf(cfg: ExperimentConfig, params: dict, out_dir: str | Path, *, routing
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "fp8": np.float32}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"dtype={dtype!r}: expected 'float32', 'bfloat16' or 'fp8'")
+    if dtype == "fp8" and layout == "fused" and any(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers)):
+        warnings.warn("export-hf --dtype fp8 --layout fused: transformers reads the fused experts' "
+                      "gate_up_proj_scale_inv / down_proj_scale_inv only in its GPU FP8 experts; on CPU it leaves "
+                      "them unused and multiplies the raw e4m3 codes (wrong logits, no error): export "
+                      "--layout per_expert for a checkpoint every reader dequantizes", stacklevel=2)
     merged = ""
     if cfg.lora.enabled:
         from moefast.interop.hf_adapter import merged_base

@@ -1,6 +1,7 @@
 """FP8 training GEMMs (``model.precision: fp8``, moefast/parallel/fp8_gemm.py) against an
 independent NumPy version of DeepSeek-V3's recipe (ml_dtypes' e4m3 casts, float64 products)."""
 
+import re
 import types
 
 import jax
@@ -161,14 +162,16 @@ def test_scale_floors_of_export_and_training(tmp_path):
         assert (np.asarray(qj, np.float32)[w == 0] == 0).all()
 
 
-def test_export_refuses_non_finite_weights():
-    """A non-finite weight cannot be encoded: one clear error naming the tensor, before any write."""
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"])
+def test_export_refuses_non_finite_weights(name):
+    """A non-finite weight cannot be encoded (nor spread over a block by its scale): one clear error
+    naming the tensor, before any write -- a quantized matrix's, or a norm's that stays bfloat16."""
     from moefast.interop import hf_write
 
-    w = np.ones((128, 128), np.float32)
-    w[3, 4] = np.nan
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight holds non-finite values"):
-        list(hf_write._fp8_rows([("model.layers.0.mlp.up_proj.weight", w)]))
+    w = np.ones((128, 128) if "proj" in name else (128,), np.float32)
+    w.flat[3] = np.nan
+    with pytest.raises(ValueError, match=re.escape(name) + " holds non-finite values"):
+        list(hf_write._fp8_rows([("model.embed_tokens.weight", np.ones((4, 8), np.float32)), (name, w)]))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
