@@ -218,8 +218,11 @@ def test_model_runs_the_named_gemms_in_fp8():
                "model.linear_num_value_heads=2", "model.linear_key_head_dim=32", "model.linear_value_head_dim=32",
                "model.linear_attention_impl=reference", "model.mtp_depth=1"]
     ids = jnp.asarray(np.random.default_rng(4).integers(0, 256, (2, 32)), jnp.int32)
-    for extra, gemms in (([], 2 * 2 + 2 + 2 + 2), (mla, 2 * 5 + 2 + 2 + 2),  # per layer: attention, MLP or experts
-                         (gdn_mtp, 2 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2)):
+    # the third model: its casts only (traced, not compiled: the first two check logits and gradients)
+    md = ModelDef(load_config(None, [*base, *gdn_mtp, "model.precision=fp8"]), 259)
+    jaxpr = str(jax.make_jaxpr(lambda p: md.module(p)(ids, drop_tokens=False).logits)(md.init_params(seed=0)))
+    assert jaxpr.count("new_dtype=float8_e4m3fn") == 2 * (2 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2)
+    for extra, gemms in (([], 2 * 2 + 2 + 2 + 2), (mla, 2 * 5 + 2 + 2 + 2)):  # per layer: attention, MLP or experts
         out = {}
         for precision in ("bf16", "fp8"):
             md = ModelDef(load_config(None, [*base, *extra, f"model.precision={precision}"]), 259)
