@@ -684,14 +684,14 @@ def check_fp8_gemm(ctx: Context) -> list[dict]:
     and XLA's own bf16 GEMM (the reference; the error is e4m3's: a few % of the largest value),
     side by side; each row's share of its dtype's dense peak (``of_peak``: FP8 at twice the bf16
     peak) is the measured counterpart of the replay's assumed
-    ``moefast.bench.gpu_schedule.GEMM_KERNEL_UTILIZATION`` (the same share for both dtypes). Then
+    ``moefast.bench.kernel_costs.GEMM_KERNEL_UTILIZATION`` (the same share for both dtypes). Then
     the one-pass quantizer's bytes per second against the copy bandwidth (``bandwidth`` check)
     and the target's memory bandwidth, the measured counterpart of
     ``MEMORY_KERNEL_UTILIZATION``."""
     import jax
     import jax.numpy as jnp
 
-    from moefast.bench.gpu_schedule import FP8_OVER_BF16
+    from moefast.bench.kernel_costs import FP8_OVER_BF16
     from moefast.kernels import fp8_matmul
     from moefast.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
     from moefast.parallel.fp8_gemm import fp8_grouped_matmul
@@ -844,7 +844,7 @@ def check_estimate(ctx: Context) -> list[dict]:
     row = {"status": "ok", "estimated_step_ms": step / 1e3, "measured_step_ms": measured,
            "measured_over_estimate": measured / (step / 1e3), "estimated_exposed": est["exposed"] / step}
     recosted = (est.get("recosted") or {}).get("step")
-    if recosted:  # the replay's fused attention kernels at moefast.bench.gpu_schedule.ATTENTION_KERNEL_UTILIZATION
+    if recosted:  # the replay's fused attention kernels at moefast.bench.kernel_costs.ATTENTION_KERNEL_UTILIZATION
         row.update(recosted_step_ms=recosted / 1e3, measured_over_recosted=measured / (recosted / 1e3))
     return [row]
 

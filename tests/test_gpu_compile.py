@@ -383,7 +383,8 @@ def test_between_hosts_cost_and_replay():
     chunk prepared, one round trip), plus the launch; a ring all-gather over 4 hosts, one GPU each.
     The replay: a done waits for its start plus the collective's latency; compute runs in order, a
     re-costed kernel for its new time. The fused attention kernels' FLOPs from the queries' shape."""
-    from moefast.bench.gpu_schedule import _replay, attention_kernel_flops, between_hosts_us, network_options, nic_bytes
+    from moefast.bench.gpu_schedule import _replay, between_hosts_us, network_options, nic_bytes
+    from moefast.bench.kernel_costs import attention_kernel_flops
 
     net = network_options("dgx-h100")
     per_peer = 8 * 2**20 / 63
@@ -425,7 +426,7 @@ def test_gemm_kernels_of_both_precisions_are_costed_by_one_rule():
     """The replay's rule for moefast's kernels, from their HLO lines: a GEMM kernel's 2 M K N FLOPs
     at one share of its inputs' dtype's peak (the FP8 kernels' peak twice bf16's, the bf16 grouped
     GEMM's bf16's), the quantizer's bytes read and written; other instructions 0."""
-    from moefast.bench.gpu_schedule import FP8_OVER_BF16, fp8_kernel_flops, gemm_kernel_peak, quantize_kernel_bytes
+    from moefast.bench.kernel_costs import FP8_OVER_BF16, fp8_kernel_flops, gemm_kernel_peak, quantize_kernel_bytes
 
     fwd = ("%t = bf16[4096,1408]{1,0} custom-call(%a, %b), custom_call_target=\"triton_kernel_call\", "
            "operand_layout_constraints={s32[4,40]{1,0}, f8e4m3fn[4096,2048]{1,0}, f32[4096,16]{1,0}, "

@@ -13,7 +13,7 @@ TFLOP/s per GPU, and the program's own peak memory. Two tables:
 * ``precision`` (``--ablate-precision``): the config with ``model.precision`` bf16, then fp8
   (:data:`PRECISION_ROWS`). XLA's own estimate charges each launch of the kernels a flat 10 µs
   (a custom call): only the re-costed columns, which cost them by one rule for both precisions
-  (:data:`moefast.bench.gpu_schedule.GEMM_KERNEL_UTILIZATION`), compare the two.
+  (:data:`moefast.bench.kernel_costs.GEMM_KERNEL_UTILIZATION`), compare the two.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def run_ablation(table: str, *, json_out: str | None, config: str | None, overri
               f"config {config or 'configs/tiny.yaml'} {' '.join(overrides or [])}")
     text = format_ablation(rows, "precision" if table == "precision" else "variant (each lever alone, then all)")
     if table == "precision":
-        from moefast.bench.gpu_schedule import (ATTENTION_KERNEL_UTILIZATION, GEMM_KERNEL_UTILIZATION,
+        from moefast.bench.kernel_costs import (ATTENTION_KERNEL_UTILIZATION, GEMM_KERNEL_UTILIZATION,
                                                 MEMORY_KERNEL_UTILIZATION)
 
         u = GEMM_KERNEL_UTILIZATION if gemm_utilization is None else gemm_utilization

@@ -343,9 +343,9 @@ def _grouped_flops(text: str) -> dict[str, float]:
 
 
 def _attention_flops(text: str) -> float:
-    """FLOPs of the fused attention kernels' launches (:func:`gpu_schedule.attention_kernel_flops`
+    """FLOPs of the fused attention kernels' launches (:func:`kernel_costs.attention_kernel_flops`
     of each: its name and its operands' shapes), loop bodies once, as XLA's count."""
-    from moefast.bench.gpu_schedule import attention_kernel_flops
+    from moefast.bench.kernel_costs import attention_kernel_flops
 
     total = 0.0
     for line in text.splitlines():

@@ -6,8 +6,8 @@ the estimator costs GEMMs."""
 
 from __future__ import annotations
 
-from moefast.bench.gpu_schedule import (ATTENTION_KERNEL_UTILIZATION, BETWEEN, INSIDE,
-                                        MEMORY_KERNEL_UTILIZATION)
+from moefast.bench.gpu_schedule import BETWEEN, INSIDE
+from moefast.bench.kernel_costs import ATTENTION_KERNEL_UTILIZATION, MEMORY_KERNEL_UTILIZATION
 
 __all__ = ["format_estimate"]
 

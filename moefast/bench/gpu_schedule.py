@@ -59,10 +59,11 @@ import re
 import statistics
 from pathlib import Path
 
-__all__ = ["ATTENTION_KERNEL_UTILIZATION", "GEMM_KERNEL_UTILIZATION", "MEMORY_KERNEL_UTILIZATION", "NETWORKS",
-           "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
-           "attention_kernel_flops", "check_gemm_utilization", "fp8_kernel_flops", "gemm_kernel_peak", "nic_bytes", "pgle_profile",
-           "quantize_kernel_bytes",
+from moefast.bench.kernel_costs import (GEMM_KERNEL_UTILIZATION, check_gemm_utilization, kernel_times,
+                                        quantization_times)
+
+__all__ = ["NETWORKS", "ComputationEstimate", "GemmRate", "ScheduleEstimate", "network_flag", "network_options",
+           "nic_bytes", "pgle_profile",
            "read_estimate"]
 
 # --network name -> file in moefast/bench/gpu_targets/ (key=value lines of XLA's
@@ -314,18 +315,16 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         XLA's fixed per-operation costs.
       network: the network model's options (:func:`network_options`; ``None``: XLA's defaults).
       peak_tflops: the GPU's dense bf16 peak; given, the replay also costs the fused attention
-        kernels from their FLOPs (:func:`attention_kernel_flops`) at
-        :data:`ATTENTION_KERNEL_UTILIZATION` of it, and moefast's GEMM kernels, FP8 and bf16
-        (:func:`fp8_kernel_flops`), at :data:`GEMM_KERNEL_UTILIZATION` of their dtype's peak.
+        kernels and moefast's GEMM kernels, FP8 and bf16, from their FLOPs
+        (:mod:`moefast.bench.kernel_costs`).
       axes_of_partition: each SPMD partition's coordinate on every mesh axis longer than 1
         (``{"data": 0, "context": 3}``); given, the exposed time is also split by the axes each
         collective's groups span (``exposed_by_axis``).
       hbm_bytes_per_s: the GPU's memory bandwidth (the target's ``memory_bandwidth``); given, the
-        replay costs the FP8 quantizer's launches from their bytes (:func:`quantize_kernel_bytes`)
-        at :data:`MEMORY_KERNEL_UTILIZATION` of it.
+        replay costs the FP8 quantizers' launches from their bytes.
       gemm_utilization: the GEMM kernels' share of their dtype's peak in place of the assumed
-        :data:`GEMM_KERNEL_UTILIZATION` (e.g. what ``scripts/gpu_check.py --only fp8_gemm``
-        measured), in (0, 1].
+        :data:`~moefast.bench.kernel_costs.GEMM_KERNEL_UTILIZATION` (e.g. what
+        ``scripts/gpu_check.py --only fp8_gemm`` measured), in (0, 1].
 
     Returns:
       ``None`` when XLA wrote no schedule (its scheduler did not run).
@@ -477,22 +476,8 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
             floor += nic_bytes(kind, size, *shape) / nic_rate
             if name in pairs:  # an asynchronous one: the replay's latency (and the profile's)
                 latency[name] = profile[name] = between_hosts_us(kind, size, shape[0], shape[1], network)
-        kernel_us = {}
-        if time_unit and peak_tflops:
-            for name, _, _ in ordered:
-                ins = module.instrs.get(name)
-                if ins is not None and ins.opcode == "custom-call":
-                    f = attention_kernel_flops(ins.op_name, raw.get(name, "").split("custom-call(", 1)[-1])
-                    if f:
-                        kernel_us[name] = f / (ATTENTION_KERNEL_UTILIZATION * peak_tflops * 1e6)
-                    line = raw.get(name, "")
-                    f8 = fp8_kernel_flops(ins.op_name, line)
-                    if f8:
-                        kernel_us[name] = f8 / (gemm_u * gemm_kernel_peak(ins.op_name, line)
-                                                * peak_tflops * 1e6)
-                    qb = quantize_kernel_bytes(ins.op_name, line) if hbm_bytes_per_s else 0.0
-                    if qb:
-                        kernel_us[name] = qb / (MEMORY_KERNEL_UTILIZATION * hbm_bytes_per_s) * 1e6
+        kernel_us = {} if not (time_unit and peak_tflops) else kernel_times(
+            ordered, module.instrs, raw, peak_tflops=peak_tflops, hbm_bytes_per_s=hbm_bytes_per_s, gemm_utilization=gemm_u)
         profile.update(kernel_us)
         re_len, re_waits = _replay(ordered, pairs, latency, kernel_us)
         re_ex = sum(re_waits.values())
@@ -500,14 +485,9 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
             recost["by_kind"][pair_kind[st][0]] += v * w
             recost["by_tier"][pair_kind[st][1]] += v * w
         recost["kernels"] += len(kernel_us) * w
-        from moefast.parallel.fp8 import QUANTIZE_SCOPE  # the XLA quantizers' named scope
-
-        for name, st, en in ordered:  # the FP8 quantization: moefast's kernels, and XLA's own passes
-            op = getattr(module.instrs.get(name), "op_name", "") or ""
-            if QUANTIZE_SCOPE in op:  # the XLA quantizers (moefast.parallel.fp8), under their named scope
-                recost["quantize_xla"] += (en - st) * w
-            elif "moefast_fp8_gemm_quantize" in op and name in kernel_us:
-                recost["quantize_kernels"] += kernel_us[name] * w
+        in_kernels, in_xla = quantization_times(ordered, module.instrs, kernel_us)
+        recost["quantize_kernels"] += in_kernels * w
+        recost["quantize_xla"] += in_xla * w
         recost["step"] += re_len * w
         recost["exposed"] += re_ex * w
         recost["floor"] += floor * w
@@ -575,117 +555,6 @@ def read_estimate(dump_dir: str, hlo_text: str, hosts_of_partition: list[int], *
         if time_unit else {},
         profile=profile if time_unit else {}, exposed_by_axis=dict(by_axis),
         fingerprint=(re.search(r'fingerprint_before_lhs="([^"]*)"', hlo_text) or [None, ""])[1])
-
-
-# The fused attention kernels' share of the GPU's dense bf16 peak where the replay costs them:
-# FlashAttention-2 reaches 35 % on an H100 (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608,
-# abstract); XLA's estimator charges any custom call a flat 10 µs whatever its work.
-ATTENTION_KERNEL_UTILIZATION = 0.35
-# Matmuls per (query, key) pair a launch of moefast's flash kernels computes (kernels/attention/
-# flash.py), as (of the query/key width, of the value width): the forward S = QK^T and PV; the
-# key/value kernel recomputes S, then dP = dO V^T, dV += P^T dO and dK += dS^T Q; the query kernel
-# recomputes S and dP, then dQ += dS K (FlashAttention-2's backward, Dao 2023, arXiv 2307.08691,
-# Algorithm 2, split into two kernels: 7 matmuls where the fused one does 5)
-_ATTENTION_MATMULS = {"forward": (1, 1), "dkdv": (2, 2), "dq": (2, 1)}
-
-
-# moefast's GEMM kernels -- the FP8 ones (kernels/fp8_matmul, through jax-triton) and the bf16
-# grouped GEMM (kernels/grouped_matmul, Pallas) -- which XLA charges a flat 10 µs a launch, are
-# costed in the replay by one rule: their FLOPs at this share of the dense peak of their inputs'
-# dtype (bf16: the GPU's peak; e4m3: FP8_OVER_BF16 x it, H100 SXM 1,979 vs 989 TFLOP/s), the same
-# share for both, while XLA's own GEMMs keep XLA's table in both precisions. An assumption, not a
-# measurement: below the 1,550 TFLOP/s (78 % of H800's FP8 peak) DeepGEMM (deepseek-ai/DeepGEMM,
-# README) reports for the same 1 x 128 / 128 x 128 scaling, as these kernels have none of its TMA
-# loads, warp specialisation or persistent scheduling; scripts/gpu_check.py --only fp8_gemm times
-# them on a GPU, bf16 and FP8 side by side.
-GEMM_KERNEL_UTILIZATION = 0.5
-FP8_OVER_BF16 = 2.0
-# moefast's memory-bound kernels (the FP8 one-pass quantizer, moefast_fp8_gemm_quantize) at this share
-# of the GPU's memory bandwidth (the target file's memory_bandwidth, which XLA's own roofline for its
-# fusions reads): their bytes read and written / (share x bandwidth). Assumed, as above.
-MEMORY_KERNEL_UTILIZATION = 0.7
-_FP8_KERNEL = re.compile(r"moefast_fp8_gemm_(forward|dgrad|wgrad)")
-_GROUPED_KERNEL = re.compile(r"grouped_matmul_(?:dw_)?m\d+")
-
-
-def _shapes(text: str) -> list[list[int]]:
-    return [[int(v) for v in m.split(",") if v] for m in re.findall(r"\w+\[([\d,]*)\]", text)]
-
-
-def check_gemm_utilization(u: float) -> float:
-    """``u`` when it is a share of the peak in (0, 1].
-
-    Raises:
-      ValueError: anything else (0, negative, above 1, NaN).
-    """
-    if not 0 < u <= 1:  # NaN fails too
-        raise ValueError(f"--gemm-utilization {u}: the GEMM kernels' share of their dtype's peak, in (0, 1]")
-    return u
-
-
-def fp8_kernel_flops(op_name: str, line: str) -> float:
-    """FLOPs of one launch of moefast's GEMM kernels: the FP8 ones (named scope
-    ``moefast_fp8_gemm_{forward,dgrad,wgrad}`` in ``op_name``) and the bf16 grouped GEMM (its
-    Pallas name ``grouped_matmul_m..`` / ``grouped_matmul_dw_m..`` in ``op_name`` or ``line``),
-    ``2 M K N`` from the HLO ``line``: the result [M, N] (weight gradients: [G, K, N]) and the
-    operands (``operand_layout_constraints``: A [M, K]; the FP8 wgrad: x transposed [K, M]; the
-    grouped dw: x [M, K]). 0 for any other instruction."""
-    fp8 = _FP8_KERNEL.search(op_name or "")
-    grouped = None if fp8 else _GROUPED_KERNEL.search(op_name or "") or _GROUPED_KERNEL.search(line)
-    result = re.search(r"=\s*\w+\[([\d,]+)\]", line)
-    ops = re.search(r"operand_layout_constraints=\{(.*?\})\}", line)
-    shapes = _shapes(ops.group(1)) if ops else []
-    if not ((fp8 or grouped) and result and len(shapes) >= 2):
-        return 0.0
-    out = [int(v) for v in result.group(1).split(",")]
-    if grouped:
-        if "_dw_" in grouped.group(0):  # x [M, K] (after the table), dw [G, K, N]
-            return 2.0 * shapes[1][0] * out[-2] * out[-1]
-        return 2.0 * out[0] * shapes[1][1] * out[-1]  # x [M, K], y [M, N]
-    a = shapes[1]
-    return 2.0 * a[0] * a[1] * out[-1]
-
-
-def gemm_kernel_peak(op_name: str, line: str) -> float:
-    """The dense peak multiple of a GEMM kernel's inputs' dtype: :data:`FP8_OVER_BF16` for moefast's
-    FP8 kernels, 1 for bf16 ones."""
-    return FP8_OVER_BF16 if _FP8_KERNEL.search(op_name or "") else 1.0
-
-
-def quantize_kernel_bytes(op_name: str, line: str) -> float:
-    """Bytes one launch of the FP8 one-pass quantizer (``moefast_fp8_gemm_quantize``) reads and
-    writes: its operand and every result of its tuple (unused outputs are 1-element). 0 for any
-    other instruction."""
-    if "moefast_fp8_gemm_quantize" not in (op_name or ""):
-        return 0.0
-    from moefast.parallel.hlo import shape_bytes
-
-    head, _, rest = line.partition("custom-call(")
-    ops = re.search(r"operand_layout_constraints=\{(.*?\})\}", rest)
-    result = head.split("=", 1)[-1]
-    return float(shape_bytes(result.strip())) + (float(shape_bytes(ops.group(1))) if ops else 0.0)
-
-
-def attention_kernel_flops(op_name: str, operands: str) -> float:
-    """FLOPs of one launch of moefast's fused attention kernels (``kernels/attention``), named in
-    ``op_name`` (:func:`moefast.kernels.attention.kernel_name`: kind, blocks, query offset,
-    window), from its first three operands: queries [B, T, H, Hd], keys [B, S, G, Hd], values [B,
-    S, G, Hv]. The (query, key) pairs its programs' loops visit
-    (:func:`moefast.kernels.attention.visited_pairs`: whole blocks, causal, the window's blocks
-    only) x ``2 B H`` x each matmul's width, rounded up to a power of two as the blocks run it
-    (``_ATTENTION_MATMULS``). 0 for any other instruction.
-    """
-    from moefast.kernels.attention import KERNEL_NAME, visited_pairs
-
-    m = KERNEL_NAME.search(op_name)
-    dims = re.findall(r"\w+\[(\d+),(\d+),(\d+),(\d+)\]", operands)[:3] if m else []
-    if len(dims) < 3:
-        return 0.0
-    kind, bq, bk, offset, window = m.group(1), *(int(v) for v in m.groups()[1:])
-    (b, t, h, hd), (_, s, _, _), (_, _, _, hv) = ([int(v) for v in d] for d in dims)
-    pow2 = lambda n: 1 << max(0, n - 1).bit_length()  # noqa: E731
-    n_d, n_v = _ATTENTION_MATMULS[kind]
-    return 2.0 * b * h * visited_pairs(kind, t, s, bq, bk, offset, window) * (n_d * pow2(hd) + n_v * pow2(hv))
 
 
 def nic_bytes(kind: str, nbytes: float, group: int, per_host: int) -> float:

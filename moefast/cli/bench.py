@@ -119,7 +119,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="gpu-compile: XLA autotuning results from a real GPU (scripts/gpu_check.py saves them)")
     b.add_argument("--gemm-utilization", type=float, default=None, metavar="U",
                    help="gpu-compile: the share of their dtype's peak at which the replay costs moefast's GEMM kernels "
-                        "(bf16 and FP8 alike; default the assumed moefast.bench.gpu_schedule.GEMM_KERNEL_UTILIZATION, "
+                        "(bf16 and FP8 alike; default the assumed moefast.bench.kernel_costs.GEMM_KERNEL_UTILIZATION, "
                         "0.5): e.g. what scripts/gpu_check.py --only fp8_gemm measured")
     b.add_argument("--devices", default="8", metavar="N|HOSTSxN",
                    help="gpu-compile: GPUs to compile for, N on one host or HOSTSxN (default 8)")
@@ -236,7 +236,7 @@ def _gpu_compile(args) -> int:
 
     try:
         if args.gemm_utilization is not None:  # before any compile
-            from moefast.bench.gpu_schedule import check_gemm_utilization
+            from moefast.bench.kernel_costs import check_gemm_utilization
 
             check_gemm_utilization(args.gemm_utilization)
         if args.ablate + args.ablate_exchange + args.ablate_precision > 1:

@@ -119,8 +119,7 @@ def _kernel_forward(x2, w, sizes, dtype, *, live=False):
     m, n = x2.shape[0], w.shape[-1]
     xq, sx, xt, sxt = quantize(x2, rows=True, cols=True)
     wq, sw = quantize_weights(w)
-    y = scaled_grouped_matmul(xq, sx, wq, sw, sizes, out_dtype=dtype)
-    y = y[:m, :n] if y.shape != (m, n) else y
+    y = scaled_grouped_matmul(xq, sx, wq, sw, sizes, out_dtype=dtype)[:m, :n]
     return (_live_rows(y, sizes) if live else y), (xt, sxt, wq, sw)
 
 
@@ -133,21 +132,24 @@ def _kernel_grads(payload, g2, sizes, k, dx_dtype, dw_dtype=jnp.float32, *, live
     xt, sxt, wq, sw = payload
     m, n = g2.shape
     gq, sg, gt, sgt = quantize(g2, rows=True, cols=True)
-    dx = scaled_grouped_matmul(gq, sg, wq, sw, sizes, transpose_b=True, out_dtype=dx_dtype)
-    dx = dx[:m, :k] if dx.shape != (m, k) else dx
-    dw = scaled_weight_grads(xt, sxt, gt, sgt, sizes, out_dtype=dw_dtype)
-    dw = dw[:, :k, :n] if dw.shape[1:] != (k, n) else dw
+    dx = scaled_grouped_matmul(gq, sg, wq, sw, sizes, transpose_b=True, out_dtype=dx_dtype)[:m, :k]
+    dw = scaled_weight_grads(xt, sxt, gt, sgt, sizes, out_dtype=dw_dtype)[:, :k, :n]
     return (_live_rows(dx, sizes) if live else dx), dw
+
+
+def _equal_groups(rows: int, w_shape: tuple[int, ...]) -> jax.Array:
+    """Group sizes of ``rows`` grouped rows against weights of ``w_shape``: one group ([K, N]), or
+    one equal group per batch index ([B, K, N])."""
+    if len(w_shape) > 3:
+        raise ValueError(f"fp8 GEMMs take at most one batch dimension, got w {list(w_shape)}")
+    g = w_shape[0] if len(w_shape) == 3 else 1
+    return jnp.full((g,), rows // g, jnp.int32)
 
 
 def _groups(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [*B, *T, K] as grouped rows [M, K] and their group sizes (one group per batch index)."""
-    batch = w.ndim - 2
     x2 = x.reshape(-1, x.shape[-1])
-    g = 1 if batch == 0 else x.shape[0] if batch == 1 else None
-    if g is None:
-        raise ValueError(f"fp8 GEMMs take at most one batch dimension, got w {list(w.shape)}")
-    return x2, jnp.full((g,), x2.shape[0] // g, jnp.int32)
+    return x2, _equal_groups(x2.shape[0], w.shape)
 
 
 def _tokens_tiles(a: jax.Array) -> jax.Array:
@@ -213,9 +215,8 @@ def dense_backward(payload: tuple, g: jax.Array, w_shape: tuple[int, ...], x_dty
         dx, dw = fp8_dense_grads(x, w, g)
         return dx.astype(x_dtype), dw.astype(dw_dtype)
     k = w_shape[-2]
-    groups = w_shape[0] if len(w_shape) == 3 else 1
     g2 = g.reshape(-1, g.shape[-1])
-    sizes = jnp.full((groups,), g2.shape[0] // groups, jnp.int32)
+    sizes = _equal_groups(g2.shape[0], w_shape)
     dx, dw = _kernel_grads(payload, g2, sizes, k, jnp.dtype(x_dtype), jnp.dtype(dw_dtype))
     return dx.reshape(*g.shape[:-1], k), dw.reshape(w_shape)
 

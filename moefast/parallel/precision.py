@@ -108,8 +108,8 @@ def _dense_grads(res, g, transposed, w_dtype, x_dtype, fp8=False, local=False):
     (:func:`moefast.parallel.fp8_gemm.gspmd_grads`)."""
     if fp8:
         payload, w_like = res
-        dx, dw = (dense_backward if local else gspmd_grads)(payload, g, w_like.shape[1:], x_dtype)
-        return dx.astype(x_dtype), (dw.T if transposed else dw).astype(w_dtype)
+        dx, dw = (dense_backward if local else gspmd_grads)(payload, g, w_like.shape[1:], x_dtype)  # dx in x_dtype
+        return dx, (dw.T if transposed else dw).astype(w_dtype)
     x, wc = res
     lead = "".join(chr(ord("a") + i) for i in range(x.ndim - 1))  # the token dimensions
     w_spec = "oi" if transposed else "io"
